@@ -1,0 +1,47 @@
+"""fp4jax: 4-bit floating point (NVFP4, MXFP4) training numerics for JAX.
+
+Public API (see ``README.md``):
+  formats   ``NVFP4``, ``MXFP4``, ``MXFP4_OCP``, ``BlockFormat``
+  tensors   ``quantize``, ``dequantize``, ``QuantizedArray``, ``pack_e2m1``, ``unpack_e2m1``
+  GEMMs     ``dot``, ``dot_general`` (custom_vjp, FP4 forward and backward)
+  recipes   ``recipes.nvfp4()``, ``.fp4_all_the_way()``, ``.mxfp4()``, ``.bf16()``,
+            ``.nvfp4_fwd_only()``; ``Recipe``, ``GemmSpec``, ``QuantSpec``
+  RHT       ``random_hadamard_transform``
+"""
+
+from fp4jax import numerics, recipes
+from fp4jax.dot import dot, dot_general
+from fp4jax.formats import MXFP4, MXFP4_OCP, NVFP4, BlockFormat, get_format
+from fp4jax.hadamard import TE_SIGN_VECTOR, random_hadamard_transform
+from fp4jax.quantize import (
+    QuantizedArray,
+    dequantize,
+    pack_e2m1,
+    quantize,
+    unpack_e2m1,
+)
+from fp4jax.recipes import GemmSpec, QuantSpec, Recipe
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockFormat",
+    "GemmSpec",
+    "MXFP4",
+    "MXFP4_OCP",
+    "NVFP4",
+    "QuantSpec",
+    "QuantizedArray",
+    "Recipe",
+    "TE_SIGN_VECTOR",
+    "dequantize",
+    "dot",
+    "dot_general",
+    "get_format",
+    "numerics",
+    "pack_e2m1",
+    "quantize",
+    "random_hadamard_transform",
+    "recipes",
+    "unpack_e2m1",
+]

@@ -1,0 +1,272 @@
+"""``fp4jax.dot`` / ``fp4jax.dot_general``: quantized GEMMs with the recipe's backward pass.
+
+Every call is brought to a canonical batched form ``lhs (B, M, K) @ rhs (B, K, N)``
+and runs a ``jax.custom_vjp`` whose three GEMMs follow the ``Recipe``:
+
+* forward:  ``y  = Qf(x)  @ Qf(w)``                          (contract K)
+* backward: ``dx = Qd(dy) @ Qd(w).T``                        (contract N)
+            ``dw = Qw(H x).T @ Qw(H dy)``, H the RHT on M    (contract M)
+
+Residuals are quantized wherever the recipe quantizes: the forward pass saves
+the dgrad-ready weight (the fprop one itself when 2D-scaled) and the
+wgrad-ready (Hadamard-rotated, token-blocked) activation, not ``x`` and ``w``.
+
+GEMM emulation follows the tensor-core semantics of NVFP4 (paper Eq. 5):
+``sum_k (q_a s_a)(q_b s_b)`` accumulated in float32, then times the two global
+decode scales. ``q * s`` (E2M1 times a scale of <= 5 mantissa bits) is exact in
+bfloat16, so that GEMM runs in bf16 with f32 accumulation; other scale formats
+use float32 with ``Precision.HIGHEST``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp4jax import quantize as qz
+from fp4jax.hadamard import random_hadamard_transform, resolve_signs
+from fp4jax.recipes import GemmSpec, QuantSpec, Recipe, nvfp4
+
+__all__ = ["dot", "dot_general"]
+
+Operand = Any  # QuantizedArray | jax.Array
+
+# fold_in indices of the per-call key: one per quantization point, one per RHT.
+_KEY_IDX = {
+    ("fprop", "lhs"): 0, ("fprop", "rhs"): 1,
+    ("dgrad", "lhs"): 2, ("dgrad", "rhs"): 3,
+    ("wgrad", "lhs"): 4, ("wgrad", "rhs"): 5,
+    ("fprop", "rht"): 6, ("dgrad", "rht"): 7, ("wgrad", "rht"): 8,
+}
+
+
+def _subkey(key: jax.Array, gemm: str, which: str) -> jax.Array:
+    return jax.random.fold_in(key, _KEY_IDX[(gemm, which)])
+
+
+def _quant(x: jax.Array, spec: QuantSpec, axis: int, key: jax.Array) -> Operand:
+    """Quantize one operand per its spec (or pass it through when unquantized)."""
+    if not spec.quantized:
+        return x
+    return qz.quantize(
+        x, spec.fmt, axis=axis, block_2d=spec.block_2d, rounding=spec.rounding,
+        key=key if spec.stochastic else None,
+    )
+
+
+def _rht(x: jax.Array, g: GemmSpec, axis: int, key: jax.Array, gemm: str) -> jax.Array:
+    """Zero-pad ``axis`` to the Hadamard size and rotate (no-op when the GEMM has no RHT)."""
+    if not g.hadamard:
+        return x
+    pad = (-x.shape[axis]) % g.hadamard
+    if pad:
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, pad)
+        x = jnp.pad(x, widths)
+    signs = g.hadamard_signs
+    if signs == "random":
+        signs = _subkey(key, gemm, "rht")
+    elif isinstance(signs, tuple):
+        signs = np.asarray(signs, np.float32)
+    return random_hadamard_transform(x, axis=axis, size=g.hadamard,
+                                     signs=resolve_signs(signs, g.hadamard))
+
+
+def _bf16_exact(op: Operand) -> bool:
+    if isinstance(op, qz.QuantizedArray):
+        return op.fmt.scale_man_bits <= 5
+    return op.dtype == jnp.bfloat16
+
+
+def _gemm(subscripts: str, a: Operand, b: Operand, precision: Any) -> jax.Array:
+    """``einsum(subscripts)`` of two operands, f32 accumulation, global scales last."""
+    compute = jnp.bfloat16 if (_bf16_exact(a) and _bf16_exact(b)) else jnp.float32
+    quantized = isinstance(a, qz.QuantizedArray) or isinstance(b, qz.QuantizedArray)
+    if quantized:
+        precision = jax.lax.Precision.HIGHEST
+
+    def unpack(op):
+        if isinstance(op, qz.QuantizedArray):
+            return qz.scaled_data(op, compute), op.global_scale
+        return op.astype(compute), None
+
+    av, sa = unpack(a)
+    bv, sb = unpack(b)
+    y = jnp.einsum(subscripts, av, bv, preferred_element_type=jnp.float32, precision=precision)
+    scales = [s for s in (sa, sb) if s is not None]
+    if scales:
+        y = y * functools.reduce(jnp.multiply, scales)
+    return y
+
+
+@functools.cache
+def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, precision: Any):
+    """The custom_vjp for canonical ``(B, M, K) @ (B, K, N)``, specialized on static args."""
+    fp, dg, wg = recipe.fprop, recipe.dgrad, recipe.wgrad
+    reuse_w = dg.rhs == fp.rhs and (not fp.rhs.quantized or fp.rhs.block_2d) and not (
+        fp.hadamard or dg.hadamard
+    )
+
+    def forward(x, w, key):
+        xq = _quant(_rht(x, fp, 2, key, "fprop"), fp.lhs, 2, _subkey(key, "fprop", "lhs"))
+        wq = _quant(_rht(w, fp, 1, key, "fprop"), fp.rhs, 1, _subkey(key, "fprop", "rhs"))
+        return _gemm("bmk,bkn->bmn", xq, wq, precision).astype(out_dtype), wq
+
+    @jax.custom_vjp
+    def dot3(x, w, key):
+        return forward(x, w, key)[0]
+
+    def fwd(x, w, key):
+        y, wq = forward(x, w, key)
+        if reuse_w:
+            wq_d = wq
+        else:
+            wq_d = _quant(_rht(w, dg, 2, key, "dgrad"), dg.rhs, 2, _subkey(key, "dgrad", "rhs"))
+        xq_w = _quant(_rht(x, wg, 1, key, "wgrad"), wg.lhs, 1, _subkey(key, "wgrad", "lhs"))
+        return y, (wq_d, xq_w, key)
+
+    def bwd(res, g):
+        wq_d, xq_w, key = res
+        g = g.astype(jnp.float32) if g.dtype != jnp.bfloat16 else g
+        gq_d = _quant(_rht(g, dg, 2, key, "dgrad"), dg.lhs, 2, _subkey(key, "dgrad", "lhs"))
+        dx = _gemm("bmn,bkn->bmk", gq_d, wq_d, precision)
+        gq_w = _quant(_rht(g, wg, 1, key, "wgrad"), wg.rhs, 1, _subkey(key, "wgrad", "rhs"))
+        dw = _gemm("bmk,bmn->bkn", xq_w, gq_w, precision)
+        return dx.astype(lhs_dtype), dw.astype(rhs_dtype), None
+
+    dot3.defvjp(fwd, bwd)
+    return dot3
+
+
+def _check_array(x: Any, name: str) -> jax.Array:
+    x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"fp4jax.dot_general: {name} must have a floating dtype, got {x.dtype}; "
+            f"cast it first, e.g. {name}.astype(jnp.bfloat16)"
+        )
+    return x
+
+
+def dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: Any,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    *,
+    recipe: Recipe | str | None = None,
+    key: jax.Array | None = None,
+) -> jax.Array:
+    """A drop-in for ``jax.lax.dot_general`` whose GEMMs (forward and backward) are FP4.
+
+    Args:
+      lhs, rhs: float arrays (bf16/f32/f16).
+      dimension_numbers: ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))`` as in
+        ``lax.dot_general``. Several contracting dims are flattened (in the given
+        order) into one blocked axis.
+      precision: passed to unquantized GEMMs; quantized GEMMs are exact emulations.
+      preferred_element_type: output dtype (default: ``result_type(lhs, rhs)``).
+      recipe: a ``fp4jax.Recipe`` or its name; default ``recipes.nvfp4()``.
+      key: ``jax.random`` key; required when the recipe uses stochastic rounding
+        (use a fresh key per step and layer). Same key, same bits.
+
+    Returns:
+      ``lax.dot_general``'s output shape: batch dims, lhs free dims, rhs free dims.
+      Gradients flow to ``lhs`` and ``rhs`` through the recipe's dgrad and wgrad.
+    """
+    from fp4jax.recipes import get as get_recipe
+
+    recipe = nvfp4() if recipe is None else get_recipe(recipe)
+    lhs = _check_array(lhs, "lhs")
+    rhs = _check_array(rhs, "rhs")
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+        lc, rc, lb, rb = (tuple(int(d) % a.ndim for d in ds) if a.ndim else tuple(ds)
+                          for ds, a in ((lc, lhs), (rc, rhs), (lb, lhs), (rb, rhs)))
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            "dimension_numbers must be ((lhs_contracting, rhs_contracting), "
+            f"(lhs_batch, rhs_batch)), got {dimension_numbers!r}"
+        ) from e
+    if len(lc) != len(rc) or len(lb) != len(rb):
+        raise ValueError(f"dimension_numbers {dimension_numbers!r}: mismatched dim counts")
+    for a, b, what in ((lc, rc, "contraction"), (lb, rb, "batch")):
+        if tuple(lhs.shape[d] for d in a) != tuple(rhs.shape[d] for d in b):
+            raise ValueError(
+                f"fp4jax.dot_general: {what} sizes differ: lhs shape {lhs.shape} dims {a} vs "
+                f"rhs shape {rhs.shape} dims {b}"
+            )
+    if not lc:
+        raise ValueError("fp4jax.dot_general needs at least one contracting dimension")
+    if recipe.needs_key:
+        if key is None:
+            raise ValueError(
+                f"recipe {recipe.name!r} uses stochastic rounding: pass key=jax.random.key(seed) "
+                "(a fresh key per step and layer, e.g. from jax.random.split or a Flax RNG stream)"
+            )
+        key = qz.normalize_key(key)
+    else:
+        key = jnp.zeros((2,), jnp.uint32) if key is None else qz.normalize_key(key)
+
+    lfree = [d for d in range(lhs.ndim) if d not in lc + lb]
+    rfree = [d for d in range(rhs.ndim) if d not in rc + rb]
+    bshape = [lhs.shape[d] for d in lb]
+    lfshape = [lhs.shape[d] for d in lfree]
+    rfshape = [rhs.shape[d] for d in rfree]
+    B, M = int(np.prod(bshape)), int(np.prod(lfshape))
+    K, N = int(np.prod([lhs.shape[d] for d in lc])), int(np.prod(rfshape))
+    x3 = jnp.transpose(lhs, list(lb) + lfree + list(lc)).reshape(B, M, K)
+    w3 = jnp.transpose(rhs, list(rb) + list(rc) + rfree).reshape(B, K, N)
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
+    fn = _make_dot3(recipe, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype),
+                    _hashable_precision(precision))
+    y3 = fn(x3, w3, key)
+    return y3.reshape(*bshape, *lfshape, *rfshape)
+
+
+def _hashable_precision(precision: Any) -> Any:
+    if isinstance(precision, list):
+        return tuple(precision)
+    return precision
+
+
+def dot(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    recipe: Recipe | str | None = None,
+    key: jax.Array | None = None,
+    preferred_element_type: Any = None,
+) -> jax.Array:
+    """FP4 matrix product ``x @ w`` with the recipe's forward and backward quantization.
+
+    Args:
+      x: activations, shape ``(..., K)``, float dtype. All leading dims are tokens
+        (the per-tensor scale and the Wgrad RHT span them all).
+      w: weight, shape ``(K, N)``, float dtype.
+      recipe: ``fp4jax.Recipe`` or name (default ``recipes.nvfp4()``).
+      key: ``jax.random`` key, required for recipes with stochastic rounding.
+      preferred_element_type: output dtype (default ``result_type(x, w)``).
+
+    Returns:
+      ``(..., N)`` array.
+
+    Example:
+      >>> y = fp4jax.dot(x, w, recipe=fp4jax.recipes.nvfp4(), key=jax.random.key(0))
+    """
+    x = _check_array(x, "x")
+    w = _check_array(w, "w")
+    if w.ndim != 2:
+        raise ValueError(f"fp4jax.dot: w must be 2-D (K, N), got shape {w.shape}")
+    if x.ndim < 1 or x.shape[-1] != w.shape[0]:
+        raise ValueError(
+            f"fp4jax.dot: contraction sizes differ: x shape {x.shape} (last dim) vs "
+            f"w shape {w.shape} (first dim)"
+        )
+    return dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
+                       preferred_element_type=preferred_element_type, recipe=recipe, key=key)

@@ -1,0 +1,116 @@
+"""Random Hadamard transform (RHT) over tiles along one axis.
+
+NVFP4 paper section 4.1 and Appendix C: the Wgrad inputs are rotated by a
+16x16 random Hadamard matrix ``diag(signs) @ H / sqrt(16)`` along the
+contraction (token) axis; the rotation is orthogonal, so applying it to both
+operands leaves the product unchanged while spreading block outliers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["TE_SIGN_VECTOR", "default_signs", "hadamard_matrix", "random_hadamard_transform",
+           "resolve_signs"]
+
+TE_SIGN_VECTOR = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+"""Transformer Engine's fixed Wgrad sign vector (``get_wgrad_sign_vector`` in
+``transformer_engine/jax/quantize/hadamard.py`` and the PyTorch ``nvfp4_tensor.py``):
+one vector for all layers and steps."""
+
+
+def hadamard_matrix(size: int) -> np.ndarray:
+    """Normalized Sylvester Hadamard matrix ``H_size / sqrt(size)`` (float64, symmetric)."""
+    _check_size(size)
+    h = np.array([[1.0]])
+    while h.shape[0] < size:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(size)
+
+
+def _check_size(size: int) -> None:
+    if not isinstance(size, int) or size < 2 or size > 256 or size & (size - 1):
+        raise ValueError(f"Hadamard size must be a power of two in 2..256, got {size!r}")
+
+
+def default_signs(size: int) -> np.ndarray:
+    """The default sign vector for a tile of ``size``.
+
+    Size 16 is Transformer Engine's ``TE_SIGN_VECTOR``. Smaller sizes take its
+    first ``size`` entries; larger sizes extend it with Rademacher signs from
+    ``numpy.random.default_rng(size)`` (fixed, documented, reproducible).
+    """
+    _check_size(size)
+    te = np.asarray(TE_SIGN_VECTOR, np.float32)
+    if size <= 16:
+        return te[:size].copy()
+    extra = np.random.default_rng(size).choice([-1.0, 1.0], size - 16).astype(np.float32)
+    return np.concatenate([te, extra])
+
+
+def resolve_signs(signs: Any, size: int) -> jax.Array:
+    """Turn a ``signs`` argument into a float32 vector of +-1 of length ``size``.
+
+    Accepts ``None`` / ``"te"`` (``default_signs``), an ``int`` seed (Rademacher
+    signs from ``jax.random.key(seed)``), a ``jax.random`` key (per-call random
+    signs) or an explicit array of +-1 of length ``size``.
+    """
+    if signs is None or (isinstance(signs, str) and signs == "te"):
+        return jnp.asarray(default_signs(size))
+    if isinstance(signs, str):
+        raise ValueError(f"signs={signs!r}: use None/'te', an int seed, a key or an array")
+    if isinstance(signs, int):
+        return jax.random.rademacher(jax.random.key(signs), (size,), jnp.float32)
+    arr = signs if isinstance(signs, jax.Array) else jnp.asarray(signs)
+    if jnp.issubdtype(arr.dtype, jax.dtypes.prng_key):
+        return jax.random.rademacher(arr, (size,), jnp.float32)
+    if arr.dtype == jnp.uint32 and arr.shape == (2,):  # raw PRNGKey
+        return jax.random.rademacher(arr, (size,), jnp.float32)
+    if arr.shape != (size,):
+        raise ValueError(f"signs must have shape ({size},), got {arr.shape}")
+    return arr.astype(jnp.float32)
+
+
+def random_hadamard_transform(
+    x: jax.Array, axis: int = -1, size: int = 16, signs: Any = None
+) -> jax.Array:
+    """Rotate every tile of ``size`` along ``axis``: ``v -> v @ (diag(signs) @ H / sqrt(size))``.
+
+    This is Transformer Engine's RHT (``get_rht_matrix``: sign matrix times the
+    normalized Hadamard matrix, applied to row vectors), computed in float32.
+    The matrix is orthogonal, so ``rht(a, 0) .T @ rht(b, 0) == a.T @ b`` up to
+    float32 rounding, and its inverse is its transpose.
+
+    Args:
+      x: float array; ``x.shape[axis]`` must be a multiple of ``size`` (pad with
+        zeros first otherwise: zero padding does not change a product).
+      axis: the axis to transform along (the contraction axis of the product).
+      size: tile size, a power of two in 2..256 (16 in the NVFP4 recipe).
+      signs: ``None``/``"te"`` (Transformer Engine's fixed vector), an ``int``
+        seed, a ``jax.random`` key (fresh signs per call) or a +-1 array of length
+        ``size``.
+    Returns:
+      float32 array of ``x.shape``.
+    """
+    if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
+        raise TypeError(f"x must have a floating dtype, got {jnp.asarray(x).dtype}")
+    _check_size(size)
+    x = jnp.asarray(x, jnp.float32)
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis={axis} is out of range for x of shape {x.shape}")
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    if n % size:
+        raise ValueError(
+            f"random_hadamard_transform: x.shape[{axis}]={n} is not a multiple of size={size}; "
+            "zero-pad that axis to a multiple first"
+        )
+    mat = resolve_signs(signs, size)[:, None] * jnp.asarray(hadamard_matrix(size), jnp.float32)
+    xm = jnp.moveaxis(x, axis, -1)
+    tiles = xm.reshape(*xm.shape[:-1], n // size, size)
+    y = jnp.matmul(tiles, mat, precision=jax.lax.Precision.HIGHEST)
+    return jnp.moveaxis(y.reshape(xm.shape), -1, axis)

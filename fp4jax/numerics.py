@@ -1,0 +1,222 @@
+"""Scalar rounding rules: every bit-level decision of fp4jax lives here.
+
+All functions are elementwise, pure, jit/vmap/grad-safe, and exact in float32:
+they never round twice. They are written with integer exponent extraction and
+power-of-two arithmetic so that the same code serves E2M1 elements, E4M3 and
+UE8M0 block scales, and any unsigned ExMy scale format of the FP4-all-the-way
+sweeps.
+
+References:
+  * NVIDIA, "Pretraining Large Language Models with NVFP4" (arXiv 2509.25149),
+    Appendix B (B.1 global scale, B.2 block scale, B.3 conversion, B.4 MXFP4).
+  * Transformer Engine, ``transformer_engine/common/cast/nvfp4/core_nvfp4.cuh``
+    (``compute_global_encode_scaling_factor_FP4``, the E4M3 ``satfinite``
+    scale cast and the FP4 ``cvt.rn.satfinite.e2m1x2.f32`` conversion).
+  * OCP Microscaling Formats (MX) v1.0, section 6.3 (the OCP MX scale rule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FLT_MAX = float(np.finfo(np.float32).max)
+
+__all__ = [
+    "FloatGrid",
+    "E2M1",
+    "E4M3",
+    "E8M0",
+    "floor_log2",
+    "pow2",
+    "round_to_grid",
+    "stochastic_round_to_grid",
+    "uniform_from_key",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatGrid:
+    """A small unsigned floating-point grid ``ExMy`` (the sign is handled apart).
+
+    ``bias = 2**(exp_bits-1) - 1``. With ``man_bits > 0`` the format has
+    subnormals (exponent code 0) and zero; the largest finite value follows the
+    "fn" convention of ``float8_e4m3fn``/``float4_e2m1fn``: only the all-ones code
+    is NaN (E2M1 has no NaN at all, so its top code is finite: 6.0). With
+    ``man_bits == 0`` (E8M0-like) there is no zero and no subnormal; the
+    all-ones exponent code is NaN.
+
+    Attributes:
+      exp_bits: exponent bits (1..8).
+      man_bits: mantissa bits (0..6).
+      max_value: largest finite magnitude.
+      min_exp: exponent of the smallest normal binade (subnormal quantum is
+        ``2**(min_exp - man_bits)``).
+    """
+
+    exp_bits: int
+    man_bits: int
+    max_value: float
+    min_exp: int
+
+    @property
+    def name(self) -> str:
+        return f"E{self.exp_bits}M{self.man_bits}"
+
+    @property
+    def has_zero(self) -> bool:
+        return self.man_bits > 0
+
+    @property
+    def min_value(self) -> float:
+        """Smallest positive value (subnormal when ``man_bits > 0``)."""
+        return float(2.0 ** (self.min_exp - self.man_bits))
+
+    @property
+    def max_exp(self) -> int:
+        return int(np.floor(np.log2(self.max_value)))
+
+
+def unsigned_grid(exp_bits: int, man_bits: int, *, has_nan_code: bool = True) -> FloatGrid:
+    """The unsigned ``E{exp_bits}M{man_bits}`` grid with the conventions above.
+
+    Args:
+      exp_bits: 1..8.
+      man_bits: 0..7 (``exp_bits + man_bits <= 8``).
+      has_nan_code: whether the all-ones code is reserved for NaN. E4M3 (fn) and
+        E8M0 reserve it; E2M1 does not (its top code 0b111 is 6.0).
+    """
+    if not (1 <= exp_bits <= 8 and 0 <= man_bits <= 7 and exp_bits + man_bits <= 8):
+        raise ValueError(
+            f"unsupported scale format E{exp_bits}M{man_bits}: need 1 <= exp_bits <= 8, "
+            "0 <= man_bits and exp_bits + man_bits <= 8"
+        )
+    bias = 2 ** (exp_bits - 1) - 1
+    top_exp = (2**exp_bits - 1) - bias
+    if man_bits == 0:
+        # No subnormals, no zero; all-ones exponent is NaN (E8M0 convention).
+        max_value = 2.0 ** (top_exp - 1 if has_nan_code else top_exp)
+        min_exp = -bias
+    else:
+        top_man = 2**man_bits - 1 - (1 if has_nan_code else 0)
+        max_value = 2.0**top_exp * (1.0 + top_man / 2**man_bits)
+        min_exp = 1 - bias
+    return FloatGrid(exp_bits, man_bits, float(max_value), int(min_exp))
+
+
+E2M1 = unsigned_grid(2, 1, has_nan_code=False)  # {0, .5, 1, 1.5, 2, 3, 4, 6}
+E4M3 = unsigned_grid(4, 3)  # float8_e4m3fn magnitudes, max 448, min 2**-9
+E8M0 = unsigned_grid(8, 0)  # UE8M0: 2**-127 .. 2**127
+
+
+def floor_log2(v: jax.Array) -> jax.Array:
+    """``floor(log2(v))`` for float32 ``v > 0``, exact, as int32.
+
+    Read from the IEEE exponent field. For float32 subnormals (``v < 2**-126``)
+    it returns -127, which every caller clamps to a larger ``min_exp``.
+    """
+    bits = jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32)
+    return ((bits >> 23) & 0xFF) - 127
+
+
+def _pow2_normal(n: jax.Array) -> jax.Array:
+    """``2**n`` as float32 for integer ``n`` in [-126, 127], built from bits."""
+    return jax.lax.bitcast_convert_type(((n + 127) << 23).astype(jnp.int32), jnp.float32)
+
+
+def pow2(n: jax.Array) -> jax.Array:
+    """Exact ``2**n`` as float32 for integer ``n`` in [-149, 127] (subnormals included).
+
+    Written as a product of two normal powers of two so that the float32
+    multiply is exact (the result is representable).
+    """
+    n = jnp.asarray(n, jnp.int32)
+    half = n // 2
+    return _pow2_normal(half) * _pow2_normal(n - half)
+
+
+def _quantum(a: jax.Array, grid: FloatGrid) -> jax.Array:
+    """Spacing of ``grid`` in the binade of ``a >= 0`` (subnormal spacing below)."""
+    e = jnp.clip(floor_log2(a), grid.min_exp, grid.max_exp)
+    return pow2(e - grid.man_bits)
+
+
+def round_to_grid(v: jax.Array, grid: FloatGrid, mode: str = "nearest") -> jax.Array:
+    """Round ``v >= 0`` (float32) onto an unsigned ``grid``, saturating to its max.
+
+    Modes:
+      * ``"nearest"``: round-to-nearest, ties to even (IEEE RNE), then
+        ``min(., grid.max_value)``: the ``satfinite`` conversions of Transformer
+        Engine (``cvt.rn.satfinite.e2m1x2.f32`` for elements, the E4M3 scale
+        cast in ``core_nvfp4.cuh``).
+      * ``"up"``: round toward +inf (the NVFP4 paper's MXFP4 scale rule,
+        Appendix B.4: "we typically round decode scale factors up").
+      * ``"down"``: round toward zero.
+
+    The value is divided by its binade's quantum (a power of two: exact), the
+    integer part is rounded, and multiplied back (exact). Formats without zero
+    (``man_bits == 0``) map values below their minimum to the minimum.
+    NaN stays NaN; ``+inf`` saturates to ``max_value``.
+
+    Args:
+      v: float32 array of non-negative values (callers take ``abs`` first).
+      grid: target grid.
+      mode: ``"nearest"``, ``"up"`` or ``"down"``.
+    Returns:
+      float32 array, same shape, every finite entry on ``grid``.
+    """
+    v = v.astype(jnp.float32)
+    q = _quantum(v, grid)
+    t = v / q
+    if mode == "nearest":
+        r = jnp.round(t)  # half to even
+    elif mode == "up":
+        r = jnp.ceil(t)
+    elif mode == "down":
+        r = jnp.floor(t)
+    else:
+        raise ValueError(f"unknown rounding mode {mode!r}; use 'nearest', 'up' or 'down'")
+    out = jnp.minimum(r * q, grid.max_value)
+    if not grid.has_zero:
+        out = jnp.maximum(out, grid.min_value)
+    return out
+
+
+def uniform_from_key(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniform float32 in [0, 1) on a 2**-24 lattice, from 32 random bits per element."""
+    bits = jax.random.bits(key, shape, jnp.uint32)
+    return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def stochastic_round_to_grid(v: jax.Array, grid: FloatGrid, u: jax.Array) -> jax.Array:
+    """Unbiased stochastic rounding of ``v >= 0`` onto ``grid``.
+
+    With ``lo <= v <= hi`` the two neighbouring grid values, returns ``hi`` with
+    probability ``(v - lo) / (hi - lo)`` and ``lo`` otherwise, so
+    ``E[result] = v`` for every ``v`` inside the grid's range (values above
+    ``max_value`` saturate, as in Transformer Engine's ``cvt.rs.satfinite``).
+    The fractional position ``t - floor(t)`` is computed exactly and compared
+    with ``u`` (uniform on a 2**-24 lattice), so the only bias is below
+    ``2**-24`` of one grid step. Exact grid values are returned unchanged.
+
+    Reference: FP4 All the Way (Chmiel et al., 2025), section 3 (SR definition);
+    NVFP4 paper section 4.3.
+
+    Args:
+      v: float32 array of non-negative values.
+      grid: target grid.
+      u: float32 uniforms in [0, 1), same shape as ``v`` (see ``uniform_from_key``).
+    """
+    v = v.astype(jnp.float32)
+    q = _quantum(v, grid)
+    t = v / q
+    lo = jnp.floor(t)
+    frac = t - lo
+    r = lo + (u < frac).astype(jnp.float32)
+    out = jnp.minimum(r * q, grid.max_value)
+    if not grid.has_zero:
+        out = jnp.maximum(out, grid.min_value)
+    return out

@@ -1,0 +1,366 @@
+"""Quantize / dequantize tensors to block-scaled FP4 (the XLA reference backend).
+
+The scale formulas live in ``global_encode_scale``, ``block_decode_scale`` and
+``element_encode_scale``, each citing its source; the element rounding lives in
+``fp4jax.numerics``. This module only arranges blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp4jax import numerics
+from fp4jax.formats import NVFP4, BlockFormat, get_format
+
+__all__ = [
+    "QuantizedArray",
+    "quantize",
+    "dequantize",
+    "global_encode_scale",
+    "block_decode_scale",
+    "element_encode_scale",
+    "pack_e2m1",
+    "unpack_e2m1",
+    "E2M1_VALUES",
+]
+
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+"""Magnitudes of the eight non-negative E2M1 codes 0b0000 .. 0b0111."""
+
+_F4 = jnp.float4_e2m1fn
+_ROUNDINGS = ("nearest", "stochastic")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+    """A block-scaled FP4 tensor (a pytree; ``fmt``, ``axis``, ``block_2d`` are static).
+
+    Attributes:
+      data: ``float4_e2m1fn``, the logical (unpacked) shape of the source tensor.
+      scale: block decode scales in ``fmt.scale_dtype``. 1D: ``data.shape`` with
+        ``axis`` of length ``ceil(n / block)``. 2D: ``(..., ceil(R/b), ceil(C/b))``
+        over the last two axes. A block holding NaN/Inf has a NaN scale.
+      global_scale: float32 scalar decode scale (``1/enc``; 1.0 without a tensor scale).
+      fmt: the ``BlockFormat``.
+      axis: the (non-negative) blocked axis for 1D scaling; ``None`` for 2D.
+      block_2d: whether scales are per ``b x b`` tile over the last two axes.
+
+    The represented value of element ``i`` is ``(data[i] * scale[block(i)]) * global_scale``.
+    """
+
+    data: jax.Array
+    scale: jax.Array
+    global_scale: jax.Array
+    fmt: BlockFormat = dataclasses.field(metadata=dict(static=True))
+    axis: int | None = dataclasses.field(metadata=dict(static=True))
+    block_2d: bool = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.data.shape)
+
+    def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
+        return dequantize(self, dtype)
+
+    def nbytes_packed(self) -> int:
+        """Bytes in packed storage: 4 bits an element, the scales, the tensor scale."""
+        n = int(np.prod(self.shape))
+        return (n + 1) // 2 + int(np.prod(self.scale.shape)) * jnp.dtype(
+            self.scale.dtype
+        ).itemsize + 4
+
+
+# ---------------------------------------------------------------------------
+# The scale rules (one function each).
+# ---------------------------------------------------------------------------
+
+
+def global_encode_scale(amax: jax.Array, fmt: BlockFormat) -> jax.Array:
+    """Per-tensor FP32 encode scale ``enc`` (NVFP4 paper Appendix B.1, Eq. 1).
+
+    ``enc = (scale_max * 6) / amax`` in float32, clamped to FLT_MAX, and 1.0 when
+    ``amax == 0`` or the result is 0; exactly Transformer Engine's
+    ``compute_global_encode_scaling_factor_FP4`` (``core_nvfp4.cuh``) with
+    ``scale_max = 448`` for NVFP4. Formats without a tensor scale return 1.0.
+    The decode scale stored in ``QuantizedArray.global_scale`` is ``1/enc``.
+
+    Args:
+      amax: float32 scalar, max |x| over the finite entries of the tensor.
+    """
+    if not fmt.tensor_scale:
+        return jnp.float32(1.0)
+    amax = amax.astype(jnp.float32)
+    enc = jnp.float32(fmt.scale_max * 6.0) / amax
+    enc = jnp.minimum(enc, jnp.float32(numerics.FLT_MAX))
+    return jnp.where((amax == 0) | (enc == 0), jnp.float32(1.0), enc)
+
+
+def block_decode_scale(amax_block: jax.Array, enc: jax.Array, fmt: BlockFormat) -> jax.Array:
+    """Block decode scale on the format's scale grid (NVFP4 paper Appendix B.2, Eq. 2-3).
+
+    * ``"nearest"`` (NVFP4): ``s = rne_satfinite(amax_block * (enc * (1/6)))``, the
+      float32 product in that order, as Transformer Engine's ``core_nvfp4.cuh``.
+    * ``"up"`` (the paper's MXFP4, Appendix B.4): the same value rounded up onto
+      the scale grid, so the block amax never saturates.
+    * ``"ocp"`` (OCP MX v1.0 sec. 6.3): ``2**(floor(log2(amax_block * enc)) - 2)``
+      (2 = emax of E2M1), clamped to the scale range.
+
+    A block with a non-finite amax gets a NaN scale, so it dequantizes to NaN.
+
+    Args:
+      amax_block: float32 block amaxes (any shape).
+      enc: float32 scalar from ``global_encode_scale``.
+    Returns:
+      float32 array of scale values, exactly on ``fmt.scale_grid`` (or NaN).
+    """
+    grid = fmt.scale_grid
+    amax_block = amax_block.astype(jnp.float32)
+    if fmt.scale_rule == "ocp":
+        w = amax_block * enc
+        e = jnp.clip(numerics.floor_log2(w) - 2, grid.min_exp, grid.max_exp)
+        s = numerics.pow2(e)
+    else:
+        v = amax_block * (enc * jnp.float32(1.0 / 6.0))
+        s = numerics.round_to_grid(v, grid, fmt.scale_rule)
+    return jnp.where(jnp.isfinite(amax_block), s, jnp.float32(jnp.nan))
+
+
+def element_encode_scale(s: jax.Array, dec: jax.Array) -> jax.Array:
+    """Per-block element encode scale (NVFP4 paper Appendix B.2-B.3, Eq. 4).
+
+    ``1 / (f32(s) * dec)``, clamped to FLT_MAX, and 0 where ``s == 0`` (an all-zero
+    block); as Transformer Engine's ``core_nvfp4.cuh`` computes
+    ``block_scale_inverse``.
+    """
+    e = jnp.float32(1.0) / (s * dec)
+    e = jnp.minimum(e, jnp.float32(numerics.FLT_MAX))
+    return jnp.where(s == 0, jnp.float32(0.0), e)
+
+
+def _round_elements(y: jax.Array, rounding: str, u: jax.Array | None) -> jax.Array:
+    """E2M1 conversion of scaled elements ``y`` (sign kept), RNE-satfinite or SR."""
+    mag = jnp.abs(y)
+    if rounding == "nearest":
+        r = numerics.round_to_grid(mag, numerics.E2M1, "nearest")
+    else:
+        r = numerics.stochastic_round_to_grid(mag, numerics.E2M1, u)
+    r = jnp.where(jnp.isfinite(y), r, 0.0)  # the block scale carries the NaN
+    return jnp.where(jnp.signbit(y), -r, r)
+
+
+# ---------------------------------------------------------------------------
+# Validation helpers.
+# ---------------------------------------------------------------------------
+
+
+def _check_float(x: Any, argname: str) -> jax.Array:
+    x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"{argname} must have a floating dtype (float32, bfloat16, float16), got "
+            f"{x.dtype}; cast it first, e.g. {argname}.astype(jnp.float32)"
+        )
+    return x
+
+
+def _check_rounding(rounding: str, key: Any, argname: str = "key") -> None:
+    if rounding not in _ROUNDINGS:
+        raise ValueError(f"rounding must be one of {_ROUNDINGS}, got {rounding!r}")
+    if rounding == "stochastic" and key is None:
+        raise ValueError(
+            f"stochastic rounding needs a PRNG key: pass {argname}=jax.random.key(seed) "
+            "(a new key per call, e.g. from jax.random.split)"
+        )
+
+
+def normalize_key(key: Any) -> jax.Array:
+    """Raw uint32 key data from a typed (``jax.random.key``) or raw (``PRNGKey``) key."""
+    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(key)
+    key = jnp.asarray(key)
+    if key.dtype != jnp.uint32:
+        raise TypeError(f"key must be a jax PRNG key, got an array of dtype {key.dtype}")
+    return key
+
+
+# ---------------------------------------------------------------------------
+# quantize / dequantize
+# ---------------------------------------------------------------------------
+
+
+def _finite_amax(x: jax.Array) -> jax.Array:
+    a = jnp.abs(x)
+    return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), initial=0.0)
+
+
+def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+    n = x.shape[axis]
+    pad = (-n) % multiple
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def quantize(
+    x: jax.Array,
+    fmt: BlockFormat | str = NVFP4,
+    *,
+    axis: int = -1,
+    block_2d: bool = False,
+    rounding: str = "nearest",
+    key: jax.Array | None = None,
+) -> QuantizedArray:
+    """Quantize ``x`` to a block-scaled FP4 format.
+
+    Args:
+      x: float array (float32, bfloat16, float16), any shape (>= 1 dim; >= 2 for 2D).
+      fmt: a ``BlockFormat`` or a name (``"nvfp4"``, ``"mxfp4"``, ``"mxfp4_ocp"``).
+      axis: the axis along which contiguous blocks of ``fmt.block_size`` are formed
+        (1D scaling). Lengths that are not a multiple of the block are zero-padded
+        in the last block.
+      block_2d: one scale per ``block x block`` tile over the last two axes
+        (NVFP4 paper sec. 4.2: weights, so that ``Q(W).T == Q(W.T)``); ``axis``
+        is then ignored.
+      rounding: ``"nearest"`` (RNE) or ``"stochastic"`` (unbiased SR, needs ``key``).
+      key: a ``jax.random`` key for stochastic rounding.
+
+    Returns:
+      A ``QuantizedArray``. Formulas: ``global_encode_scale``, ``block_decode_scale``,
+      ``element_encode_scale`` and ``numerics.round_to_grid`` (NVFP4 paper App. B;
+      bit-exact with Transformer Engine for NVFP4).
+
+    Example:
+      >>> q = fp4jax.quantize(jnp.ones((4, 32)), fp4jax.NVFP4)
+      >>> q.data.dtype, q.scale.shape
+      (dtype(float4_e2m1fn), (4, 2))
+    """
+    x = _check_float(x, "x")
+    fmt = get_format(fmt)
+    _check_rounding(rounding, key)
+    if x.ndim == 0:
+        raise ValueError("x must have at least one dimension to be block-quantized")
+    b = fmt.block_size
+    xf = x.astype(jnp.float32)
+    enc = global_encode_scale(_finite_amax(xf), fmt)
+    dec = jnp.float32(1.0) / enc
+
+    if block_2d:
+        if x.ndim < 2:
+            raise ValueError(f"block_2d=True needs x with >= 2 dims, got shape {x.shape}")
+        rows, cols = x.shape[-2:]
+        xp = _pad_to(_pad_to(xf, -2, b), -1, b)
+        lead = xp.shape[:-2]
+        nr, nc = xp.shape[-2] // b, xp.shape[-1] // b
+        tiles = xp.reshape(*lead, nr, b, nc, b)
+        amax_b = jnp.max(jnp.abs(tiles), axis=(-3, -1))  # (..., nr, nc)
+        s = block_decode_scale(amax_b, enc, fmt)
+        e = element_encode_scale(s, dec)[..., :, None, :, None]
+        u = None
+        if rounding == "stochastic":
+            u = numerics.uniform_from_key(normalize_key(key), tiles.shape)
+        q = _round_elements(tiles * e, rounding, u).reshape(xp.shape)[..., :rows, :cols]
+        return QuantizedArray(q.astype(_F4), s.astype(fmt.scale_dtype), dec, fmt, None, True)
+
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis={axis} is out of range for x of shape {x.shape}")
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    xm = _pad_to(jnp.moveaxis(xf, axis, -1), -1, b)
+    blocks = xm.reshape(*xm.shape[:-1], xm.shape[-1] // b, b)
+    amax_b = jnp.max(jnp.abs(blocks), axis=-1)  # (..., nb)
+    s = block_decode_scale(amax_b, enc, fmt)
+    e = element_encode_scale(s, dec)[..., None]
+    u = None
+    if rounding == "stochastic":
+        u = numerics.uniform_from_key(normalize_key(key), blocks.shape)
+    q = _round_elements(blocks * e, rounding, u).reshape(xm.shape)[..., :n]
+    q = jnp.moveaxis(q, -1, axis).astype(_F4)
+    scale = jnp.moveaxis(s, -1, axis).astype(fmt.scale_dtype)
+    return QuantizedArray(q, scale, dec, fmt, axis, False)
+
+
+def _expand_scale(q: QuantizedArray) -> jax.Array:
+    """Block scales broadcast to ``q.shape`` as float32."""
+    s = q.scale.astype(jnp.float32)
+    b = q.fmt.block_size
+    if q.block_2d:
+        rows, cols = q.shape[-2:]
+        s = jnp.repeat(jnp.repeat(s, b, axis=-2), b, axis=-1)
+        return s[..., :rows, :cols]
+    s = jnp.repeat(s, b, axis=q.axis)
+    return jax.lax.slice_in_dim(s, 0, q.shape[q.axis], axis=q.axis)
+
+
+def scaled_data(q: QuantizedArray, dtype: Any = jnp.float32) -> jax.Array:
+    """``data * scale`` without the tensor scale: what a block-scaled tensor core sees.
+
+    For E2M1 times a scale with at most 5 mantissa bits the product has at most
+    8 significant bits, so it is exact in bfloat16 (the GEMM emulation uses this).
+    """
+    return (q.data.astype(jnp.float32) * _expand_scale(q)).astype(dtype)
+
+
+def dequantize(q: QuantizedArray, dtype: Any = jnp.float32) -> jax.Array:
+    """Decode ``(data * scale) * global_scale`` (NVFP4 paper Appendix B.3) to ``dtype``.
+
+    Args:
+      q: a ``QuantizedArray``.
+      dtype: output dtype (float32 is exact for every format).
+    Returns:
+      array of ``q.shape``; blocks that held NaN/Inf are NaN.
+    """
+    if not isinstance(q, QuantizedArray):
+        raise TypeError(f"dequantize expects a fp4jax.QuantizedArray, got {type(q).__name__}")
+    return (scaled_data(q) * q.global_scale).astype(dtype)
+
+
+# ---------------------------------------------------------------------------
+# Packed storage: two E2M1 codes a byte.
+# ---------------------------------------------------------------------------
+
+
+def e2m1_codes(data: jax.Array) -> jax.Array:
+    """4-bit E2M1 codes (``s e1 e0 m``, OCP MX v1.0 sec. 5.3.3) as uint8, from float4 data."""
+    v = data.astype(jnp.float32)
+    mag = jnp.abs(v)
+    idx = sum((mag >= t).astype(jnp.uint8) for t in E2M1_VALUES[1:])
+    return idx.astype(jnp.uint8) | (jnp.signbit(v).astype(jnp.uint8) << 3)
+
+
+def pack_e2m1(data: jax.Array, axis: int = -1) -> jax.Array:
+    """Pack float4 E2M1 values two a byte along ``axis``.
+
+    Element ``2i`` goes to the low nibble, ``2i+1`` to the high nibble of byte ``i``
+    (the layout of Transformer Engine's and PTX's ``e2m1x2``). An odd length is
+    padded with a +0 code. Returns uint8 with ``axis`` of length ``ceil(n/2)``.
+    """
+    if data.dtype != _F4:
+        raise TypeError(f"pack_e2m1 expects float4_e2m1fn data, got {data.dtype}")
+    axis = axis % data.ndim
+    c = _pad_to(jnp.moveaxis(e2m1_codes(data), axis, -1), -1, 2)
+    c = c.reshape(*c.shape[:-1], c.shape[-1] // 2, 2)
+    packed = c[..., 0] | (c[..., 1] << 4)
+    return jnp.moveaxis(packed, -1, axis)
+
+
+def unpack_e2m1(packed: jax.Array, length: int, axis: int = -1) -> jax.Array:
+    """Inverse of ``pack_e2m1``: uint8 codes to float4 E2M1 values, ``length`` along ``axis``."""
+    if packed.dtype != jnp.uint8:
+        raise TypeError(f"unpack_e2m1 expects uint8 codes, got {packed.dtype}")
+    axis = axis % packed.ndim
+    p = jnp.moveaxis(packed, axis, -1)
+    codes = jnp.stack([p & 0xF, p >> 4], axis=-1).reshape(*p.shape[:-1], -1)[..., :length]
+    lut = jnp.asarray(np.concatenate([E2M1_VALUES, -E2M1_VALUES]))
+    return jnp.moveaxis(lut[codes.astype(jnp.int32)], -1, axis).astype(_F4)
