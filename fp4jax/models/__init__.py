@@ -1,0 +1,5 @@
+"""Reference models for fp4jax experiments."""
+
+from fp4jax.models.llama import PRESETS, Llama, LlamaConfig, get_preset
+
+__all__ = ["PRESETS", "Llama", "LlamaConfig", "get_preset"]

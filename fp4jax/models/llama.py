@@ -1,0 +1,225 @@
+"""A Llama-style decoder-only transformer whose block linear layers run in fp4jax recipes.
+
+Architecture: token embedding (untied from the LM head), ``n_layers`` pre-norm blocks of
+RMSNorm -> grouped-query attention with rotary position embeddings -> residual, RMSNorm -> FFN
+-> residual, a final RMSNorm and the LM head. No biases. The FFN is squared-ReLU
+(``down(relu(up(x))**2)``, as in the NVFP4 paper's 1.2B model) or SwiGLU
+(``down(silu(gate(x)) * up(x))``).
+
+Precision (NVFP4 paper, section 4): only the block linear layers (``attn.q/k/v/o``,
+``mlp.up/gate/down``) go through fp4jax, as chosen by a :class:`~fp4jax.nn.PrecisionPolicy`;
+embeddings, norms, softmax, the attention score/value matmuls and the LM head stay in high
+precision. Master weights are float32 (``param_dtype``); compute runs in ``config.dtype``
+(bfloat16 by default; float32 is faster on CPUs); norms, softmax and logits are float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from fp4jax.nn.linen import Dense as Fp4Dense
+from fp4jax.nn.policy import PrecisionPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Model hyper-parameters.
+
+    Attributes:
+      vocab_size: number of token ids (256 for bytes).
+      d_model: residual width D.
+      n_layers: number of blocks.
+      n_heads: query heads H; head size is ``d_model // n_heads``.
+      n_kv_heads: key/value heads (grouped-query attention; must divide ``n_heads``).
+      d_ff: FFN hidden width.
+      max_seq_len: longest sequence the RoPE tables are built for.
+      ffn: ``"relu2"`` (squared ReLU) or ``"swiglu"``.
+      rope_theta: RoPE base.
+      norm_eps: RMSNorm epsilon.
+      dtype: compute dtype name (``"bfloat16"`` or ``"float32"``).
+      init_std: std of the normal init; output projections use ``init_std/sqrt(2*n_layers)``.
+    """
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    d_ff: int = 512
+    max_seq_len: int = 1024
+    ffn: str = "relu2"
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    dtype: str = "bfloat16"
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.ffn not in ("relu2", "swiglu"):
+            raise ValueError(f"ffn must be 'relu2' or 'swiglu', got {self.ffn!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} not divisible by n_kv_heads={self.n_kv_heads}"
+            )
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("head size d_model // n_heads must be even for RoPE")
+        jnp.dtype(self.dtype)  # raises on an unknown dtype name
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def linear_layers(self) -> tuple[str, ...]:
+        """Names of the linear layers inside one block."""
+        mlp = ("mlp.gate", "mlp.up", "mlp.down") if self.ffn == "swiglu" else ("mlp.up", "mlp.down")
+        return ("attn.q", "attn.k", "attn.v", "attn.o", *mlp)
+
+    def replace(self, **changes: Any) -> LlamaConfig:
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self) -> int:
+        """Exact parameter count (embedding + blocks + final norm + LM head)."""
+        d, hd = self.d_model, self.head_dim
+        attn = d * d * 2 + 2 * d * self.n_kv_heads * hd
+        mlp = (3 if self.ffn == "swiglu" else 2) * d * self.d_ff
+        return 2 * self.vocab_size * d + self.n_layers * (attn + mlp + 2 * d) + d
+
+
+# Presets: "tiny" trains on a laptop CPU in seconds per hundred steps; "100m" is a GPU model.
+PRESETS: dict[str, LlamaConfig] = {
+    "tiny": LlamaConfig(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=512),
+    "mini": LlamaConfig(d_model=256, n_layers=6, n_heads=8, n_kv_heads=4, d_ff=1024),
+    "small": LlamaConfig(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, d_ff=2048),
+    "100m": LlamaConfig(d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, d_ff=4096),
+}
+
+
+def get_preset(name: str) -> LlamaConfig:
+    """Returns the preset config ``name``; raises ValueError listing the valid names."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; valid presets: {sorted(PRESETS)}") from None
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last axis, computed in float32, returned in ``dtype``."""
+
+    eps: float = 1e-5
+    dtype: Any = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones_init(), (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * scale).astype(self.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding (rotate-half form). ``x (B, T, H, hd)``, ``positions (T,)`` int."""
+    hd = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (T, hd/2)
+    cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., : hd // 2], x32[..., hd // 2 :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _linear(cfg: LlamaConfig, recipe: Any, features: int, name: str, std: float) -> nn.Module:
+    init = nn.initializers.normal(std)
+    if recipe is None:
+        return nn.Dense(features, use_bias=False, dtype=cfg.dtype, kernel_init=init, name=name)
+    return Fp4Dense(features, recipe=recipe, dtype=cfg.dtype, kernel_init=init, name=name)
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block. ``recipes`` maps layer name -> recipe (or None)."""
+
+    cfg: LlamaConfig
+    recipes: tuple[tuple[str, Any], ...]
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """``x (B, T, D)`` in the compute dtype -> same shape and dtype."""
+        cfg, r = self.cfg, dict(self.recipes)
+        B, T, _ = x.shape
+        hd, H, KV = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.n_layers) ** 0.5
+
+        h = RMSNorm(cfg.norm_eps, cfg.dtype, name="attn_norm")(x)
+        q = _linear(cfg, r["attn.q"], H * hd, "q", std)(h).reshape(B, T, H, hd)
+        k = _linear(cfg, r["attn.k"], KV * hd, "k", std)(h).reshape(B, T, KV, hd)
+        v = _linear(cfg, r["attn.v"], KV * hd, "v", std)(h).reshape(B, T, KV, hd)
+        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+        # Grouped-query attention in high precision: scores and softmax in float32.
+        q = q.reshape(B, T, KV, H // KV, hd)
+        s = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+        s = s * (hd**-0.5)
+        mask = jnp.tril(jnp.ones((T, T), dtype=bool))
+        s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
+        p = jax.nn.softmax(s, axis=-1).astype(cfg.dtype)
+        a = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=jnp.float32)
+        a = a.reshape(B, T, H * hd).astype(cfg.dtype)
+        x = x + _linear(cfg, r["attn.o"], cfg.d_model, "o", out_std)(a)
+
+        h = RMSNorm(cfg.norm_eps, cfg.dtype, name="mlp_norm")(x)
+        up = _linear(cfg, r["mlp.up"], cfg.d_ff, "up", std)(h)
+        if cfg.ffn == "swiglu":
+            gate = _linear(cfg, r["mlp.gate"], cfg.d_ff, "gate", std)(h)
+            f = nn.silu(gate) * up
+        else:
+            f = jnp.square(nn.relu(up))
+        x = x + _linear(cfg, r["mlp.down"], cfg.d_model, "down", out_std)(f)
+        return x
+
+
+class Llama(nn.Module):
+    """The decoder. ``__call__(tokens (B, T) int32) -> logits (B, T, vocab) float32``.
+
+    Attributes:
+      cfg: :class:`LlamaConfig`.
+      policy: :class:`~fp4jax.nn.PrecisionPolicy` for the block linear layers.
+
+    Stochastic rounding draws keys from the RNG stream ``"fp4"``:
+    ``model.apply(variables, tokens, rngs={"fp4": jax.random.fold_in(key, step)})``.
+    """
+
+    cfg: LlamaConfig
+    policy: PrecisionPolicy
+
+    def summary(self) -> str:
+        """One line: how many linear layers run in the quantized recipe."""
+        return self.policy.summary(self.cfg.n_layers, self.cfg.linear_layers)
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be (batch, seq) integers, got shape {tokens.shape}")
+        T = tokens.shape[1]
+        if T > cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} > max_seq_len {cfg.max_seq_len}")
+        init = nn.initializers.normal(cfg.init_std)
+        x = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, name="embed")(tokens)
+        x = x.astype(cfg.dtype)
+        positions = jnp.arange(T)
+        for i in range(cfg.n_layers):
+            recipes = tuple(
+                (name, self.policy.recipe_for(i, cfg.n_layers, name)) for name in cfg.linear_layers
+            )
+            x = Block(cfg, recipes, name=f"block_{i}")(x, positions)
+        x = RMSNorm(cfg.norm_eps, cfg.dtype, name="final_norm")(x)
+        logits = nn.Dense(
+            cfg.vocab_size, use_bias=False, dtype=cfg.dtype, kernel_init=init, name="lm_head"
+        )(x)
+        return logits.astype(jnp.float32)

@@ -1,0 +1,144 @@
+"""Flax linen integration: a quantized ``dot_general`` module and a ``Dense`` layer.
+
+``DotGeneral`` plugs into any linen layer that takes ``dot_general_cls`` (the pattern of
+``flax/linen/fp8_ops.py``)::
+
+    import functools, flax.linen as nn, fp4jax
+    from fp4jax.nn import linen as fnn
+
+    dg = functools.partial(fnn.DotGeneral, recipe=fp4jax.recipes.nvfp4())
+    layer = nn.Dense(512, use_bias=False, dot_general_cls=dg)
+    params = layer.init(jax.random.key(0), x)
+    y = layer.apply(params, x, rngs={"fp4": jax.random.fold_in(key, step)})
+
+Stochastic-rounding keys come from the linen RNG stream ``rng_collection`` (default
+``"fp4"``): ``make_rng`` folds in the module path and a per-call counter, so every layer gets a
+different key, and passing ``jax.random.fold_in(seed_key, step)`` makes keys differ per step
+while staying reproducible from the seed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fp4jax import Recipe
+
+DEFAULT_RNG_STREAM = "fp4"
+
+
+def _needs_key(recipe: Any) -> bool:
+    import fp4jax
+
+    if recipe is None:
+        recipe = fp4jax.recipes.nvfp4()
+    return bool(getattr(recipe, "needs_key", False))
+
+
+class DotGeneral(nn.Module):
+    """A linen module with ``jax.lax.dot_general``'s call signature, computed by fp4jax.
+
+    Use it as ``nn.Dense(..., dot_general_cls=functools.partial(DotGeneral, recipe=r))`` (or
+    ``nn.DenseGeneral``). It has no parameters.
+
+    Attributes:
+      recipe: the fp4jax recipe (``None``: fp4jax's default, NVFP4).
+      rng_collection: name of the linen RNG stream that stochastic rounding draws keys from.
+        While initializing, when that stream is absent, keys come from ``"params"`` instead.
+    """
+
+    recipe: Recipe | None = None
+    rng_collection: str = DEFAULT_RNG_STREAM
+
+    @nn.nowrap
+    def _key(self) -> jax.Array | None:
+        if not _needs_key(self.recipe):
+            return None
+        if self.has_rng(self.rng_collection):
+            return self.make_rng(self.rng_collection)
+        if self.is_initializing() and self.has_rng("params"):
+            return self.make_rng("params")
+        name = getattr(self.recipe, "name", "default")
+        raise ValueError(
+            f"fp4jax recipe {name!r} uses stochastic rounding and needs a PRNG key: pass "
+            f"rngs={{{self.rng_collection!r}: key}} to Module.apply (e.g. "
+            "jax.random.fold_in(seed_key, step))."
+        )
+
+    def __call__(
+        self,
+        lhs: jax.Array,
+        rhs: jax.Array,
+        dimension_numbers: Any,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+        out_sharding: Any = None,
+    ) -> jax.Array:
+        """``jax.lax.dot_general(lhs, rhs, dimension_numbers)`` with FP4 numerics.
+
+        Shapes and dtypes are those of ``jax.lax.dot_general``; ``out_sharding`` (passed by
+        newer flax layers) is applied as a sharding constraint when not ``None``.
+        """
+        import fp4jax
+
+        out = fp4jax.dot_general(
+            lhs,
+            rhs,
+            dimension_numbers,
+            precision,
+            preferred_element_type,
+            recipe=self.recipe,
+            key=self._key(),
+        )
+        if out_sharding is not None:
+            out = jax.lax.with_sharding_constraint(out, out_sharding)
+        return out
+
+
+class Dense(nn.Module):
+    """A linear layer ``y = x @ kernel (+ bias)`` whose matmul runs in an fp4jax recipe.
+
+    Same parameters as ``flax.linen.Dense`` (``{"kernel": (in, features)}``, plus ``"bias"``
+    when ``use_bias``), so checkpoints are interchangeable.
+
+    Attributes:
+      features: output size N.
+      recipe: fp4jax recipe; ``None`` is fp4jax's default (NVFP4).
+      use_bias: add a bias (default ``False``, as in Llama).
+      dtype: compute dtype of inputs and kernel (e.g. ``jnp.bfloat16``); ``None`` keeps the
+        promoted dtype of the input and the parameters.
+      param_dtype: dtype of the master weights (default float32).
+      kernel_init, bias_init: initializers.
+      rng_collection: RNG stream for stochastic rounding (see :class:`DotGeneral`).
+    """
+
+    features: int
+    recipe: Recipe | None = None
+    use_bias: bool = False
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Any = nn.initializers.lecun_normal()
+    bias_init: Any = nn.initializers.zeros_init()
+    rng_collection: str = DEFAULT_RNG_STREAM
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Applies the layer: ``x (..., K)`` -> ``(..., features)`` in the compute dtype."""
+        kernel = self.param(
+            "kernel", self.kernel_init, (jnp.shape(x)[-1], self.features), self.param_dtype
+        )
+        bias = (
+            self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+            if self.use_bias
+            else None
+        )
+        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+        dot = DotGeneral(recipe=self.recipe, rng_collection=self.rng_collection)
+        y = dot(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        if bias is not None:
+            y = y + bias
+        return y

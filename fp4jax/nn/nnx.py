@@ -1,0 +1,123 @@
+"""Flax NNX integration: a quantized ``dot_general`` for ``nnx.Linear`` and a thin ``Linear``.
+
+::
+
+    from flax import nnx
+    import fp4jax
+    from fp4jax.nn import nnx as fnnx
+
+    rngs = nnx.Rngs(params=0, fp4=1)
+    dg = fnnx.DotGeneral(fp4jax.recipes.nvfp4(), rngs=rngs)
+    layer = nnx.Linear(256, 512, use_bias=False, dot_general=dg, rngs=rngs)
+    # or: layer = fnnx.Linear(256, 512, recipe=fp4jax.recipes.nvfp4(), rngs=rngs)
+
+Stochastic-rounding keys are drawn from the NNX RNG stream ``rng_stream`` (default ``"fp4"``;
+NNX falls back to ``"default"`` when absent). Each draw advances the stream's counter, so
+layers and steps get distinct keys, all reproducible from the stream's seed. The counter is
+NNX state: under ``nnx.jit`` it is carried automatically; with ``nnx.split``/``merge`` keep the
+``RngState`` with the model.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from fp4jax.nn.linen import DEFAULT_RNG_STREAM, _needs_key
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fp4jax import Recipe
+
+
+class DotGeneral(nnx.Module):
+    """A callable with ``jax.lax.dot_general``'s signature, computed by fp4jax.
+
+    Args:
+      recipe: fp4jax recipe (``None``: fp4jax's default, NVFP4).
+      rngs: ``nnx.Rngs``; required when the recipe uses stochastic rounding.
+      rng_stream: name of the stream keys are drawn from.
+    """
+
+    def __init__(
+        self,
+        recipe: Recipe | None = None,
+        *,
+        rngs: nnx.Rngs | None = None,
+        rng_stream: str = DEFAULT_RNG_STREAM,
+    ) -> None:
+        self.recipe = recipe
+        self.rng_stream = rng_stream
+        if _needs_key(recipe):
+            if rngs is None:
+                name = getattr(recipe, "name", "default")
+                raise ValueError(
+                    f"fp4jax recipe {name!r} uses stochastic rounding: pass rngs=nnx.Rngs(..., "
+                    f"{rng_stream}=seed) to DotGeneral."
+                )
+            self.rng = rngs[rng_stream]
+        else:
+            self.rng = None
+
+    def __call__(
+        self,
+        lhs: jax.Array,
+        rhs: jax.Array,
+        dimension_numbers: Any,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+        out_sharding: Any = None,
+    ) -> jax.Array:
+        """``jax.lax.dot_general(lhs, rhs, dimension_numbers)`` with FP4 numerics."""
+        import fp4jax
+
+        key = self.rng() if self.rng is not None else None
+        out = fp4jax.dot_general(
+            lhs,
+            rhs,
+            dimension_numbers,
+            precision,
+            preferred_element_type,
+            recipe=self.recipe,
+            key=key,
+        )
+        if out_sharding is not None:
+            out = jax.lax.with_sharding_constraint(out, out_sharding)
+        return out
+
+
+class Linear(nnx.Linear):
+    """``nnx.Linear`` whose matmul runs in an fp4jax recipe (bias off by default).
+
+    Args:
+      in_features, out_features: K and N; the kernel is ``(K, N)`` float32 by default.
+      recipe: fp4jax recipe (``None``: fp4jax's default, NVFP4).
+      rngs: ``nnx.Rngs`` for parameter init and (stream ``rng_stream``) stochastic rounding.
+      use_bias, dtype, param_dtype, **kwargs: as ``nnx.Linear``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        recipe: Recipe | None = None,
+        rngs: nnx.Rngs,
+        use_bias: bool = False,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        rng_stream: str = DEFAULT_RNG_STREAM,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            in_features,
+            out_features,
+            use_bias=use_bias,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            dot_general=DotGeneral(recipe, rngs=rngs, rng_stream=rng_stream),
+            rngs=rngs,
+            **kwargs,
+        )

