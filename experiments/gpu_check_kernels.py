@@ -1,0 +1,113 @@
+"""GPU exactness checks (and quick timings) of the Pallas kernels against fp4jax's XLA path.
+
+Run on the device machine:  PYTHONPATH=$PWD python3 experiments/gpu_check_kernels.py
+Writes $OUT/gpu_check_kernels.json (or ./gpu_check_kernels.json) and prints a summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fp4jax  # noqa: E402
+from experiments.kernel_timing import time_fn  # noqa: E402
+from pallas_kernels import reference as npref  # noqa: E402
+
+RESULTS: dict = {
+    "device": str(jax.devices()[0].device_kind),
+    "jax": jax.__version__,
+    "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    "checks": [],
+}
+
+
+def record(name, **kw):
+    kw["name"] = name
+    RESULTS["checks"].append(kw)
+    print(json.dumps(kw), flush=True)
+
+
+def rand(shape, dtype, seed):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(k1, shape, jnp.float32)
+    # per-row magnitudes over many binades, so scales hit E4M3 normals and subnormals
+    x = x * jnp.exp2(jax.random.randint(k2, shape[:-1] + (1,), -12, 12).astype(jnp.float32))
+    return x.astype(dtype)
+
+
+def check_quantize(shapes, dtypes):
+    from pallas_kernels import quantize_nvfp4_sm90 as qk
+
+    for shape in shapes:
+        for dt in dtypes:
+            name = f"quantize_nvfp4_1x16 {shape} {jnp.dtype(dt).name}"
+            if not qk.supported(shape, dt):
+                record(name, ok=True, skipped="unsupported by the kernel: XLA path")
+                continue
+            try:
+                x = rand(shape, dt, seed=hash((shape, str(dt))) % 1000)
+                packed, sbits, dec = jax.jit(qk.quantize_nvfp4_1x16)(x)
+                q = jax.jit(lambda x: fp4jax.quantize(x, fp4jax.NVFP4))(x)
+                ref_packed = fp4jax.pack_e2m1(q.data)
+                ref_sbits = jax.lax.bitcast_convert_type(q.scale, jnp.uint8)
+                p_eq = float(jnp.mean((packed == ref_packed).astype(jnp.float32)))
+                s_eq = float(jnp.mean((sbits == ref_sbits).astype(jnp.float32)))
+                d_eq = bool(dec == q.global_scale)
+                # independent NumPy reference on a slice (CPU cost)
+                xs = np.asarray(x[:64].astype(jnp.float32))
+                c_np, s_np, _ = npref.quantize_nvfp4_1x16(xs, *map(np.float32, qk.global_scales(x)))
+                np_eq = bool(
+                    (np.asarray(packed[:64]) == npref.pack_codes(c_np)).all()
+                    and (np.asarray(sbits[:64]) == s_np).all()
+                )
+                rec = dict(packed_equal_frac=p_eq, scale_equal_frac=s_eq, dec_equal=d_eq,
+                           numpy_slice_equal=np_eq, exact=p_eq == 1.0 and s_eq == 1.0 and d_eq)
+                if shape[0] * shape[1] >= 2**24:
+                    t_k = time_fn(jax.jit(qk.quantize_nvfp4_1x16), x)
+                    t_x = time_fn(jax.jit(lambda x: fp4jax.quantize(x, fp4jax.NVFP4)), x)
+                    rec.update(kernel_us=t_k["median_us"], xla_quantize_us=t_x["median_us"])
+                record(name, **rec)
+            except Exception as e:  # noqa: BLE001
+                record(name, error=f"{type(e).__name__}: {str(e)[:2000]}",
+                       tb=traceback.format_exc()[-3000:])
+
+
+def main():
+    which = sys.argv[1:] or ["quantize", "matmul"]
+    if "quantize" in which:
+        x = jnp.ones((8192, 8192), jnp.bfloat16) * 1.5
+        t = time_fn(jax.jit(lambda x: x * 2), x)
+        record("copy_bf16_8192x8192", ok=True, us=t["median_us"],
+               gbps=2 * x.size * 2 / t["median_us"] / 1e3, method=t["method"])
+        check_quantize([(256, 1024), (1000, 4096), (1003, 512), (24, 8192), (16, 256),
+                        (4096, 14336), (8192, 8192), (16384, 4096)],
+                       [jnp.bfloat16])
+    if "matmul" in which:
+        try:
+            from experiments.gpu_check_matmul import check_matmul
+
+            check_matmul(record)
+        except ImportError as e:
+            record("matmul", error=f"not available: {e}")
+    out = os.environ.get("OUT", ".")
+    with open(os.path.join(out, "gpu_check_kernels.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+    ok = [c for c in RESULTS["checks"] if c.get("exact") or c.get("ok")]
+    print(f"SUMMARY: {len(ok)}/{len(RESULTS['checks'])} checks passed")
+    for c in RESULTS["checks"]:
+        flag = "OK " if (c.get("exact") or c.get("ok")) else "BAD"
+        extra = {k: v for k, v in c.items() if k not in ("name", "tb")}
+        print(flag, c["name"], str(extra)[:300])
+
+
+if __name__ == "__main__":
+    main()
