@@ -88,6 +88,17 @@ class BlockFormat:
     def scale_max(self) -> float:
         return self.scale_grid.max_value
 
+    @property
+    def tensor_scale_target(self) -> float:
+        """The block-scale value the tensor amax is mapped to by the tensor scale.
+
+        ``scale_max`` (448 for E4M3: NVFP4 paper Eq. 1), capped at ``2**17`` for
+        the wide formats (E6M1, E7M0, E8M0) whose ``scale_max * 6`` would overflow
+        float32 or push the decode scale into subnormals; E5M2 (98304) and
+        narrower formats are uncapped.
+        """
+        return min(self.scale_max, 2.0**17)
+
     def replace(self, **changes) -> BlockFormat:
         """A copy with some fields changed (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)

@@ -47,7 +47,8 @@ class FloatGrid:
     "fn" convention of ``float8_e4m3fn``/``float4_e2m1fn``: only the all-ones code
     is NaN (E2M1 has no NaN at all, so its top code is finite: 6.0). With
     ``man_bits == 0`` (E8M0-like) there is no zero and no subnormal; the
-    all-ones exponent code is NaN.
+    all-ones exponent code is NaN, the smallest value used is ``max(2**-bias, 2**-126)``
+    (float32 normals only), and round-to-nearest ties go to the larger value.
 
     Attributes:
       exp_bits: exponent bits (1..8).
@@ -99,7 +100,10 @@ def unsigned_grid(exp_bits: int, man_bits: int, *, has_nan_code: bool = True) ->
     if man_bits == 0:
         # No subnormals, no zero; all-ones exponent is NaN (E8M0 convention).
         max_value = 2.0 ** (top_exp - 1 if has_nan_code else top_exp)
-        min_exp = -bias
+        # E8M0's smallest code, 2**-127, is a float32 subnormal: XLA on CPU (and
+        # FTZ GPU code) flushes it to zero, which E8M0 cannot encode (NaN). The
+        # smallest scale used is therefore the smallest normal float32, 2**-126.
+        min_exp = max(-bias, -126)
     else:
         top_man = 2**man_bits - 1 - (1 if has_nan_code else 0)
         max_value = 2.0**top_exp * (1.0 + top_man / 2**man_bits)

@@ -88,10 +88,12 @@ class QuantizedArray:
 def global_encode_scale(amax: jax.Array, fmt: BlockFormat) -> jax.Array:
     """Per-tensor FP32 encode scale ``enc`` (NVFP4 paper Appendix B.1, Eq. 1).
 
-    ``enc = (scale_max * 6) / amax`` in float32, clamped to FLT_MAX, and 1.0 when
+    ``enc = (target * 6) / amax`` in float32, clamped to FLT_MAX, and 1.0 when
     ``amax == 0`` or the result is 0; exactly Transformer Engine's
     ``compute_global_encode_scaling_factor_FP4`` (``core_nvfp4.cuh``) with
-    ``scale_max = 448`` for NVFP4. Formats without a tensor scale return 1.0.
+    ``target = 448`` for NVFP4 (``BlockFormat.tensor_scale_target``: the scale
+    format's max, capped for very wide formats). Formats without a tensor scale
+    return 1.0.
     The decode scale stored in ``QuantizedArray.global_scale`` is ``1/enc``.
 
     Args:
@@ -100,7 +102,7 @@ def global_encode_scale(amax: jax.Array, fmt: BlockFormat) -> jax.Array:
     if not fmt.tensor_scale:
         return jnp.float32(1.0)
     amax = amax.astype(jnp.float32)
-    enc = jnp.float32(fmt.scale_max * 6.0) / amax
+    enc = jnp.float32(fmt.tensor_scale_target * 6.0) / amax
     enc = jnp.minimum(enc, jnp.float32(numerics.FLT_MAX))
     return jnp.where((amax == 0) | (enc == 0), jnp.float32(1.0), enc)
 

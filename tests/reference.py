@@ -1,0 +1,182 @@
+"""Independent NumPy reference of the block-scaled FP4 formulas (no fp4jax code used).
+
+Written from the spec, not from the implementation: grids are *enumerated* from
+their bit codes and rounding picks the nearest enumerated value (ties to the even
+code), where fp4jax uses exponent arithmetic. The scale arithmetic that
+Transformer Engine performs in float32 is done with ``np.float32`` scalars in
+the same order (``core_nvfp4.cuh``); rounding decisions are made in float64.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+F32 = np.float32
+FLT_MAX = np.finfo(np.float32).max
+
+
+def grid_values(exp_bits: int, man_bits: int, nan_code: bool) -> np.ndarray:
+    """All finite non-negative values of unsigned ExMy, indexed by code (float64)."""
+    bias = 2 ** (exp_bits - 1) - 1
+    vals = []
+    for code in range(2 ** (exp_bits + man_bits)):
+        e, m = code >> man_bits, code & (2**man_bits - 1)
+        if man_bits == 0:
+            v = 2.0 ** (e - bias)
+        elif e == 0:
+            v = 2.0 ** (1 - bias) * (m / 2**man_bits)
+        else:
+            v = 2.0 ** (e - bias) * (1 + m / 2**man_bits)
+        vals.append(v)
+    if nan_code:
+        vals = vals[:-1]
+    vals = np.array(vals, np.float64)
+    if man_bits == 0:  # fp4jax uses float32-normal power-of-two scales only (>= 2**-126)
+        vals = vals[vals >= 2.0**-126]
+    return vals
+
+
+E2M1 = grid_values(2, 1, nan_code=False)
+assert list(E2M1) == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
+E4M3 = grid_values(4, 3, nan_code=True)
+# cross-check the enumeration with ml_dtypes' own float8_e4m3fn
+_all = np.arange(128, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+assert np.array_equal(E4M3, _all[np.isfinite(_all)])
+
+
+def round_nearest(v: np.ndarray, grid: np.ndarray, ties_up: bool = False) -> np.ndarray:
+    """Nearest grid value to ``v >= 0`` (float64), ties to the even code, saturating."""
+    v = np.ascontiguousarray(v, np.float64)
+    out = np.empty(v.shape, np.float64)
+    flat, res = v.reshape(-1), out.reshape(-1)
+    for i, a in enumerate(flat):
+        if np.isnan(a):
+            res[i] = np.nan
+            continue
+        if a >= grid[-1]:
+            res[i] = grid[-1]
+            continue
+        hi = int(np.searchsorted(grid, a, side="left"))
+        if grid[hi] == a:
+            res[i] = a
+            continue
+        lo = hi - 1
+        if lo < 0:  # below the smallest value of a grid without zero
+            res[i] = grid[0]
+            continue
+        dl, dh = a - grid[lo], grid[hi] - a
+        if dl < dh:
+            res[i] = grid[lo]
+        elif dh < dl:
+            res[i] = grid[hi]
+        else:
+            res[i] = grid[hi] if ties_up else (grid[lo] if lo % 2 == 0 else grid[hi])
+    return out
+
+
+def round_up(v: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    v = np.asarray(v, np.float64)
+    idx = np.searchsorted(grid, v, side="left")
+    return np.where(np.isnan(v), np.nan, grid[np.minimum(idx, len(grid) - 1)])
+
+
+def ref_global_encode(amax: float, scale_max: float, tensor_scale: bool) -> np.float32:
+    if not tensor_scale:
+        return F32(1.0)
+    amax = F32(amax)
+    if amax == 0:
+        return F32(1.0)
+    with np.errstate(divide="ignore", over="ignore"):
+        enc = F32(F32(scale_max * 6.0) / amax)
+    enc = min(enc, FLT_MAX)
+    return F32(1.0) if enc == 0 else F32(enc)
+
+
+def ref_quantize(x, exp_bits=4, man_bits=3, block=16, tensor_scale=True, rule="nearest",
+                 axis=-1, block_2d=False):
+    """Returns (data float64 with signed zeros, scale float64 per block, dec float32)."""
+    x = np.asarray(x, np.float32)
+    sgrid = grid_values(exp_bits, man_bits, nan_code=True)
+    a = np.abs(x)
+    fin = np.isfinite(a)
+    amax = a[fin].max() if fin.any() else F32(0)
+    enc = ref_global_encode(amax, min(sgrid[-1], 2.0**17), tensor_scale)
+    dec = F32(F32(1.0) / enc)
+
+    if block_2d:
+        xm = x
+        R, C = x.shape[-2:]
+        pr, pc = (-R) % block, (-C) % block
+        xp = np.pad(xm, [(0, 0)] * (x.ndim - 2) + [(0, pr), (0, pc)])
+        t = xp.reshape(*xp.shape[:-2], xp.shape[-2] // block, block, xp.shape[-1] // block, block)
+        amax_b = np.abs(t).max(axis=(-3, -1))
+        s = _block_scale(amax_b, enc, sgrid, rule, man_bits)
+        e = _elem_scale(s, dec)
+        y = (t.astype(F32) * e[..., :, None, :, None].astype(F32)).astype(F32)
+        q = _e2m1(y).reshape(xp.shape)[..., :R, :C]
+        return q, s, dec
+
+    axis = axis % x.ndim
+    xm = np.moveaxis(x, axis, -1)
+    n = xm.shape[-1]
+    xp = np.pad(xm, [(0, 0)] * (x.ndim - 1) + [(0, (-n) % block)])
+    blocks = xp.reshape(*xp.shape[:-1], -1, block)
+    amax_b = np.abs(blocks).max(axis=-1)
+    s = _block_scale(amax_b, enc, sgrid, rule, man_bits)
+    e = _elem_scale(s, dec)
+    y = (blocks.astype(F32) * e[..., None].astype(F32)).astype(F32)
+    q = _e2m1(y).reshape(xp.shape)[..., :n]
+    return np.moveaxis(q, -1, axis), np.moveaxis(s, -1, axis), dec
+
+
+def _block_scale(amax_b, enc, sgrid, rule, man_bits):
+    amax_b = amax_b.astype(F32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if rule == "ocp":
+            w = (amax_b * enc).astype(F32)
+            with np.errstate(divide="ignore"):
+                ex = np.floor(np.log2(w.astype(np.float64))) - 2
+            lo, hi = np.log2(sgrid[0]), np.log2(sgrid[-1])
+            s = 2.0 ** np.clip(ex, lo, hi)
+        else:
+            v = (amax_b * F32(enc * F32(1.0 / 6.0))).astype(F32)
+            if rule == "nearest":
+                s = round_nearest(v.astype(np.float64), sgrid, ties_up=(man_bits == 0))
+            else:
+                s = round_up(v.astype(np.float64), sgrid)
+    return np.where(np.isfinite(amax_b), s, np.nan)
+
+
+def _elem_scale(s, dec):
+    s32 = s.astype(F32)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        e = (F32(1.0) / (s32 * dec).astype(F32)).astype(F32)
+    e = np.minimum(e, FLT_MAX)
+    return np.where(s32 == 0, F32(0), e).astype(F32)
+
+
+def _e2m1(y):
+    mag = round_nearest(np.abs(y).astype(np.float64), E2M1)
+    mag = np.where(np.isfinite(y), mag, 0.0)
+    return np.where(np.signbit(y), -mag, mag)
+
+
+def ref_dequantize(q, s, dec, block=16, axis=-1, block_2d=False):
+    q = np.asarray(q, np.float64)
+    s = np.asarray(s, np.float64)
+    if block_2d:
+        R, C = q.shape[-2:]
+        full = np.repeat(np.repeat(s, block, -2), block, -1)[..., :R, :C]
+    else:
+        axis = axis % q.ndim
+        full = np.moveaxis(np.repeat(np.moveaxis(s, axis, -1), block, -1)
+                           [..., : q.shape[axis]], -1, axis)
+    return (q.astype(F32) * full.astype(F32)).astype(F32) * dec
+
+
+def ref_hadamard(size: int) -> np.ndarray:
+    """Sylvester Hadamard by the Walsh formula H[i, j] = (-1)^popcount(i & j), normalized."""
+    i = np.arange(size)
+    bits = np.vectorize(lambda v: bin(v).count("1"))(i[:, None] & i[None, :])
+    return ((-1.0) ** bits) / np.sqrt(size)

@@ -1,0 +1,270 @@
+"""Core numerics against the independent NumPy reference (tests/reference.py)."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp4jax
+from fp4jax import numerics
+from tests import reference as ref
+
+RNG = np.random.default_rng(1234)
+
+
+def _inputs():
+    r = np.random.default_rng(7)
+    out = {
+        "gauss": r.standard_normal((8, 64)),
+        "heavy": r.standard_t(2.0, (6, 80)),
+        "outliers": np.where(r.random((8, 48)) < 0.02, 300.0, 1.0) * r.standard_normal((8, 48)),
+        "tiny": 1e-30 * r.standard_normal((4, 40)),
+        "huge": 1e30 * r.standard_normal((4, 40)),
+        "mixed_range": r.standard_normal((4, 64)) * 10.0 ** r.integers(-20, 20, (4, 64)),
+        "partial": r.standard_normal((5, 37)),
+        "3d": r.standard_normal((2, 3, 33)),
+    }
+    out["bf16"] = np.asarray(
+        jnp.asarray(r.standard_normal((8, 64)) * 3, jnp.bfloat16).astype(jnp.float32)
+    )
+    return {k: v.astype(np.float32) for k, v in out.items()}
+
+
+INPUTS = _inputs()
+
+
+def _bits_equal(got, want):
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    assert got.shape == want.shape
+    same = (got == want) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), f"{(~same).sum()} mismatches, e.g. got {got[~same][:5]} want {want[~same][:5]}"
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+def _check(x, fmt, axis=-1, block_2d=False, x_in=None):
+    q = fp4jax.quantize(jnp.asarray(x if x_in is None else x_in), fmt, axis=axis, block_2d=block_2d)
+    rq, rs, rdec = ref.ref_quantize(x, fmt.scale_exp_bits, fmt.scale_man_bits, fmt.block_size,
+                                    fmt.tensor_scale, fmt.scale_rule, axis, block_2d)
+    assert q.data.dtype == jnp.float4_e2m1fn and q.data.shape == np.shape(x)
+    assert q.scale.dtype == fmt.scale_dtype
+    _bits_equal(q.data.astype(jnp.float32), rq)
+    _bits_equal(q.scale.astype(jnp.float32), rs)
+    assert np.float32(q.global_scale) == rdec
+    deq = fp4jax.dequantize(q)
+    _bits_equal(deq, ref.ref_dequantize(rq, rs, rdec, fmt.block_size, axis, block_2d))
+    return q
+
+
+@pytest.mark.parametrize("name", sorted(INPUTS))
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_nvfp4_bit_exact(name, axis):
+    _check(INPUTS[name], fp4jax.NVFP4, axis=axis)
+
+
+@pytest.mark.parametrize("name", ["gauss", "heavy", "outliers", "partial", "tiny", "huge"])
+@pytest.mark.parametrize("fmt", [fp4jax.MXFP4, fp4jax.MXFP4_OCP], ids=lambda f: f.name)
+def test_mx_bit_exact(name, fmt):
+    _check(INPUTS[name], fmt, axis=-1)
+    _check(INPUTS[name], fmt, axis=0)
+
+
+SWEEP = [
+    fp4jax.BlockFormat(f"e{e}m{m}-b{b}-{ts}", block_size=b, scale_exp_bits=e, scale_man_bits=m,
+                       tensor_scale=ts, scale_rule=rule)
+    for (e, m) in [(1, 6), (2, 5), (3, 4), (4, 3), (5, 2), (6, 1), (7, 0), (8, 0), (5, 3)]
+    for b, ts in [(8, True), (16, False), (32, True), (128, True)]
+    for rule in (["nearest", "up"] if m else ["nearest", "up", "ocp"])
+]
+
+
+@pytest.mark.parametrize("fmt", SWEEP, ids=lambda f: f"{f.name}-{f.scale_rule}")
+def test_block_format_sweep_bit_exact(fmt):
+    _check(INPUTS["heavy"][:, :64] * 0.01, fmt)
+
+
+@pytest.mark.parametrize("name", ["gauss", "outliers", "partial", "3d"])
+def test_2d_bit_exact_and_transpose_consistent(name):
+    x = INPUTS[name]
+    q = _check(x, fp4jax.NVFP4, block_2d=True)
+    nr, nc = -(-x.shape[-2] // 16), -(-x.shape[-1] // 16)
+    assert q.scale.shape == (*x.shape[:-2], nr, nc)
+    qt = fp4jax.quantize(jnp.swapaxes(jnp.asarray(x), -1, -2), block_2d=True)
+    _bits_equal(jnp.swapaxes(q.data.astype(jnp.float32), -1, -2), qt.data.astype(jnp.float32))
+    _bits_equal(jnp.swapaxes(fp4jax.dequantize(q), -1, -2), fp4jax.dequantize(qt))
+
+
+def test_1d_scaling_is_not_transpose_consistent():
+    """The control for the test above: 1x16 blocks quantize W and W.T differently."""
+    x = jnp.asarray(INPUTS["heavy"][:, :64])
+    a = fp4jax.dequantize(fp4jax.quantize(x, axis=-1))
+    b = fp4jax.dequantize(fp4jax.quantize(x, axis=0))
+    assert not np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bf16_input_matches_f32_of_same_values():
+    xb = jnp.asarray(INPUTS["bf16"], jnp.bfloat16)
+    _check(INPUTS["bf16"], fp4jax.NVFP4, x_in=xb)
+
+
+def test_e4m3_scale_is_the_saturating_rne_cast():
+    """Our E4M3 scale rounding equals ml_dtypes' RNE cast after clamping to 448."""
+    v = np.concatenate([np.float32(2.0) ** RNG.uniform(-12, 10, 20000),
+                        np.array([448, 460, 464, 470, 1e6, 2.0**-10, 2.0**-10 * 1.5, 0], np.float32)])
+    v = v.astype(np.float32)
+    got = numerics.round_to_grid(jnp.asarray(v), numerics.E4M3, "nearest")
+    want = np.minimum(v, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_e2m1_grid_and_ties():
+    y = jnp.asarray([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, 1e9, 0.2499, 0.2501])
+    got = numerics.round_to_grid(y, numerics.E2M1, "nearest")
+    np.testing.assert_array_equal(np.asarray(got), [0, 1, 1, 2, 2, 4, 4, 6, 6, 0, 0.5])
+
+
+def test_e2m1_cast_agrees_with_ml_dtypes():
+    y = np.float32(RNG.uniform(-7, 7, 50000))
+    got = fp4jax.quantize(jnp.asarray(y[None] * 0 + 6.0), axis=-1)  # warm shapes
+    del got
+    mag = numerics.round_to_grid(jnp.abs(jnp.asarray(y)), numerics.E2M1, "nearest")
+    want = np.abs(y).astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(mag), want)
+
+
+def test_float32_subnormal_inputs_stay_finite():
+    """XLA on CPU flushes float32 subnormals (< 2**-126) to zero, so a tensor of them
+    quantizes to zeros there (documented in README 'Numerics'); never to NaN/Inf."""
+    x = jnp.asarray(1e-40 * RNG.standard_normal((2, 32)), jnp.float32)
+    d = np.asarray(fp4jax.dequantize(fp4jax.quantize(x)))
+    assert np.isfinite(d).all() and np.all(np.abs(d) <= 1e-38)
+
+
+def test_zero_tensor_and_zero_blocks():
+    x = np.zeros((3, 40), np.float32)
+    q = fp4jax.quantize(jnp.asarray(x))
+    assert float(q.global_scale) == 1.0
+    assert np.all(np.asarray(fp4jax.dequantize(q)) == 0)
+    x[1, 20:] = RNG.standard_normal(20)
+    q = _check(x, fp4jax.NVFP4)
+    d = np.asarray(fp4jax.dequantize(q))
+    assert np.isfinite(d).all() and np.all(d[0] == 0) and np.all(d[1, :16] == 0)
+    for fmt in (fp4jax.MXFP4, fp4jax.MXFP4_OCP):
+        d = np.asarray(fp4jax.dequantize(fp4jax.quantize(jnp.zeros((2, 64)), fmt)))
+        assert np.isfinite(d).all() and np.all(d == 0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("fmt", [fp4jax.NVFP4, fp4jax.MXFP4, fp4jax.BlockFormat("e3m4", 16, 3, 4)],
+                         ids=lambda f: f.name)
+@pytest.mark.parametrize("block_2d", [False, True])
+def test_non_finite_blocks_dequantize_to_nan(bad, fmt, block_2d):
+    x = RNG.standard_normal((32, 64)).astype(np.float32)
+    x[3, 5] = bad
+    d = np.asarray(fp4jax.dequantize(fp4jax.quantize(jnp.asarray(x), fmt, block_2d=block_2d)))
+    b = fmt.block_size
+    if block_2d:
+        assert np.isnan(d[:b, :b]).all()
+        assert np.isfinite(d[b:, :]).all() and np.isfinite(d[:, b:]).all()
+    else:
+        assert np.isnan(d[3, :b]).all()
+        mask = np.ones_like(d, bool)
+        mask[3, :b] = False
+        assert np.isfinite(d[mask]).all()
+    # the rest of the tensor is quantized as if the bad value were absent
+    x2 = x.copy()
+    x2[3, 5] = 0
+    d2 = np.asarray(fp4jax.dequantize(fp4jax.quantize(jnp.asarray(x2), fmt, block_2d=block_2d)))
+    np.testing.assert_array_equal(d[np.isfinite(d)], d2[np.isfinite(d)])
+
+
+# ----------------------------------------------------------------------------- SR
+
+
+def _sr_draws(x, n_keys, fmt=fp4jax.NVFP4):
+    keys = jax.random.split(jax.random.key(0), n_keys)
+    f = jax.jit(jax.vmap(lambda k: fp4jax.dequantize(
+        fp4jax.quantize(x, fmt, rounding="stochastic", key=k))))
+    return np.asarray(f(keys))
+
+
+def test_sr_picks_neighbours_and_is_unbiased():
+    x = jnp.asarray(INPUTS["heavy"][:4, :64])
+    n = 4000
+    draws = _sr_draws(x, n)
+    # scales are deterministic (RtN scale, SR elements): recover the grid around each value
+    q = fp4jax.quantize(x)
+    s = np.asarray(fp4jax.quantize(x).scale.astype(jnp.float32)).repeat(16, -1)
+    dec = float(q.global_scale)
+    step = s * dec  # one grid unit of E2M1 times the scales
+    grid = np.concatenate([-ref.E2M1[::-1], ref.E2M1])
+    xs = np.asarray(x) / step
+    lo = np.array([grid[grid <= v].max() if (grid <= v).any() else -6 for v in xs.ravel()])
+    hi = np.array([grid[grid >= v].min() if (grid >= v).any() else 6 for v in xs.ravel()])
+    ds = draws.reshape(n, -1) / step.ravel()
+    ok = np.isclose(ds, lo, rtol=1e-6, atol=0) | np.isclose(ds, hi, rtol=1e-6, atol=0)
+    assert ok.all(), "SR produced a value that is not one of the two neighbours"
+    # unbiased: mean within 5 standard errors of x for every element
+    mean = draws.astype(np.float64).mean(0)
+    sd = np.sqrt(np.maximum((hi - xs.ravel()) * (xs.ravel() - lo), 0)).reshape(x.shape) * step
+    tol = 5 * sd / np.sqrt(n) + 1e-6 * np.abs(np.asarray(x))
+    # A block amax may land above 6 after its E4M3 scale rounds down (by < 6.25%):
+    # those saturate to +-6 (as TE's cvt.rs.satfinite); every other element is unbiased.
+    sat = np.abs(xs) > 6
+    assert sat.sum() < x.size // 16 + 1
+    np.testing.assert_allclose(np.abs(ds[:, sat.ravel()]), 6.0, rtol=1e-6)
+    assert np.all((np.abs(mean - np.asarray(x)) <= tol)[~sat])
+    # and RtN is biased on the same data (the test can fail)
+    rtn = np.asarray(fp4jax.dequantize(q))
+    assert np.sum(np.abs(rtn - np.asarray(x)) > tol) > 10
+
+
+def test_sr_mean_error_is_much_smaller_than_rtn_bias():
+    x = jnp.full((1, 16), 1.2) .at[0, 0].set(6.0)  # 1.2 sits between 1 and 1.5
+    draws = _sr_draws(x, 4000)
+    assert abs(draws[:, 0, 1:].astype(np.float64).mean() - 1.2) < 0.01
+    rtn = np.asarray(fp4jax.dequantize(fp4jax.quantize(x)))
+    assert abs(rtn[0, 1] - 1.2) > 0.15
+
+
+def test_sr_same_key_same_bits_and_keys_differ():
+    x = jnp.asarray(INPUTS["gauss"])
+    k = jax.random.key(3)
+    a = fp4jax.quantize(x, rounding="stochastic", key=k)
+    b = fp4jax.quantize(x, rounding="stochastic", key=k)
+    c = fp4jax.quantize(x, rounding="stochastic", key=jax.random.key(4))
+    np.testing.assert_array_equal(np.asarray(a.data.astype(jnp.float32)),
+                                  np.asarray(b.data.astype(jnp.float32)))
+    assert not np.array_equal(np.asarray(a.data.astype(jnp.float32)),
+                              np.asarray(c.data.astype(jnp.float32)))
+    raw = fp4jax.quantize(x, rounding="stochastic", key=jax.random.PRNGKey(3))
+    assert raw.data.shape == x.shape
+
+
+def test_sr_exact_values_unchanged():
+    x = jnp.asarray([[6.0, 4, 3, 2, 1.5, 1, 0.5, 0, -6, -4, -3, -2, -1.5, -1, -0.5, 0]])
+    draws = _sr_draws(x, 200)
+    assert np.all(draws == np.asarray(x))
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+@pytest.mark.parametrize("shape,axis", [((4, 64), -1), ((4, 33), -1), ((7, 16), 0)])
+def test_pack_roundtrip(shape, axis):
+    q = fp4jax.quantize(jnp.asarray(RNG.standard_normal(shape), jnp.float32))
+    p = fp4jax.pack_e2m1(q.data, axis=axis)
+    assert p.dtype == jnp.uint8 and p.shape[axis] == -(-shape[axis] // 2)
+    back = fp4jax.unpack_e2m1(p, shape[axis], axis=axis)
+    _bits_equal(back.astype(jnp.float32), q.data.astype(jnp.float32))
+    # codes are the standard E2M1 bit patterns
+    codes = np.asarray(jax.lax.bitcast_convert_type(q.data, jnp.uint4)).astype(np.uint8)
+    lo = np.asarray(p) & 0xF
+    np.testing.assert_array_equal(np.moveaxis(lo, axis, -1),
+                                  np.moveaxis(codes, axis, -1)[..., ::2])
+
+
+def test_nbytes_packed():
+    q = fp4jax.quantize(jnp.ones((128, 128)))
+    assert q.nbytes_packed() == 128 * 64 + 128 * 8 + 4
