@@ -39,7 +39,9 @@ def _bits_equal(got, want):
     want = np.asarray(want, np.float64)
     assert got.shape == want.shape
     same = (got == want) | (np.isnan(got) & np.isnan(want))
-    assert same.all(), f"{(~same).sum()} mismatches, e.g. got {got[~same][:5]} want {want[~same][:5]}"
+    assert same.all(), (
+        f"{(~same).sum()} mismatches, e.g. got {got[~same][:5]} want {want[~same][:5]}"
+    )
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 
 
@@ -110,8 +112,8 @@ def test_bf16_input_matches_f32_of_same_values():
 
 def test_e4m3_scale_is_the_saturating_rne_cast():
     """Our E4M3 scale rounding equals ml_dtypes' RNE cast after clamping to 448."""
-    v = np.concatenate([np.float32(2.0) ** RNG.uniform(-12, 10, 20000),
-                        np.array([448, 460, 464, 470, 1e6, 2.0**-10, 2.0**-10 * 1.5, 0], np.float32)])
+    edge = np.array([448, 460, 464, 470, 1e6, 2.0**-10, 2.0**-10 * 1.5, 0], np.float32)
+    v = np.concatenate([np.float32(2.0) ** RNG.uniform(-12, 10, 20000), edge])
     v = v.astype(np.float32)
     got = numerics.round_to_grid(jnp.asarray(v), numerics.E4M3, "nearest")
     want = np.minimum(v, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)

@@ -1,0 +1,364 @@
+"""RHT, fp4jax.dot / dot_general (forward and the recipe's backward), recipes, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp4jax
+from fp4jax import recipes
+from tests import reference as ref
+
+RNG = np.random.default_rng(99)
+
+
+def _randn(*shape, scale=1.0):
+    return jnp.asarray(RNG.standard_normal(shape) * scale, jnp.float32)
+
+
+# ----------------------------------------------------------------------------- RHT
+
+
+@pytest.mark.parametrize("size", [2, 4, 16, 32, 64, 128, 256])
+def test_rht_is_orthogonal_and_matches_reference(size):
+    x = _randn(3, size * 2)
+    y = fp4jax.random_hadamard_transform(x, axis=-1, size=size)
+    signs = np.asarray(fp4jax.hadamard.default_signs(size))
+    mat = np.diag(signs) @ ref.ref_hadamard(size)
+    want = (np.asarray(x, np.float64).reshape(3, 2, size) @ mat).reshape(3, -1)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(mat.T @ mat, np.eye(size), atol=1e-12)
+    np.testing.assert_allclose(np.linalg.norm(np.asarray(y)), np.linalg.norm(np.asarray(x)),
+                               rtol=1e-5)
+
+
+def test_rht_default_is_transformer_engine_vector():
+    assert fp4jax.TE_SIGN_VECTOR == (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+    e0 = jnp.zeros((1, 16)).at[0, 0].set(1.0)
+    y = fp4jax.random_hadamard_transform(e0, axis=-1)
+    # first basis vector -> first row of diag(s) H / 4 = s_0 * ones / 4
+    np.testing.assert_allclose(np.asarray(y)[0], np.full(16, 0.25), rtol=1e-6)
+    e3 = jnp.zeros((1, 16)).at[0, 3].set(1.0)  # s_3 = -1
+    np.testing.assert_allclose(np.asarray(fp4jax.random_hadamard_transform(e3, -1))[0],
+                               -ref.ref_hadamard(16)[3], rtol=1e-6)
+
+
+@pytest.mark.parametrize("signs", [None, 7, "key", "explicit"])
+def test_rht_cancels_inside_a_product(signs):
+    if signs == "key":
+        signs = jax.random.key(5)
+    elif signs == "explicit":
+        signs = np.where(RNG.random(16) < 0.5, -1.0, 1.0)
+    a, b = _randn(64, 8), _randn(64, 5)
+    ha = fp4jax.random_hadamard_transform(a, axis=0, signs=signs)
+    hb = fp4jax.random_hadamard_transform(b, axis=0, signs=signs)
+    np.testing.assert_allclose(np.asarray(ha.T @ hb), np.asarray(a.T @ b), rtol=1e-4, atol=1e-4)
+    assert not np.allclose(np.asarray(ha), np.asarray(a))
+
+
+def test_rht_signs_variants_differ():
+    x = _randn(4, 16)
+    outs = [np.asarray(fp4jax.random_hadamard_transform(x, -1, signs=s))
+            for s in (None, 1, 2, jax.random.key(0))]
+    for i in range(len(outs)):
+        for j in range(i + 1, len(outs)):
+            assert not np.allclose(outs[i], outs[j])
+    same = fp4jax.random_hadamard_transform(x, -1, signs=1)
+    np.testing.assert_array_equal(np.asarray(same), outs[1])
+
+
+def test_rht_spreads_an_outlier():
+    """One outlier per 16-tile is spread over the tile: max/rms drops from ~4 to ~1."""
+    x = np.asarray(_randn(256, 16)) * 0.1
+    x[:, 3] = 20.0
+    h = np.asarray(fp4jax.random_hadamard_transform(jnp.asarray(x), axis=-1))
+    crest = lambda v: np.abs(v).max(-1) / np.sqrt((v**2).mean(-1))  # noqa: E731
+    assert crest(x).min() > 3.9 and crest(h).max() < 1.2
+    np.testing.assert_allclose((h**2).sum(-1), (x**2).sum(-1), rtol=1e-5)
+
+
+def test_rht_errors():
+    with pytest.raises(ValueError, match="multiple of size"):
+        fp4jax.random_hadamard_transform(jnp.ones((3, 20)), axis=-1)
+    with pytest.raises(ValueError, match="power of two"):
+        fp4jax.random_hadamard_transform(jnp.ones((3, 24)), axis=-1, size=24)
+    with pytest.raises(ValueError, match="power of two"):
+        fp4jax.random_hadamard_transform(jnp.ones((3, 512)), axis=-1, size=512)
+    with pytest.raises(ValueError, match="shape"):
+        fp4jax.random_hadamard_transform(jnp.ones((3, 16)), axis=-1, signs=np.ones(8))
+    with pytest.raises(TypeError, match="floating"):
+        fp4jax.random_hadamard_transform(jnp.ones((3, 16), jnp.int32), axis=-1)
+
+
+# ----------------------------------------------------------------------------- dot forward
+
+
+def _deq(x, spec, axis):
+    if not spec.quantized:
+        return np.asarray(x, np.float64)
+    q = fp4jax.quantize(x, spec.fmt, axis=axis, block_2d=spec.block_2d)
+    return np.asarray(fp4jax.dequantize(q), np.float64)
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "fp4_all_the_way", "mxfp4", "bf16", "nvfp4_fwd_only"])
+def test_dot_forward_is_matmul_of_dequantized(name):
+    r = recipes.get(name)
+    x, w = _randn(4, 6, 96, scale=2.0), _randn(96, 40)
+    y = fp4jax.dot(x, w, recipe=r, key=jax.random.key(0))
+    assert y.shape == (4, 6, 40) and y.dtype == jnp.float32
+    xd = _deq(x.reshape(-1, 96), r.fprop.lhs, -1)
+    wd = _deq(w, r.fprop.rhs, 0)
+    want = (xd @ wd).reshape(4, 6, 40)
+    scale = np.abs(xd) @ np.abs(wd)
+    np.testing.assert_allclose(np.asarray(y), want, atol=1e-5 * scale.max())
+
+
+def test_dot_forward_bf16_inputs_and_output_dtype():
+    x, w = _randn(8, 64).astype(jnp.bfloat16), _randn(64, 32).astype(jnp.bfloat16)
+    y = fp4jax.dot(x, w, key=jax.random.key(0))
+    assert y.dtype == jnp.bfloat16
+    y32 = fp4jax.dot(x, w, key=jax.random.key(0), preferred_element_type=jnp.float32)
+    assert y32.dtype == jnp.float32
+    want = _deq(x, recipes.nvfp4().fprop.lhs, -1) @ _deq(w, recipes.nvfp4().fprop.rhs, 0)
+    np.testing.assert_allclose(np.asarray(y32), want, rtol=1e-5, atol=1e-5)
+
+
+def test_dot_general_matches_lax_shapes_and_values():
+    lhs, rhs = _randn(3, 5, 32, 7), _randn(3, 32, 9)
+    dn = (((2,), (1,)), ((0,), (0,)))
+    y = fp4jax.dot_general(lhs, rhs, dn, recipe="bf16")
+    want = jax.lax.dot_general(lhs, rhs, dn, precision=jax.lax.Precision.HIGHEST)
+    assert y.shape == want.shape == (3, 5, 7, 9)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
+    yq = fp4jax.dot_general(lhs, rhs, dn, recipe="nvfp4", key=jax.random.key(1))
+    assert yq.shape == want.shape
+    rel = float(jnp.linalg.norm(yq - want) / jnp.linalg.norm(want))
+    assert 0 < rel < 0.25
+
+
+def test_dot_general_works_as_flax_dot_general():
+    import flax.linen as nn
+
+    class FP4DotGeneral(nn.Module):
+        @nn.compact
+        def __call__(self, lhs, rhs, dimension_numbers, precision=None,
+                     preferred_element_type=None):
+            return fp4jax.dot_general(lhs, rhs, dimension_numbers, precision,
+                                      preferred_element_type, recipe="fp4_all_the_way",
+                                      key=self.make_rng("fp4"))
+
+    m = nn.Dense(24, use_bias=False, dot_general_cls=FP4DotGeneral)
+    x = _randn(4, 48)
+    params = m.init({"params": jax.random.key(0), "fp4": jax.random.key(1)}, x)
+    y = m.apply(params, x, rngs={"fp4": jax.random.key(2)})
+    assert y.shape == (4, 24)
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _grads(r, x, w, g, key):
+    _, vjp = jax.vjp(lambda x, w: fp4jax.dot(x, w, recipe=r, key=key), x, w)
+    return vjp(g)
+
+
+def test_backward_bf16_recipe_is_exact_matmul_grads():
+    x, w, g = _randn(16, 32), _randn(32, 24), _randn(16, 24)
+    dx, dw = _grads(recipes.bf16(), x, w, g, None)
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(g @ w.T), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dw), np.asarray(x.T @ g), rtol=1e-5, atol=1e-5)
+
+
+def test_backward_nvfp4_matches_manual_recipe():
+    """dgrad = Q_sr(dy) @ Q2d(w).T and wgrad = Q(Hx).T @ Q_sr(H dy), rebuilt by hand."""
+    r = recipes.nvfp4().replace(sr=False)  # deterministic: compare bits of the recipe's steps
+    x, w, g = _randn(40, 32), _randn(32, 48), _randn(40, 48)
+    dx, dw = _grads(r, x, w, g, None)
+    wq = fp4jax.dequantize(fp4jax.quantize(w, block_2d=True))
+    gq = fp4jax.dequantize(fp4jax.quantize(g, axis=-1))
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(gq, np.float64) @ np.asarray(wq).T,
+                               rtol=1e-5, atol=1e-4)
+    pad = lambda a: jnp.pad(a, ((0, 8), (0, 0)))  # noqa: E731  40 tokens -> 48 for RHT16
+    hx = fp4jax.random_hadamard_transform(pad(x), axis=0)
+    hg = fp4jax.random_hadamard_transform(pad(g), axis=0)
+    xq = np.asarray(fp4jax.dequantize(fp4jax.quantize(hx, axis=0)), np.float64)
+    gq2 = np.asarray(fp4jax.dequantize(fp4jax.quantize(hg, axis=0)), np.float64)
+    np.testing.assert_allclose(np.asarray(dw), xq.T @ gq2, rtol=1e-5, atol=1e-4)
+    # and the RHT really ran: without it the result is different
+    r0 = r.replace(rht=0)
+    _, dw0 = _grads(r0, x, w, g, None)
+    assert not np.allclose(np.asarray(dw0), np.asarray(dw))
+
+
+def test_dgrad_sr_is_unbiased_over_keys():
+    """E[dx] over many keys -> dy @ Q(w).T; single draws differ from it and each other."""
+    r = recipes.nvfp4()
+    x, w, g = _randn(8, 32), _randn(32, 32), _randn(8, 32)
+    keys = jax.random.split(jax.random.key(0), 3000)
+    f = jax.jit(jax.vmap(lambda k: _grads(r, x, w, g, k)[0]))
+    dxs = np.asarray(f(keys), np.float64)
+    wq = np.asarray(fp4jax.dequantize(fp4jax.quantize(w, block_2d=True)), np.float64)
+    target = np.asarray(g, np.float64) @ wq.T
+    mean = dxs.mean(0)
+    spread = dxs.std(0) / np.sqrt(len(keys))
+    err = np.abs(mean - target)
+    # SR is unbiased except where a block amax saturates (< 6.25% of that entry), so the
+    # typical error is a few standard errors and far below round-to-nearest's bias.
+    rtn = np.asarray(fp4jax.dequantize(fp4jax.quantize(g)), np.float64) @ wq.T
+    assert np.median(err / (spread + 1e-9)) < 3
+    assert np.abs(mean - target).mean() < 0.25 * np.abs(rtn - target).mean()
+    assert not np.allclose(dxs[0], dxs[1])
+    assert np.abs(dxs[0] - target).mean() > 3 * np.abs(mean - target).mean()
+
+
+def test_backward_same_key_same_bits():
+    r = recipes.nvfp4()
+    x, w, g = _randn(16, 32), _randn(32, 16), _randn(16, 16)
+    a = _grads(r, x, w, g, jax.random.key(3))
+    b = _grads(r, x, w, g, jax.random.key(3))
+    c = _grads(r, x, w, g, jax.random.key(4))
+    for u, v in zip(a, b, strict=True):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    assert not np.array_equal(np.asarray(a[0]), np.asarray(c[0]))
+
+
+def test_fwd_only_recipe_has_exact_backward():
+    x, w, g = _randn(16, 32), _randn(32, 24), _randn(16, 24)
+    dx, dw = _grads(recipes.nvfp4_fwd_only(), x, w, g, None)
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(g @ w.T), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dw), np.asarray(x.T @ g), rtol=1e-5, atol=1e-5)
+
+
+def test_residuals_are_quantized():
+    """The nvfp4 forward saves FP4 tensors, not x and w, for the backward pass."""
+    x, w = _randn(32, 64), _randn(64, 48)
+    _, res = jax.vjp(lambda x, w: fp4jax.dot(x, w, key=jax.random.key(0)), x, w)
+    leaves = jax.tree_util.tree_leaves(res)
+    big_f32 = [a for a in leaves if a.dtype == jnp.float32 and a.size >= 32 * 48]
+    f4 = [a for a in leaves if a.dtype == jnp.float4_e2m1fn]
+    assert len(f4) == 2 and not big_f32, [(a.dtype, a.shape) for a in leaves]
+
+
+# ----------------------------------------------------------------------------- transforms
+
+
+def test_jit_grad_vmap():
+    x, w = _randn(4, 8, 32), _randn(32, 16)
+    key = jax.random.key(0)
+    loss = lambda x, w, k: jnp.sum(fp4jax.dot(x, w, key=k) ** 2)  # noqa: E731
+    g_eager = jax.grad(loss, argnums=(0, 1))(x, w, key)
+    g_jit = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, key)
+    for a, b in zip(g_eager, g_jit, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    ys = jax.vmap(lambda xi: fp4jax.dot(xi, w, key=key))(x)
+    assert ys.shape == (4, 8, 16)
+    # vmapped quantize: each batch element gets its own tensor scale
+    qs = jax.vmap(lambda xi: fp4jax.quantize(xi).global_scale)(x * jnp.arange(1, 5)[:, None, None])
+    assert len(set(np.asarray(qs).tolist())) == 4
+
+
+def test_sharded_equals_unsharded():
+    devs = jax.devices()
+    assert len(devs) >= 4, "conftest sets 4 virtual CPU devices"
+    mesh = jax.sharding.Mesh(np.array(devs[:4]), ("data",))
+    P = jax.sharding.PartitionSpec
+    x, w = _randn(16, 8, 64, scale=3.0), _randn(64, 32)
+    x = x.at[5, 2, 7].set(40.0)  # the global amax lives on one shard
+    key = jax.random.key(1)
+
+    def loss(x, w):
+        return jnp.sum(fp4jax.dot(x, w, key=key) ** 2)
+
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    ref_out = f(x, w)
+    xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data")))
+    ws = jax.device_put(w, jax.sharding.NamedSharding(mesh, P()))
+    sh_out = f(xs, ws)
+    for a, b in zip(jax.tree_util.tree_leaves(ref_out), jax.tree_util.tree_leaves(sh_out),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    q1 = jax.jit(fp4jax.quantize)(x)
+    q2 = jax.jit(fp4jax.quantize)(xs)
+    np.testing.assert_array_equal(np.asarray(q1.scale.astype(jnp.float32)),
+                                  np.asarray(q2.scale.astype(jnp.float32)))
+    assert float(q1.global_scale) == float(q2.global_scale)
+
+
+# ----------------------------------------------------------------------------- recipes
+
+
+def test_recipe_contents():
+    r = recipes.nvfp4()
+    assert r.fprop.lhs == fp4jax.QuantSpec(fp4jax.NVFP4, "nearest", False)
+    assert r.fprop.rhs.block_2d and r.dgrad.rhs == r.fprop.rhs
+    assert r.dgrad.lhs.rounding == "stochastic" and r.wgrad.rhs.rounding == "stochastic"
+    assert r.wgrad.lhs.rounding == "nearest" and r.wgrad.hadamard == 16
+    assert r.fprop.hadamard == r.dgrad.hadamard == 0
+    f = recipes.fp4_all_the_way()
+    assert [f.fprop.lhs.rounding, f.fprop.rhs.rounding, f.dgrad.lhs.rounding,
+            f.dgrad.rhs.rounding, f.wgrad.lhs.rounding, f.wgrad.rhs.rounding] == [
+        "nearest", "nearest", "stochastic", "nearest", "stochastic", "stochastic"]
+    assert not any(g.hadamard for g in f.gemms.values())
+    assert not any(q.block_2d for g in f.gemms.values() for q in (g.lhs, g.rhs))
+    m = recipes.mxfp4()
+    assert m.fprop.lhs.fmt == fp4jax.MXFP4 and m.wgrad.hadamard == 32
+    assert not recipes.bf16().quantized and not recipes.bf16().needs_key
+    fo = recipes.nvfp4_fwd_only()
+    assert fo.fprop == r.fprop and not fo.dgrad.quantized and not fo.wgrad.quantized
+    assert "nvfp4" in r.describe()
+
+
+def test_recipe_replace_knobs_and_hashable():
+    r = recipes.nvfp4()
+    assert not r.replace(sr=False).needs_key
+    assert r.replace(rht=0).wgrad.hadamard == 0
+    assert not r.replace(block_2d=False).fprop.rhs.block_2d
+    assert r.replace(fmt=fp4jax.MXFP4).dgrad.lhs.fmt == fp4jax.MXFP4
+    assert r.replace(**{"dgrad.lhs.rounding": "nearest"}).dgrad.lhs.rounding == "nearest"
+    assert r.replace(**{"wgrad.hadamard": 0}).wgrad.hadamard == 0
+    assert hash(r) == hash(recipes.nvfp4()) and r == recipes.nvfp4()
+    assert len({r, r.replace(sr=False), recipes.bf16()}) == 3
+    with pytest.raises(ValueError, match="unknown key"):
+        r.replace(bogus=1)
+    with pytest.raises(ValueError, match="valid names"):
+        recipes.get("nvfp8")
+    # usable as a static jit argument
+    f = jax.jit(lambda x, w, rc: fp4jax.dot(x, w, recipe=rc), static_argnums=2)
+    assert f(_randn(4, 32), _randn(32, 8), recipes.bf16()).shape == (4, 8)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_inputs():
+    x, w = _randn(4, 32), _randn(32, 8)
+    with pytest.raises(TypeError, match="floating"):
+        fp4jax.quantize(jnp.ones((4, 32), jnp.int32))
+    with pytest.raises(TypeError, match="floating"):
+        fp4jax.dot(jnp.ones((4, 32), jnp.int8), w, recipe="bf16")
+    with pytest.raises(ValueError, match=r"\(4, 32\).*\(16, 8\)"):
+        fp4jax.dot(x, _randn(16, 8), recipe="bf16")
+    with pytest.raises(ValueError, match="contraction sizes differ"):
+        fp4jax.dot_general(x, _randn(16, 8), (((1,), (0,)), ((), ())), recipe="bf16")
+    with pytest.raises(ValueError, match=r"key=jax.random.key"):
+        fp4jax.quantize(x, rounding="stochastic")
+    with pytest.raises(ValueError, match=r"key=jax.random.key"):
+        fp4jax.dot(x, w)  # nvfp4 uses SR on gradients
+    with pytest.raises(ValueError, match="valid names"):
+        fp4jax.quantize(x, "nvfp5")
+    with pytest.raises(ValueError, match="rounding"):
+        fp4jax.quantize(x, rounding="truncate")
+    with pytest.raises(ValueError, match="out of range"):
+        fp4jax.quantize(x, axis=2)
+    with pytest.raises(ValueError, match="block_2d"):
+        fp4jax.quantize(jnp.ones(32), block_2d=True)
+    with pytest.raises(ValueError, match="block_size"):
+        fp4jax.BlockFormat("x", block_size=4)
+    with pytest.raises(ValueError, match="E9M0"):
+        fp4jax.BlockFormat("x", scale_exp_bits=9, scale_man_bits=0)
+    with pytest.raises(ValueError, match="ocp"):
+        fp4jax.BlockFormat("x", scale_rule="ocp")
+    with pytest.raises(ValueError, match="w must be 2-D"):
+        fp4jax.dot(x, _randn(32, 8, 2), recipe="bf16")
+    with pytest.raises(TypeError, match="QuantizedArray"):
+        fp4jax.dequantize(x)
