@@ -96,6 +96,10 @@ def main():
             from experiments.gpu_check_matmul import check_matmul
 
             check_matmul(record)
+            if "sweep" in which:
+                from experiments.gpu_check_matmul import sweep_w4a16
+
+                sweep_w4a16(record)
         except ImportError as e:
             record("matmul", error=f"not available: {e}")
     out = os.environ.get("OUT", ".")
