@@ -1,0 +1,204 @@
+"""Entry points that fp4jax calls: the Pallas Mosaic GPU kernels where they apply,
+the XLA reference path everywhere else.
+
+Every function takes ``backend``: ``"auto"`` (kernels on an sm_90 GPU when the shape,
+dtype and options are supported, else XLA), ``"pallas"`` (kernels or a ValueError that
+says why not) or ``"xla"`` (always the reference). The environment variable
+``FP4JAX_KERNELS=off`` turns ``"auto"`` into ``"xla"`` (``=on`` turns it into
+``"pallas"``); it is read at call (trace) time, nothing is cached.
+
+What the kernels cover (everything else goes to XLA under ``"auto"``):
+
+* ``quantize``: NVFP4, 1x16 blocks along the last axis, round-to-nearest, bfloat16
+  input whose element count / 16 is a multiple of 256 and last axis a multiple of 16.
+  Bit-identical to ``fp4jax.quantize`` (codes, E4M3 scale bits, tensor scale).
+* ``w4a16_matmul``: ``x (M, K) bf16 @ W`` with W an NVFP4 ``QuantizedArray`` (K, N)
+  scaled along K (1x16 along axis 0, or 16x16 tiles); M <= 256, K % 256 == 0,
+  N % 64 == 0. Equal to ``x @ dequantize(W)`` up to float32 accumulation order.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+BACKENDS = ("auto", "pallas", "xla")
+
+
+def on_sm90() -> bool:
+    """True when JAX's default device is an NVIDIA GPU of compute capability 9.x."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    if dev.platform != "gpu":
+        return False
+    cc = str(getattr(dev, "compute_capability", ""))
+    return cc.startswith("9")
+
+
+def _resolve(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    env = os.environ.get("FP4JAX_KERNELS", "").lower()
+    if backend == "auto" and env in ("off", "0", "xla"):
+        return "xla"
+    if backend == "auto" and env in ("on", "1", "pallas"):
+        return "pallas"
+    return backend
+
+
+def _nvfp4(fmt) -> bool:
+    import fp4jax
+
+    return fmt == fp4jax.NVFP4 or fmt == "nvfp4"
+
+
+# ---------------------------------------------------------------------------
+# Quantize.
+# ---------------------------------------------------------------------------
+
+
+def quantize_unsupported_reason(shape, dtype, *, fmt=None, axis=-1, block_2d=False,
+                                rounding="nearest") -> str | None:
+    """None when the quantize kernel handles these arguments, else the reason."""
+    from pallas_kernels import quantize_nvfp4_sm90 as qk
+
+    if fmt is not None and not _nvfp4(fmt):
+        return "kernel implements NVFP4 only"
+    if block_2d:
+        return "kernel implements 1x16 blocks only (no 16x16)"
+    if rounding != "nearest":
+        return "kernel implements round-to-nearest only (no stochastic rounding)"
+    if len(shape) < 1 or axis % len(shape) != len(shape) - 1:
+        return "kernel blocks along the last axis only"
+    c = shape[-1]
+    r = 1
+    for d in shape[:-1]:
+        r *= d
+    if not qk.supported((r, c), dtype):
+        return (f"kernel needs bfloat16, last axis % 16 == 0 and size/16 % {qk.SUB} == 0;"
+                f" got {jnp.dtype(dtype).name} {tuple(shape)}")
+    if not on_sm90():
+        return "no sm_90 GPU"
+    return None
+
+
+def is_supported(op: str, *args, **kwargs) -> bool:
+    """``is_supported("quantize", shape, dtype, fmt=, axis=, block_2d=, rounding=)`` or
+    ``is_supported("w4a16_matmul", m, k, n, q=None)``: True only on an sm_90 GPU."""
+    if op == "quantize":
+        return quantize_unsupported_reason(*args, **kwargs) is None
+    if op == "w4a16_matmul":
+        return w4a16_unsupported_reason(*args, **kwargs) is None
+    raise ValueError(f"unknown op {op!r}")
+
+
+def quantize_packed(x: jax.Array, *, backend: str = "auto"):
+    """NVFP4 1x16 quantization along the last axis, packed.
+
+    Returns ``(packed uint8 (..., C/2), scale_bits uint8 (..., C/16), dec float32)``:
+    ``packed`` is ``fp4jax.pack_e2m1(q.data)``, ``scale_bits`` the bits of ``q.scale``
+    and ``dec`` is ``q.global_scale`` of ``q = fp4jax.quantize(x, fp4jax.NVFP4)``.
+    """
+    import fp4jax
+    from pallas_kernels import quantize_nvfp4_sm90 as qk
+
+    backend = _resolve(backend)
+    reason = quantize_unsupported_reason(x.shape, x.dtype)
+    if backend == "pallas" and reason is not None:
+        raise ValueError(f"pallas quantize kernel unavailable: {reason}")
+    if backend == "xla" or reason is not None:
+        q = fp4jax.quantize(x, fp4jax.NVFP4)
+        return (fp4jax.pack_e2m1(q.data), jax.lax.bitcast_convert_type(q.scale, jnp.uint8),
+                q.global_scale)
+    c = x.shape[-1]
+    packed, sbits, dec = qk.quantize_nvfp4_1x16(x.reshape(-1, c))
+    return (packed.reshape(*x.shape[:-1], c // 2), sbits.reshape(*x.shape[:-1], c // 16), dec)
+
+
+def quantize(x: jax.Array, fmt=None, *, axis: int = -1, block_2d: bool = False,
+             rounding: str = "nearest", key=None, backend: str = "auto"):
+    """Drop-in for ``fp4jax.quantize`` that uses the kernel when it applies.
+
+    The kernel result is unpacked into a ``QuantizedArray`` (one extra XLA pass over the
+    packed bytes); callers that can consume packed data should use ``quantize_packed``.
+    """
+    import fp4jax
+    from fp4jax.quantize import QuantizedArray
+
+    fmt = fp4jax.NVFP4 if fmt is None else fmt
+    backend = _resolve(backend)
+    reason = quantize_unsupported_reason(x.shape, x.dtype, fmt=fmt, axis=axis,
+                                         block_2d=block_2d, rounding=rounding)
+    if backend == "pallas" and reason is not None:
+        raise ValueError(f"pallas quantize kernel unavailable: {reason}")
+    if backend == "xla" or reason is not None:
+        return fp4jax.quantize(x, fmt, axis=axis, block_2d=block_2d, rounding=rounding, key=key)
+    packed, sbits, dec = quantize_packed(x, backend="pallas")
+    data = fp4jax.unpack_e2m1(packed, x.shape[-1], axis=-1)
+    scale = jax.lax.bitcast_convert_type(sbits, jnp.float8_e4m3fn)
+    return QuantizedArray(data, scale, dec, fp4jax.get_format(fmt), x.ndim - 1, False)
+
+
+# ---------------------------------------------------------------------------
+# W4A16 GEMM.
+# ---------------------------------------------------------------------------
+
+
+def w4a16_unsupported_reason(m: int, k: int, n: int, q=None) -> str | None:
+    """None when ``w4a16_matmul`` runs the kernel for x (m, k) @ W (k, n), else why not."""
+    if q is not None:
+        if not _nvfp4(q.fmt):
+            return "kernel implements NVFP4 weights only"
+        if not q.block_2d and q.axis != 0:
+            return "W must be scaled along K (axis=0 or 16x16 tiles)"
+    if m > 256:
+        return f"M <= 256 only (decode / small batches), got {m}"
+    if k % 256 or n % 64:
+        return f"K % 256 == 0 and N % 64 == 0 needed, got K={k}, N={n}"
+    if not on_sm90():
+        return "no sm_90 GPU"
+    return None
+
+
+def prepare_weight(q):
+    """Kernel layout of an NVFP4 weight ``QuantizedArray`` (K, N): ``(wq, ws, dec)``.
+
+    Do this once per weight (it is an XLA relayout of the codes and scales)."""
+    from pallas_kernels import fp4_matmul_sm90 as mm
+
+    return mm.prepare_weight(q)
+
+
+def w4a16_matmul(x: jax.Array, q, *, prepared=None, out_dtype=None, backend: str = "auto"):
+    """``x (..., K) @ dequantize(q)`` for an NVFP4 weight ``q`` (K, N).
+
+    ``prepared``: the ``(wq, ws, dec)`` of ``prepare_weight(q)`` if already made.
+    ``out_dtype`` defaults to ``x.dtype``. The XLA path computes
+    ``dot(x, dequantize(q, float32))`` in float32.
+    """
+    import fp4jax
+    from pallas_kernels import fp4_matmul_sm90 as mm
+
+    backend = _resolve(backend)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    k, n = q.data.shape
+    lead = x.shape[:-1]
+    m = 1
+    for d in lead:
+        m *= d
+    reason = w4a16_unsupported_reason(m, k, n, q)
+    if reason is None and x.dtype != jnp.bfloat16:
+        reason = f"x must be bfloat16, got {x.dtype}"
+    if backend == "pallas" and reason is not None:
+        raise ValueError(f"pallas W4A16 kernel unavailable: {reason}")
+    if backend == "xla" or reason is not None:
+        w = fp4jax.dequantize(q, jnp.float32)
+        y = jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+        return y.astype(out_dtype)
+    wq, ws, dec = prepared if prepared is not None else mm.prepare_weight(q)
+    y = mm.w4a16_matmul(x.reshape(m, k), wq, ws, dec, out_dtype=out_dtype)
+    return y.reshape(*lead, n)

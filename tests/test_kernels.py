@@ -1,0 +1,196 @@
+"""CPU tests of the Pallas Mosaic GPU kernels (pallas_kernels/).
+
+* The quantize kernel body runs in Mosaic GPU interpret mode
+  (``InterpretGPUParams``) and is compared bit for bit with an independent NumPy
+  reference (ml_dtypes casts) and with ``fp4jax.quantize``.
+* Both kernels are lowered for CUDA on this CPU machine (``jax.export`` with
+  ``platforms=["cuda"]``), which runs the whole Pallas -> Mosaic GPU lowering and
+  catches unsupported ops, layouts and shapes without a GPU.
+* The W4A16 kernel cannot run in interpret mode (the JAX 0.10.2 GPU interpreter
+  has no rule for ``plgpu.load`` with a layout, nor for ``wgmma`` from registers),
+  so its pure-JAX parts are tested: the in-register decoders, the kernel weight
+  layout and its reference product against ``fp4jax``.
+Exactness on the GPU itself: experiments/gpu_check_kernels.py (results in
+experiments/results/).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+from pallas_kernels import dispatch  # noqa: E402
+from pallas_kernels import fp4_matmul_sm90 as mm  # noqa: E402
+from pallas_kernels import quantize_nvfp4_sm90 as qk  # noqa: E402
+from pallas_kernels import reference as npref  # noqa: E402
+
+try:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+except ImportError:  # pragma: no cover
+    InterpretGPUParams = None
+
+LUT = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def _hard_input(rows, cols, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    x *= np.exp2(rng.integers(-20, 20, (rows, 1))).astype(np.float32)  # scale subnormals too
+    x[0, :16] = 0.0  # all-zero block -> s = 0, e = 0
+    x[0, 16:32] = -0.0
+    x[1, 3] = np.inf  # Inf block -> NaN scale
+    x[2, 40] = np.nan  # NaN block -> NaN scale
+    x[3, :16] = rng.choice([-6, -5, -3.5, -2.5, -1.75, -1.25, -.75, -.25, .25, .75, 1.25,
+                            1.75, 2.5, 3.5, 5, 6], 16)  # E2M1 ties after scaling by 1
+    x[3, 0] = 6.0
+    return x
+
+
+def _numpy_expected(xb16):
+    x32 = np.asarray(xb16.astype(jnp.float32))
+    codes, sbits, dec = npref.quantize_nvfp4_1x16(x32)
+    packed = npref.pack_codes(codes)
+    # NaN/Inf blocks: the scale carries the NaN; element codes there are unspecified.
+    finite_blk = np.isfinite(x32.reshape(*x32.shape[:-1], -1, 16)).all(-1)
+    return packed, sbits, dec, finite_blk
+
+
+def _compare(packed, sbits, dec, xb16):
+    e_packed, e_sbits, e_dec, finite_blk = _numpy_expected(xb16)
+    np.testing.assert_array_equal(np.asarray(sbits), e_sbits)
+    assert np.float32(dec) == e_dec
+    pk = np.asarray(packed).reshape(*finite_blk.shape, 8)
+    ek = e_packed.reshape(*finite_blk.shape, 8)
+    np.testing.assert_array_equal(pk[finite_blk], ek[finite_blk])
+
+
+@pytest.mark.skipif(InterpretGPUParams is None, reason="no Mosaic GPU interpret mode")
+@pytest.mark.parametrize("shape,seed", [((16, 256), 0), ((4, 2048), 1)])
+def test_quantize_kernel_interpret_matches_numpy(shape, seed):
+    x = jnp.asarray(_hard_input(*shape, seed), jnp.bfloat16)
+    packed, sbits, dec = qk.quantize_nvfp4_1x16(x, interpret=InterpretGPUParams())
+    _compare(packed, sbits, dec, x)
+
+
+@pytest.mark.skipif(InterpretGPUParams is None, reason="no Mosaic GPU interpret mode")
+def test_quantize_kernel_interpret_matches_fp4jax():
+    fp4jax = pytest.importorskip("fp4jax")
+    x = jnp.asarray(_hard_input(16, 256, 2), jnp.bfloat16)
+    x = jnp.where(jnp.isfinite(x), x, 1.0)  # data codes of NaN blocks are unspecified
+    packed, sbits, dec = qk.quantize_nvfp4_1x16(x, interpret=InterpretGPUParams())
+    q = fp4jax.quantize(x, fp4jax.NVFP4)
+    np.testing.assert_array_equal(np.asarray(packed), np.asarray(fp4jax.pack_e2m1(q.data)))
+    np.testing.assert_array_equal(
+        np.asarray(sbits), np.asarray(jax.lax.bitcast_convert_type(q.scale, jnp.uint8)))
+    assert float(dec) == float(q.global_scale)
+
+
+def test_e4m3_round_matches_ml_dtypes():
+    # every E4M3 value, the midpoints between neighbours (ties) and random values;
+    # float32 normals only (XLA on CPU flushes float32 subnormals)
+    grid = np.arange(0, 127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    mids = (grid[1:] + grid[:-1]) / 2
+    rng = np.random.default_rng(0)
+    rand = np.exp2(rng.uniform(-12, 8.8, 4000)).astype(np.float32)
+    v = np.concatenate([grid, mids, rand, np.nextafter(mids, 0), np.nextafter(mids, 1000)])
+    v = np.minimum(v, np.float32(448))
+    v = v[(v == 0) | (v >= np.finfo(np.float32).tiny)]
+    val, byte = jax.jit(qk.e4m3_round)(jnp.asarray(v))
+    expect = v.astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(byte).astype(np.uint8), expect.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(val), expect.astype(np.float32))
+
+
+def test_e2m1_code_matches_ml_dtypes():
+    mags = np.array([0, .25, .5, .75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 100],
+                    np.float32)
+    v = np.concatenate([mags, -mags, np.nextafter(mags, 0), np.nextafter(mags, 10),
+                        np.random.default_rng(1).uniform(-8, 8, 3000).astype(np.float32)])
+    got = np.asarray(jax.jit(qk.e2m1_code)(jnp.asarray(v)))
+    np.testing.assert_array_equal(got.astype(np.uint8), npref.e2m1_codes(v))
+
+
+def test_quantize_supported_shapes():
+    assert qk.supported((16, 256), jnp.bfloat16)
+    assert not qk.supported((16, 256), jnp.float32)
+    assert not qk.supported((3, 256), jnp.bfloat16)  # 48 blocks, not a multiple of 256
+    assert not qk.supported((256, 100), jnp.bfloat16)
+
+
+def _export_cuda(f, *avals):
+    return jax.export.export(jax.jit(f), platforms=["cuda"])(*avals)
+
+
+def test_quantize_kernel_lowers_for_cuda():
+    x = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((), jnp.float32)
+    exp = _export_cuda(lambda x, e, d: qk.quantize_nvfp4_1x16_scaled(x, e, d), x, s, s)
+    assert "mosaic_gpu" in exp.mlir_module()
+
+
+@pytest.mark.parametrize("m,k,n", [(16, 2048, 256), (1, 256, 64), (200, 512, 128)])
+def test_w4a16_kernel_lowers_for_cuda(m, k, n):
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+            jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((k // 16, n), jnp.uint8),
+            jax.ShapeDtypeStruct((), jnp.float32))
+    exp = _export_cuda(lambda *a: mm.w4a16_matmul(*a), *args)
+    assert "mosaic_gpu" in exp.mlir_module()
+
+
+def test_w4a16_decoders_exact():
+    b = jnp.arange(256, dtype=jnp.int16)
+    bb = np.arange(256)
+    # compare through ml_dtypes: XLA on CPU flushes bf16 subnormals in converts
+    lo = np.asarray(mm._decode_e2m1(b)).astype(np.float32) * np.float32(2.0**126)
+    hi = np.asarray(mm._decode_e2m1_hi(b)).astype(np.float32) * np.float32(2.0**126)
+    np.testing.assert_array_equal(lo, LUT[bb & 15])
+    np.testing.assert_array_equal(hi, LUT[bb >> 4])
+    sb = jnp.arange(127, dtype=jnp.uint8)
+    np.testing.assert_array_equal(
+        np.asarray(mm._decode_e4m3(sb)),
+        np.arange(127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+
+
+@pytest.mark.parametrize("block_2d", [False, True])
+def test_w4a16_layout_and_reference(block_2d):
+    fp4jax = pytest.importorskip("fp4jax")
+    kx, kw = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(kx, (5, 512)).astype(jnp.bfloat16)
+    w = jax.random.normal(kw, (512, 192)) * 0.05
+    q = (fp4jax.quantize(w, fp4jax.NVFP4, block_2d=True) if block_2d
+         else fp4jax.quantize(w, fp4jax.NVFP4, axis=0))
+    wq, ws, dec = mm.prepare_weight(q)
+    assert wq.shape == (192, 256) and ws.shape == (32, 192)
+    # undo the kernel layout by hand and compare with the logical codes
+    from fp4jax.quantize import e2m1_codes
+
+    codes = np.asarray(e2m1_codes(q.data))  # (K, N)
+    wq_np = np.asarray(wq).reshape(192, 16, 16)
+    rebuilt = np.stack([wq_np & 15, wq_np >> 4], axis=2).reshape(192, 512).T
+    np.testing.assert_array_equal(rebuilt, codes)
+    y = mm.reference_w4a16(x, wq, ws, dec)
+    expect = jnp.dot(x.astype(jnp.float32), fp4jax.dequantize(q, jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(expect), rtol=1e-5, atol=1e-6)
+
+
+def test_dispatch_falls_back_to_xla_on_cpu(monkeypatch):
+    fp4jax = pytest.importorskip("fp4jax")
+    assert not dispatch.on_sm90()
+    assert not dispatch.is_supported("quantize", (64, 256), jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(0), (64, 256)).astype(jnp.bfloat16)
+    q1, q2 = dispatch.quantize(x), fp4jax.quantize(x)
+    np.testing.assert_array_equal(np.asarray(fp4jax.pack_e2m1(q1.data)),
+                                  np.asarray(fp4jax.pack_e2m1(q2.data)))
+    with pytest.raises(ValueError, match="no sm_90 GPU"):
+        dispatch.quantize_packed(x, backend="pallas")
+    monkeypatch.setenv("FP4JAX_KERNELS", "on")
+    with pytest.raises(ValueError, match="unavailable"):
+        dispatch.quantize_packed(x)
+    with pytest.raises(ValueError, match="backend"):
+        dispatch.quantize(x, backend="triton")
