@@ -1,0 +1,209 @@
+"""Benchmark of fp4jax's Pallas Mosaic GPU kernels against the baselines (issue 5).
+
+One script, one device call:
+
+    PYTHONPATH=$PWD python3 experiments/bench_kernels.py
+
+Device time of every jitted call is measured with CUPTI
+(``jax.experimental.mosaic.gpu.profiler.measure``: the sum of the kernels one call
+launches, so dispatch overhead is excluded and decode-sized calls are timed exactly),
+after 2 warm-up calls, as the median of 20 (or 50 for decode) calls. Ratios are taken
+against bf16 ``jnp.dot`` timed in the same run. Writes ``$OUT/bench_kernels.json``
+(``./bench_kernels.json`` without $OUT) with the device name and JAX version, and
+prints a table.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fp4jax  # noqa: E402
+from experiments.kernel_timing import time_fn  # noqa: E402
+from pallas_kernels import fp4_matmul_sm90 as mm  # noqa: E402
+from pallas_kernels import quantize_nvfp4_sm90 as qk  # noqa: E402
+
+OUT = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+       "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command":
+       "PYTHONPATH=$PWD python3 experiments/bench_kernels.py", "results": []}
+
+
+def rec(group, name, **kw):
+    kw.update(group=group, name=name)
+    OUT["results"].append(kw)
+    print(json.dumps(kw), flush=True)
+
+
+def timed(group, name, f, *args, iterations=20, **extra):
+    try:
+        t = time_fn(jax.jit(f), *args, iterations=iterations)
+        rec(group, name, us=t["median_us"], min_us=t["min_us"], method=t["method"], **extra)
+        return t["median_us"]
+    except Exception as e:  # noqa: BLE001
+        rec(group, name, error=f"{type(e).__name__}: {str(e)[:600]}",
+            tb=traceback.format_exc()[-1500:])
+        return None
+
+
+def rand(shape, key, dtype=jnp.bfloat16, scale=1.0):
+    return (jax.random.normal(jax.random.key(key), shape, jnp.float32) * scale).astype(dtype)
+
+
+def bench_copy():
+    x = rand((8192, 8192), 0)
+    us = timed("copy", "bf16 x*2 8192x8192", lambda x: x * 2, x)
+    gbps = 2 * x.size * 2 / us / 1e3
+    OUT["copy_gbps"] = gbps
+    rec("copy", "copy bandwidth", gbps=gbps)
+    return gbps
+
+
+def bench_quantize(copy_gbps):
+    for (r, c) in ((8192, 8192), (16384, 4096), (4096, 14336)):
+        x = rand((r, c), 1)
+        n = r * c
+        g = f"quantize {r}x{c}"
+        enc, dec = jax.jit(qk.global_scales)(x)
+        # correctness of the timed configuration, on this input
+        pk, sb, d = jax.jit(qk.quantize_nvfp4_1x16)(x)
+        q = jax.jit(lambda x: fp4jax.quantize(x, fp4jax.NVFP4))(x)
+        exact = bool((pk == fp4jax.pack_e2m1(q.data)).all()
+                     & (sb == jax.lax.bitcast_convert_type(q.scale, jnp.uint8)).all()
+                     & (d == q.global_scale))
+        rec(g, "kernel exact vs fp4jax.quantize", exact=exact)
+        total_bytes = n * (2 + 2 + 0.5 + 1 / 16)  # amax read + read + packed + scales
+        kern_bytes = n * (2 + 0.5 + 1 / 16)
+        for name, f, args, nbytes in (
+            ("xla quantize-dequantize (fp4jax.dequantize(fp4jax.quantize(x)))",
+             lambda x: fp4jax.dequantize(fp4jax.quantize(x, fp4jax.NVFP4), jnp.bfloat16),
+             (x,), n * (2 + 2 + 2)),
+            ("xla fp4jax.quantize", lambda x: fp4jax.quantize(x, fp4jax.NVFP4), (x,),
+             total_bytes),
+            ("xla amax + scales only", qk.global_scales, (x,), n * 2),
+            ("pallas kernel + xla amax (total)", qk.quantize_nvfp4_1x16, (x,), total_bytes),
+            ("pallas kernel only (scales given)", qk.quantize_nvfp4_1x16_scaled,
+             (x, enc, dec), kern_bytes),
+        ):
+            us = timed(g, name, f, *args)
+            if us:
+                gbps = nbytes / us / 1e3
+                rec(g, name + " [bw]", gbps=gbps, frac_of_copy=gbps / copy_gbps, us=us)
+        if (r, c) == (8192, 8192):  # tile sweep of the kernel alone
+            for kt in (1, 2):
+                for spc in (1, 2, 4):
+                    f = functools.partial(qk.quantize_nvfp4_1x16_scaled, block=kt,
+                                          steps_per_cta=spc)
+                    us = timed(g, f"sweep kernel only block={kt} steps_per_cta={spc}", f,
+                               x, enc, dec)
+                    if us:
+                        rec(g, f"sweep block={kt} spc={spc} [bw]",
+                            frac_of_copy=kern_bytes / us / 1e3 / copy_gbps, us=us)
+
+
+def bench_gemm():
+    key = jax.random.key(7)
+    recipe = fp4jax.recipes.nvfp4()
+    for (m, k, n) in ((8192, 8192, 8192), (4096, 4096, 4096), (16384, 4096, 14336)):
+        g = f"gemm {m}x{k}x{n}"
+        x, w = rand((m, k), 2), rand((k, n), 3, scale=0.02)
+        flops = 2 * m * k * n
+        t_bf = timed(g, "bf16 jnp.dot", jnp.dot, x, w)
+        t_fp = timed(g, "fp4jax.dot nvfp4 fwd (XLA path)",
+                     lambda x, w: fp4jax.dot(x, w, recipe=recipe, key=key), x, w)
+        try:
+            cfg = jax.nn.get_scaled_dot_general_config("nvfp4")
+            dn = (((1,), (0,)), ((), ()))
+            t_sd = timed(g, "jax.nn.scaled_dot_general nvfp4 fwd", lambda x, w, dn=dn, c=cfg: (
+                jax.nn.scaled_dot_general(x, w, dn, preferred_element_type=jnp.bfloat16,
+                                          configs=[c, c, c])), x, w)
+        except Exception as e:  # noqa: BLE001
+            t_sd = None
+            rec(g, "jax.nn.scaled_dot_general nvfp4 fwd", error=f"{type(e).__name__}: {e}"[:300])
+        for name, t in (("bf16 jnp.dot", t_bf), ("fp4jax.dot nvfp4 fwd (XLA path)", t_fp),
+                        ("jax.nn.scaled_dot_general nvfp4 fwd", t_sd)):
+            if t and t_bf:
+                rec(g, name + " [rate]", tflops=flops / t / 1e6, ratio_to_bf16=t / t_bf)
+        rec(g, "fp4jax W4A4 Pallas kernel", error="not implemented (see report)")
+        if (m, k, n) != (16384, 4096, 14336):
+            def loss_bf(x, w):
+                return jnp.dot(x, w).astype(jnp.float32).sum()
+
+            def loss_fp(x, w):
+                return fp4jax.dot(x, w, recipe=recipe, key=key).astype(jnp.float32).sum()
+
+            t1 = timed(g, "bf16 fwd+bwd", jax.grad(loss_bf, argnums=(0, 1)), x, w)
+            t2 = timed(g, "fp4jax nvfp4 recipe fwd+bwd (XLA path)",
+                       jax.grad(loss_fp, argnums=(0, 1)), x, w)
+            if t1 and t2:
+                rec(g, "recipe fwd+bwd ratio to bf16", ratio_to_bf16=t2 / t1)
+
+
+def bench_decode():
+    for m in (1, 16, 64):
+        k = n = 8192
+        g = f"decode M={m} K={k} N={n}"
+        x = rand((m, k), 4)
+        w = rand((k, n), 5, dtype=jnp.float32, scale=0.02)
+        q = jax.jit(lambda w: fp4jax.quantize(w, fp4jax.NVFP4, block_2d=True))(w)
+        wq, ws, dec = jax.jit(mm.prepare_weight)(q)
+        wb = fp4jax.dequantize(q, jnp.bfloat16)
+        y = jax.jit(mm.w4a16_matmul, static_argnames="out_dtype")(x, wq, ws, dec,
+                                                                   out_dtype=jnp.float32)
+        ref = jnp.dot(x.astype(jnp.float32), fp4jax.dequantize(q, jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+        rel = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+        rec(g, "w4a16 kernel rel err vs x @ dequantize(W) (f32)", rel_err=rel, ok=rel < 1e-5)
+        t_bf = timed(g, "bf16 jnp.dot", jnp.dot, x, wb, iterations=50)
+        t_x = timed(g, "xla dot(x, dequantize(W)) (pre-quantized W)",
+                    lambda x, q: jnp.dot(x, fp4jax.dequantize(q, jnp.bfloat16)), x, q,
+                    iterations=50)
+        t_k = timed(g, "pallas w4a16 kernel", mm.w4a16_matmul, x, wq, ws, dec, iterations=50)
+        t_s = timed(g, "pallas w4a16 kernel (safe_subnormal decode)",
+                    functools.partial(mm.w4a16_matmul, safe_subnormal=True), x, wq, ws, dec,
+                    iterations=50)
+        wbytes = k * n * (0.5 + 1 / 16)
+        for name, t in (("bf16 jnp.dot", t_bf), ("xla dequant+dot", t_x),
+                        ("pallas w4a16 kernel", t_k), ("pallas w4a16 safe", t_s)):
+            if t and t_bf:
+                rec(g, name + " [rate]", speedup_vs_bf16=t_bf / t,
+                    weight_gbps=(wbytes if "pallas" in name else k * n * 2) / t / 1e3)
+        if m == 16:
+            for split in (2, 4, 8):
+                timed(g, f"sweep w4a16 split_k={split}",
+                      functools.partial(mm.w4a16_matmul, split_k=split), x, wq, ws, dec,
+                      iterations=50)
+
+
+def main():
+    which = sys.argv[1:] or ["copy", "quantize", "decode", "gemm"]
+    copy_gbps = bench_copy()
+    if "quantize" in which:
+        bench_quantize(copy_gbps)
+    if "decode" in which:
+        bench_decode()
+    if "gemm" in which:
+        bench_gemm()
+    out = os.environ.get("OUT", ".")
+    with open(os.path.join(out, "bench_kernels.json"), "w") as f:
+        json.dump(OUT, f, indent=1)
+    print("\n==== summary ====")
+    for r in OUT["results"]:
+        if "error" in r:
+            print(f"{r['group']:<28} {r['name'][:60]:<60} ERROR {r['error'][:120]}")
+        else:
+            vals = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
+                    if k not in ("group", "name", "method", "min_us")}
+            print(f"{r['group']:<28} {r['name'][:60]:<60} {vals}")
+
+
+if __name__ == "__main__":
+    main()
