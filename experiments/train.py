@@ -79,7 +79,7 @@ class TrainConfig:
     last_bf16: int = -1
     switch_at: float | None = None
     switch: str = "both"
-    eval_every: int = 50
+    eval_every: int = 25
     eval_batches: int = 4
     log_every: int = 10
     checkpoint_every: int = 0
@@ -182,6 +182,10 @@ def loss_fn(model: Llama, params: Any, batch: jax.Array, key: jax.Array) -> jax.
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
+def _global_norm(tree: Any) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
 def make_train_step(model: Llama, tx: optax.GradientTransformation, base_key: jax.Array,
                     mesh: Mesh) -> Callable:
     """A jit-compiled ``step(state, batch) -> (state, metrics)``; state stays replicated."""
@@ -191,7 +195,7 @@ def make_train_step(model: Llama, tx: optax.GradientTransformation, base_key: ja
         loss, grads = jax.value_and_grad(lambda p: loss_fn(model, p, batch, key))(state["params"])
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, "grad_norm": _global_norm(grads)}
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
     repl = NamedSharding(mesh, P())
@@ -260,8 +264,9 @@ class _Progress:
             try:
                 from tqdm.auto import tqdm
 
+                tty = sys.stderr.isatty()
                 self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True,
-                                file=sys.stderr)
+                                file=sys.stderr, mininterval=0.2 if tty else 10.0)
             except ImportError:  # tqdm is optional: fall back to log lines
                 pass
 
@@ -521,20 +526,36 @@ def plot_losses(results: Sequence[dict], path: Path) -> Path | None:
         print("matplotlib is not installed: no plot (pip install 'fp4jax[train]')",
               file=sys.stderr)
         return None
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    base = next((r for r in results if r["recipe"] == "bf16"), None)
+    ncols = 3 if base is not None and len(results) > 1 else 2
+    fig, axes = plt.subplots(1, ncols, figsize=(5.5 * ncols, 4))
+    ax1, ax2 = axes[0], axes[1]
+
+    def ema(xs):
+        out, e = [], None
+        for x in xs:
+            e = x if e is None else 0.9 * e + 0.1 * x
+            out.append(e)
+        return np.array(out)
+
     for r in results:
         h = r["history"]
-        ema, sm = None, []
-        for x in h["loss"]:
-            ema = x if ema is None else 0.9 * ema + 0.1 * x
-            sm.append(ema)
-        ax1.plot(h["step"], sm, label=r["recipe"])
+        ax1.plot(h["step"], ema(h["loss"]), label=r["recipe"])
         ax2.plot(h["val_step"], h["val_loss"], marker="o", ms=3, label=r["recipe"])
+        if ncols == 3 and r is not base and h["step"] == base["history"]["step"]:
+            gap = 100 * (ema(h["loss"]) / ema(base["history"]["loss"]) - 1)
+            axes[2].plot(h["step"], gap, label=r["recipe"])
     ax1.set(xlabel="step", ylabel="train loss (EMA 0.9, nats/byte)", title="training loss")
     ax2.set(xlabel="step", ylabel="val loss (nats/byte)", title="validation loss")
-    for ax in (ax1, ax2):
+    if ncols == 3:
+        axes[2].axhline(0, color="k", lw=0.8)
+        axes[2].set(xlabel="step", ylabel="% above bf16", title="train loss gap to bf16 (EMA)")
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
+    for ax in (ax1, ax2):
+        lo = min(min(r["history"]["val_loss"] or [np.inf]) for r in results)
+        ax.set_ylim(bottom=max(0.0, lo - 0.3), top=lo + 2.5)
     r0 = results[0]
     fig.suptitle(f"{r0['preset']} preset, {r0['params'] / 1e6:.2f}M params, "
                  f"{r0['devices']}x {r0['device_kind']}")

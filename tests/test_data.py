@@ -7,9 +7,9 @@ import tarfile
 
 import numpy as np
 import pytest
-from textdata import make_text, write_text
 
 from fp4jax import data
+from tests.textdata import make_text, write_text
 
 
 def test_load_file_and_split(tmp_path):

@@ -1,0 +1,77 @@
+"""Tests of the Llama-style model: shapes, dtypes, parameter count, causality, options."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp4jax
+from fp4jax.models import PRESETS, Llama, LlamaConfig, get_preset
+from fp4jax.nn import PrecisionPolicy
+
+CFG = LlamaConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64)
+TOKENS = jax.random.randint(jax.random.key(0), (2, 16), 0, 256, dtype=jnp.int32)
+RTN = fp4jax.recipes.nvfp4().replace(sr=False)
+
+
+def _init(model):
+    return jax.jit(model.init)(jax.random.key(1), TOKENS)
+
+
+@pytest.mark.parametrize("ffn", ["relu2", "swiglu"])
+def test_shapes_dtypes_param_count(ffn):
+    cfg = CFG.replace(ffn=ffn)
+    model = Llama(cfg, PrecisionPolicy(RTN))
+    variables = jax.eval_shape(model.init, jax.random.key(1), TOKENS)  # shapes only: no compute
+    leaves = jax.tree.leaves(variables)
+    assert all(x.dtype == jnp.float32 for x in leaves)  # FP32 master weights
+    assert sum(x.size for x in leaves) == cfg.num_params()
+    p = variables["params"]
+    assert "bias" not in str(jax.tree.structure(p))
+    assert p["embed"]["embedding"].shape == (256, 32) and p["lm_head"]["kernel"].shape == (32, 256)
+    blk = p["block_0"]
+    assert blk["q"]["kernel"].shape == (32, 32) and blk["k"]["kernel"].shape == (32, 16)
+    assert ("gate" in blk) == (ffn == "swiglu")
+    logits = jax.eval_shape(model.apply, variables, TOKENS)
+    assert logits.shape == (2, 16, 256) and logits.dtype == jnp.float32
+
+
+def test_causal():
+    # BF16: under NVFP4 the per-tensor amax (global scale) spans all tokens, so a future token
+    # can change the quantization of earlier ones (a property of the recipe, not a mask bug).
+    model = Llama(CFG, PrecisionPolicy(fp4jax.recipes.bf16()))
+    variables = _init(model)
+    f = jax.jit(model.apply)
+    a = f(variables, TOKENS)
+    b = f(variables, TOKENS.at[:, 10].set((TOKENS[:, 10] + 1) % 256))
+    np.testing.assert_array_equal(np.asarray(a[:, :10]), np.asarray(b[:, :10]))
+    assert not np.allclose(a[:, 10:], b[:, 10:])
+    assert np.isfinite(np.asarray(a)).all()
+
+
+def test_policy_changes_numerics_only_where_asked():
+    v = _init(Llama(CFG, PrecisionPolicy(RTN)))
+    f = {name: jax.jit(Llama(CFG, pol).apply) for name, pol in {
+        "bf16": PrecisionPolicy(fp4jax.recipes.bf16()),
+        "fp4": PrecisionPolicy(RTN),
+        "all_hp": PrecisionPolicy(RTN, first_high_precision=1, last_high_precision=1),
+    }.items()}
+    y = {k: np.asarray(fn(v, TOKENS)) for k, fn in f.items()}
+    assert not np.allclose(y["bf16"], y["fp4"], atol=1e-3)
+    np.testing.assert_allclose(y["all_hp"], y["bf16"], atol=2e-2)
+
+
+def test_presets_and_errors():
+    sizes = {k: c.num_params() for k, c in PRESETS.items()}
+    assert 0.5e6 < sizes["tiny"] < 1.5e6 and 80e6 < sizes["100m"] < 120e6
+    with pytest.raises(ValueError, match="valid presets: .*tiny"):
+        get_preset("huge")
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        LlamaConfig(n_heads=4, n_kv_heads=3)
+    with pytest.raises(ValueError, match="ffn"):
+        LlamaConfig(ffn="gelu")
+    model = Llama(CFG, PrecisionPolicy(RTN))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model.init(jax.random.key(0), jnp.zeros((1, 65), jnp.int32))

@@ -1,0 +1,177 @@
+"""Tests of fp4jax.nn: linen and NNX layers agree with fp4jax.dot; SR keys; policies."""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import fp4jax
+from fp4jax.nn import PrecisionPolicy
+from fp4jax.nn import linen as fl
+from fp4jax.nn import nnx as fn
+
+RTN = fp4jax.recipes.nvfp4().replace(sr=False, name="nvfp4-rtn")  # deterministic gradients
+SR = fp4jax.recipes.nvfp4()
+X = jax.random.normal(jax.random.key(0), (2, 16, 64), jnp.float32)
+DN = (((2,), (0,)), ((), ()))
+
+
+C = jnp.cos(jnp.arange(32.0))
+
+
+def _fwd_bwd(fn, *args):
+    """``fn(*args)`` and the gradient of ``sum(fn(*args) * C)`` in one compiled call."""
+    return jax.jit(lambda *a: (fn(*a), jax.grad(lambda *b: jnp.sum(fn(*b) * C),
+                                                argnums=tuple(range(len(a))))(*a)))(*args)
+
+
+def _direct(x, w, recipe, key=None):
+    """Output and (dx, dw) computed by fp4jax.dot directly."""
+    return _fwd_bwd(lambda x, w: fp4jax.dot(x, w, recipe=recipe, key=key), x, w)
+
+
+def _assert_same(a, b):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_linen_dense_and_dot_general_cls_match_direct():
+    dense = nn.Dense(32, use_bias=False, dot_general_cls=functools.partial(fl.DotGeneral,
+                                                                            recipe=RTN))
+    mine = fl.Dense(32, recipe=RTN)
+    params = dense.init(jax.random.key(1), X)
+    assert jax.tree.structure(params) == jax.tree.structure(mine.init(jax.random.key(1), X))
+    w = params["params"]["kernel"]
+    y_ref, (dx_ref, dw_ref) = _direct(X, w, RTN)
+    assert not np.allclose(y_ref, X @ w, atol=1e-3)  # really quantized
+    for layer in (dense, mine):
+        y, (dx, dp) = _fwd_bwd(lambda x, p, m=layer: m.apply(p, x), X, params)
+        _assert_same(y, y_ref)
+        _assert_same(dx, dx_ref)
+        _assert_same(dp["params"]["kernel"], dw_ref)
+
+
+def test_nnx_linear_and_dot_general_match_direct():
+    rngs = nnx.Rngs(params=1, fp4=2)
+    a = nnx.Linear(64, 32, use_bias=False, dot_general=fn.DotGeneral(RTN, rngs=rngs), rngs=rngs)
+    b = fn.Linear(64, 32, recipe=RTN, rngs=nnx.Rngs(params=1, fp4=2))
+    w = a.kernel[...]
+    _assert_same(w, b.kernel[...])
+    y_ref, (dx_ref, dw_ref) = _direct(X, w, RTN)
+    for layer in (a, b):
+        graphdef, state = nnx.split(layer)
+        y, (dx, ds) = _fwd_bwd(lambda x, s, g=graphdef: nnx.merge(g, s)(x), X, state)
+        _assert_same(y, y_ref)
+        _assert_same(dx, dx_ref)
+        _assert_same(ds["kernel"][...], dw_ref)
+        _assert_same(layer(X), y_ref)  # and eagerly, through the module itself
+
+
+def test_linen_sr_keys_per_layer_and_step_reproducible():
+    class Two(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            # two layers with identical weights and inputs: only their SR keys differ
+            init = nn.initializers.constant(0.01)
+            return (fl.Dense(32, recipe=SR, kernel_init=init, name="a")(x),
+                    fl.Dense(32, recipe=SR, kernel_init=init, name="b")(x))
+
+    m = Two()
+    params = m.init(jax.random.key(0), X)
+
+    @jax.jit
+    def grads(key):
+        def f(p):
+            ya, yb = m.apply(p, X, rngs={"fp4": key})
+            return jnp.sum(ya * C) + jnp.sum(yb * C) * 2.0
+        g = jax.grad(f)(params)["params"]
+        return g["a"]["kernel"], g["b"]["kernel"] / 2.0
+
+    k0 = jax.random.key(7)
+    ga, gb = grads(k0)
+    assert not np.array_equal(ga, gb)  # different layers, different keys
+    ga2, _ = grads(k0)
+    _assert_same(ga, ga2)  # reproducible
+    ga3, _ = grads(jax.random.fold_in(k0, 1))
+    assert not np.array_equal(ga, ga3)  # different step, different key
+
+    # the layer's gradient is fp4jax.dot's with the key drawn from the stream at its path
+    class Probe(nn.Module):
+        @nn.compact
+        def __call__(self):
+            return _KeyOf(name="DotGeneral_0")()
+
+    class ProbeTwo(nn.Module):
+        @nn.compact
+        def __call__(self):
+            return Probe(name="a")()
+
+    key_a = ProbeTwo().apply({}, rngs={"fp4": k0})
+    w = params["params"]["a"]["kernel"]
+    _, (_, dw) = _direct(X, w, SR, key_a)
+    _assert_same(ga, dw)
+    with pytest.raises(ValueError, match="rngs="):
+        m.apply(params, X)
+
+
+class _KeyOf(nn.Module):
+    def __call__(self):
+        return self.make_rng("fp4")
+
+
+def test_nnx_sr_keys_advance():
+    layer = fn.Linear(64, 32, recipe=SR, rngs=nnx.Rngs(params=0, fp4=5))
+    grad = nnx.jit(lambda m: nnx.grad(lambda m: jnp.sum(m(X) * C))(m).kernel[...])
+    g1 = grad(layer)
+    g2 = grad(layer)
+    assert not np.array_equal(g1, g2)  # the stream's counter advanced between calls
+    again = fn.Linear(64, 32, recipe=SR, rngs=nnx.Rngs(params=0, fp4=5))
+    _assert_same(grad(again), g1)
+    with pytest.raises(ValueError, match="rngs"):
+        fn.DotGeneral(SR)
+
+
+def test_policy_counts_and_summary():
+    layers = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")
+    pol = PrecisionPolicy(SR, first_high_precision=2, last_high_precision=8)
+    assert pol.count(62, layers) == (52 * 7, 62 * 7 + 1)
+    assert pol.summary(62, layers).startswith("364 of 435 linear layers in NVFP4 (84%)")
+    assert pol.recipe_for(0, 62, "attn.q") is None
+    assert pol.recipe_for(2, 62, "attn.q") == SR
+    assert pol.recipe_for(53, 62, "attn.q") == SR and pol.recipe_for(54, 62, "attn.q") is None
+    pol2 = PrecisionPolicy(SR, high_precision_layers=("mlp.*",))
+    assert pol2.count(4, layers) == (16, 29)
+    assert PrecisionPolicy(fp4jax.recipes.bf16()).count(4, layers) == (0, 29)
+    assert "all high precision" in PrecisionPolicy(fp4jax.recipes.bf16()).summary(4, layers)
+    with pytest.raises(ValueError):
+        PrecisionPolicy(SR, first_high_precision=-1)
+
+
+def test_policy_counts_match_model():
+    """The summary's count equals the number of quantizing matmuls the model really runs."""
+    from fp4jax.models import Llama, LlamaConfig
+
+    for ffn, first, last in (("relu2", 1, 1), ("swiglu", 0, 2)):
+        cfg = LlamaConfig(d_model=32, n_layers=5, n_heads=2, n_kv_heads=1, d_ff=64, ffn=ffn)
+        pol = PrecisionPolicy(RTN, first_high_precision=first, last_high_precision=last)
+        model = Llama(cfg, pol)
+        seen = []
+
+        def spy(next_fun, args, kwargs, context, seen=seen):
+            if isinstance(context.module, fl.DotGeneral) and context.method_name == "__call__":
+                seen.append(context.module.recipe)
+            return next_fun(*args, **kwargs)
+
+        tokens = jnp.zeros((1, 8), jnp.int32)
+        params = jax.eval_shape(model.init, jax.random.key(0), tokens)
+        with nn.intercept_methods(spy):  # tracing runs the modules' Python: no compute needed
+            jax.eval_shape(model.apply, params, tokens)
+        q, total = pol.count(cfg.n_layers, cfg.linear_layers)
+        assert len(seen) == q == (cfg.n_layers - first - last) * len(cfg.linear_layers)
+        assert all(r == RTN for r in seen)
+        assert model.summary().startswith(f"{q} of {total} linear layers")

@@ -1,0 +1,157 @@
+"""Tests of the training harness (experiments/train.py) on the micro preset, on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import fp4jax
+from experiments import train as T
+from tests.textdata import write_text
+
+# One optimizer schedule for every test, so that runs share compiled step functions.
+BASE = dict(preset="micro", steps=30, lr=1e-2, batch_size=8, seq_len=64, eval_every=15,
+            eval_batches=2, log_every=1, warmup_steps=3, progress=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+    """A fresh persistent XLA cache for this module: identical step functions (resumed runs,
+    repeated configs) compile once. Numerics are unaffected."""
+    try:
+        from jax._src import compilation_cache as cc
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    old = {n: getattr(jax.config, n) for n in names}
+    jax.config.update(names[0], str(tmp_path_factory.mktemp("xla_cache")))
+    jax.config.update(names[1], 0.0)
+    jax.config.update(names[2], 0)
+    cc.reset_cache()
+    yield
+    for n, v in old.items():
+        jax.config.update(n, v)
+    cc.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    return str(write_text(tmp_path_factory.mktemp("data") / "corpus.txt", 60_000))
+
+
+def _cfg(text, tmp_path, **kw):
+    return T.TrainConfig(**{**BASE, "data": text, "out": str(tmp_path / "run"), **kw})
+
+
+def _losses(out):
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {(r["type"], r["step"]): r.get("loss", r.get("val_loss")) for r in recs}
+
+
+def test_compare_bf16_nvfp4_losses_fall(text, tmp_path, capsys):
+    cfg = _cfg(text, tmp_path)
+    results = T.compare(cfg, ["bf16", "nvfp4"])
+    for r in results:
+        h = r["history"]
+        assert h["val_step"] == [0, 15, 30]
+        assert r["final_val_loss"] < h["val_loss"][0] - 1.5, r["recipe"]  # ~5.5 -> < 4
+        assert np.isfinite(h["loss"]).all()
+    assert results[0]["policy"].startswith("0 of 13 linear layers quantized")
+    assert results[1]["policy"].startswith("6 of 13 linear layers in NVFP4")
+    out = tmp_path / "run"
+    assert (out / "compare.png").stat().st_size > 10_000
+    table = (out / "compare.md").read_text()
+    assert "| bf16 |" in table and "| nvfp4 |" in table and "+0.00%" in table
+    gap = 100 * (results[1]["final_val_loss"] / results[0]["final_val_loss"] - 1)
+    assert f"{gap:+.2f}%" in table
+    assert "gap to bf16" in capsys.readouterr().out
+    summary = json.loads((out / "compare.json").read_text())
+    assert [s["recipe"] for s in summary] == ["bf16", "nvfp4"]
+
+
+def test_resume_is_exact_and_refuses_changed_config(text, tmp_path):
+    full = T.train(_cfg(text, tmp_path / "a"))
+    out_b = tmp_path / "b"
+    T.train(_cfg(text, out_b, stop_at=17, checkpoint_every=5))  # checkpoints 5, 10, 15, 17
+    # pretend the run died after step 15's checkpoint: drop the one written at the stop
+    ckpt = T.Checkpointer(out_b / "run" / "checkpoints")
+    ckpt.mngr.delete(17)
+    assert ckpt.latest_step() == 15
+    ckpt.close()
+    resumed = T.train(_cfg(text, out_b, resume=True, checkpoint_every=5))
+    a, b = _losses(tmp_path / "a" / "run"), _losses(out_b / "run")
+    assert a.keys() == b.keys() and len(a) == 30 + 3
+    assert a == b  # bit-identical loss curves (NVFP4 with stochastic rounding)
+    assert resumed["final_val_loss"] == full["final_val_loss"]
+    with pytest.raises(ValueError, match=r"differing keys: lr: 0\.01 -> 0\.001; seed: 0 -> 1"):
+        T.train(_cfg(text, out_b, resume=True, lr=1e-3, seed=1))
+    with pytest.raises(ValueError, match="no checkpoint"):
+        T.train(_cfg(text, tmp_path / "c", resume=True))
+
+
+def test_sharded_four_devices_matches_one(text, tmp_path):
+    assert len(jax.devices()) >= 4, "tests/conftest.py should force 4 CPU devices"
+    one = T.train(_cfg(text, tmp_path / "one", devices=1, stop_at=6))
+    four = T.train(_cfg(text, tmp_path / "four", devices=4, stop_at=6))
+    assert four["devices"] == 4
+    np.testing.assert_allclose(four["history"]["loss"], one["history"]["loss"], rtol=2e-3)
+    assert len(one["history"]["loss"]) == 6
+    with pytest.raises(ValueError, match="not divisible by 4 devices"):
+        T.train(_cfg(text, tmp_path / "bad", devices=4, batch_size=6))
+
+
+def test_precision_switch(text, tmp_path):
+    r = fp4jax.recipes.nvfp4()
+    fwd, bwd = T.switched_recipe(r, "fwd"), T.switched_recipe(r, "bwd")
+    assert not fwd.fprop.quantized and fwd.dgrad.quantized and fwd.wgrad.quantized
+    assert bwd.fprop.quantized and not bwd.dgrad.quantized and not bwd.wgrad.quantized
+    assert not T.switched_recipe(r, "both").quantized
+    T.train(_cfg(text, tmp_path, switch_at=0.9, switch="both"))
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["recipe"] for x in recs if x["type"] == "train"] == ["nvfp4"] * 27 + ["bf16"] * 3
+
+
+def test_nan_stops_and_keeps_last_good_checkpoint(text, tmp_path, monkeypatch):
+    real = T.make_train_step
+
+    def poisoned(*args, **kwargs):
+        step = real(*args, **kwargs)
+
+        def wrapped(state, batch):
+            s = int(state["step"])
+            new, m = step(state, batch)
+            return new, (dict(m, loss=m["loss"] * np.nan) if s >= 5 else m)
+
+        return wrapped
+
+    monkeypatch.setattr(T, "make_train_step", poisoned)
+    cfg = _cfg(text, tmp_path, recipe="bf16", checkpoint_every=2)
+    with pytest.raises(T.TrainingDiverged, match="at step 5.*last good checkpoint: step 4"):
+        T.train(cfg)
+    ckpt = T.Checkpointer(tmp_path / "run" / "checkpoints")
+    assert ckpt.latest_step() == 4
+    ckpt.close()
+    monkeypatch.setattr("sys.argv", ["fp4jax-train"])
+    args = ["--preset", "micro", "--data", text, "--recipe", "bf16", "--steps", "30",
+            "--lr", "0.01", "--warmup-steps", "3", "--batch-size", "8", "--seq-len", "64",
+            "--eval-batches", "2", "--eval-every", "15", "--out", str(tmp_path / "cli"),
+            "--no-progress"]
+    assert T.main(args) == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--recipe", "nvfp5"], "unknown recipe 'nvfp5'; valid names: .*nvfp4"),
+    (["--compare", "bf16,fp3"], "unknown recipe 'fp3'; valid names"),
+    (["--preset", "giant"], "unknown preset 'giant'; valid presets: .*tiny"),
+    (["--data", "/nonexistent/corpus.txt"], "does not exist"),
+])
+def test_cli_bad_input(args, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        T.main([*args, "--out", str(tmp_path), "--no-progress"])
+    assert e.value.code == 2
+    assert __import__("re").search(message, capsys.readouterr().err)
