@@ -52,10 +52,8 @@ def _quant(x: jax.Array, spec: QuantSpec, axis: int, key: jax.Array) -> Operand:
     """Quantize one operand per its spec (or pass it through when unquantized)."""
     if not spec.quantized:
         return x
-    return qz.quantize(
-        x, spec.fmt, axis=axis, block_2d=spec.block_2d, rounding=spec.rounding,
-        key=key if spec.stochastic else None,
-    )
+    return qz._quantize_impl(x, key if spec.stochastic else None, spec.fmt, axis % x.ndim,
+                             spec.block_2d, spec.rounding)
 
 
 def _rht(x: jax.Array, g: GemmSpec, axis: int, key: jax.Array, gemm: str) -> jax.Array:
@@ -139,7 +137,7 @@ def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, p
         return dx.astype(lhs_dtype), dw.astype(rhs_dtype), None
 
     dot3.defvjp(fwd, bwd)
-    return dot3
+    return jax.jit(dot3)
 
 
 def _check_array(x: Any, name: str) -> jax.Array:

@@ -8,6 +8,7 @@ operands leaves the product unchanged while spreading block outliers.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -109,7 +110,13 @@ def random_hadamard_transform(
             f"random_hadamard_transform: x.shape[{axis}]={n} is not a multiple of size={size}; "
             "zero-pad that axis to a multiple first"
         )
-    mat = resolve_signs(signs, size)[:, None] * jnp.asarray(hadamard_matrix(size), jnp.float32)
+    return _rht_jit(x, resolve_signs(signs, size), axis, size)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _rht_jit(x: jax.Array, signs: jax.Array, axis: int, size: int) -> jax.Array:
+    n = x.shape[axis]
+    mat = signs[:, None] * jnp.asarray(hadamard_matrix(size), jnp.float32)
     xm = jnp.moveaxis(x, axis, -1)
     tiles = xm.reshape(*xm.shape[:-1], n // size, size)
     y = jnp.matmul(tiles, mat, precision=jax.lax.Precision.HIGHEST)

@@ -8,6 +8,7 @@ The scale formulas live in ``global_encode_scale``, ``block_decode_scale`` and
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -253,14 +254,27 @@ def quantize(
     _check_rounding(rounding, key)
     if x.ndim == 0:
         raise ValueError("x must have at least one dimension to be block-quantized")
+    if block_2d and x.ndim < 2:
+        raise ValueError(f"block_2d=True needs x with >= 2 dims, got shape {x.shape}")
+    if not block_2d and not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis={axis} is out of range for x of shape {x.shape}")
+    key = normalize_key(key) if rounding == "stochastic" else None
+    return _quantize_jit(x, key, fmt, axis % x.ndim, bool(block_2d), rounding)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _quantize_jit(x, key, fmt, axis, block_2d, rounding):
+    return _quantize_impl(x, key, fmt, axis, block_2d, rounding)
+
+
+def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding: str):
+    """The traced body of ``quantize`` (arguments already validated)."""
     b = fmt.block_size
     xf = x.astype(jnp.float32)
     enc = global_encode_scale(_finite_amax(xf), fmt)
     dec = jnp.float32(1.0) / enc
 
     if block_2d:
-        if x.ndim < 2:
-            raise ValueError(f"block_2d=True needs x with >= 2 dims, got shape {x.shape}")
         rows, cols = x.shape[-2:]
         xp = _pad_to(_pad_to(xf, -2, b), -1, b)
         lead = xp.shape[:-2]
@@ -271,13 +285,10 @@ def quantize(
         e = element_encode_scale(s, dec)[..., :, None, :, None]
         u = None
         if rounding == "stochastic":
-            u = numerics.uniform_from_key(normalize_key(key), tiles.shape)
+            u = numerics.uniform_from_key(key, tiles.shape)
         q = _round_elements(tiles * e, rounding, u).reshape(xp.shape)[..., :rows, :cols]
         return QuantizedArray(q.astype(_F4), s.astype(fmt.scale_dtype), dec, fmt, None, True)
 
-    if not -x.ndim <= axis < x.ndim:
-        raise ValueError(f"axis={axis} is out of range for x of shape {x.shape}")
-    axis = axis % x.ndim
     n = x.shape[axis]
     xm = _pad_to(jnp.moveaxis(xf, axis, -1), -1, b)
     blocks = xm.reshape(*xm.shape[:-1], xm.shape[-1] // b, b)
@@ -286,7 +297,7 @@ def quantize(
     e = element_encode_scale(s, dec)[..., None]
     u = None
     if rounding == "stochastic":
-        u = numerics.uniform_from_key(normalize_key(key), blocks.shape)
+        u = numerics.uniform_from_key(key, blocks.shape)
     q = _round_elements(blocks * e, rounding, u).reshape(xm.shape)[..., :n]
     q = jnp.moveaxis(q, -1, axis).astype(_F4)
     scale = jnp.moveaxis(s, -1, axis).astype(fmt.scale_dtype)
@@ -325,6 +336,11 @@ def dequantize(q: QuantizedArray, dtype: Any = jnp.float32) -> jax.Array:
     """
     if not isinstance(q, QuantizedArray):
         raise TypeError(f"dequantize expects a fp4jax.QuantizedArray, got {type(q).__name__}")
+    return _dequantize_jit(q, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _dequantize_jit(q: QuantizedArray, dtype) -> jax.Array:
     return (scaled_data(q) * q.global_scale).astype(dtype)
 
 
