@@ -33,6 +33,7 @@ __all__ = [
     "floor_log2",
     "pow2",
     "round_to_grid",
+    "div_rn",
     "stochastic_round_to_grid",
     "uniform_from_key",
 ]
@@ -142,10 +143,56 @@ def pow2(n: jax.Array) -> jax.Array:
     return _pow2_normal(half) * _pow2_normal(n - half)
 
 
-def _quantum(a: jax.Array, grid: FloatGrid) -> jax.Array:
-    """Spacing of ``grid`` in the binade of ``a >= 0`` (subnormal spacing below)."""
-    e = jnp.clip(floor_log2(a), grid.min_exp, grid.max_exp)
-    return pow2(e - grid.man_bits)
+def _quantum(a: jax.Array, grid: FloatGrid) -> tuple[jax.Array, jax.Array]:
+    """Spacing of ``grid`` in the binade of ``a >= 0`` (subnormal spacing below), and its
+    inverse; both exact powers of two, so ``a * inverse`` is an exact division."""
+    e = jnp.clip(floor_log2(a), grid.min_exp, grid.max_exp) - grid.man_bits
+    return pow2(e), pow2(-e)
+
+
+def div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Correctly rounded (IEEE round-to-nearest-even) float32 ``a / b`` on every backend.
+
+    Transformer Engine computes its scales with CUDA's ``1.0f / x``, which is the
+    IEEE-exact ``div.rn.f32``. XLA's float32 division on NVIDIA GPUs is not: on an
+    H200 with JAX 0.11.2, 13.5% of random reciprocals came out one ulp off
+    (``experiments/results/gpu_numpy_diff.json``), which flips E2M1 rounding ties in
+    about 0.02% of blocks. So the quotient is rebuilt here with integer long
+    division of the 24-bit significands (25 quotient bits, then round-half-even on
+    the guard bit and the sticky remainder), which every backend computes exactly.
+
+    Inputs that are zero, subnormal, infinite or NaN, and quotients outside the
+    normal float32 range, fall back to the backend's ``a / b`` (the scale formulas
+    clamp or special-case all of those).
+    """
+    a = a.astype(jnp.float32)
+    b = b.astype(jnp.float32)
+    a, b = jnp.broadcast_arrays(a, b)
+    ia = jax.lax.bitcast_convert_type(a, jnp.int32)
+    ib = jax.lax.bitcast_convert_type(b, jnp.int32)
+    ea = (ia >> 23) & 0xFF
+    eb = (ib >> 23) & 0xFF
+    ma = (ia & 0x7FFFFF) | 0x800000
+    mb = (ib & 0x7FFFFF) | 0x800000
+    shift = (ma < mb).astype(jnp.int32)
+    r = ma << shift  # now mb <= r < 2 * mb: the quotient r / mb is in [1, 2)
+    e = ea - eb - shift + 127
+    q = jnp.zeros_like(r)
+    for _ in range(25):  # 1 integer bit, 23 fraction bits, 1 guard bit
+        bit = (r >= mb).astype(jnp.int32)
+        q = (q << 1) | bit
+        r = (r - bit * mb) << 1
+    guard = q & 1
+    q = q >> 1
+    q = q + (guard & ((r != 0) | (q & 1)).astype(jnp.int32))
+    carry = q >> 24
+    q = q >> carry
+    e = e + carry
+    sign = (ia ^ ib) & jnp.int32(-(2**31))
+    bits = sign | (e << 23) | (q & 0x7FFFFF)
+    exact = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    ok = (ea > 0) & (ea < 255) & (eb > 0) & (eb < 255) & (e > 0) & (e < 255)
+    return jnp.where(ok, exact, a / b)
 
 
 def round_to_grid(v: jax.Array, grid: FloatGrid, mode: str = "nearest") -> jax.Array:
@@ -160,7 +207,7 @@ def round_to_grid(v: jax.Array, grid: FloatGrid, mode: str = "nearest") -> jax.A
         Appendix B.4: "we typically round decode scale factors up").
       * ``"down"``: round toward zero.
 
-    The value is divided by its binade's quantum (a power of two: exact), the
+    The value is multiplied by its binade's inverse quantum (a power of two: exact), the
     integer part is rounded, and multiplied back (exact). Formats without zero
     (``man_bits == 0``) map values below their minimum to the minimum.
     NaN stays NaN; ``+inf`` saturates to ``max_value``.
@@ -173,8 +220,8 @@ def round_to_grid(v: jax.Array, grid: FloatGrid, mode: str = "nearest") -> jax.A
       float32 array, same shape, every finite entry on ``grid``.
     """
     v = v.astype(jnp.float32)
-    q = _quantum(v, grid)
-    t = v / q
+    q, inv_q = _quantum(v, grid)
+    t = v * inv_q
     if mode == "nearest":
         r = jnp.round(t)  # half to even
     elif mode == "up":
@@ -215,8 +262,8 @@ def stochastic_round_to_grid(v: jax.Array, grid: FloatGrid, u: jax.Array) -> jax
       u: float32 uniforms in [0, 1), same shape as ``v`` (see ``uniform_from_key``).
     """
     v = v.astype(jnp.float32)
-    q = _quantum(v, grid)
-    t = v / q
+    q, inv_q = _quantum(v, grid)
+    t = v * inv_q
     lo = jnp.floor(t)
     frac = t - lo
     r = lo + (u < frac).astype(jnp.float32)

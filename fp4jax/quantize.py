@@ -103,7 +103,7 @@ def global_encode_scale(amax: jax.Array, fmt: BlockFormat) -> jax.Array:
     if not fmt.tensor_scale:
         return jnp.float32(1.0)
     amax = amax.astype(jnp.float32)
-    enc = jnp.float32(fmt.tensor_scale_target * 6.0) / amax
+    enc = numerics.div_rn(jnp.float32(fmt.tensor_scale_target * 6.0), amax)
     enc = jnp.minimum(enc, jnp.float32(numerics.FLT_MAX))
     return jnp.where((amax == 0) | (enc == 0), jnp.float32(1.0), enc)
 
@@ -145,7 +145,7 @@ def element_encode_scale(s: jax.Array, dec: jax.Array) -> jax.Array:
     block); as Transformer Engine's ``core_nvfp4.cuh`` computes
     ``block_scale_inverse``.
     """
-    e = jnp.float32(1.0) / (s * dec)
+    e = numerics.div_rn(jnp.float32(1.0), s * dec)
     e = jnp.minimum(e, jnp.float32(numerics.FLT_MAX))
     return jnp.where(s == 0, jnp.float32(0.0), e)
 
@@ -272,7 +272,7 @@ def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding
     b = fmt.block_size
     xf = x.astype(jnp.float32)
     enc = global_encode_scale(_finite_amax(xf), fmt)
-    dec = jnp.float32(1.0) / enc
+    dec = numerics.div_rn(jnp.float32(1.0), enc)
 
     if block_2d:
         rows, cols = x.shape[-2:]
