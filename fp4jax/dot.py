@@ -21,6 +21,7 @@ use float32 with ``Precision.HIGHEST``.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import jax
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp4jax import quantize as qz
+from fp4jax.formats import NVFP4
 from fp4jax.hadamard import random_hadamard_transform, resolve_signs
 from fp4jax.recipes import GemmSpec, QuantSpec, Recipe, nvfp4
 
@@ -48,10 +50,37 @@ def _subkey(key: jax.Array, gemm: str, which: str) -> jax.Array:
     return jax.random.fold_in(key, _KEY_IDX[(gemm, which)])
 
 
+def kernels_enabled() -> bool:
+    """Whether ``dot`` may use the Pallas Mosaic GPU kernels (``pallas_kernels/``).
+
+    True on an sm_90 (Hopper) GPU unless the environment variable
+    ``FP4JAX_KERNELS=off`` (or ``0``/``xla``) forces the XLA reference path. It is
+    read when a ``dot`` is traced. Results are identical either way (the kernels are
+    tested bit for bit against the reference).
+    """
+    if os.environ.get("FP4JAX_KERNELS", "").lower() in ("off", "0", "xla"):
+        return False
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
 def _quant(x: jax.Array, spec: QuantSpec, axis: int, key: jax.Array) -> Operand:
-    """Quantize one operand per its spec (or pass it through when unquantized)."""
+    """Quantize one operand per its spec (or pass it through when unquantized).
+
+    On Hopper the fused NVFP4 quantize kernel takes the cases it covers (1x16,
+    round-to-nearest, last axis, bf16); everything else runs the XLA reference.
+    """
     if not spec.quantized:
         return x
+    if (spec.fmt == NVFP4 and not spec.block_2d and spec.rounding == "nearest"
+            and axis % x.ndim == x.ndim - 1 and kernels_enabled()):
+        from pallas_kernels import dispatch
+
+        if dispatch.is_supported("quantize", x.shape, x.dtype, fmt=spec.fmt, axis=-1):
+            return dispatch.quantize(x, spec.fmt, axis=-1, backend="pallas")
     return qz._quantize_impl(x, key if spec.stochastic else None, spec.fmt, axis % x.ndim,
                              spec.block_2d, spec.rounding)
 
