@@ -2,7 +2,8 @@
 
 One script, one device call:
 
-    PYTHONPATH=$PWD python3 experiments/bench_kernels.py
+    PYTHONPATH=$PWD python3 experiments/bench_kernels.py [copy quantize quantize2 sweep
+                                                          decode gemm dotkern]
 
 Device time of every jitted call is measured with CUPTI
 (``jax.experimental.mosaic.gpu.profiler.measure``: the sum of the kernels one call
@@ -41,6 +42,13 @@ def rec(group, name, **kw):
     kw.update(group=group, name=name)
     OUT["results"].append(kw)
     print(json.dumps(kw), flush=True)
+    _dump()
+
+
+def _dump():
+    """Write the JSON after every row, so a run stopped at its time limit keeps its rows."""
+    with open(os.path.join(os.environ.get("OUT", "."), "bench_kernels.json"), "w") as f:
+        json.dump(OUT, f, indent=1)
 
 
 def timed(group, name, f, *args, iterations=20, **extra):
@@ -67,8 +75,8 @@ def bench_copy():
     return gbps
 
 
-def bench_quantize(copy_gbps):
-    for (r, c) in ((8192, 8192), (16384, 4096), (4096, 14336)):
+def bench_quantize(copy_gbps, sweep=False, shapes=((8192, 8192), (16384, 4096), (4096, 14336))):
+    for (r, c) in shapes:
         x = rand((r, c), 1)
         n = r * c
         g = f"quantize {r}x{c}"
@@ -92,12 +100,17 @@ def bench_quantize(copy_gbps):
             ("pallas kernel + xla amax (total)", qk.quantize_nvfp4_1x16, (x,), total_bytes),
             ("pallas kernel only (scales given)", qk.quantize_nvfp4_1x16_scaled,
              (x, enc, dec), kern_bytes),
+            ("pallas kernel + xla amax, hardware 1/(s*dec) (pre-fix, not exact)",
+             functools.partial(qk.quantize_nvfp4_1x16, exact_recip=False), (x,), total_bytes),
+            ("pallas kernel only, hardware 1/(s*dec) (pre-fix, not exact)",
+             functools.partial(qk.quantize_nvfp4_1x16_scaled, exact_recip=False),
+             (x, enc, dec), kern_bytes),
         ):
             us = timed(g, name, f, *args)
             if us:
                 gbps = nbytes / us / 1e3
                 rec(g, name + " [bw]", gbps=gbps, frac_of_copy=gbps / copy_gbps, us=us)
-        if (r, c) == (8192, 8192):  # tile sweep of the kernel alone
+        if sweep and (r, c) == (8192, 8192):  # tile sweep of the kernel alone
             for kt in (1, 2):
                 for spc in (1, 2, 4):
                     f = functools.partial(qk.quantize_nvfp4_1x16_scaled, block=kt,
@@ -147,6 +160,66 @@ def bench_gemm():
                 rec(g, "recipe fwd+bwd ratio to bf16", ratio_to_bf16=t2 / t1)
 
 
+def _with_kernels(setting, make):
+    """Build and trace ``make()`` with FP4JAX_KERNELS=setting. fp4jax.dot caches its
+    jitted custom_vjp per recipe (``_make_dot3``), so that cache and JAX's trace caches are
+    cleared first: otherwise the first setting's trace would be reused."""
+    dot_mod = sys.modules["fp4jax.dot"]  # the module (fp4jax.dot is also the function)
+    old = os.environ.get("FP4JAX_KERNELS")
+    os.environ["FP4JAX_KERNELS"] = setting
+    try:
+        dot_mod._make_dot3.cache_clear()
+        jax.clear_caches()
+        return make()
+    finally:
+        if old is None:
+            os.environ.pop("FP4JAX_KERNELS", None)
+        else:
+            os.environ["FP4JAX_KERNELS"] = old
+
+
+def bench_dot_kernels(iterations=10, shapes=((8192, 8192, 8192), (4096, 4096, 4096))):
+    """fp4jax.dot (nvfp4 recipe, bf16 inputs) fwd and fwd+bwd with the quantize kernel
+    on/off, against bf16."""
+    key = jax.random.key(7)
+    recipe = fp4jax.recipes.nvfp4()
+    for (m, k, n) in shapes:
+        g = f"dot kernels {m}x{k}x{n}"
+        x, w = rand((m, k), 2), rand((k, n), 3, scale=0.02)
+
+        def loss_bf(x, w):
+            return jnp.dot(x, w).astype(jnp.float32).sum()
+
+        def loss_fp(x, w):
+            return fp4jax.dot(x, w, recipe=recipe, key=key).astype(jnp.float32).sum()
+
+        t_bf = timed(g, "bf16 jnp.dot fwd", jnp.dot, x, w, iterations=iterations)
+        t_bfb = timed(g, "bf16 fwd+bwd", jax.grad(loss_bf, argnums=(0, 1)), x, w,
+                      iterations=iterations)
+        res = {}
+        for setting in ("off", "on"):
+            def make(setting=setting, x=x, w=w, g=g, loss_fp=loss_fp):
+                fwd = jax.jit(lambda x, w: fp4jax.dot(x, w, recipe=recipe, key=key))
+                fb = jax.jit(jax.grad(loss_fp, argnums=(0, 1)))
+                uses = "mosaic_gpu" in fb.lower(x, w).as_text()
+                out = (fwd(x, w), *fb(x, w))  # traced here, under this setting
+                tf = timed(g, f"fp4jax.dot nvfp4 fwd FP4JAX_KERNELS={setting}", fwd, x, w,
+                           iterations=iterations, uses_kernel=uses)
+                tb = timed(g, f"fp4jax.dot nvfp4 fwd+bwd FP4JAX_KERNELS={setting}", fb, x, w,
+                           iterations=iterations, uses_kernel=uses)
+                return tf, tb, out
+
+            res[setting] = _with_kernels(setting, make)
+        same = all(bool((a == b).all()) for a, b in zip(res["off"][2], res["on"][2], strict=True))
+        rec(g, "outputs (y, dx, dw) bit-identical kernels on vs off", ok=same)
+        for name, t in (("fwd on", res["on"][0]), ("fwd off", res["off"][0])):
+            if t and t_bf:
+                rec(g, name + " [ratio to bf16 fwd]", ratio_to_bf16=t / t_bf, us=t)
+        for name, t in (("fwd+bwd on", res["on"][1]), ("fwd+bwd off", res["off"][1])):
+            if t and t_bfb:
+                rec(g, name + " [ratio to bf16 fwd+bwd]", ratio_to_bf16=t / t_bfb, us=t)
+
+
 def bench_decode():
     for m in (1, 16, 64):
         k = n = 8192
@@ -184,17 +257,21 @@ def bench_decode():
 
 
 def main():
-    which = sys.argv[1:] or ["copy", "quantize", "decode", "gemm"]
+    which = sys.argv[1:] or ["copy", "quantize", "decode", "gemm", "dotkern"]
+    OUT["command"] = "PYTHONPATH=$PWD python3 experiments/bench_kernels.py " + " ".join(which)
     copy_gbps = bench_copy()
     if "quantize" in which:
-        bench_quantize(copy_gbps)
+        bench_quantize(copy_gbps, sweep="sweep" in which)
+    if "quantize2" in which:  # two shapes only (short runs)
+        bench_quantize(copy_gbps, shapes=((8192, 8192), (4096, 14336)))
+    if "dotkern" in which:
+        bench_dot_kernels()
     if "decode" in which:
         bench_decode()
     if "gemm" in which:
         bench_gemm()
-    out = os.environ.get("OUT", ".")
-    with open(os.path.join(out, "bench_kernels.json"), "w") as f:
-        json.dump(OUT, f, indent=1)
+    OUT["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    _dump()
     print("\n==== summary ====")
     for r in OUT["results"]:
         if "error" in r:

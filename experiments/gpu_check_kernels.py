@@ -6,6 +6,7 @@ Writes $OUT/gpu_check_kernels.json (or ./gpu_check_kernels.json) and prints a su
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -34,6 +35,8 @@ def record(name, **kw):
     kw["name"] = name
     RESULTS["checks"].append(kw)
     print(json.dumps(kw), flush=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "gpu_check_kernels.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)  # after every check: a stopped run keeps its rows
 
 
 def rand(shape, dtype, seed):
@@ -44,7 +47,80 @@ def rand(shape, dtype, seed):
     return x.astype(dtype)
 
 
-def check_quantize(shapes, dtypes):
+def rand_blocks(shape, seed):
+    """Random per-block magnitudes (each 1x16 block its own binade), so the block scales
+    cover the E4M3 range and 1/(s*dec) takes thousands of distinct values."""
+    rng = np.random.default_rng(seed)
+    r, c = shape
+    x = rng.standard_normal((r, c)).astype(np.float32)
+    x *= np.exp2(rng.uniform(-14, 8, (r, c // 16, 1))).repeat(16, -1).reshape(r, c)
+    return jnp.asarray(x * np.float32(rng.uniform(1, 2)), jnp.bfloat16)
+
+
+def check_recip():
+    """XLA-on-GPU 1/p vs IEEE, and the kernel's recip_rn (run by XLA here) vs IEEE, for
+    p = s * dec over all E4M3 scales s and random tensor decode scales dec."""
+    import ml_dtypes
+
+    from pallas_kernels import quantize_nvfp4_sm90 as qk
+
+    rng = np.random.default_rng(1)
+    sv = np.arange(1, 127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    dec = np.exp2(rng.uniform(-30, 30, 8000)).astype(np.float32)
+    p = (sv[:, None] * dec[None, :]).ravel()
+    want = (1.0 / p.astype(np.float64)).astype(np.float32)
+    pj = jnp.asarray(p)
+    hw = np.asarray(jax.jit(lambda v: 1.0 / v)(pj))
+    res, ok = jax.jit(qk.recip_rn)(pj)
+    res, ok = np.asarray(res), np.asarray(ok)
+    bad = int((res != want).sum())
+    record("recip_rn vs IEEE 1/(s*dec) (XLA on GPU)", n=int(p.size),
+           xla_div_mismatches=int((hw != want).sum()), recip_rn_mismatches=bad,
+           all_ok_flag=bool(ok.all()), exact=bad == 0 and bool(ok.all()))
+
+
+def check_quantize_hard(shapes):
+    """Kernel vs fp4jax.quantize and vs the NumPy (IEEE) reference on whole arrays."""
+    from pallas_kernels import quantize_nvfp4_sm90 as qk
+
+    for shape in shapes:
+        name = f"quantize random block scales {shape} vs fp4jax and NumPy (all blocks)"
+        try:
+            x = rand_blocks(shape, seed=shape[0] + shape[1])
+            packed, sbits, dec = jax.jit(qk.quantize_nvfp4_1x16)(x)
+            pk_hw, sb_hw, _ = jax.jit(functools.partial(qk.quantize_nvfp4_1x16,
+                                                        exact_recip=False))(x)
+            q = jax.jit(lambda x: fp4jax.quantize(x, fp4jax.NVFP4))(x)
+            packed, sbits, pk_hw = map(np.asarray, (packed, sbits, pk_hw))
+            ref_packed = np.asarray(fp4jax.pack_e2m1(q.data))
+            ref_sbits = np.asarray(jax.lax.bitcast_convert_type(q.scale, jnp.uint8))
+            x32 = np.asarray(x.astype(jnp.float32))
+            c_np, s_np, d_np = npref.quantize_nvfp4_1x16(x32)
+            p_np = npref.pack_codes(c_np)
+            nb = x32.size // 16
+
+            def bad_blocks(a, b, nb=nb):
+                return int((a.reshape(nb, 8) != b.reshape(nb, 8)).any(-1).sum())
+
+            rec = dict(blocks=nb, distinct_scales=int(len(np.unique(sbits))),
+                       bad_blocks_vs_fp4jax=bad_blocks(packed, ref_packed),
+                       bad_scales_vs_fp4jax=int((sbits != ref_sbits).sum()),
+                       bad_blocks_vs_numpy=bad_blocks(packed, p_np),
+                       bad_scales_vs_numpy=int((sbits != s_np).sum()),
+                       fp4jax_bad_blocks_vs_numpy=bad_blocks(ref_packed, p_np),
+                       hw_recip_kernel_bad_blocks_vs_numpy=bad_blocks(pk_hw, p_np),
+                       dec_equal=bool(np.float32(dec) == np.float32(q.global_scale)
+                                      == np.float32(d_np)))
+            rec["exact"] = (rec["bad_blocks_vs_fp4jax"] == 0 and rec["bad_scales_vs_fp4jax"] == 0
+                            and rec["bad_blocks_vs_numpy"] == 0
+                            and rec["bad_scales_vs_numpy"] == 0 and rec["dec_equal"])
+            record(name, **rec)
+        except Exception as e:  # noqa: BLE001
+            record(name, error=f"{type(e).__name__}: {str(e)[:2000]}",
+                   tb=traceback.format_exc()[-3000:])
+
+
+def check_quantize(shapes, dtypes, timing=True):
     from pallas_kernels import quantize_nvfp4_sm90 as qk
 
     for shape in shapes:
@@ -71,7 +147,7 @@ def check_quantize(shapes, dtypes):
                 )
                 rec = dict(packed_equal_frac=p_eq, scale_equal_frac=s_eq, dec_equal=d_eq,
                            numpy_slice_equal=np_eq, exact=p_eq == 1.0 and s_eq == 1.0 and d_eq)
-                if shape[0] * shape[1] >= 2**24:
+                if timing and shape[0] * shape[1] >= 2**24:
                     t_k = time_fn(jax.jit(qk.quantize_nvfp4_1x16), x)
                     t_x = time_fn(jax.jit(lambda x: fp4jax.quantize(x, fp4jax.NVFP4)), x)
                     rec.update(kernel_us=t_k["median_us"], xla_quantize_us=t_x["median_us"])
@@ -91,6 +167,11 @@ def main():
         check_quantize([(256, 1024), (1000, 4096), (1003, 512), (24, 8192), (16, 256),
                         (4096, 14336), (8192, 8192), (16384, 4096)],
                        [jnp.bfloat16])
+    if "quantize2" in which:  # the correctly rounded reciprocal (short run)
+        check_recip()
+        check_quantize_hard([(1024, 4096), (256, 16384)])
+        check_quantize([(256, 1024), (1000, 4096), (1003, 512), (24, 8192), (16, 256),
+                        (4096, 14336), (8192, 8192)], [jnp.bfloat16], timing=False)
     if "matmul" in which:
         try:
             from experiments.gpu_check_matmul import check_matmul

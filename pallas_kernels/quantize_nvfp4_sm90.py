@@ -56,12 +56,19 @@ FLT_MAX = float(np.finfo(np.float32).max)
 
 
 def global_scales(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """NVFP4 tensor scales (enc, dec) from the finite amax of ``x`` (an XLA reduction)."""
+    """NVFP4 tensor scales (enc, dec) from the finite amax of ``x`` (an XLA reduction).
+
+    Exactly the core's: ``fp4jax.quantize.global_encode_scale`` and ``dec =
+    numerics.div_rn(1, enc)`` (correctly rounded divisions, also on the GPU).
+    """
+    from fp4jax.formats import NVFP4
+    from fp4jax.numerics import div_rn
+    from fp4jax.quantize import global_encode_scale
+
     a = jnp.abs(x.astype(jnp.float32))
     amax = jnp.max(jnp.where(jnp.isfinite(a), a, 0.0))
-    enc = jnp.minimum(jnp.float32(448.0 * 6.0) / amax, jnp.float32(FLT_MAX))
-    enc = jnp.where((amax == 0) | (enc == 0), jnp.float32(1.0), enc)
-    dec = jnp.float32(1.0) / enc
+    enc = global_encode_scale(amax, NVFP4)
+    dec = div_rn(jnp.float32(1.0), enc)
     return enc, dec
 
 
@@ -113,10 +120,54 @@ def e2m1_code(v):
     return code | (lax.shift_right_logical(bits, 28) & 8)
 
 
+_HI12 = -0x1000  # float32 bits mask keeping sign, exponent and the top 12 significand bits
+
+
+def recip_rn(p, y0=None):
+    """Correctly rounded float32 ``1 / p`` for normal ``p > 0`` with a normal quotient.
+
+    XLA's (and LLVM's default) float32 division on NVIDIA GPUs may be one ulp off
+    (``experiments/results/gpu_numpy_diff.json``); this rounds like
+    ``fp4jax.numerics.div_rn(1, p)`` and costs ~30 scalar operations per block.
+
+    ``p = m * 2^k`` with ``m`` in [1, 2) (exponent bits replaced); ``y = 1 / m`` from the
+    hardware division (``y0``, a test hook, replaces it; must be within one ulp of
+    ``1/m``), then the exact residual ``r = 1 - m*y`` from a Dekker product whose
+    splits are integer masks (12 + 12 significand bits): every partial product is
+    exact, so FMA contraction cannot change it, and each subtraction is exact (the
+    first by Sterbenz, the others because the partial sums fit in 24 bits). ``y`` moves
+    one ulp up when ``r > m*(y_up - y)/2`` (1/m is above the midpoint to the next float),
+    down when ``r < -m*(y - y_dn)/2`` (no ties: 1/m is never a midpoint). The result's
+    exponent is then lowered by ``k``. Returns (result, ok) where ``ok`` is False for
+    zero, subnormal, Inf/NaN ``p`` or a quotient outside the normal range (the caller
+    falls back to ``1 / p`` there, as ``div_rn`` does).
+    """
+    bits = _i32(p)
+    ep = lax.shift_right_logical(bits, 23) & 0xFF
+    m = _f32((bits & 0x7FFFFF) | 0x3F800000)
+    y = 1.0 / m if y0 is None else y0
+    yb = _i32(y)
+    mh = _f32(_i32(m) & _HI12)
+    ml = m - mh
+    yh = _f32(yb & _HI12)
+    yl = y - yh
+    r = (((1.0 - mh * yh) - mh * yl) - ml * yh) - ml * yl
+    y_up = _f32(yb + 1)
+    y_dn = _f32(yb - 1)
+    up = r > m * ((y_up - y) * 0.5)
+    dn = r < -(m * ((y - y_dn) * 0.5))
+    yb = jnp.where(up, yb + 1, jnp.where(dn, yb - 1, yb))
+    e_out = (lax.shift_right_logical(yb, 23) & 0xFF) - (ep - 127)
+    res = _f32(yb - ((ep - 127) << 23))
+    ok = (ep > 0) & (ep < 255) & (e_out > 0) & (e_out < 255)
+    return res, ok
+
+
 SUB = 256  # blocks per register sub-tile: (256, 8) words, 16 words per thread
 
 
-def _quant_tile(sc_ref, x_ref, q_ref, s_ref, *, nb: int, plain: bool = False):
+def _quant_tile(sc_ref, x_ref, q_ref, s_ref, *, nb: int, plain: bool = False,
+                exact_recip: bool = True):
     """Quantize ``nb`` blocks: x_ref (nb, 8) uint32 words (bf16 pairs), q_ref (nb, 8)
     uint8 packed codes, s_ref (nb,) uint8 scale bits.
 
@@ -146,7 +197,12 @@ def _quant_tile(sc_ref, x_ref, q_ref, s_ref, *, nb: int, plain: bool = False):
         s_f = jnp.where(s_f > 448.0, 448.0, s_f)
         s_val, s_byte = e4m3_round(s_f)
         s_byte = jnp.where(finite, s_byte, 0x7F)
-        e = 1.0 / (s_val * dec)
+        p = s_val * dec
+        if exact_recip:
+            e_rn, ok = recip_rn(p)
+            e = jnp.where(ok, e_rn, 1.0 / p)  # div_rn's fallback (p or 1/p not normal)
+        else:  # the hardware quotient (may be 1 ulp off on the GPU); for timing only
+            e = 1.0 / p
         e = jnp.where(e > FLT_MAX, FLT_MAX, e)
         e = jnp.where(s_val == 0.0, 0.0, e)
         s_ref[rows] = s_byte.astype(jnp.uint8)
@@ -172,7 +228,8 @@ def supported(shape, dtype) -> bool:
     return c % 16 == 0 and (r * c // 16) % SUB == 0
 
 
-@functools.partial(jax.jit, static_argnames=("block", "steps_per_cta", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("block", "steps_per_cta", "interpret", "exact_recip"))
 def quantize_nvfp4_1x16_scaled(
     x: jax.Array,
     enc: jax.Array,
@@ -181,10 +238,13 @@ def quantize_nvfp4_1x16_scaled(
     block: int | None = None,
     steps_per_cta: int | None = None,
     interpret=False,
+    exact_recip: bool = True,
 ):
     """Kernel call with given tensor scales. x: (R, C) bfloat16, see ``supported``.
 
     Returns (packed uint8 (R, C//2), scale_bits uint8 (R, C//16)).
+    ``exact_recip=False`` uses the hardware ``1/(s*dec)`` (not bit-exact on the GPU;
+    kept only to time the cost of the correctly rounded reciprocal).
     """
     if not supported(x.shape, x.dtype):
         raise ValueError(
@@ -200,7 +260,7 @@ def quantize_nvfp4_1x16_scaled(
         # Mosaic GPU interpret mode (CPU tests) supports only trivial windows: run the
         # tile body once over all blocks (the TMA pipeline is not exercised).
         q, s = pl.pallas_call(
-            functools.partial(_quant_tile, nb=nbt, plain=True),
+            functools.partial(_quant_tile, nb=nbt, plain=True, exact_recip=exact_recip),
             out_shape=(
                 jax.ShapeDtypeStruct((nbt, 8), jnp.uint8),
                 jax.ShapeDtypeStruct((nbt,), jnp.uint8),
@@ -229,7 +289,8 @@ def quantize_nvfp4_1x16_scaled(
         def step(_, x_smem, q_smem, s_smem):
             for i in range(kt):
                 _quant_tile(
-                    sc_gmem, x_smem.at[i], q_smem.at[i].reshape(SUB, 8), s_smem.at[i], nb=SUB
+                    sc_gmem, x_smem.at[i], q_smem.at[i].reshape(SUB, 8), s_smem.at[i], nb=SUB,
+                    exact_recip=exact_recip,
                 )
 
         plgpu.emit_pipeline(

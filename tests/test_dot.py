@@ -259,7 +259,8 @@ def test_jit_grad_vmap():
 
 def test_sharded_equals_unsharded():
     devs = jax.devices()
-    assert len(devs) >= 4, "conftest sets 4 virtual CPU devices"
+    if len(devs) < 4:  # conftest sets 4 virtual CPU devices; a 1-GPU run has fewer
+        pytest.skip(f"needs 4 devices, got {len(devs)}")
     mesh = jax.sharding.Mesh(np.array(devs[:4]), ("data",))
     P = jax.sharding.PartitionSpec
     x, w = _randn(16, 8, 64, scale=3.0), _randn(64, 32)

@@ -89,6 +89,52 @@ def test_quantize_kernel_interpret_matches_fp4jax():
     assert float(dec) == float(q.global_scale)
 
 
+@pytest.mark.skipif(InterpretGPUParams is None, reason="no Mosaic GPU interpret mode")
+def test_quantize_kernel_interpret_random_block_scales_matches_fp4jax():
+    # many blocks with random per-block magnitudes: every E4M3 block scale occurs, with
+    # a random tensor scale, so 1/(s*dec) takes ~thousands of distinct values
+    fp4jax = pytest.importorskip("fp4jax")
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((64, 1024)).astype(np.float32)
+    x *= np.exp2(rng.uniform(-12, 6, (64, 64, 1))).repeat(16, -1).reshape(64, 1024)
+    x *= np.float32(rng.uniform(1, 2))
+    x = jnp.asarray(x, jnp.bfloat16)
+    packed, sbits, dec = qk.quantize_nvfp4_1x16(x, interpret=InterpretGPUParams())
+    q = fp4jax.quantize(x, fp4jax.NVFP4)
+    assert len(np.unique(np.asarray(sbits))) > 100
+    np.testing.assert_array_equal(np.asarray(packed), np.asarray(fp4jax.pack_e2m1(q.data)))
+    np.testing.assert_array_equal(
+        np.asarray(sbits), np.asarray(jax.lax.bitcast_convert_type(q.scale, jnp.uint8)))
+    assert float(dec) == float(q.global_scale)
+
+
+def test_recip_rn_corrects_one_ulp_errors():
+    # the kernel's 1/(s*dec): the hardware quotient may be one ulp off on the GPU; feed
+    # recip_rn the exact quotient and both neighbours and expect div_rn's bits each time
+    from fp4jax import numerics
+
+    rng = np.random.default_rng(0)
+    s = np.arange(1, 127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    dec = np.exp2(rng.uniform(-40, 40, 400)).astype(np.float32)
+    p = (s[:, None] * dec[None, :]).ravel()
+    p = np.concatenate([p, np.exp2(rng.uniform(-100, 100, 20000)).astype(np.float32),
+                        np.float32([1, 2, 0.5, 1.5, np.nextafter(np.float32(1), 2),
+                                    np.nextafter(np.float32(2), 0)])])
+    want = (1.0 / p.astype(np.float64)).astype(np.float32)  # exact by double rounding
+    pj = jnp.asarray(p)
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(lambda v: numerics.div_rn(jnp.float32(1), v))(pj)), want)
+    m = (p.view(np.int32) & 0x7FFFFF | 0x3F800000).view(np.float32)
+    y = (1.0 / m.astype(np.float64)).astype(np.float32)
+    f = jax.jit(qk.recip_rn)
+    for d in (-1, 0, 1):
+        res, ok = f(pj, jnp.asarray((y.view(np.int32) + d).view(np.float32)))
+        assert np.asarray(ok).all()
+        np.testing.assert_array_equal(np.asarray(res), want)
+    res, ok = jax.jit(qk.recip_rn)(pj)  # the hardware quotient itself
+    np.testing.assert_array_equal(np.asarray(res), want)
+
+
 def test_e4m3_round_matches_ml_dtypes():
     # every E4M3 value, the midpoints between neighbours (ties) and random values;
     # float32 normals only (XLA on CPU flushes float32 subnormals)
@@ -181,7 +227,8 @@ def test_w4a16_layout_and_reference(block_2d):
 
 def test_dispatch_falls_back_to_xla_on_cpu(monkeypatch):
     fp4jax = pytest.importorskip("fp4jax")
-    assert not dispatch.on_sm90()
+    if dispatch.on_sm90():
+        pytest.skip("tests the fallback off the GPU")
     assert not dispatch.is_supported("quantize", (64, 256), jnp.bfloat16)
     x = jax.random.normal(jax.random.key(0), (64, 256)).astype(jnp.bfloat16)
     q1, q2 = dispatch.quantize(x), fp4jax.quantize(x)
