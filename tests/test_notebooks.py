@@ -1,0 +1,53 @@
+"""Execute every notebook in notebooks/ top to bottom (nbclient, kernel python3); fail on any error.
+
+Each notebook runs in its own fresh kernel with notebooks/ as the working directory, as a reader
+would run it. The kernel does not inherit the test session's forced 4 CPU devices (conftest.py),
+so the notebooks see the same single CPU device a user has.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
+CELL_TIMEOUT_S = 300
+
+
+def _kernel_env() -> dict[str, str]:
+    env = dict(os.environ)
+    flags = env.get("XLA_FLAGS", "").split()
+    flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
+    return env
+
+
+def test_all_five_notebooks_present():
+    names = [p.name for p in NOTEBOOKS]
+    assert len(names) == 5, names
+    assert names[0].startswith("01_") and names[-1].startswith("05_")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs(path: Path):
+    nb = nbformat.read(path, as_version=4)
+    stored = [c for c in nb.cells if c.cell_type == "code" and (c.get("outputs") or
+                                                                c.get("execution_count"))]
+    assert not stored, f"{path.name} is stored with outputs: strip them before committing"
+    client = nbclient.NotebookClient(
+        nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+        resources={"metadata": {"path": str(NOTEBOOKS_DIR)}},
+    )
+    # Raises nbclient.exceptions.CellExecutionError (with the cell and traceback) on any error.
+    client.execute(env=_kernel_env())
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if o.get("output_type") == "error"]
+    assert not errors, errors
