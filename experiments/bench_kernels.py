@@ -187,31 +187,40 @@ def bench_dot_kernels(iterations=10, shapes=((8192, 8192, 8192), (4096, 4096, 40
         g = f"dot kernels {m}x{k}x{n}"
         x, w = rand((m, k), 2), rand((k, n), 3, scale=0.02)
 
-        def loss_bf(x, w):
-            return jnp.dot(x, w).astype(jnp.float32).sum()
+        # value_and_grad keeps the forward GEMM (grad alone lets XLA drop it), and a
+        # random cotangent ct (an argument) keeps XLA from constant-folding the
+        # gradient's quantization at compile time (a .sum() loss makes g all ones).
+        ct = rand((m, n), 4)
 
-        def loss_fp(x, w):
-            return fp4jax.dot(x, w, recipe=recipe, key=key).astype(jnp.float32).sum()
+        def loss_bf(x, w, ct):
+            return (jnp.dot(x, w).astype(jnp.float32) * ct).sum()
+
+        def loss_fp(x, w, ct):
+            y = fp4jax.dot(x, w, recipe=recipe, key=key).astype(jnp.float32)
+            return (y * ct).sum()
 
         t_bf = timed(g, "bf16 jnp.dot fwd", jnp.dot, x, w, iterations=iterations)
-        t_bfb = timed(g, "bf16 fwd+bwd", jax.grad(loss_bf, argnums=(0, 1)), x, w,
+        t_bfb = timed(g, "bf16 fwd+bwd (value_and_grad)",
+                      jax.value_and_grad(loss_bf, argnums=(0, 1)), x, w, ct,
                       iterations=iterations)
         res = {}
         for setting in ("off", "on"):
-            def make(setting=setting, x=x, w=w, g=g, loss_fp=loss_fp):
+            def make(setting=setting, x=x, w=w, ct=ct, g=g, loss_fp=loss_fp):
                 fwd = jax.jit(lambda x, w: fp4jax.dot(x, w, recipe=recipe, key=key))
-                fb = jax.jit(jax.grad(loss_fp, argnums=(0, 1)))
-                uses = "mosaic_gpu" in fb.lower(x, w).as_text()
-                out = (fwd(x, w), *fb(x, w))  # traced here, under this setting
+                fb = jax.jit(jax.value_and_grad(loss_fp, argnums=(0, 1)))
+                uses_f = fwd.lower(x, w).as_text().count("mosaic_gpu")
+                uses_b = fb.lower(x, w, ct).as_text().count("mosaic_gpu")
+                v, (dx, dw) = fb(x, w, ct)  # traced here, under this setting
+                out = (fwd(x, w), v, dx, dw)
                 tf = timed(g, f"fp4jax.dot nvfp4 fwd FP4JAX_KERNELS={setting}", fwd, x, w,
-                           iterations=iterations, uses_kernel=uses)
+                           iterations=iterations, mosaic_gpu_mentions=uses_f)
                 tb = timed(g, f"fp4jax.dot nvfp4 fwd+bwd FP4JAX_KERNELS={setting}", fb, x, w,
-                           iterations=iterations, uses_kernel=uses)
+                           ct, iterations=iterations, mosaic_gpu_mentions=uses_b)
                 return tf, tb, out
 
             res[setting] = _with_kernels(setting, make)
         same = all(bool((a == b).all()) for a, b in zip(res["off"][2], res["on"][2], strict=True))
-        rec(g, "outputs (y, dx, dw) bit-identical kernels on vs off", ok=same)
+        rec(g, "outputs (y, loss, dx, dw) bit-identical kernels on vs off", ok=same)
         for name, t in (("fwd on", res["on"][0]), ("fwd off", res["off"][0])):
             if t and t_bf:
                 rec(g, name + " [ratio to bf16 fwd]", ratio_to_bf16=t / t_bf, us=t)
