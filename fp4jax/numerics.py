@@ -34,6 +34,7 @@ __all__ = [
     "pow2",
     "round_to_grid",
     "div_rn",
+    "div_rn_integer",
     "stochastic_round_to_grid",
     "uniform_from_key",
 ]
@@ -152,6 +153,19 @@ def _quantum(a: jax.Array, grid: FloatGrid) -> tuple[jax.Array, jax.Array]:
 
 def div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
     """Correctly rounded (IEEE round-to-nearest-even) float32 ``a / b`` on every backend.
+
+    On CPU, XLA's float32 division is IEEE-exact, so it is used directly (the
+    integer path costs ~2 s of compile time per quantized layer there). On every
+    other platform the quotient comes from ``div_rn_integer``. The choice is made by
+    ``jax.lax.platform_dependent`` when the computation is lowered for its device.
+    """
+    a = jnp.asarray(a, jnp.float32)
+    b = jnp.asarray(b, jnp.float32)
+    return jax.lax.platform_dependent(a, b, cpu=jnp.divide, default=div_rn_integer)
+
+
+def div_rn_integer(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Correctly rounded float32 ``a / b`` by integer long division (any backend).
 
     Transformer Engine computes its scales with CUDA's ``1.0f / x``, which is the
     IEEE-exact ``div.rn.f32``. XLA's float32 division on NVIDIA GPUs is not: on an
