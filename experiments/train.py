@@ -65,10 +65,10 @@ class TrainConfig:
     val_fraction: float = 0.05
     seq_len: int = 128
     batch_size: int = 16
-    steps: int = 150
+    steps: int = 120
     lr: float = 3e-3
     min_lr_ratio: float = 0.01
-    warmup_steps: int = 15
+    warmup_steps: int = 12
     schedule: str = "wsd"
     decay_fraction: float = 0.2
     weight_decay: float = 0.1
@@ -79,7 +79,7 @@ class TrainConfig:
     last_bf16: int = -1
     switch_at: float | None = None
     switch: str = "both"
-    eval_every: int = 25
+    eval_every: int = 20
     eval_batches: int = 4
     log_every: int = 10
     checkpoint_every: int = 0

@@ -31,6 +31,11 @@ def _fwd_bwd(fn, *args):
                                                 argnums=tuple(range(len(a))))(*a)))(*args)
 
 
+def _fwd_bwd_raw(fn, *args):
+    return fn(*args), jax.grad(lambda *b: jnp.sum(fn(*b) * C), argnums=tuple(range(len(args))))(
+        *args)
+
+
 def _direct(x, w, recipe, key=None):
     """Output and (dx, dw) computed by fp4jax.dot directly."""
     return _fwd_bwd(lambda x, w: fp4jax.dot(x, w, recipe=recipe, key=key), x, w)
@@ -47,10 +52,15 @@ def test_linen_dense_and_dot_general_cls_match_direct():
     params = dense.init(jax.random.key(1), X)
     assert jax.tree.structure(params) == jax.tree.structure(mine.init(jax.random.key(1), X))
     w = params["params"]["kernel"]
-    y_ref, (dx_ref, dw_ref) = _direct(X, w, RTN)
+
+    def all_three(x, p):  # one compiled program for the three paths
+        return (_fwd_bwd_raw(lambda x, w: fp4jax.dot(x, w, recipe=RTN), x, p["params"]["kernel"]),
+                _fwd_bwd_raw(lambda x, p: dense.apply(p, x), x, p),
+                _fwd_bwd_raw(lambda x, p: mine.apply(p, x), x, p))
+
+    (y_ref, (dx_ref, dw_ref)), *layers = jax.jit(all_three)(X, params)
     assert not np.allclose(y_ref, X @ w, atol=1e-3)  # really quantized
-    for layer in (dense, mine):
-        y, (dx, dp) = _fwd_bwd(lambda x, p, m=layer: m.apply(p, x), X, params)
+    for y, (dx, dp) in layers:
         _assert_same(y, y_ref)
         _assert_same(dx, dx_ref)
         _assert_same(dp["params"]["kernel"], dw_ref)
@@ -60,16 +70,20 @@ def test_nnx_linear_and_dot_general_match_direct():
     rngs = nnx.Rngs(params=1, fp4=2)
     a = nnx.Linear(64, 32, use_bias=False, dot_general=fn.DotGeneral(RTN, rngs=rngs), rngs=rngs)
     b = fn.Linear(64, 32, recipe=RTN, rngs=nnx.Rngs(params=1, fp4=2))
-    w = a.kernel[...]
-    _assert_same(w, b.kernel[...])
-    y_ref, (dx_ref, dw_ref) = _direct(X, w, RTN)
-    for layer in (a, b):
-        graphdef, state = nnx.split(layer)
-        y, (dx, ds) = _fwd_bwd(lambda x, s, g=graphdef: nnx.merge(g, s)(x), X, state)
+    _assert_same(a.kernel[...], b.kernel[...])
+    (ga, sa), (gb, sb) = nnx.split(a), nnx.split(b)
+
+    def all_three(x, sa, sb):
+        return (_fwd_bwd_raw(lambda x, w: fp4jax.dot(x, w, recipe=RTN), x, sa["kernel"][...]),
+                _fwd_bwd_raw(lambda x, s: nnx.merge(ga, s)(x), x, sa),
+                _fwd_bwd_raw(lambda x, s: nnx.merge(gb, s)(x), x, sb))
+
+    (y_ref, (dx_ref, dw_ref)), *layers = jax.jit(all_three)(X, sa, sb)
+    for y, (dx, ds) in layers:
         _assert_same(y, y_ref)
         _assert_same(dx, dx_ref)
         _assert_same(ds["kernel"][...], dw_ref)
-        _assert_same(layer(X), y_ref)  # and eagerly, through the module itself
+    _assert_same(b(X), y_ref)  # and eagerly, through the module itself
 
 
 def test_linen_sr_keys_per_layer_and_step_reproducible():
