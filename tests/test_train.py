@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import jax
 import numpy as np
@@ -29,7 +30,11 @@ def compile_cache(tmp_path_factory):
     names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
              "jax_persistent_cache_min_entry_size_bytes")
     old = {n: getattr(jax.config, n) for n in names}
-    jax.config.update(names[0], str(tmp_path_factory.mktemp("xla_cache")))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # share one cache between xdist workers
+        path = tmp_path_factory.getbasetemp().parent / "fp4jax_xla_cache"
+    else:
+        path = tmp_path_factory.mktemp("xla_cache")
+    jax.config.update(names[0], str(path))
     jax.config.update(names[1], 0.0)
     jax.config.update(names[2], 0)
     cc.reset_cache()
