@@ -344,10 +344,17 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     state = jax.jit(init_state, out_shardings=repl)()
     n_params = sum(int(x.size) for x in jax.tree.leaves(state["params"]))
     cfg_dict = dataclasses.asdict(cfg)
-    ckpt = Checkpointer(out / "checkpoints")
+    try:
+        ckpt: Checkpointer | None = Checkpointer(out / "checkpoints")
+    except ImportError:  # orbax-checkpoint is optional: train without checkpoints
+        ckpt = None
+        print("fp4jax-train: orbax-checkpoint is not installed: no checkpoints will be written "
+              "(pip install orbax-checkpoint)", file=sys.stderr)
     metrics_path = out / "metrics.jsonl"
     start = 0
     if cfg.resume:
+        if ckpt is None:
+            raise ValueError("--resume needs orbax-checkpoint (pip install orbax-checkpoint)")
         last = ckpt.latest_step()
         if last is None:
             raise ValueError(f"--resume: no checkpoint in {out / 'checkpoints'}")
@@ -361,7 +368,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     else:
         if metrics_path.exists():
             metrics_path.unlink()
-        for s in list(ckpt.mngr.all_steps()):
+        for s in list(ckpt.mngr.all_steps()) if ckpt is not None else []:
             ckpt.mngr.delete(s)
     end = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
 
@@ -387,7 +394,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         log.write(json.dumps(rec) + "\n")
         log.flush()
 
-    last_good = ckpt.latest_step() if cfg.resume else None
+    last_good = ckpt.latest_step() if cfg.resume and ckpt is not None else None
     history: dict[str, list] = {"step": [], "loss": [], "val_step": [], "val_loss": []}
     timing = {"t": time.perf_counter(), "train_s": 0.0, "train_tokens": 0, "seen": 0}
     window = {"t": time.perf_counter(), "tokens": 0}
@@ -438,6 +445,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
 
     def save(s: int) -> None:
         nonlocal last_good
+        if ckpt is None:
+            return
         t0 = time.perf_counter()
         ckpt.save(s, state, {"config": cfg_dict, "step": s})
         last_good = s
@@ -465,7 +474,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     finally:
         pbar.close()
         log.close()
-        ckpt.close()
+        if ckpt is not None:
+            ckpt.close()
     wall = time.perf_counter() - t_start
     tps = timing["train_tokens"] / timing["train_s"] if timing["train_s"] > 0 else None
     result = {
