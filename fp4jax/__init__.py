@@ -7,7 +7,12 @@ Public API (see ``README.md``):
   recipes   ``recipes.nvfp4()``, ``.fp4_all_the_way()``, ``.mxfp4()``, ``.bf16()``,
             ``.nvfp4_fwd_only()``; ``Recipe``, ``GemmSpec``, ``QuantSpec``
   RHT       ``random_hadamard_transform``
+  Flax      ``fp4jax.nn`` (linen/NNX layers, ``PrecisionPolicy``), ``fp4jax.models`` (Llama),
+            ``fp4jax.data`` (byte-level corpora): imported on first use, so the core
+            does not load Flax.
 """
+
+import importlib
 
 from fp4jax import numerics, recipes
 from fp4jax.dot import dot, dot_general
@@ -24,6 +29,14 @@ from fp4jax.recipes import GemmSpec, QuantSpec, Recipe
 
 __version__ = "0.1.0"
 
+_LAZY_SUBMODULES = ("nn", "models", "data")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"fp4jax.{name}")
+    raise AttributeError(f"module 'fp4jax' has no attribute {name!r}")
+
 __all__ = [
     "BlockFormat",
     "GemmSpec",
@@ -36,8 +49,11 @@ __all__ = [
     "TE_SIGN_VECTOR",
     "dequantize",
     "dot",
+    "data",
     "dot_general",
     "get_format",
+    "models",
+    "nn",
     "numerics",
     "pack_e2m1",
     "quantize",
