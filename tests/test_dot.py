@@ -191,24 +191,33 @@ def test_backward_nvfp4_matches_manual_recipe():
 
 
 def test_dgrad_sr_is_unbiased_over_keys():
-    """E[dx] over many keys -> dy @ Q(w).T; single draws differ from it and each other."""
+    """E[dx] over many keys -> E[SR(dy)] @ Q(w).T; single draws differ from it and each other.
+
+    E[SR(dy)] is dy itself except for block maxima that land above 6 after the E4M3 scale
+    rounds down: those saturate to +-6 (deterministically), so the exact expectation is
+    dy with them replaced by their saturated value.
+    """
     r = recipes.nvfp4()
     x, w, g = _randn(8, 32), _randn(32, 32), _randn(8, 32)
     keys = jax.random.split(jax.random.key(0), 3000)
     f = jax.jit(jax.vmap(lambda k: _grads(r, x, w, g, k)[0]))
     dxs = np.asarray(f(keys), np.float64)
     wq = np.asarray(fp4jax.dequantize(fp4jax.quantize(w, block_2d=True)), np.float64)
-    target = np.asarray(g, np.float64) @ wq.T
+    q = fp4jax.quantize(g)
+    step = np.repeat(np.asarray(q.scale.astype(jnp.float32), np.float64), 16, -1) * float(
+        q.global_scale)
+    gn = np.asarray(g, np.float64)
+    sat = np.abs(gn / step) > 6
+    g_expected = np.where(sat, np.sign(gn) * 6 * step, gn)
+    target = g_expected @ wq.T
     mean = dxs.mean(0)
-    spread = dxs.std(0) / np.sqrt(len(keys))
-    err = np.abs(mean - target)
-    # SR is unbiased except where a block amax saturates (< 6.25% of that entry), so the
-    # typical error is a few standard errors and far below round-to-nearest's bias.
-    rtn = np.asarray(fp4jax.dequantize(fp4jax.quantize(g)), np.float64) @ wq.T
-    assert np.median(err / (spread + 1e-9)) < 3
-    assert np.abs(mean - target).mean() < 0.25 * np.abs(rtn - target).mean()
+    z = np.abs(mean - target) / (dxs.std(0) / np.sqrt(len(keys)))
+    # |z| of an unbiased mean is half-normal: median ~0.67, max over 256 entries ~3.5
+    assert np.median(z) < 1.2 and z.max() < 5.5
+    rtn = np.asarray(fp4jax.dequantize(q), np.float64) @ wq.T
+    assert np.abs(mean - target).mean() < 0.1 * np.abs(rtn - target).mean()
     assert not np.allclose(dxs[0], dxs[1])
-    assert np.abs(dxs[0] - target).mean() > 3 * np.abs(mean - target).mean()
+    assert np.abs(dxs[0] - target).mean() > 10 * np.abs(mean - target).mean()
 
 
 def test_backward_same_key_same_bits():
