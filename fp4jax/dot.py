@@ -128,6 +128,10 @@ def _gemm(subscripts: str, a: Operand, b: Operand, precision: Any) -> jax.Array:
     av, sa = unpack(a)
     bv, sb = unpack(b)
     y = jnp.einsum(subscripts, av, bv, preferred_element_type=jnp.float32, precision=precision)
+    # cuBLAS-style alpha = dec_a * dec_b (NVFP4 paper Eq. 5). Applying the two scales one
+    # at a time would avoid the underflow of alpha for two tiny tensors
+    # (amax_a * amax_b < ~1e-31), but XLA may re-associate it differently per call site,
+    # which breaks bit-reproducibility between equivalent programs.
     scales = [s for s in (sa, sb) if s is not None]
     if scales:
         y = y * functools.reduce(jnp.multiply, scales)
@@ -224,13 +228,25 @@ def dot_general(
     rhs = _check_array(rhs, "rhs")
     try:
         (lc, rc), (lb, rb) = dimension_numbers
-        lc, rc, lb, rb = (tuple(int(d) % a.ndim for d in ds) if a.ndim else tuple(ds)
-                          for ds, a in ((lc, lhs), (rc, rhs), (lb, lhs), (rb, rhs)))
+        lc, rc, lb, rb = (tuple(int(d) for d in ds) for ds in (lc, rc, lb, rb))
     except (TypeError, ValueError) as e:
         raise ValueError(
             "dimension_numbers must be ((lhs_contracting, rhs_contracting), "
             f"(lhs_batch, rhs_batch)), got {dimension_numbers!r}"
         ) from e
+    for name, a, dims in (("lhs", lhs, lc + lb), ("rhs", rhs, rc + rb)):
+        if any(not -a.ndim <= d < a.ndim for d in dims):
+            raise ValueError(
+                f"fp4jax.dot_general: dimension_numbers {dimension_numbers!r} name a dim out "
+                f"of range for {name} of shape {a.shape}"
+            )
+        if len({d % a.ndim for d in dims}) != len(dims):
+            raise ValueError(
+                f"fp4jax.dot_general: dimension_numbers {dimension_numbers!r} repeat a dim "
+                f"of {name} (each dim is contracting, batch or free, once)"
+            )
+    lc, lb = tuple(d % lhs.ndim for d in lc), tuple(d % lhs.ndim for d in lb)
+    rc, rb = tuple(d % rhs.ndim for d in rc), tuple(d % rhs.ndim for d in rb)
     if len(lc) != len(rc) or len(lb) != len(rb):
         raise ValueError(f"dimension_numbers {dimension_numbers!r}: mismatched dim counts")
     for a, b, what in ((lc, rc, "contraction"), (lb, rb, "batch")):
@@ -249,7 +265,7 @@ def dot_general(
             )
         key = qz.normalize_key(key)
     else:
-        key = jnp.zeros((2,), jnp.uint32) if key is None else qz.normalize_key(key)
+        key = jax.random.key(0) if key is None else qz.normalize_key(key)
 
     lfree = [d for d in range(lhs.ndim) if d not in lc + lb]
     rfree = [d for d in range(rhs.ndim) if d not in rc + rb]

@@ -64,6 +64,8 @@ def resolve_signs(signs: Any, size: int) -> jax.Array:
         return jnp.asarray(default_signs(size))
     if isinstance(signs, str):
         raise ValueError(f"signs={signs!r}: use None/'te', an int seed, a key or an array")
+    if isinstance(signs, bool):
+        raise TypeError("signs must be None/'te', an int seed, a key or a +-1 array, not a bool")
     if isinstance(signs, int):
         return jax.random.rademacher(jax.random.key(signs), (size,), jnp.float32)
     arr = signs if isinstance(signs, jax.Array) else jnp.asarray(signs)
@@ -73,6 +75,8 @@ def resolve_signs(signs: Any, size: int) -> jax.Array:
         return jax.random.rademacher(arr, (size,), jnp.float32)
     if arr.shape != (size,):
         raise ValueError(f"signs must have shape ({size},), got {arr.shape}")
+    if not isinstance(arr, jax.core.Tracer) and not bool(jnp.all(jnp.abs(arr) == 1)):
+        raise ValueError("signs must hold only +1 and -1 (the transform must stay orthogonal)")
     return arr.astype(jnp.float32)
 
 

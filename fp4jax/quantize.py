@@ -49,7 +49,9 @@ class QuantizedArray:
         over the last two axes. A block holding NaN/Inf has a NaN scale.
       global_scale: float32 scalar decode scale (``1/enc``; 1.0 without a tensor scale).
       fmt: the ``BlockFormat``.
-      axis: the (non-negative) blocked axis for 1D scaling; ``None`` for 2D.
+      axis: the blocked axis for 1D scaling, counted from the end (negative, so that a
+        ``QuantizedArray`` batched by ``vmap``/``scan`` still names the right axis);
+        ``None`` for 2D.
       block_2d: whether scales are per ``b x b`` tile over the last two axes.
 
     The represented value of element ``i`` is ``(data[i] * scale[block(i)]) * global_scale``.
@@ -89,12 +91,18 @@ class QuantizedArray:
 def global_encode_scale(amax: jax.Array, fmt: BlockFormat) -> jax.Array:
     """Per-tensor FP32 encode scale ``enc`` (NVFP4 paper Appendix B.1, Eq. 1).
 
-    ``enc = (target * 6) / amax`` in float32, clamped to FLT_MAX, and 1.0 when
+    ``enc = (target * 6) / amax`` in float32, clamped to ``2**126``, and 1.0 when
     ``amax == 0`` or the result is 0; exactly Transformer Engine's
     ``compute_global_encode_scaling_factor_FP4`` (``core_nvfp4.cuh``) with
     ``target = 448`` for NVFP4 (``BlockFormat.tensor_scale_target``: the scale
     format's max, capped for very wide formats). Formats without a tensor scale
     return 1.0.
+
+    The clamp: TE clamps ``enc`` to FLT_MAX; fp4jax clamps it to ``2**126`` so that the
+    decode scale ``1/enc`` stays a normal float32. Otherwise a tensor with amax below
+    ``2688 * 2**-126`` (~3.2e-35) gets a subnormal decode scale, which XLA on CPU
+    flushes to zero, silently zeroing the whole tensor. Only such tiny tensors differ
+    from TE (their block scales no longer reach 448).
     The decode scale stored in ``QuantizedArray.global_scale`` is ``1/enc``.
 
     Args:
@@ -104,7 +112,7 @@ def global_encode_scale(amax: jax.Array, fmt: BlockFormat) -> jax.Array:
         return jnp.float32(1.0)
     amax = amax.astype(jnp.float32)
     enc = numerics.div_rn(jnp.float32(fmt.tensor_scale_target * 6.0), amax)
-    enc = jnp.minimum(enc, jnp.float32(numerics.FLT_MAX))
+    enc = jnp.minimum(enc, jnp.float32(2.0**126))
     return jnp.where((amax == 0) | (enc == 0), jnp.float32(1.0), enc)
 
 
@@ -187,13 +195,25 @@ def _check_rounding(rounding: str, key: Any, argname: str = "key") -> None:
 
 
 def normalize_key(key: Any) -> jax.Array:
-    """Raw uint32 key data from a typed (``jax.random.key``) or raw (``PRNGKey``) key."""
+    """A typed PRNG key array from a typed (``jax.random.key``) or raw (``PRNGKey``) key.
+
+    Typed keys keep their implementation (threefry, rbg, ...); raw uint32 keys are
+    wrapped with the default implementation, as ``jax.random`` itself does.
+    """
     if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return jax.random.key_data(key)
+        return key
+    if isinstance(key, (int, float)) or not hasattr(key, "dtype"):
+        raise TypeError(
+            f"key must be a jax PRNG key, got {type(key).__name__}: pass "
+            "key=jax.random.key(seed)"
+        )
     key = jnp.asarray(key)
     if key.dtype != jnp.uint32:
-        raise TypeError(f"key must be a jax PRNG key, got an array of dtype {key.dtype}")
-    return key
+        raise TypeError(
+            f"key must be a jax PRNG key, got an array of dtype {key.dtype}: pass "
+            "key=jax.random.key(seed)"
+        )
+    return jax.random.wrap_key_data(key)
 
 
 # ---------------------------------------------------------------------------
@@ -256,10 +276,12 @@ def quantize(
         raise ValueError("x must have at least one dimension to be block-quantized")
     if block_2d and x.ndim < 2:
         raise ValueError(f"block_2d=True needs x with >= 2 dims, got shape {x.shape}")
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+        raise TypeError(f"axis must be an int, got {axis!r}")
     if not block_2d and not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis={axis} is out of range for x of shape {x.shape}")
     key = normalize_key(key) if rounding == "stochastic" else None
-    return _quantize_jit(x, key, fmt, axis % x.ndim, bool(block_2d), rounding)
+    return _quantize_jit(x, key, fmt, axis % x.ndim - x.ndim, bool(block_2d), rounding)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
@@ -289,6 +311,7 @@ def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding
         q = _round_elements(tiles * e, rounding, u).reshape(xp.shape)[..., :rows, :cols]
         return QuantizedArray(q.astype(_F4), s.astype(fmt.scale_dtype), dec, fmt, None, True)
 
+    axis = axis % x.ndim - x.ndim  # stored negative: it survives vmap's leading batch dims
     n = x.shape[axis]
     xm = _pad_to(jnp.moveaxis(xf, axis, -1), -1, b)
     blocks = xm.reshape(*xm.shape[:-1], xm.shape[-1] // b, b)
@@ -312,8 +335,16 @@ def _expand_scale(q: QuantizedArray) -> jax.Array:
         rows, cols = q.shape[-2:]
         s = jnp.repeat(jnp.repeat(s, b, axis=-2), b, axis=-1)
         return s[..., :rows, :cols]
-    s = jnp.repeat(s, b, axis=q.axis)
-    return jax.lax.slice_in_dim(s, 0, q.shape[q.axis], axis=q.axis)
+    axis = q.axis % q.ndim
+    s = jnp.repeat(s, b, axis=axis)
+    return jax.lax.slice_in_dim(s, 0, q.shape[axis], axis=axis)
+
+
+def _global_scale_like(q: QuantizedArray) -> jax.Array:
+    """The tensor scale broadcastable against ``q.data``: a scalar, or one per leading
+    (``vmap``/``scan``-added) batch index."""
+    gs = q.global_scale
+    return gs.reshape(gs.shape + (1,) * (q.ndim - gs.ndim))
 
 
 def scaled_data(q: QuantizedArray, dtype: Any = jnp.float32) -> jax.Array:
@@ -336,12 +367,14 @@ def dequantize(q: QuantizedArray, dtype: Any = jnp.float32) -> jax.Array:
     """
     if not isinstance(q, QuantizedArray):
         raise TypeError(f"dequantize expects a fp4jax.QuantizedArray, got {type(q).__name__}")
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise TypeError(f"dequantize: dtype must be a float dtype, got {jnp.dtype(dtype)}")
     return _dequantize_jit(q, jnp.dtype(dtype))
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def _dequantize_jit(q: QuantizedArray, dtype) -> jax.Array:
-    return (scaled_data(q) * q.global_scale).astype(dtype)
+    return (scaled_data(q) * _global_scale_like(q)).astype(dtype)
 
 
 # ---------------------------------------------------------------------------

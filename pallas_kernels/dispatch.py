@@ -140,7 +140,7 @@ def quantize(x: jax.Array, fmt=None, *, axis: int = -1, block_2d: bool = False,
     packed, sbits, dec = quantize_packed(x, backend="pallas")
     data = fp4jax.unpack_e2m1(packed, x.shape[-1], axis=-1)
     scale = jax.lax.bitcast_convert_type(sbits, jnp.float8_e4m3fn)
-    return QuantizedArray(data, scale, dec, fp4jax.get_format(fmt), x.ndim - 1, False)
+    return QuantizedArray(data, scale, dec, fp4jax.get_format(fmt), -1, False)
 
 
 # ---------------------------------------------------------------------------
@@ -153,7 +153,7 @@ def w4a16_unsupported_reason(m: int, k: int, n: int, q=None) -> str | None:
     if q is not None:
         if not _nvfp4(q.fmt):
             return "kernel implements NVFP4 weights only"
-        if not q.block_2d and q.axis != 0:
+        if not q.block_2d and q.axis % q.ndim != 0:
             return "W must be scaled along K (axis=0 or 16x16 tiles)"
     if m > 256:
         return f"M <= 256 only (decode / small batches), got {m}"

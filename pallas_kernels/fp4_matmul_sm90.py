@@ -70,7 +70,7 @@ def prepare_weight(q):
     sb = lax.bitcast_convert_type(q.scale, jnp.uint8)
     if q.block_2d:
         sb = jnp.repeat(sb, 16, axis=1)[:, : codes.shape[1]]
-    elif q.axis != 0:
+    elif q.axis % q.ndim != 0:
         raise ValueError("W must be quantized along its contraction axis (axis=0)")
     wq, ws = native_from_codes(codes, sb)
     return wq, ws, q.global_scale

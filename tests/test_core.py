@@ -20,6 +20,8 @@ def _inputs():
         "heavy": r.standard_t(2.0, (6, 80)),
         "outliers": np.where(r.random((8, 48)) < 0.02, 300.0, 1.0) * r.standard_normal((8, 48)),
         "tiny": 1e-30 * r.standard_normal((4, 40)),
+        "tinier": 1e-36 * r.standard_normal((4, 40)),  # decode scale would be subnormal
+        "edge_3e-35": 3e-35 * r.standard_normal((4, 40)),
         "huge": 1e30 * r.standard_normal((4, 40)),
         "mixed_range": r.standard_normal((4, 64)) * 10.0 ** r.integers(-20, 20, (4, 64)),
         "partial": r.standard_normal((5, 37)),
@@ -65,7 +67,8 @@ def test_nvfp4_bit_exact(name, axis):
     _check(INPUTS[name], fp4jax.NVFP4, axis=axis)
 
 
-@pytest.mark.parametrize("name", ["gauss", "heavy", "outliers", "partial", "tiny", "huge"])
+@pytest.mark.parametrize("name", ["gauss", "heavy", "outliers", "partial", "tiny", "tinier",
+                                  "huge"])
 @pytest.mark.parametrize("fmt", [fp4jax.MXFP4, fp4jax.MXFP4_OCP], ids=lambda f: f.name)
 def test_mx_bit_exact(name, fmt):
     _check(INPUTS[name], fmt, axis=-1)
@@ -288,3 +291,28 @@ def test_div_rn_is_correctly_rounded():
         for fn in (numerics.div_rn, numerics.div_rn_integer):
             assert float(fn(jnp.float32(x), jnp.float32(y))) == float(
                 np.float32(x) / np.float32(y))
+
+
+@pytest.mark.parametrize("block_2d", [False, True])
+def test_vmapped_quantized_array_dequantizes_per_example(block_2d):
+    """A QuantizedArray batched by vmap (leading axis, one tensor scale per example)
+    dequantizes to the per-example results."""
+    x = jnp.asarray(RNG.standard_normal((4, 16, 32)) * np.arange(1, 5)[:, None, None],
+                    jnp.float32)
+    for axis in (0, 1, -1):
+        qb = jax.vmap(lambda xi, a=axis: fp4jax.quantize(xi, axis=a, block_2d=block_2d))(x)
+        assert qb.global_scale.shape == (4,)
+        got = np.asarray(fp4jax.dequantize(qb))
+        want = np.stack([np.asarray(fp4jax.dequantize(
+            fp4jax.quantize(x[i], axis=axis, block_2d=block_2d))) for i in range(4)])
+        np.testing.assert_array_equal(got, want)
+
+
+def test_tiny_tensor_is_not_zeroed():
+    """amax below ~3.2e-35 would make TE's decode scale subnormal (flushed to 0 on CPU);
+    fp4jax clamps enc to 2**126 so the tensor survives."""
+    x = jnp.asarray(1e-36 * RNG.standard_normal((4, 32)), jnp.float32)
+    d = np.asarray(fp4jax.dequantize(fp4jax.quantize(x)), np.float64)
+    xn = np.asarray(x, np.float64)
+    rel = np.linalg.norm(d - xn) / np.linalg.norm(xn)
+    assert rel < 0.15  # the same 4-bit error as at unit scale (~0.09)

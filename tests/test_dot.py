@@ -379,3 +379,67 @@ def test_bad_inputs():
         fp4jax.dot(x, _randn(32, 8, 2), recipe="bf16")
     with pytest.raises(TypeError, match="QuantizedArray"):
         fp4jax.dequantize(x)
+
+
+def test_dot_general_quantized_with_batch_and_several_contracting_dims():
+    """lhs (B, M, C1, C2) x rhs (B, C1, C2, N): contraction flattened to K = C1*C2 in
+    order, blocks along it; the result equals the matmul of the dequantized operands."""
+    lhs, rhs = _randn(2, 6, 4, 8), _randn(2, 4, 8, 5)
+    dn = (((2, 3), (1, 2)), ((0,), (0,)))
+    r = recipes.nvfp4().replace(sr=False)
+    y = fp4jax.dot_general(lhs, rhs, dn, recipe=r)
+    assert y.shape == (2, 6, 5)
+    xd = _deq(lhs.reshape(2, 6, 32), r.fprop.lhs, -1)
+    wd = np.asarray(fp4jax.dequantize(fp4jax.quantize(rhs.reshape(2, 32, 5), block_2d=True)),
+                    np.float64)
+    want = np.einsum("bmk,bkn->bmn", xd, wd)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["fp4_all_the_way", "mxfp4"])
+def test_backward_matches_manual_recipe_other_recipes(name):
+    r = recipes.get(name).replace(sr=False)
+    x, w, g = _randn(64, 64), _randn(64, 32), _randn(64, 32)
+    dx, dw = _grads(r, x, w, g, None)
+
+    def deq(a, spec, axis):
+        return _deq(a, spec, axis)
+
+    hx, hg = x, g
+    if r.wgrad.hadamard:
+        hx = fp4jax.random_hadamard_transform(x, axis=0, size=r.wgrad.hadamard)
+        hg = fp4jax.random_hadamard_transform(g, axis=0, size=r.wgrad.hadamard)
+    want_dx = deq(g, r.dgrad.lhs, -1) @ deq(w, r.dgrad.rhs, -1).T
+    want_dw = deq(hx, r.wgrad.lhs, 0).T @ deq(hg, r.wgrad.rhs, 0)
+    np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(dw), want_dw, rtol=1e-5, atol=1e-4)
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype
+
+
+def test_keys_of_other_prng_implementations():
+    x, w = _randn(16, 32), _randn(32, 8)
+    k = jax.random.key(0, impl="rbg")
+    y = fp4jax.dot(x, w, key=k)
+    assert y.shape == (16, 8)
+    q = fp4jax.quantize(x, rounding="stochastic", key=k)
+    assert q.data.shape == x.shape
+    g = jax.grad(lambda x: fp4jax.dot(x, w, key=k).sum())(x)
+    assert np.isfinite(np.asarray(g)).all()
+
+
+def test_more_bad_inputs():
+    x, w = _randn(4, 32), _randn(32, 8)
+    with pytest.raises(ValueError, match="out of range"):
+        fp4jax.dot_general(x, w, (((3,), (0,)), ((), ())), recipe="bf16")
+    with pytest.raises(ValueError, match="repeat a dim"):
+        fp4jax.dot_general(x, w, (((1,), (0,)), ((1,), (0,))), recipe="bf16")
+    with pytest.raises(ValueError, match=r"\+1 and -1"):
+        fp4jax.random_hadamard_transform(jnp.ones((2, 16)), -1, signs=np.full(16, 2.0))
+    with pytest.raises(TypeError, match="bool"):
+        fp4jax.random_hadamard_transform(jnp.ones((2, 16)), -1, signs=True)
+    with pytest.raises(TypeError, match=r"key=jax.random.key"):
+        fp4jax.quantize(x, rounding="stochastic", key=0)
+    with pytest.raises(TypeError, match="axis must be an int"):
+        fp4jax.quantize(x, axis=1.0)
+    with pytest.raises(TypeError, match="float dtype"):
+        fp4jax.dequantize(fp4jax.quantize(x), jnp.int8)
