@@ -200,8 +200,14 @@ class ByteDataset:
         return self._perm_cache[key]
 
     def windows_per_epoch(self) -> int:
-        """Approximate number of training windows in one epoch."""
-        return (len(self.train) - 1) // self.seq_len
+        """Training windows in one epoch, the same for every epoch.
+
+        Each epoch starts at a random offset in ``[0, seq_len)``; this is the number of
+        whole windows available at *any* offset, so an epoch never wraps around its
+        permutation (no window repeats within an epoch; at most one is left out).
+        """
+        n = (len(self.train) - self.seq_len) // self.seq_len
+        return n if n >= 1 else (len(self.train) - 1) // self.seq_len
 
     def train_batch(self, step: int, batch_size: int, seed: int) -> np.ndarray:
         """Batch ``step``: ``(batch_size, seq_len + 1)`` int32, a pure function of its args."""
@@ -209,7 +215,7 @@ class ByteDataset:
         for g in range(step * batch_size, (step + 1) * batch_size):
             epoch, pos = divmod(g, self.windows_per_epoch())
             offset, perm = self._epoch(seed, epoch)
-            start = offset + int(perm[pos % len(perm)]) * self.seq_len
+            start = offset + int(perm[pos]) * self.seq_len  # pos < len(perm) always
             rows.append(self.train[start : start + self.seq_len + 1])
         return np.stack(rows).astype(np.int32)
 

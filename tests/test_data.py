@@ -58,10 +58,21 @@ def test_batches_are_deterministic_and_shuffled(tmp_path):
     text = bytes(ds1.train)
     for row in b:
         assert bytes(row.astype(np.uint8)) in text
-    # within an epoch no window repeats
-    n = ds1.windows_per_epoch() // 8
-    rows = np.concatenate([ds1.train_batch(s, 8, seed=0) for s in range(n)])
-    assert len({bytes(r) for r in rows.astype(np.uint8)}) == len(rows)
+    # within an epoch no window repeats: every row of the epoch, for several seeds
+    # (batch size 1 so the epoch's last window is reached)
+    wpe = ds1.windows_per_epoch()
+    for seed in range(6):
+        rows = np.concatenate([ds1.train_batch(s, 1, seed=seed) for s in range(wpe)])
+        assert len({bytes(r) for r in rows.astype(np.uint8)}) == wpe
+    # and with a stream of exactly k * seq_len + 1 bytes, where a random offset leaves
+    # one window fewer than at offset 0
+    r = np.random.default_rng(0)
+    exact = data.ByteDataset(r.integers(0, 256, 64 * 50 + 1).astype(np.uint8),
+                             r.integers(0, 256, 200).astype(np.uint8), seq_len=64)
+    wpe = exact.windows_per_epoch()
+    for seed in range(6):
+        rows = np.concatenate([exact.train_batch(s, 1, seed=seed) for s in range(wpe)])
+        assert len({bytes(r) for r in rows.astype(np.uint8)}) == wpe
     v1, v2 = ds1.val_batches(2, 4), ds2.val_batches(2, 4)
     assert len(v1) == 2 and v1[0].shape == (4, 65)
     np.testing.assert_array_equal(np.stack(v1), np.stack(v2))
