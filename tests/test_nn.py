@@ -189,3 +189,14 @@ def test_policy_counts_match_model():
         assert len(seen) == q == (cfg.n_layers - first - last) * len(cfg.linear_layers)
         assert all(r == RTN for r in seen)
         assert model.summary().startswith(f"{q} of {total} linear layers")
+
+
+def test_recipe_by_name_and_missing_rng_stream():
+    x = jnp.ones((4, 64))
+    m = fl.Dense(32, recipe="nvfp4")  # a name, resolved like fp4jax.dot does
+    p = m.init({"params": jax.random.key(0), "fp4": jax.random.key(1)}, x)
+    assert m.apply(p, x, rngs={"fp4": jax.random.key(2)}).shape == (4, 32)
+    with pytest.raises(ValueError, match="needs the RNG stream 'fp4'"):
+        fn.Linear(64, 32, recipe="nvfp4", rngs=nnx.Rngs(params=0))
+    with pytest.raises(ValueError, match="valid names"):
+        fl.Dense(32, recipe="nvfp5").init({"params": jax.random.key(0)}, x)

@@ -10,7 +10,9 @@ Precision (NVFP4 paper, section 4): only the block linear layers (``attn.q/k/v/o
 ``mlp.up/gate/down``) go through fp4jax, as chosen by a :class:`~fp4jax.nn.PrecisionPolicy`;
 embeddings, norms, softmax, the attention score/value matmuls and the LM head stay in high
 precision. Master weights are float32 (``param_dtype``); compute runs in ``config.dtype``
-(bfloat16 by default; float32 is faster on CPUs); norms, softmax and logits are float32.
+(bfloat16 by default; float32 is faster on CPUs); norms and softmax are float32; the LM
+head runs in the compute dtype (BF16, as the paper keeps it) and its logits are cast to
+float32 for the loss.
 """
 
 from __future__ import annotations

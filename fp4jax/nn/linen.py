@@ -32,11 +32,11 @@ DEFAULT_RNG_STREAM = "fp4"
 
 
 def _needs_key(recipe: Any) -> bool:
+    """Whether ``recipe`` (a ``Recipe``, a recipe name or ``None`` = NVFP4) needs SR keys."""
     import fp4jax
 
-    if recipe is None:
-        recipe = fp4jax.recipes.nvfp4()
-    return bool(getattr(recipe, "needs_key", False))
+    recipe = fp4jax.recipes.nvfp4() if recipe is None else fp4jax.recipes.get(recipe)
+    return recipe.needs_key
 
 
 class DotGeneral(nn.Module):

@@ -57,7 +57,14 @@ class DotGeneral(nnx.Module):
                     f"fp4jax recipe {name!r} uses stochastic rounding: pass rngs=nnx.Rngs(..., "
                     f"{rng_stream}=seed) to DotGeneral."
                 )
-            self.rng = rngs[rng_stream]
+            try:
+                self.rng = rngs[rng_stream]
+            except (KeyError, AttributeError) as e:
+                name = getattr(recipe, "name", recipe)
+                raise ValueError(
+                    f"fp4jax recipe {name!r} uses stochastic rounding and needs the RNG stream "
+                    f"{rng_stream!r}: pass rngs=nnx.Rngs(..., {rng_stream}=seed)"
+                ) from e
         else:
             self.rng = None
 
