@@ -39,6 +39,20 @@ def _needs_key(recipe: Any) -> bool:
     return recipe.needs_key
 
 
+def fp4_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any,
+                    preferred_element_type: Any, out_sharding: Any, *, recipe: Any,
+                    key: jax.Array | None) -> jax.Array:
+    """``fp4jax.dot_general`` plus the ``out_sharding`` constraint newer flax layers pass
+    (shared by the linen and NNX modules)."""
+    import fp4jax
+
+    out = fp4jax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                             recipe=recipe, key=key)
+    if out_sharding is not None:
+        out = jax.lax.with_sharding_constraint(out, out_sharding)
+    return out
+
+
 class DotGeneral(nn.Module):
     """A linen module with ``jax.lax.dot_general``'s call signature, computed by fp4jax.
 
@@ -83,20 +97,8 @@ class DotGeneral(nn.Module):
         Shapes and dtypes are those of ``jax.lax.dot_general``; ``out_sharding`` (passed by
         newer flax layers) is applied as a sharding constraint when not ``None``.
         """
-        import fp4jax
-
-        out = fp4jax.dot_general(
-            lhs,
-            rhs,
-            dimension_numbers,
-            precision,
-            preferred_element_type,
-            recipe=self.recipe,
-            key=self._key(),
-        )
-        if out_sharding is not None:
-            out = jax.lax.with_sharding_constraint(out, out_sharding)
-        return out
+        return fp4_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                               out_sharding, recipe=self.recipe, key=self._key())
 
 
 class Dense(nn.Module):

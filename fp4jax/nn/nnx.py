@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fp4jax.nn.linen import DEFAULT_RNG_STREAM, _needs_key
+from fp4jax.nn.linen import DEFAULT_RNG_STREAM, _needs_key, fp4_dot_general
 
 if TYPE_CHECKING:  # pragma: no cover
     from fp4jax import Recipe
@@ -78,21 +78,9 @@ class DotGeneral(nnx.Module):
         out_sharding: Any = None,
     ) -> jax.Array:
         """``jax.lax.dot_general(lhs, rhs, dimension_numbers)`` with FP4 numerics."""
-        import fp4jax
-
         key = self.rng() if self.rng is not None else None
-        out = fp4jax.dot_general(
-            lhs,
-            rhs,
-            dimension_numbers,
-            precision,
-            preferred_element_type,
-            recipe=self.recipe,
-            key=key,
-        )
-        if out_sharding is not None:
-            out = jax.lax.with_sharding_constraint(out, out_sharding)
-        return out
+        return fp4_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                               out_sharding, recipe=self.recipe, key=key)
 
 
 class Linear(nnx.Linear):
