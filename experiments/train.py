@@ -9,7 +9,11 @@ Examples::
 
 Each run writes ``metrics.jsonl`` (one JSON object per log/eval record), ``result.json`` and
 orbax checkpoints (``checkpoints/``) under ``--out``; ``--resume`` continues the latest
-checkpoint exactly (batches and stochastic-rounding keys are pure functions of seed and step).
+checkpoint exactly (batches and stochastic-rounding keys are pure functions of seed and step);
+``--resume-override lr,clip_norm`` lets named optimizer keys change on resume (recorded in
+``metrics.jsonl``), e.g. to get past a divergence. Checkpoint ``N`` holds the state before
+step ``N`` (steps are 0-based), so it is known good once step ``N`` gave a finite loss; a
+checkpoint whose step diverges is deleted.
 ``--compare`` trains each recipe on the same data and seed into ``OUT/<recipe>/`` and writes
 ``OUT/compare.png``, ``OUT/compare.md`` and ``OUT/compare.json``.
 """
@@ -44,8 +48,10 @@ SCHEDULES = ("wsd", "cosine")
 # Config keys that may change between a run and its resumption.
 RESUMABLE_KEYS = frozenset(
     {"out", "resume", "stop_at", "progress", "cache_dir", "checkpoint_every", "log_every",
-     "devices", "compare"}
+     "devices", "compare", "resume_override"}
 )
+# Config keys that ``--resume-override`` may change (they leave the state's structure alone).
+OVERRIDABLE_KEYS = ("lr", "min_lr_ratio", "clip_norm", "weight_decay", "beta1", "beta2")
 
 
 class TrainingDiverged(RuntimeError):
@@ -90,6 +96,7 @@ class TrainConfig:
     stop_at: int | None = None
     progress: bool = True
     compare: str | None = None
+    resume_override: str | None = None
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
@@ -293,10 +300,38 @@ def _truncate_metrics(path: Path, ckpt_step: int) -> None:
     keep = []
     for line in path.read_text().splitlines():
         rec = json.loads(line)
-        limit = ckpt_step if rec.get("type") == "eval" else ckpt_step - 1
+        limit = ckpt_step if rec.get("type") in ("eval", "resume") else ckpt_step - 1
         if rec.get("step", 0) <= limit:
             keep.append(line)
     path.write_text("".join(x + "\n" for x in keep))
+
+
+def _history_from_metrics(path: Path) -> dict[str, list]:
+    """The loss curves recorded in ``metrics.jsonl`` (train losses at ``--log-every``
+    resolution), to seed a resumed run's history."""
+    history: dict[str, list] = {"step": [], "loss": [], "val_step": [], "val_loss": []}
+    if not path.exists():
+        return history
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("type") == "train":
+            history["step"].append(rec["step"])
+            history["loss"].append(rec["loss"])
+        elif rec.get("type") == "eval":
+            history["val_step"].append(rec["step"])
+            history["val_loss"].append(rec["val_loss"])
+    return history
+
+
+def _override_keys(cfg: TrainConfig) -> list[str]:
+    keys = [k.strip() for k in (cfg.resume_override or "").split(",") if k.strip()]
+    bad = [k for k in keys if k not in OVERRIDABLE_KEYS]
+    if bad:
+        raise ValueError(f"--resume-override: {bad} cannot be overridden; "
+                         f"valid keys: {list(OVERRIDABLE_KEYS)}")
+    if keys and not cfg.resume:
+        raise ValueError("--resume-override needs --resume")
+    return keys
 
 
 def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
@@ -315,6 +350,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         raise ValueError(f"--switch-at must be a fraction in [0, 1], got {cfg.switch_at}")
     if cfg.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {cfg.steps}")
+    overrides = _override_keys(cfg)
     mc = model_config(cfg)
     mesh = make_mesh(cfg.devices)
     n_dev = mesh.devices.size
@@ -327,6 +363,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     policy = make_policy(cfg, mc, recipe)
     model = Llama(mc, policy)
     switch_step = cfg.steps + 1 if cfg.switch_at is None else int(round(cfg.switch_at * cfg.steps))
+    if switch_step >= cfg.steps:  # --switch-at 1.0 (or rounding to the end): never switches
+        switch_step = cfg.steps + 1
     model2 = Llama(mc, policy.replace(recipe=switched_recipe(recipe, cfg.switch)))
 
     tx = make_optimizer(cfg)
@@ -352,16 +390,21 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
               "(pip install orbax-checkpoint)", file=sys.stderr)
     metrics_path = out / "metrics.jsonl"
     start = 0
+    overridden: dict[str, list] = {}
     if cfg.resume:
         if ckpt is None:
             raise ValueError("--resume needs orbax-checkpoint (pip install orbax-checkpoint)")
         last = ckpt.latest_step()
         if last is None:
             raise ValueError(f"--resume: no checkpoint in {out / 'checkpoints'}")
-        diff = config_diff(ckpt.meta(last)["config"], cfg_dict)
+        saved_cfg = ckpt.meta(last)["config"]
+        overridden = {k: [saved_cfg.get(k), cfg_dict[k]] for k in overrides
+                      if saved_cfg.get(k) != cfg_dict[k]}
+        diff = config_diff({**saved_cfg, **{k: cfg_dict[k] for k in overrides}}, cfg_dict)
         if diff:
             raise ValueError("refusing to resume with a changed config; differing keys: "
-                             + "; ".join(diff))
+                             + "; ".join(diff) + f" (only {list(OVERRIDABLE_KEYS)} can change, "
+                             "named in --resume-override)")
         state = ckpt.restore(last, state)
         start = int(state["step"])
         _truncate_metrics(metrics_path, start)
@@ -386,6 +429,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
               f"{len(ds.train) / 1e6:.2f}M train / {len(ds.val) / 1e6:.2f}M val bytes")
     if switch_step <= cfg.steps:
         header += f"; switch {cfg.switch} to BF16 at step {switch_step}"
+    elif cfg.switch_at is not None:
+        header += f"; --switch-at {cfg.switch_at}: never switches (past the last step)"
     pbar = _Progress(end, start, cfg.progress, recipe.name)
     pbar.write(header)
     log = metrics_path.open("a")
@@ -394,8 +439,13 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         log.write(json.dumps(rec) + "\n")
         log.flush()
 
-    last_good = ckpt.latest_step() if cfg.resume and ckpt is not None else None
-    history: dict[str, list] = {"step": [], "loss": [], "val_step": [], "val_loss": []}
+    if overridden:
+        write({"type": "resume", "step": start, "overrides": overridden})
+        pbar.write(f"[{recipe.name}] resuming at step {start} with overrides: "
+                   + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in overridden.items()))
+    # resumed runs continue the recorded curves (truncated to the checkpoint above)
+    history = _history_from_metrics(metrics_path) if cfg.resume else {
+        "step": [], "loss": [], "val_step": [], "val_loss": []}
     timing = {"t": time.perf_counter(), "train_s": 0.0, "train_tokens": 0, "seen": 0}
     window = {"t": time.perf_counter(), "tokens": 0}
     pending: list[tuple[int, dict]] = []
@@ -412,13 +462,10 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
                 timing["train_s"] += dt
                 timing["train_tokens"] += tokens_per_step
             if not (math.isfinite(loss) and math.isfinite(gnorm)):
-                where = (f"last good checkpoint: step {last_good} in {out / 'checkpoints'}"
-                         if last_good is not None else "no checkpoint was saved")
                 write({"type": "diverged", "step": s, "loss": loss, "grad_norm": gnorm})
                 raise TrainingDiverged(
-                    f"[{recipe.name}] loss became {loss} (grad norm {gnorm}) at step {s}; "
-                    f"stopped. {where} (resume with --resume after changing nothing, or lower "
-                    "--lr / keep more blocks in BF16)")
+                    f"[{recipe.name}] loss became {loss} (grad norm {gnorm}) at step {s} "
+                    f"(0-based); stopped. {_drop_bad_checkpoints(s)}")
             history["step"].append(s)
             history["loss"].append(loss)
             window["tokens"] += tokens_per_step
@@ -443,18 +490,36 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         window["t"] += time.perf_counter() - t0
         return v
 
+    def _drop_bad_checkpoints(s: int) -> str:
+        """Deletes checkpoints whose parameters give the non-finite step ``s`` (checkpoint
+        ``s`` itself: step ``s`` starts from it) and says which checkpoint is good."""
+        if ckpt is None:
+            return "no checkpoints are written (orbax-checkpoint is not installed)"
+        bad = [c for c in ckpt.mngr.all_steps() if c >= s]
+        for c in bad:
+            ckpt.mngr.delete(c)
+        good = [c for c in ckpt.mngr.all_steps() if c < s]
+        dropped = f" (deleted checkpoint {bad[0]}: step {s} starts from it)" if bad else ""
+        rerun = ("resuming unchanged repeats the divergence exactly; resume with a change, e.g. "
+                 "--resume --resume-override lr --lr SMALLER (overridable: "
+                 f"{', '.join(OVERRIDABLE_KEYS)}), or retrain with a lower --lr or more blocks in "
+                 "BF16 (--first-bf16/--last-bf16)")
+        if not good:
+            return (f"No good checkpoint was saved{dropped}; retrain with a lower --lr or more "
+                    "blocks in BF16 (--first-bf16/--last-bf16)")
+        c = max(good)
+        return (f"Last good checkpoint: {c} (the state before step {c}) in "
+                f"{out / 'checkpoints'}{dropped}; {rerun}")
+
     def save(s: int) -> None:
-        nonlocal last_good
         if ckpt is None:
             return
         t0 = time.perf_counter()
         ckpt.save(s, state, {"config": cfg_dict, "step": s})
-        last_good = s
         timing["t"] += time.perf_counter() - t0
         window["t"] += time.perf_counter() - t0
 
     t_start = time.perf_counter()
-    final_val = None
     try:
         if start == 0 and cfg.eval_every:
             evaluate(0)
@@ -466,7 +531,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
             done = s + 1
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
                 process()
-                final_val = evaluate(done)
+                evaluate(done)
             if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == end:
                 process()
                 save(done)
@@ -478,9 +543,12 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
             ckpt.close()
     wall = time.perf_counter() - t_start
     tps = timing["train_tokens"] / timing["train_s"] if timing["train_s"] > 0 else None
+    vs, vl = history["val_step"], history["val_loss"]
+    finished = end == cfg.steps and bool(vs) and vs[-1] == cfg.steps
     result = {
         "recipe": recipe.name, "preset": cfg.preset, "params": n_params, "policy": summary,
-        "steps": end, "final_val_loss": final_val if end == cfg.steps else None,
+        "steps": end, "final_val_loss": vl[-1] if finished else None,
+        "last_val_step": vs[-1] if vs else None, "last_val_loss": vl[-1] if vl else None,
         "final_train_loss": history["loss"][-1] if history["loss"] else None,
         "tokens_per_s": tps, "devices": n_dev, "platform": mesh.devices.flat[0].platform,
         "device_kind": mesh.devices.flat[0].device_kind, "wall_s": wall, "history": history,
@@ -512,15 +580,30 @@ def compare(cfg: TrainConfig, recipes: Sequence[str]) -> list[dict]:
 
 
 def comparison_table(results: Sequence[dict]) -> str:
-    """A markdown table: final validation loss and its relative gap to the BF16 run."""
-    base = next((r["final_val_loss"] for r in results if r["recipe"] == "bf16"), None)
+    """A markdown table: final validation loss and its relative gap to the BF16 run.
+
+    A run stopped early (``--stop-at``) shows its last evaluation instead, labelled with its
+    step; gaps are only computed between evaluations of the same step."""
+    def val(r: dict) -> tuple[float | None, int | None, str]:
+        if r.get("final_val_loss") is not None:
+            return r["final_val_loss"], None, f"{r['final_val_loss']:.4f}"
+        v, s = r.get("last_val_loss"), r.get("last_val_step")
+        if v is None:
+            return None, None, "n/a"
+        return v, s, f"{v:.4f} (last eval, step {s}; stopped early)"
+
+    def fmt(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.4f}"
+
+    base = next((val(r) for r in results if r["recipe"] == "bf16"), (None, None, ""))
     lines = ["| recipe | final val loss | gap to bf16 | final train loss | tokens/s | policy |",
              "|---|---|---|---|---|---|"]
     for r in results:
-        v = r["final_val_loss"]
-        gap = f"{100 * (v - base) / base:+.2f}%" if base and v is not None else "n/a"
+        v, s, shown = val(r)
+        gap = (f"{100 * (v - base[0]) / base[0]:+.2f}%"
+               if base[0] and v is not None and s == base[1] else "n/a")
         tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a"
-        lines.append(f"| {r['recipe']} | {v:.4f} | {gap} | {r['final_train_loss']:.4f} | {tps} "
+        lines.append(f"| {r['recipe']} | {shown} | {gap} | {fmt(r['final_train_loss'])} | {tps} "
                      f"| {r['policy']} |")
     return "\n".join(lines)
 
@@ -551,7 +634,10 @@ def plot_losses(results: Sequence[dict], path: Path) -> Path | None:
     for r in results:
         h = r["history"]
         ax1.plot(h["step"], ema(h["loss"]), label=r["recipe"])
-        ax2.plot(h["val_step"], h["val_loss"], marker="o", ms=3, label=r["recipe"])
+        v = r.get("final_val_loss")
+        v = r.get("last_val_loss") if v is None else v
+        ax2.plot(h["val_step"], h["val_loss"], marker="o", ms=3,
+                 label=f"{r['recipe']} ({'n/a' if v is None else f'{v:.4f}'})")
         if ncols == 3 and r is not base and h["step"] == base["history"]["step"]:
             gap = 100 * (ema(h["loss"]) / ema(base["history"]["loss"]) - 1)
             axes[2].plot(h["step"], gap, label=r["recipe"])
@@ -565,7 +651,8 @@ def plot_losses(results: Sequence[dict], path: Path) -> Path | None:
         ax.legend()
     for ax in (ax1, ax2):
         lo = min(min(r["history"]["val_loss"] or [np.inf]) for r in results)
-        ax.set_ylim(bottom=max(0.0, lo - 0.3), top=lo + 2.5)
+        if math.isfinite(lo):
+            ax.set_ylim(bottom=max(0.0, lo - 0.3), top=lo + 2.5)
     r0 = results[0]
     fig.suptitle(f"{r0['preset']} preset, {r0['params'] / 1e6:.2f}M params, "
                  f"{r0['devices']}x {r0['device_kind']}")
@@ -616,6 +703,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--devices", type=int, default=d.devices, help="data-parallel devices (0: all local)")
     a("--out", default=d.out)
     a("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    a("--resume-override", default=None,
+      help=f"with --resume: comma-separated keys allowed to change ({', '.join(OVERRIDABLE_KEYS)})")
     a("--stop-at", type=int, default=None, help="stop after this step (schedule unchanged)")
     a("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -93,7 +94,9 @@ def test_resume_is_exact_and_refuses_changed_config(text, tmp_path):
     a, b = _losses(tmp_path / "a" / "run"), _losses(out_b / "run")
     assert a.keys() == b.keys() and len(a) == 20 + 2  # train losses 0-19, evals at 0 and 15
     assert a == b  # bit-identical loss curves (NVFP4 with stochastic rounding)
-    assert resumed["history"]["loss"] == full["history"]["loss"][10:]
+    # the resumed run's curves include the part before the resume (from metrics.jsonl)
+    assert resumed["history"] == full["history"]
+    assert resumed["history"]["step"] == list(range(20))
     with pytest.raises(ValueError, match=r"differing keys: lr: 0\.01 -> 0\.001; seed: 0 -> 1"):
         T.train(_cfg(text, out_b, resume=True, lr=1e-3, seed=1))
     with pytest.raises(ValueError, match="no checkpoint"):
@@ -118,12 +121,30 @@ def test_precision_switch(text, tmp_path):
     assert not fwd.fprop.quantized and fwd.dgrad.quantized and fwd.wgrad.quantized
     assert bwd.fprop.quantized and not bwd.dgrad.quantized and not bwd.wgrad.quantized
     assert not T.switched_recipe(r, "both").quantized
-    T.train(_cfg(text, tmp_path, switch_at=0.9, switch="both"))
-    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [x["recipe"] for x in recs if x["type"] == "train"] == ["nvfp4"] * 27 + ["bf16"] * 3
+    # 8 steps of the shared 30-step schedule (its compiled unswitched step is reused), switching
+    # at step 4 (the same switch point as --steps 8 --switch-at 0.5), no evals
+    kw = dict(stop_at=8, eval_every=0)
+    base = T.train(_cfg(text, tmp_path / "none", **kw))["history"]["loss"]
+    runs = {m: T.train(_cfg(text, tmp_path / m, switch_at=4 / 30, switch=m, **kw))
+            for m in ("fwd", "bwd")}
+    same = {m: [a == b for a, b in zip(r["history"]["loss"], base, strict=True)]
+            for m, r in runs.items()}
+    # fwd: step 4's loss already comes from the BF16 forward pass
+    assert same["fwd"] == [True] * 4 + [False] * 4
+    # bwd: step 4's forward is unchanged (equal loss); its BF16 gradients change step 5 on
+    assert same["bwd"] == [True] * 5 + [False] * 3
+    recs = [json.loads(x) for x in (tmp_path / "fwd" / "run" / "metrics.jsonl").read_text()
+            .splitlines()]
+    assert [x["recipe"] for x in recs if x["type"] == "train"] == (
+        ["nvfp4"] * 4 + ["nvfp4>bf16-fwd"] * 4)
 
 
-def test_nan_stops_and_keeps_last_good_checkpoint(text, tmp_path, monkeypatch):
+def test_switch_at_end_never_switches(text, tmp_path, capsys):
+    T.train(_cfg(text, tmp_path, switch_at=1.0, stop_at=0))
+    assert "never switches" in capsys.readouterr().err
+
+
+def test_nan_stops_and_keeps_last_good_checkpoint(text, tmp_path, monkeypatch, capsys):
     real = T.make_train_step
 
     def poisoned(*args, **kwargs):
@@ -132,23 +153,45 @@ def test_nan_stops_and_keeps_last_good_checkpoint(text, tmp_path, monkeypatch):
         def wrapped(state, batch):
             s = int(state["step"])
             new, m = step(state, batch)
-            return new, (dict(m, loss=m["loss"] * np.nan) if s >= 5 else m)
+            return new, (dict(m, loss=m["loss"] * np.nan) if s >= 4 else m)
 
         return wrapped
 
+    # the poison stands for parameters that went bad at checkpoint 4: the loss of step s comes
+    # from the parameters of checkpoint s, so checkpoint 4 is not good and must not be kept
     monkeypatch.setattr(T, "make_train_step", poisoned)
-    cfg = _cfg(text, tmp_path, recipe="bf16", checkpoint_every=2)
-    with pytest.raises(T.TrainingDiverged, match="at step 5.*last good checkpoint: step 4"):
+    cfg = _cfg(text, tmp_path, recipe="bf16", checkpoint_every=2, eval_every=0)
+    msg = (r"at step 4 \(0-based\).*Last good checkpoint: 2 \(the state before step 2\).*"
+           r"deleted checkpoint 4.*resuming unchanged repeats.*--resume-override lr")
+    with pytest.raises(T.TrainingDiverged, match=msg):
         T.train(cfg)
     ckpt = T.Checkpointer(tmp_path / "run" / "checkpoints")
-    assert ckpt.latest_step() == 4
+    assert ckpt.latest_step() == 2
     ckpt.close()
+    first = _losses(tmp_path / "run")
+    # resuming from the reported checkpoint: its steps are finite (and bit-identical), until the
+    # same divergence at step 4
+    with pytest.raises(T.TrainingDiverged, match=msg):
+        T.train(cfg.replace(resume=True))
+    again = _losses(tmp_path / "run")
+    assert again == first
+    assert np.isfinite([again["train", s] for s in range(4)]).all()
+    # named optimizer keys may change on resume, and the change is recorded
+    T.train(cfg.replace(resume=True, resume_override="lr", lr=1e-3, stop_at=2))
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert {"type": "resume", "step": 2, "overrides": {"lr": [0.01, 0.001]}} in recs
+    with pytest.raises(ValueError, match="cannot be overridden"):
+        T.train(cfg.replace(resume=True, resume_override="seq_len"))
     monkeypatch.setattr("sys.argv", ["fp4jax-train"])
     args = ["--preset", "micro", "--data", text, "--recipe", "bf16", "--steps", "30",
             "--lr", "0.01", "--warmup-steps", "3", "--batch-size", "8", "--seq-len", "64",
-            "--eval-batches", "2", "--eval-every", "15", "--out", str(tmp_path / "cli"),
-            "--no-progress"]
+            "--eval-batches", "2", "--eval-every", "0", "--checkpoint-every", "4",
+            "--out", str(tmp_path / "cli"), "--no-progress"]
+    capsys.readouterr()
     assert T.main(args) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"training diverged: \[bf16\] loss became nan .* at step 4 \(0-based\); "
+                     r"stopped\. No good checkpoint was saved \(deleted checkpoint 4", err), err
 
 
 @pytest.mark.parametrize("args, message", [
@@ -161,7 +204,7 @@ def test_cli_bad_input(args, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         T.main([*args, "--out", str(tmp_path), "--no-progress"])
     assert e.value.code == 2
-    assert __import__("re").search(message, capsys.readouterr().err)
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_schedules():
@@ -174,3 +217,21 @@ def test_schedules():
                                atol=1e-6)
     with pytest.raises(ValueError, match="valid"):
         T.make_schedule(cfg.replace(schedule="linear"))
+
+
+def test_comparison_table_and_plot_handle_missing_values(tmp_path):
+    h = {"step": [0, 1, 2], "loss": [5.0, 4.0, 3.0], "val_step": [0, 3], "val_loss": [5.5, 4.5]}
+    common = dict(preset="micro", params=1000, devices=1, device_kind="cpu", policy="p",
+                  tokens_per_s=None, final_val_loss=None, history=h)
+    results = [dict(common, recipe="bf16", last_val_step=3, last_val_loss=4.5,
+                    final_train_loss=3.0),
+               dict(common, recipe="nvfp4", last_val_step=3, last_val_loss=4.59,
+                    final_train_loss=None),
+               dict(common, recipe="mxfp4", last_val_step=None, last_val_loss=None,
+                    final_train_loss=None, history={k: [] for k in h})]
+    table = T.comparison_table(results).splitlines()
+    early = "(last eval, step 3; stopped early)"
+    assert f"| bf16 | 4.5000 {early} | +0.00% | 3.0000 | n/a |" in table[2]
+    assert f"| nvfp4 | 4.5900 {early} | +2.00% | n/a | n/a |" in table[3]
+    assert "| mxfp4 | n/a | n/a | n/a | n/a |" in table[4]
+    assert T.plot_losses(results, tmp_path / "p.png").stat().st_size > 1000
