@@ -75,7 +75,11 @@ def resolve_signs(signs: Any, size: int) -> jax.Array:
         return jax.random.rademacher(arr, (size,), jnp.float32)
     if arr.shape != (size,):
         raise ValueError(f"signs must have shape ({size},), got {arr.shape}")
-    if not isinstance(arr, jax.core.Tracer) and not bool(jnp.all(jnp.abs(arr) == 1)):
+    try:  # checked when the signs are concrete; traced signs (inside jit) pass through
+        concrete = np.asarray(arr, np.float64)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        concrete = None
+    if concrete is not None and not np.all(np.abs(concrete) == 1):
         raise ValueError("signs must hold only +1 and -1 (the transform must stay orthogonal)")
     return arr.astype(jnp.float32)
 
