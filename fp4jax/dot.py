@@ -184,16 +184,6 @@ def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, p
     return jax.jit(dot3)
 
 
-def _check_array(x: Any, name: str) -> jax.Array:
-    x = x if isinstance(x, jax.Array) else jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(
-            f"fp4jax.dot_general: {name} must have a floating dtype, got {x.dtype}; "
-            f"cast it first, e.g. {name}.astype(jnp.bfloat16)"
-        )
-    return x
-
-
 def dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -224,8 +214,8 @@ def dot_general(
     from fp4jax.recipes import get as get_recipe
 
     recipe = nvfp4() if recipe is None else get_recipe(recipe)
-    lhs = _check_array(lhs, "lhs")
-    rhs = _check_array(rhs, "rhs")
+    lhs = qz._check_float(lhs, "lhs", "fp4jax.dot_general")
+    rhs = qz._check_float(rhs, "rhs", "fp4jax.dot_general")
     try:
         (lc, rc), (lb, rb) = dimension_numbers
         lc, rc, lb, rb = (tuple(int(d) for d in ds) for ds in (lc, rc, lb, rb))
@@ -313,8 +303,8 @@ def dot(
     Example:
       >>> y = fp4jax.dot(x, w, recipe=fp4jax.recipes.nvfp4(), key=jax.random.key(0))
     """
-    x = _check_array(x, "x")
-    w = _check_array(w, "w")
+    x = qz._check_float(x, "x", "fp4jax.dot")
+    w = qz._check_float(w, "w", "fp4jax.dot")
     if w.ndim != 2:
         raise ValueError(f"fp4jax.dot: w must be 2-D (K, N), got shape {w.shape}")
     if x.ndim < 1 or x.shape[-1] != w.shape[0]:

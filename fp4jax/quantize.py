@@ -174,11 +174,14 @@ def _round_elements(y: jax.Array, rounding: str, u: jax.Array | None) -> jax.Arr
 # ---------------------------------------------------------------------------
 
 
-def _check_float(x: Any, argname: str) -> jax.Array:
+def _check_float(x: Any, argname: str, where: str = "") -> jax.Array:
+    """``x`` as an array; TypeError naming ``argname`` (and the function ``where``) if it is
+    not floating point."""
     x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
     if not jnp.issubdtype(x.dtype, jnp.floating):
+        prefix = f"{where}: " if where else ""
         raise TypeError(
-            f"{argname} must have a floating dtype (float32, bfloat16, float16), got "
+            f"{prefix}{argname} must have a floating dtype (float32, bfloat16, float16), got "
             f"{x.dtype}; cast it first, e.g. {argname}.astype(jnp.float32)"
         )
     return x
