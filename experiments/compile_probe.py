@@ -1,0 +1,86 @@
+"""Times tracing, lowering and XLA compilation of one training step (no training).
+
+Used to find why the data-parallel NVFP4 step compiled so slowly on 2 GPUs (issue 3):
+
+    PYTHONPATH=$PWD python3 -m experiments.compile_probe --recipe nvfp4 --preset small \
+        --seq-len 256 --batch-size 64 --devices 2 --json /tmp/probe.jsonl
+
+Prints and (with ``--json``) writes: lower/compile seconds, the number of each collective
+in the optimized HLO, the HLO size, and the XLA_FLAGS in effect. Run variants (XLA flags,
+devices) as separate processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fp4jax
+from experiments import train as T
+from fp4jax.models import Llama
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+               "collective-permute")
+
+
+def probe(cfg: T.TrainConfig) -> dict:
+    """Lowers and compiles ``experiments.train``'s step for ``cfg`` (the same jit, shardings
+    and constants as ``train(cfg)``, so a persistent compilation cache filled here serves
+    the training run)."""
+    seq_len, batch_size = cfg.seq_len, cfg.batch_size
+    mc = T.model_config(cfg)
+    model = Llama(mc, T.make_policy(cfg, mc, fp4jax.recipes.get(cfg.recipe)))
+    mesh = T.make_mesh(cfg.devices)
+    tx = T.make_optimizer(cfg)
+    root = jax.random.key(cfg.seed)
+
+    def init_state():
+        x0 = jnp.zeros((1, seq_len), jnp.int32)
+        params = model.init(jax.random.fold_in(root, 0), x0)["params"]
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+    repl = NamedSharding(mesh, P())
+    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=repl),
+                         jax.eval_shape(init_state))
+    batch = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32,
+                                 sharding=NamedSharding(mesh, P("data")))
+    step = T.make_train_step(model, tx, jax.random.fold_in(root, 1), mesh)
+    t0 = time.perf_counter()
+    lowered = step.lower(state, batch)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    hlo = compiled.as_text()
+    counts = {c: len(re.findall(rf"\b{c}(?:-start)?\(", hlo)) for c in COLLECTIVES}
+    return {"recipe": cfg.recipe, "preset": cfg.preset, "devices": cfg.devices, "seq_len": seq_len,
+            "batch_size": batch_size, "lower_s": round(t1 - t0, 2),
+            "compile_s": round(t2 - t1, 2), "hlo_chars": len(hlo),
+            "fusions": hlo.count(" fusion("), "collectives": counts,
+            "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
+            "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
+def main(argv=None) -> int:
+    """Takes ``fp4jax-train``'s flags (those that shape the step) plus ``--json PATH``."""
+    ap = T.build_parser()
+    ap.add_argument("--json", default=None, help="append the result as one JSON line here")
+    a = vars(ap.parse_args(argv))
+    out = a.pop("json")
+    res = probe(T.TrainConfig(**a))
+    print(json.dumps(res), flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(res) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
