@@ -15,6 +15,10 @@ What the kernels cover (everything else goes to XLA under ``"auto"``):
 * ``w4a16_matmul``: ``x (M, K) bf16 @ W`` with W an NVFP4 ``QuantizedArray`` (K, N)
   scaled along K (1x16 along axis 0, or 16x16 tiles); M <= 256, K % 256 == 0,
   N % 64 == 0. Equal to ``x @ dequantize(W)`` up to float32 accumulation order.
+* ``w4a4_matmul``: NVFP4 A (M, K) @ NVFP4 B (K, N), both scaled along K; two-pass
+  (decode kernel + XLA bf16 GEMM: M % 64, N % 64, K % 256 == 0) or fused (M % 64,
+  N % 128, K % 128 == 0). Equal to ``dequantize(A) @ dequantize(B)`` up to float32
+  accumulation order.
 """
 
 from __future__ import annotations
@@ -93,6 +97,8 @@ def is_supported(op: str, *args, **kwargs) -> bool:
         return quantize_unsupported_reason(*args, **kwargs) is None
     if op == "w4a16_matmul":
         return w4a16_unsupported_reason(*args, **kwargs) is None
+    if op == "w4a4_matmul":
+        return w4a4_unsupported_reason(*args, **kwargs) is None
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -202,3 +208,75 @@ def w4a16_matmul(x: jax.Array, q, *, prepared=None, out_dtype=None, backend: str
     wq, ws, dec = prepared if prepared is not None else mm.prepare_weight(q)
     y = mm.w4a16_matmul(x.reshape(m, k), wq, ws, dec, out_dtype=out_dtype)
     return y.reshape(*lead, n)
+
+
+# ---------------------------------------------------------------------------
+# W4A4 GEMM (packed NVFP4 x packed NVFP4).
+# ---------------------------------------------------------------------------
+
+W4A4_IMPLS = ("two_pass", "fused")
+
+
+def w4a4_unsupported_reason(m: int, k: int, n: int, qa=None, qb=None,
+                            impl: str = "two_pass") -> str | None:
+    """None when ``w4a4_matmul`` runs a kernel for A (m, k) @ B (k, n), else why not.
+
+    ``two_pass`` (decode kernel + XLA bf16 GEMM) needs M % 64, N % 64 and K % 256 == 0;
+    ``fused`` needs M % 64, N % 128 and K % 128 == 0.
+    """
+    if impl not in W4A4_IMPLS:
+        raise ValueError(f"impl must be one of {W4A4_IMPLS}, got {impl!r}")
+    for name, q, ax in (("A", qa, 1), ("B", qb, 0)):
+        if q is None:
+            continue
+        if not _nvfp4(q.fmt):
+            return f"kernel implements NVFP4 operands only ({name})"
+        if q.ndim != 2:
+            return f"2-D operands only ({name} has shape {tuple(q.shape)})"
+        if not q.block_2d and q.axis % 2 != ax:
+            return f"{name} must be scaled along K (axis={ax} or 16x16 tiles)"
+    kq, nq = (256, 64) if impl == "two_pass" else (128, 128)
+    if m % 64 or n % nq or k % kq:
+        return (f"{impl}: M % 64 == 0, N % {nq} == 0 and K % {kq} == 0 needed,"
+                f" got M={m}, K={k}, N={n}")
+    if not on_sm90():
+        return "no sm_90 GPU"
+    return None
+
+
+def prepare_w4a4(qa, qb):
+    """Kernel layouts of NVFP4 A (M, K) and B (K, N): ``((aq, as, dec_a), (bq, bs, dec_b))``
+    (see ``fp4_gemm_w4a4_sm90``). Do this once per weight."""
+    from pallas_kernels import fp4_gemm_w4a4_sm90 as w4
+
+    return w4.prepare_a(qa), w4.prepare_b(qb)
+
+
+def w4a4_matmul(qa, qb, *, prepared_a=None, prepared_b=None, out_dtype=jnp.bfloat16,
+                impl: str = "two_pass", backend: str = "auto"):
+    """``dequantize(qa) @ dequantize(qb)`` for NVFP4 ``qa`` (M, K) and ``qb`` (K, N), both
+    scaled along K. Returns (M, N) ``out_dtype`` (bfloat16 or float32).
+
+    ``prepared_a`` / ``prepared_b``: the kernel layouts (``prepare_w4a4``) if already
+    made. ``impl``: ``"two_pass"`` (decode kernel + XLA bf16 GEMM) or ``"fused"``.
+    The XLA path computes ``dot(dequantize(qa), dequantize(qb))`` in float32 (HIGHEST).
+    Kernel results equal it up to float32 accumulation order.
+    """
+    import fp4jax
+    from pallas_kernels import fp4_gemm_w4a4_sm90 as w4
+
+    backend = _resolve(backend)
+    if qa.ndim != 2 or qb.ndim != 2 or qa.shape[1] != qb.shape[0]:
+        raise ValueError(f"need A (M, K) and B (K, N), got {qa.shape} and {qb.shape}")
+    (m, k), n = qa.shape, qb.shape[1]
+    reason = w4a4_unsupported_reason(m, k, n, qa, qb, impl)
+    if backend == "pallas" and reason is not None:
+        raise ValueError(f"pallas W4A4 kernel unavailable: {reason}")
+    if backend == "xla" or reason is not None:
+        y = jnp.dot(fp4jax.dequantize(qa, jnp.float32), fp4jax.dequantize(qb, jnp.float32),
+                    precision=jax.lax.Precision.HIGHEST)
+        return y.astype(out_dtype)
+    pa = prepared_a if prepared_a is not None else w4.prepare_a(qa)
+    pb = prepared_b if prepared_b is not None else w4.prepare_b(qb)
+    f = w4.w4a4_matmul_two_pass if impl == "two_pass" else w4.w4a4_matmul_fused
+    return f(*pa, *pb, out_dtype=out_dtype)

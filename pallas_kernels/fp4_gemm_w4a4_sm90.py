@@ -1,0 +1,392 @@
+"""Packed-NVFP4 x packed-NVFP4 GEMM (W4A4) for Hopper (sm_90), Pallas Mosaic GPU.
+
+``y = dequantize(A) @ dequantize(B)`` with A (M, K) and B (K, N) both NVFP4 scaled in
+1x16 blocks along K (E2M1 codes, E4M3 block scales, FP32 tensor decode scale each),
+float32 accumulation, output bfloat16 or float32.
+
+Kernel-native operand layout (the same for both operands; made by
+:func:`prepare_a` / :func:`prepare_b` from an ``fp4jax.QuantizedArray``). An operand
+is viewed as R rows of K contraction elements (A: R = M; B: R = N, i.e. B^T):
+
+* ``codes`` (R, K/2) uint8: for each pair of 16-blocks (g0, g1) of a row, 16 bytes
+  whose byte j holds the E2M1 code of element j of g0 (low nibble) and of g1 (high
+  nibble); so the low (high) nibbles of a 16-byte group are one whole scale block.
+  This is the W4A16 weight layout of ``fp4_matmul_sm90`` (``native_from_codes``).
+* ``sbits`` (K/16, R) uint8: E4M3 block-scale bits, one row per k-block (contiguous
+  along R), so that a 16-k block's scales of a tile's rows are one row of SMEM.
+* ``dec`` float32 scalar: the tensor decode scale (``QuantizedArray.global_scale``).
+
+Numerics (one rule, :func:`decode_block`): each element decodes to ``q * s`` exactly
+(E2M1 has 2 and E4M3 4 significant bits, and |q*s| lies in [2^-10, 2688], so the
+product is an exact normal bfloat16). A GEMM of those exact values accumulates in
+float32 and multiplies by ``dec_a * dec_b`` (one float32 product) in the epilogue, so
+the result equals ``dequantize(A) @ dequantize(B)`` (float32) up to float32
+accumulation order and the one rounding of ``dec_a * dec_b``.
+
+Two implementations:
+
+* (a) :func:`w4a4_matmul_two_pass`: a Mosaic GPU decode kernel (:func:`decode_operand`)
+  writes each operand as exact bf16 ``q * s`` to HBM, then XLA's bf16
+  ``dot_general(..., preferred_element_type=float32)`` and the ``dec_a * dec_b``
+  epilogue. :func:`w4a4_matmul_xla` is the same with the decode in XLA.
+* (b) :func:`w4a4_matmul_fused`: one kernel; per K step it TMA-loads the packed A and
+  B tiles (4x fewer bytes than bf16), decodes B's tile into a bf16 SMEM tile (one
+  (TN, 16) sub-tile per 16-k block) and each 16-k block of A into registers (wgmma's
+  register operand, as the W4A16 kernel does), and issues wgmma m64 nTN k16 with the
+  decoded B (transposed view) as the SMEM operand.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+try:  # JAX 0.11 registers pallas_call's Mosaic GPU lowering only when this is imported.
+    from jax._src.pallas.mosaic_gpu import pallas_call_registration as _  # noqa: F401
+except ImportError:  # pragma: no cover
+    pass
+
+ROWS = 64  # rows of one wgmma register operand / decode tile (WGMMA layout)
+
+
+# ---------------------------------------------------------------------------
+# Kernel-native layout (XLA, once per operand).
+# ---------------------------------------------------------------------------
+
+
+def native_from_codes(codes_rk: jax.Array, sbits_rk: jax.Array):
+    """(R, K) uint8 codes and (R, K/16) uint8 E4M3 scale bits -> (codes (R, K/2) uint8,
+    sbits (K/16, R) uint8) kernel layout (see the module docstring)."""
+    r, k = codes_rk.shape
+    if k % 32:
+        raise ValueError(f"K must be a multiple of 32, got {k}")
+    c = codes_rk.reshape(r, k // 32, 2, 16).astype(jnp.uint8)
+    packed = (c[:, :, 0, :] | (c[:, :, 1, :] << 4)).reshape(r, k // 2)
+    return packed, sbits_rk.astype(jnp.uint8).T
+
+
+def _prepare(q, contract_axis: int):
+    from fp4jax.quantize import e2m1_codes
+
+    if q.fmt.block_size != 16 or not q.fmt.tensor_scale:
+        raise ValueError("W4A4 kernels support NVFP4 operands only")
+    if q.ndim != 2:
+        raise ValueError(f"2-D operands only, got shape {q.shape}")
+    codes = e2m1_codes(q.data)
+    sb = lax.bitcast_convert_type(q.scale, jnp.uint8)
+    if q.block_2d:  # 16x16 tiles: repeat each tile scale along the non-contracted axis
+        sb = jnp.repeat(sb, 16, axis=1 - contract_axis)
+        sb = sb[:, : codes.shape[1]] if contract_axis == 0 else sb[: codes.shape[0]]
+    elif q.axis % 2 != contract_axis:
+        raise ValueError(f"operand must be scaled along its contraction axis {contract_axis}")
+    if contract_axis == 0:
+        codes, sb = codes.T, sb.T
+    packed, sbits = native_from_codes(codes, sb)
+    return packed, sbits, q.global_scale.astype(jnp.float32)
+
+
+def prepare_a(q):
+    """Kernel layout of an NVFP4 ``QuantizedArray`` A (M, K) scaled along K (axis=1 /
+    -1, or 16x16 tiles). Returns (codes (M, K/2) uint8, sbits (K/16, M) uint8, dec f32)."""
+    return _prepare(q, 1)
+
+
+def prepare_b(q):
+    """Kernel layout of an NVFP4 ``QuantizedArray`` B (K, N) scaled along K (axis=0 /
+    -2, or 16x16 tiles). Returns (codes (N, K/2) uint8, sbits (K/16, N) uint8, dec f32)
+    (the W4A16 weight layout: ``fp4_matmul_sm90.prepare_weight``)."""
+    return _prepare(q, 0)
+
+
+# ---------------------------------------------------------------------------
+# Decoding (the one numeric rule of this file).
+# ---------------------------------------------------------------------------
+
+
+def decode_e4m3(b):
+    """E4M3 (float8_e4m3fn) bits -> float32, integer ops; 0x7F/0xFF (NaN) -> NaN.
+
+    OCP FP8 spec: normal ``2^(e-7) * (1 + m/8)``, subnormal (e = 0) ``m * 2^-9``. Block
+    scales are >= 0 (fp4jax / Transformer Engine); the sign bit is honoured anyway.
+    """
+    b = b.astype(jnp.int32)
+    mag = b & 0x7F
+    e = lax.shift_right_logical(mag, 3)
+    m = b & 7
+    normal = lax.bitcast_convert_type(((e + 120) << 23) | (m << 20), jnp.float32)
+    v = jnp.where(e == 0, m.astype(jnp.float32) * jnp.float32(2.0**-9), normal)
+    v = jnp.where(mag == 0x7F, jnp.float32(jnp.nan), v)
+    return jnp.where((b & 0x80) != 0, -v, v)
+
+
+def decode_block(c, s):
+    """E2M1 codes ``c`` (int32, 0..15) times float32 scales ``s`` -> exact ``q * s`` (bf16).
+
+    E2M1 (OCP MX spec): code ``s e1 e0 m``; magnitude ``2^(e-1) * (1 + m/2)`` for
+    e = e1e0 >= 1, ``m / 2`` for e = 0. With ``f = bits (c & 7) << 22`` plus the float32
+    bits of 0.5 the float is ``2^(e-1) * (1 + m/2)`` for every e; for e = 0 that is
+    0.5 or 0.75, mapped to 0 / 0.5 by ``2f - 1`` (exact). No subnormal is ever formed
+    (no reliance on denormal handling). ``|q| * s`` is exact in float32 and in bf16
+    (2 x 4 significant bits, range [2^-10, 2688]); the sign is ORed in last, so code 8
+    gives -0 like ``fp4jax.dequantize``; a NaN scale gives NaN.
+    """
+    mag = c & 7
+    f = lax.bitcast_convert_type((mag << 22) + 0x3F000000, jnp.float32)
+    f = jnp.where(mag < 2, f * 2.0 - 1.0, f)
+    bits = lax.bitcast_convert_type(f * s, jnp.int32) | ((c & 8) << 28)
+    return lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
+
+
+def _decode_tile(q_ref, nblk, load_scale, emit):
+    """Decode one (rows, 8 * nblk) packed tile (``nblk`` 16-k blocks per row).
+
+    ``load_scale(g)`` gives block g's scales (rows,) as uint8; ``emit(g, v)`` receives
+    block g's decoded values v (rows, 16) bf16 (k = 16g .. 16g + 15 of the tile).
+    """
+    byts = q_ref[...].astype(jnp.int32)
+    rows = byts.shape[0]
+    lo_all = byts & 15
+    hi_all = lax.shift_right_logical(byts, 4)
+    for p in range(nblk // 2):
+        cols = slice(16 * p, 16 * p + 16)
+        for h, codes in enumerate((lo_all[:, cols], hi_all[:, cols])):
+            g = 2 * p + h
+            s = decode_e4m3(load_scale(g))
+            emit(g, decode_block(codes, lax.broadcast_in_dim(s, (rows, 16), (0,))))
+
+
+def _swizzle_transforms(row_bytes: int, itemsize: int):
+    swz = plgpu.find_swizzle(row_bytes * 8)
+    return (plgpu.TilingTransform((8, swz // itemsize)), plgpu.SwizzleTransform(swz))
+
+
+# ---------------------------------------------------------------------------
+# (a) Decode kernel + XLA bf16 GEMM.
+# ---------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("tile_k", "stages", "out_swizzle", "interpret"))
+def decode_operand(codes, sbits, *, tile_k: int = 256, stages: int = 2, out_swizzle: bool = True,
+                   interpret=False):
+    """Kernel-layout operand -> (R, K) bfloat16 ``q * s`` (exact; no tensor scale).
+
+    codes (R, K/2) uint8, sbits (K/16, R) uint8; R % 64 == 0, K % tile_k == 0
+    (tile_k a multiple of 32). ``out_swizzle``: the bf16 output tile in SMEM is
+    tiled (8, 16) with a 32-byte swizzle (else plain row-major; a GPU-sweep knob).
+    ``interpret``: Mosaic GPU interpret mode (CPU tests),
+    which runs the tile body once over the whole operand (no TMA pipeline).
+    """
+    r, kh = codes.shape
+    k = 2 * kh
+    if sbits.shape != (k // 16, r):
+        raise ValueError(f"layout mismatch: codes {codes.shape}, sbits {sbits.shape}")
+    if interpret:
+        def body_i(q_ref, s_ref, o_ref):
+            def emit(g, v):
+                o_ref[:, 16 * g:16 * g + 16] = v
+
+            _decode_tile(q_ref, s_ref.shape[0], lambda g: s_ref[g, :], emit)
+
+        return pl.pallas_call(
+            body_i, out_shape=jax.ShapeDtypeStruct((r, k), jnp.bfloat16),
+            interpret=interpret, compiler_params=plgpu.CompilerParams(),
+        )(codes, sbits)
+
+    if r % ROWS or k % tile_k or tile_k % 32:
+        raise ValueError(f"decode kernel needs R % {ROWS} == 0 and K % {tile_k} == 0,"
+                         f" got R={r}, K={k}")
+    ks = k // tile_k
+    nblk = tile_k // 16
+    # one CTA per 64 rows, pipelining over K in steps of tile_k
+    out_tf = ((plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32)) if out_swizzle
+              else ())  # tiles of one 16-k block wide, so a block's slice is tile-aligned
+    q_tf = _swizzle_transforms(tile_k // 2, 1)  # tiled load -> WGMMA register layout
+
+    def body(q_gmem, s_gmem, o_gmem):
+        ri = lax.axis_index("r")
+
+        def step(_, q_smem, s_smem, o_smem):
+            def load_scale(g):
+                return plgpu.load(s_smem, (g, slice(None)), layout=plgpu.Layout.WGMMA.reduce(1))
+
+            def emit(g, v):
+                o_smem[:, pl.ds(16 * g, 16)] = v
+
+            _decode_tile(q_smem, nblk, load_scale, emit)
+
+        plgpu.emit_pipeline(
+            step,
+            grid=(ks,),
+            in_specs=[plgpu.BlockSpec((ROWS, tile_k // 2), lambda j: (ri, j), transforms=q_tf),
+                      plgpu.BlockSpec((nblk, ROWS), lambda j: (j, ri))],
+            out_specs=[plgpu.BlockSpec((ROWS, tile_k), lambda j: (ri, j), transforms=out_tf)],
+            max_concurrent_steps=min(stages, ks),
+        )(q_gmem, s_gmem, o_gmem)
+
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((r, k), jnp.bfloat16),
+        grid=(r // ROWS,),
+        grid_names=("r",),
+    )(codes, sbits)
+
+
+def decode_operand_xla(codes, sbits):
+    """XLA version of :func:`decode_operand` (same rule, :func:`decode_block`)."""
+    r, kh = codes.shape
+    c = codes.reshape(r, kh // 16, 1, 16).astype(jnp.int32)
+    c = jnp.concatenate([c & 15, c >> 4], axis=2).reshape(r, kh // 8, 16)
+    s = decode_e4m3(sbits).T[:, :, None]  # (R, K/16, 1)
+    return decode_block(c, s).reshape(r, 2 * kh)
+
+
+def _epilogue(acc, dec_a, dec_b, out_dtype):
+    return (acc * (dec_a.astype(jnp.float32) * dec_b.astype(jnp.float32))).astype(out_dtype)
+
+
+def _gemm_decoded(a16, bt16, dec_a, dec_b, out_dtype):
+    acc = lax.dot_general(a16, bt16, (((1,), (1,)), ((), ())),
+                          preferred_element_type=jnp.float32)
+    return _epilogue(acc, dec_a, dec_b, out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tile_k", "interpret"))
+def w4a4_matmul_two_pass(aq, as_, dec_a, bq, bs, dec_b, *, out_dtype=jnp.bfloat16,
+                         tile_k: int = 256, interpret=False):
+    """(a): decode kernel on each operand, XLA bf16 GEMM (f32 accumulation), epilogue.
+
+    aq (M, K/2), as_ (K/16, M), bq (N, K/2), bs (K/16, N) uint8 (kernel layout);
+    dec_a, dec_b float32 scalars. Returns (M, N) ``out_dtype``.
+    """
+    a16 = decode_operand(aq, as_, tile_k=tile_k, interpret=interpret)
+    b16 = decode_operand(bq, bs, tile_k=tile_k, interpret=interpret)
+    return _gemm_decoded(a16, b16, dec_a, dec_b, out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def w4a4_matmul_xla(aq, as_, dec_a, bq, bs, dec_b, *, out_dtype=jnp.bfloat16):
+    """XLA decode (:func:`decode_operand_xla`) + bf16 GEMM: the comparison baseline."""
+    a16 = decode_operand_xla(aq, as_)
+    b16 = decode_operand_xla(bq, bs)
+    return _gemm_decoded(a16, b16, dec_a, dec_b, out_dtype)
+
+
+# ---------------------------------------------------------------------------
+# (b) Fused kernel.
+# ---------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("tile_n", "tile_k", "stages", "out_dtype"))
+def w4a4_matmul_fused(aq, as_, dec_a, bq, bs, dec_b, *, tile_n: int = 128, tile_k: int = 128,
+                      stages: int = 3, out_dtype=jnp.bfloat16):
+    """(b): one kernel decoding both packed operands inside the GEMM.
+
+    aq (M, K/2), as_ (K/16, M), bq (N, K/2), bs (K/16, N) uint8 (kernel layout);
+    dec_a, dec_b float32 scalars. Returns (M, N) ``out_dtype``.
+
+    One CTA (one warpgroup) per (64, tile_n) output tile, pipelining K in steps of
+    tile_k through SMEM (TMA, ``stages`` deep). Per step: B's packed (tile_n,
+    tile_k/2) tile is decoded 64 rows at a time into a bf16 SMEM tile (tile_k/16,
+    tile_n, 16) (one 16-k block per sub-tile, 32-byte swizzle), fenced
+    (``commit_smem``); then each 16-k block of A is decoded in registers and issued as
+    wgmma m64 n``tile_n`` k16 with the transposed B sub-tile. The epilogue multiplies by
+    ``dec_a * dec_b``. Needs M % 64 == 0, N % tile_n == 0, K % tile_k == 0.
+    """
+    m, kh = aq.shape
+    n = bq.shape[0]
+    k = 2 * kh
+    if (as_.shape != (k // 16, m) or bq.shape != (n, kh) or bs.shape != (k // 16, n)):
+        raise ValueError(f"layout mismatch: aq {aq.shape}, as {as_.shape}, bq {bq.shape},"
+                         f" bs {bs.shape}")
+    if tile_n % ROWS or tile_n > 256 or tile_k % 32:
+        raise ValueError(f"tile_n must be 64, 128, 192 or 256 and tile_k % 32 == 0,"
+                         f" got {tile_n}, {tile_k}")
+    if m % ROWS or n % tile_n or k % tile_k:
+        raise ValueError(f"fused W4A4 kernel needs M % {ROWS} == 0, N % {tile_n} == 0,"
+                         f" K % {tile_k} == 0; got M={m}, N={n}, K={k}")
+    ks = k // tile_k
+    nblk = tile_k // 16
+    sc = jnp.pad(jnp.reshape(dec_a.astype(jnp.float32) * dec_b.astype(jnp.float32), (1,)),
+                 (0, 3))
+    q_tf = _swizzle_transforms(tile_k // 2, 1)
+    b16_tf = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+    red = plgpu.Layout.WGMMA.reduce(1)
+
+    def body(sc_gmem, aq_gmem, as_gmem, bq_gmem, bs_gmem, out_gmem, out_smem, b16_smem):
+        mi = lax.axis_index("m")
+        ni = lax.axis_index("n")
+
+        @functools.partial(pl.run_scoped, acc=plgpu.ACC((ROWS, tile_n), jnp.float32))
+        def _(acc):
+            def step(_, aq_smem, as_smem, bq_smem, bs_smem):
+                for i in range(tile_n // ROWS):  # decode B, 64 rows at a time
+                    rows = pl.ds(ROWS * i, ROWS)
+
+                    def load_b_scale(g, rows=rows):
+                        return plgpu.load(bs_smem, (g, rows), layout=red)
+
+                    def emit_b(g, v, rows=rows):
+                        b16_smem.at[g, rows][...] = v
+
+                    _decode_tile(bq_smem.at[rows], nblk, load_b_scale, emit_b)
+                plgpu.commit_smem()
+
+                def load_a_scale(g):
+                    return plgpu.load(as_smem, (g, slice(None)), layout=red)
+
+                def emit_a(g, v):
+                    plgpu.wgmma(acc, v, plgpu.transpose_ref(b16_smem.at[g], (1, 0)))
+
+                _decode_tile(aq_smem, nblk, load_a_scale, emit_a)
+                plgpu.wgmma_wait(0)
+
+            plgpu.emit_pipeline(
+                step,
+                grid=(ks,),
+                in_specs=[
+                    plgpu.BlockSpec((ROWS, tile_k // 2), lambda j: (mi, j), transforms=q_tf),
+                    plgpu.BlockSpec((nblk, ROWS), lambda j: (j, mi)),
+                    plgpu.BlockSpec((tile_n, tile_k // 2), lambda j: (ni, j), transforms=q_tf),
+                    plgpu.BlockSpec((nblk, tile_n), lambda j: (j, ni)),
+                ],
+                max_concurrent_steps=min(stages, ks),
+            )(aq_gmem, as_gmem, bq_gmem, bs_gmem)
+            out_smem[...] = (acc[...] * sc_gmem[0]).astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                out_smem, out_gmem.at[pl.ds(mi * ROWS, ROWS), pl.ds(ni * tile_n, tile_n)])
+            plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(m // ROWS, n // tile_n),
+        grid_names=("m", "n"),
+        scratch_types=dict(
+            out_smem=plgpu.SMEM((ROWS, tile_n), out_dtype),
+            b16_smem=plgpu.SMEM((nblk, tile_n, 16), jnp.bfloat16, transforms=b16_tf),
+        ),
+    )(sc, aq, as_, bq, bs)
+
+
+def reference_w4a4(aq, as_, dec_a, bq, bs, dec_b):
+    """float32 ``dequantize(A) @ dequantize(B)`` from the kernel layout, by a LUT (not
+    :func:`decode_block`) and ``float8_e4m3fn`` casts, at HIGHEST precision."""
+    lut = jnp.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6],
+                    jnp.float32)
+
+    def deq(codes, sbits, dec):
+        r, kh = codes.shape
+        c = codes.reshape(r, kh // 16, 1, 16)
+        c = jnp.concatenate([c & 15, c >> 4], axis=2).reshape(r, 2 * kh)
+        s = lax.bitcast_convert_type(sbits, jnp.float8_e4m3fn).astype(jnp.float32).T
+        return (lut[c.astype(jnp.int32)] * jnp.repeat(s, 16, axis=1)) * dec
+
+    a = deq(aq, as_, dec_a)
+    b = deq(bq, bs, dec_b)
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST)

@@ -1,0 +1,247 @@
+"""CPU tests of the W4A4 packed-NVFP4 GEMM (pallas_kernels/fp4_gemm_w4a4_sm90.py).
+
+* The decode kernel (two-pass implementation (a)) runs in Mosaic GPU interpret mode
+  and its bf16 output is compared bit for bit with an independent NumPy decode
+  (ml_dtypes casts, ``pallas_kernels.reference``) of the ``QuantizedArray``.
+* (a) end to end in interpret mode, and the XLA-decode variant, against the float32
+  NumPy ``dequantize(A) @ dequantize(B)``.
+* The fused kernel (b) cannot run in interpret mode (``plgpu.load`` with a layout and
+  wgmma from registers have no interpreter rules in JAX 0.10.2). Its tile logic is run
+  as plain JAX (the same ``_decode_tile`` and block/transpose indexing on arrays) and
+  compared with the reference; the kernel itself and the decode kernel are lowered for
+  CUDA on this CPU machine (``jax.export``), which runs the whole Mosaic GPU lowering.
+GPU exactness and timing: experiments/gpu_check_matmul.py (``w4a4``) and
+experiments/bench_kernels.py (``w4a4``).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+fp4jax = pytest.importorskip("fp4jax")
+
+from pallas_kernels import dispatch  # noqa: E402
+from pallas_kernels import fp4_gemm_w4a4_sm90 as w4  # noqa: E402
+from pallas_kernels import reference as npref  # noqa: E402
+
+try:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+except ImportError:  # pragma: no cover
+    InterpretGPUParams = None
+
+needs_interpret = pytest.mark.skipif(InterpretGPUParams is None,
+                                     reason="no Mosaic GPU interpret mode")
+
+
+def _operands(m, k, n, seed, block_2d=False, special=False):
+    """NVFP4 A (M, K) along axis 1 and B (K, N) along axis 0, per-block magnitudes over
+    many binades (E4M3 normal and subnormal scales)."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    a *= np.exp2(rng.uniform(-14, 8, (m, k // 16, 1))).repeat(16, -1).reshape(m, k)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    b *= np.exp2(rng.uniform(-14, 8, (k // 16, 1, n))).repeat(16, 1).reshape(k, n)
+    if special:
+        a[0, :16] = 0.0  # zero block: s = 0
+        a[1, 16:32] = -0.0
+        a[2, :16] = [-6, -5, -3.5, -2.5, -1.75, -1.25, -.75, -.25, .25, .75, 1.25, 1.75,
+                     2.5, 3.5, 5, 6]
+    if block_2d:
+        qa = fp4jax.quantize(jnp.asarray(a), fp4jax.NVFP4, block_2d=True)
+        qb = fp4jax.quantize(jnp.asarray(b), fp4jax.NVFP4, block_2d=True)
+    else:
+        qa = fp4jax.quantize(jnp.asarray(a), fp4jax.NVFP4, axis=1)
+        qb = fp4jax.quantize(jnp.asarray(b), fp4jax.NVFP4, axis=0)
+    return qa, qb
+
+
+def _np_qs(q, contract_axis):
+    """NumPy q * s (float32, no tensor scale) of a QuantizedArray, as (R, K)."""
+    codes = np.asarray(q.data).view(np.uint8) & 0xF
+    sb = np.asarray(jax.lax.bitcast_convert_type(q.scale, jnp.uint8))
+    if q.block_2d:
+        sb = sb.repeat(16, axis=0).repeat(16, axis=1)[: codes.shape[0], : codes.shape[1]]
+        sb = sb[:, ::16] if contract_axis == 1 else sb[::16, :]
+    if contract_axis == 0:
+        codes, sb = codes.T, sb.T
+    return npref.dequantize_nvfp4(codes, sb, np.float32(1))
+
+
+def _np_reference(qa, qb):
+    a = _np_qs(qa, 1) * np.float32(qa.global_scale)
+    b = _np_qs(qb, 0) * np.float32(qb.global_scale)
+    return a.astype(np.float64) @ b.T.astype(np.float64)
+
+
+def _close(y, ref):
+    y = np.asarray(y, np.float64)
+    err = np.abs(y - ref).max() / np.abs(ref).max()
+    assert err < 1e-5, err
+
+
+def _bits(x):
+    return np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint16))
+
+
+def test_decoders_exact():
+    sb = np.arange(256, dtype=np.uint8)
+    got = np.asarray(w4.decode_e4m3(jnp.asarray(sb)))
+    want = sb.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(got, want)  # NaN positions equal too
+    # every code x every finite non-negative scale: bf16 bits of q * s
+    c = np.tile(np.arange(16, dtype=np.int32), 127)
+    s = np.repeat(np.arange(127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+                  .astype(np.float32), 16)
+    v = w4.decode_block(jnp.asarray(c), jnp.asarray(s))
+    want = (npref.decode_codes(c.astype(np.uint8)) * s).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(_bits(v), want.view(np.uint16))
+
+
+@pytest.mark.parametrize("block_2d", [False, True])
+def test_layout_roundtrip(block_2d):
+    qa, qb = _operands(32, 128, 48, 1, block_2d=block_2d)
+    aq, as_, _ = w4.prepare_a(qa)
+    bq, bs, _ = w4.prepare_b(qb)
+    assert aq.shape == (32, 64) and as_.shape == (8, 32)
+    assert bq.shape == (48, 64) and bs.shape == (8, 48)
+    for q, (cq, sbits), ax in ((qa, (aq, as_), 1), (qb, (bq, bs), 0)):
+        r = cq.shape[0]
+        c = np.asarray(cq).reshape(r, -1, 1, 16)
+        codes = np.concatenate([c & 15, c >> 4], axis=2).reshape(r, -1)
+        got = npref.dequantize_nvfp4(codes, np.asarray(sbits).T, np.float32(1))
+        np.testing.assert_array_equal(got, _np_qs(q, ax))
+
+
+@needs_interpret
+@pytest.mark.parametrize("m,k,seed", [(64, 256, 0), (128, 512, 1)])
+def test_decode_kernel_interpret_bit_exact(m, k, seed):
+    qa, _ = _operands(m, k, 16, seed, special=True)
+    aq, as_, _ = w4.prepare_a(qa)
+    got = w4.decode_operand(aq, as_, interpret=InterpretGPUParams())
+    want = _np_qs(qa, 1).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(_bits(got), want.view(np.uint16))
+    np.testing.assert_array_equal(_bits(w4.decode_operand_xla(aq, as_)), want.view(np.uint16))
+
+
+@needs_interpret
+@pytest.mark.parametrize("block_2d", [False, True])
+def test_two_pass_interpret_matches_reference(block_2d):
+    qa, qb = _operands(64, 256, 64, 3, block_2d=block_2d)
+    pa, pb = w4.prepare_a(qa), w4.prepare_b(qb)
+    y = w4.w4a4_matmul_two_pass(*pa, *pb, out_dtype=jnp.float32,
+                                interpret=InterpretGPUParams())
+    ref = _np_reference(qa, qb)
+    _close(y, ref)
+    _close(w4.w4a4_matmul_xla(*pa, *pb, out_dtype=jnp.float32), ref)
+    _close(w4.reference_w4a4(*pa, *pb), ref)
+    yb = w4.w4a4_matmul_two_pass(*pa, *pb, interpret=InterpretGPUParams())
+    assert yb.dtype == jnp.bfloat16
+
+
+def _blocks(q, s, nblk):
+    """{g: decoded (rows, 16) bf16 block g} of a packed (rows, 8 * nblk) tile q and its
+    (nblk, rows) scale bits s, through the kernels' ``_decode_tile``."""
+    out = {}
+    w4._decode_tile(q, nblk, lambda g: s[g], out.__setitem__)
+    return out
+
+
+def _fused_emulated(aq, as_, dec_a, bq, bs, dec_b, tile_n, tile_k):
+    """The fused kernel's per-tile algorithm on plain arrays (no Pallas): B decoded 64
+    rows at a time into (nblk, tile_n, 16) sub-tiles, A per 16-k block, a float32 dot
+    of A's block with the transposed B sub-tile, epilogue dec_a * dec_b."""
+    m, n = aq.shape[0], bq.shape[0]
+    nblk = tile_k // 16
+    out = np.zeros((m, n), np.float32)
+    for mi in range(m // w4.ROWS):
+        r_a = slice(mi * w4.ROWS, (mi + 1) * w4.ROWS)
+        for ni in range(n // tile_n):
+            acc = jnp.zeros((w4.ROWS, tile_n), jnp.float32)
+            for j in range(aq.shape[1] * 2 // tile_k):
+                kc = slice(j * tile_k // 2, (j + 1) * tile_k // 2)
+                ksb = slice(j * nblk, (j + 1) * nblk)
+                b_t = bq[ni * tile_n:(ni + 1) * tile_n, kc]
+                bs_t = bs[ksb, ni * tile_n:(ni + 1) * tile_n]
+                b16 = [_blocks(b_t[w4.ROWS * i:w4.ROWS * (i + 1)],
+                               bs_t[:, w4.ROWS * i:w4.ROWS * (i + 1)], nblk)
+                       for i in range(tile_n // w4.ROWS)]  # 64 rows at a time
+                parts = _blocks(aq[r_a, kc], as_[ksb, r_a], nblk).items()
+                for g, v in parts:
+                    bt = jnp.concatenate([d[g] for d in b16], axis=0)  # (tile_n, 16)
+                    acc += jnp.dot(v.astype(jnp.float32), bt.astype(jnp.float32).T,
+                                   precision=jax.lax.Precision.HIGHEST)
+            out[r_a, ni * tile_n:(ni + 1) * tile_n] = acc * (dec_a * dec_b)
+    return out
+
+
+@pytest.mark.parametrize("tile_n,tile_k", [(128, 128), (64, 256)])
+def test_fused_tile_logic_matches_reference(tile_n, tile_k):
+    qa, qb = _operands(64, 256, 128, 4)
+    pa, pb = w4.prepare_a(qa), w4.prepare_b(qb)
+    _close(_fused_emulated(*pa, *pb, tile_n, tile_k), _np_reference(qa, qb))
+
+
+def _export_cuda(f, *avals):
+    return jax.export.export(jax.jit(f), platforms=["cuda"])(*avals)
+
+
+def _u8(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.uint8)
+
+
+@pytest.mark.parametrize("tile_k,out_swizzle", [(256, True), (128, False)])
+def test_decode_kernel_lowers_for_cuda(tile_k, out_swizzle):
+    exp = _export_cuda(lambda c, s: w4.decode_operand(c, s, tile_k=tile_k,
+                                                      out_swizzle=out_swizzle),
+                       _u8(256, 512), _u8(64, 256))
+    assert "mosaic_gpu" in exp.mlir_module()
+
+
+@pytest.mark.parametrize("tile_n,tile_k,out_dtype", [(128, 128, jnp.bfloat16),
+                                                     (256, 128, jnp.float32),
+                                                     (64, 256, jnp.bfloat16)])
+def test_fused_kernel_lowers_for_cuda(tile_n, tile_k, out_dtype):
+    m, k, n = 128, 512, 256
+    f32 = jax.ShapeDtypeStruct((), jnp.float32)
+    exp = _export_cuda(lambda *a: w4.w4a4_matmul_fused(*a, tile_n=tile_n, tile_k=tile_k,
+                                                       out_dtype=out_dtype),
+                       _u8(m, k // 2), _u8(k // 16, m), f32, _u8(n, k // 2), _u8(k // 16, n),
+                       f32)
+    assert "mosaic_gpu" in exp.mlir_module()
+
+
+def test_kernels_reject_bad_shapes():
+    f32 = jnp.float32(1)
+    with pytest.raises(ValueError, match="M % 64"):
+        w4.w4a4_matmul_fused(jnp.zeros((48, 64), jnp.uint8), jnp.zeros((8, 48), jnp.uint8),
+                             f32, jnp.zeros((128, 64), jnp.uint8),
+                             jnp.zeros((8, 128), jnp.uint8), f32)
+    with pytest.raises(ValueError, match="layout mismatch"):
+        w4.decode_operand(jnp.zeros((64, 64), jnp.uint8), jnp.zeros((4, 64), jnp.uint8))
+    with pytest.raises(ValueError, match="K % 256"):
+        w4.decode_operand(jnp.zeros((64, 64), jnp.uint8), jnp.zeros((8, 64), jnp.uint8))
+
+
+def test_dispatch_w4a4(monkeypatch):
+    qa, qb = _operands(64, 256, 64, 5)
+    ref = _np_reference(qa, qb)
+    _close(dispatch.w4a4_matmul(qa, qb, out_dtype=jnp.float32, backend="xla"), ref)
+    assert not dispatch.is_supported("w4a4_matmul", 48, 256, 64)
+    assert dispatch.w4a4_unsupported_reason(48, 256, 64).startswith("two_pass: M % 64")
+    assert "N % 128" in dispatch.w4a4_unsupported_reason(64, 256, 64, impl="fused")
+    with pytest.raises(ValueError, match="impl"):
+        dispatch.w4a4_unsupported_reason(64, 256, 64, impl="triton")
+    qx = fp4jax.quantize(jnp.ones((64, 256)), fp4jax.NVFP4, axis=0)
+    assert "scaled along K" in dispatch.w4a4_unsupported_reason(64, 256, 64, qa=qx)
+    if dispatch.on_sm90():
+        return
+    _close(dispatch.w4a4_matmul(qa, qb, out_dtype=jnp.float32), ref)  # auto -> XLA
+    with pytest.raises(ValueError, match="no sm_90 GPU"):
+        dispatch.w4a4_matmul(qa, qb, backend="pallas")
+    monkeypatch.setenv("FP4JAX_KERNELS", "on")
+    with pytest.raises(ValueError, match="unavailable"):
+        dispatch.w4a4_matmul(qa, qb)
