@@ -265,6 +265,48 @@ def bench_decode():
                       iterations=50)
 
 
+def bench_w4a4(shapes=((8192, 8192, 8192), (4096, 4096, 4096), (16384, 4096, 14336)),
+               fused_cfgs=((128, 128), (256, 128), (128, 256))):
+    """W4A4 (packed NVFP4 A and B, pallas_kernels/fp4_gemm_w4a4_sm90.py) against bf16
+    jnp.dot in the same run: XLA decode + bf16 dot, (a) decode kernel + bf16 dot (and the
+    decode kernel alone), (b) fused kernel at a few (tile_n, tile_k); fused configs
+    beyond the first only at the first shape (compile time)."""
+    from pallas_kernels import fp4_gemm_w4a4_sm90 as w4
+
+    for si, (m, k, n) in enumerate(shapes):
+        g = f"w4a4 {m}x{k}x{n}"
+        a, b = rand((m, k), 11, jnp.float32), rand((k, n), 12, jnp.float32, scale=0.02)
+        qa = jax.jit(lambda a: fp4jax.quantize(a, fp4jax.NVFP4, axis=1))(a)
+        qb = jax.jit(lambda b: fp4jax.quantize(b, fp4jax.NVFP4, axis=0))(b)
+        pa, pb = jax.jit(w4.prepare_a)(qa), jax.jit(w4.prepare_b)(qb)
+        a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+        flops = 2 * m * k * n
+        ref = jax.jit(w4.reference_w4a4)(*pa, *pb)
+        t_bf = timed(g, "bf16 jnp.dot", jnp.dot, a16, b16)
+        cands = [("xla decode + bf16 dot", w4.w4a4_matmul_xla),
+                 ("(a) two-pass: decode kernel + bf16 dot", w4.w4a4_matmul_two_pass)]
+        if si == 0:
+            cands.append(("(a) two-pass, decode tile_k=128 out_swizzle=False",
+                          functools.partial(w4.w4a4_matmul_two_pass, tile_k=128,
+                                            out_swizzle=False)))
+        for tn, tk in (fused_cfgs if si == 0 else fused_cfgs[:1]):
+            cands.append((f"(b) fused tile_n={tn} tile_k={tk}",
+                          functools.partial(w4.w4a4_matmul_fused, tile_n=tn, tile_k=tk)))
+        for name, f in cands:
+            try:
+                y = jax.jit(functools.partial(f, out_dtype=jnp.float32))(*pa, *pb)
+                rel = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+            except Exception as e:  # noqa: BLE001
+                rec(g, name, error=f"{type(e).__name__}: {str(e)[:600]}")
+                continue
+            t = timed(g, name, functools.partial(f, out_dtype=jnp.bfloat16), *pa, *pb,
+                      rel_err_f32_out=rel, exact_ok=rel < 1e-5)
+            if t and t_bf:
+                rec(g, name + " [rate]", tflops=flops / t / 1e6, ratio_to_bf16_time=t / t_bf,
+                    frac_of_bf16_tflops=t_bf / t)
+        timed(g, "decode kernel alone (operand A)", w4.decode_operand, pa[0], pa[1])
+
+
 def main():
     which = sys.argv[1:] or ["copy", "quantize", "decode", "gemm", "dotkern"]
     OUT["command"] = "PYTHONPATH=$PWD python3 experiments/bench_kernels.py " + " ".join(which)
@@ -279,6 +321,8 @@ def main():
         bench_decode()
     if "gemm" in which:
         bench_gemm()
+    if "w4a4" in which:
+        bench_w4a4()
     OUT["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     _dump()
     print("\n==== summary ====")

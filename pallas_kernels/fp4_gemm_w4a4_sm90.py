@@ -255,16 +255,17 @@ def _gemm_decoded(a16, bt16, dec_a, dec_b, out_dtype):
     return _epilogue(acc, dec_a, dec_b, out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "tile_k", "interpret"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tile_k", "out_swizzle", "interpret"))
 def w4a4_matmul_two_pass(aq, as_, dec_a, bq, bs, dec_b, *, out_dtype=jnp.bfloat16,
-                         tile_k: int = 256, interpret=False):
+                         tile_k: int = 256, out_swizzle: bool = True, interpret=False):
     """(a): decode kernel on each operand, XLA bf16 GEMM (f32 accumulation), epilogue.
 
     aq (M, K/2), as_ (K/16, M), bq (N, K/2), bs (K/16, N) uint8 (kernel layout);
-    dec_a, dec_b float32 scalars. Returns (M, N) ``out_dtype``.
+    dec_a, dec_b float32 scalars. Returns (M, N) ``out_dtype``. ``tile_k``,
+    ``out_swizzle``: :func:`decode_operand` knobs.
     """
-    a16 = decode_operand(aq, as_, tile_k=tile_k, interpret=interpret)
-    b16 = decode_operand(bq, bs, tile_k=tile_k, interpret=interpret)
+    a16 = decode_operand(aq, as_, tile_k=tile_k, out_swizzle=out_swizzle, interpret=interpret)
+    b16 = decode_operand(bq, bs, tile_k=tile_k, out_swizzle=out_swizzle, interpret=interpret)
     return _gemm_decoded(a16, b16, dec_a, dec_b, out_dtype)
 
 
