@@ -9,9 +9,11 @@ says why not) or ``"xla"`` (always the reference). The environment variable
 
 What the kernels cover (everything else goes to XLA under ``"auto"``):
 
-* ``quantize``: NVFP4, 1x16 blocks along the last axis, round-to-nearest, bfloat16
-  input whose element count / 16 is a multiple of 256 and last axis a multiple of 16.
-  Bit-identical to ``fp4jax.quantize`` (codes, E4M3 scale bits, tensor scale).
+* ``quantize``: NVFP4, round-to-nearest, bfloat16 input; 1x16 blocks along the last
+  axis (element count / 16 a multiple of 256, last axis a multiple of 16), or 16x16
+  tiles over the last two axes (``block_2d=True``: rows a multiple of 16, last axis a
+  multiple of 1024; leading axes are stacked matrices). Bit-identical to
+  ``fp4jax.quantize`` (codes, E4M3 scale bits, tensor scale).
 * ``w4a16_matmul``: ``x (M, K) bf16 @ W`` with W an NVFP4 ``QuantizedArray`` (K, N)
   scaled along K (1x16 along axis 0, or 16x16 tiles); M <= 256, K % 256 == 0,
   N % 64 == 0. Equal to ``x @ dequantize(W)`` up to float32 accumulation order.
@@ -72,10 +74,18 @@ def quantize_unsupported_reason(shape, dtype, *, fmt=None, axis=-1, block_2d=Fal
 
     if fmt is not None and not _nvfp4(fmt):
         return "kernel implements NVFP4 only"
-    if block_2d:
-        return "kernel implements 1x16 blocks only (no 16x16)"
     if rounding != "nearest":
         return "kernel implements round-to-nearest only (no stochastic rounding)"
+    if block_2d:
+        if len(shape) < 2:
+            return "16x16 tiles need >= 2 dims"
+        r = 1
+        for d in shape[:-1]:
+            r *= d
+        if shape[-2] % 16 or not qk.supported_2d((r, shape[-1]), dtype):
+            return (f"16x16 kernel needs bfloat16, rows % 16 == 0 and last axis %"
+                    f" {16 * qk.G2D[-1]} == 0; got {jnp.dtype(dtype).name} {tuple(shape)}")
+        return None if on_sm90() else "no sm_90 GPU"
     if len(shape) < 1 or axis % len(shape) != len(shape) - 1:
         return "kernel blocks along the last axis only"
     c = shape[-1]
@@ -102,25 +112,33 @@ def is_supported(op: str, *args, **kwargs) -> bool:
     raise ValueError(f"unknown op {op!r}")
 
 
-def quantize_packed(x: jax.Array, *, backend: str = "auto"):
-    """NVFP4 1x16 quantization along the last axis, packed.
+def quantize_packed(x: jax.Array, *, block_2d: bool = False, backend: str = "auto"):
+    """NVFP4 quantization, 1x16 blocks along the last axis or (``block_2d``) 16x16 tiles
+    over the last two axes, packed.
 
-    Returns ``(packed uint8 (..., C/2), scale_bits uint8 (..., C/16), dec float32)``:
-    ``packed`` is ``fp4jax.pack_e2m1(q.data)``, ``scale_bits`` the bits of ``q.scale``
-    and ``dec`` is ``q.global_scale`` of ``q = fp4jax.quantize(x, fp4jax.NVFP4)``.
+    Returns ``(packed uint8 (..., C/2), scale_bits, dec float32)``: ``packed`` is
+    ``fp4jax.pack_e2m1(q.data)``, ``scale_bits`` the bits of ``q.scale`` (uint8
+    (..., C/16), or (..., R/16, C/16) for 16x16) and ``dec`` is ``q.global_scale`` of
+    ``q = fp4jax.quantize(x, fp4jax.NVFP4, block_2d=block_2d)``.
     """
     import fp4jax
     from pallas_kernels import quantize_nvfp4_sm90 as qk
 
     backend = _resolve(backend)
-    reason = quantize_unsupported_reason(x.shape, x.dtype)
+    reason = quantize_unsupported_reason(x.shape, x.dtype, block_2d=block_2d)
     if backend == "pallas" and reason is not None:
         raise ValueError(f"pallas quantize kernel unavailable: {reason}")
     if backend == "xla" or reason is not None:
-        q = fp4jax.quantize(x, fp4jax.NVFP4)
+        q = fp4jax.quantize(x, fp4jax.NVFP4, block_2d=block_2d)
         return (fp4jax.pack_e2m1(q.data), jax.lax.bitcast_convert_type(q.scale, jnp.uint8),
                 q.global_scale)
     c = x.shape[-1]
+    if block_2d:
+        # stacked matrices are stacked rows: 16-row tiles never straddle two matrices
+        r = x.shape[-2]
+        packed, sbits, dec = qk.quantize_nvfp4_2d(x.reshape(-1, c))
+        return (packed.reshape(*x.shape[:-1], c // 2),
+                sbits.reshape(*x.shape[:-2], r // 16, c // 16), dec)
     packed, sbits, dec = qk.quantize_nvfp4_1x16(x.reshape(-1, c))
     return (packed.reshape(*x.shape[:-1], c // 2), sbits.reshape(*x.shape[:-1], c // 16), dec)
 
@@ -143,9 +161,11 @@ def quantize(x: jax.Array, fmt=None, *, axis: int = -1, block_2d: bool = False,
         raise ValueError(f"pallas quantize kernel unavailable: {reason}")
     if backend == "xla" or reason is not None:
         return fp4jax.quantize(x, fmt, axis=axis, block_2d=block_2d, rounding=rounding, key=key)
-    packed, sbits, dec = quantize_packed(x, backend="pallas")
+    packed, sbits, dec = quantize_packed(x, block_2d=block_2d, backend="pallas")
     data = fp4jax.unpack_e2m1(packed, x.shape[-1], axis=-1)
     scale = jax.lax.bitcast_convert_type(sbits, jnp.float8_e4m3fn)
+    if block_2d:
+        return QuantizedArray(data, scale, dec, fp4jax.get_format(fmt), None, True)
     return QuantizedArray(data, scale, dec, fp4jax.get_format(fmt), -1, False)
 
 

@@ -163,11 +163,172 @@ def recip_rn(p, y0=None):
     return res, ok
 
 
+# Safe range of the tensor decode scale for the table reciprocal (see recip_table).
+TABLE_DEC_MIN = 2.0**-117
+TABLE_DEC_MAX = 2.0**117
+N_SC = 32  # float32 words of the kernels' scalar input (see kernel_scalars)
+_SC_TABLE = 3  # index of the first of the 16 table entries in that input
+
+
+def recip_table(dec: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-tensor table of the element encode scales ``1 / (f32(s) * dec)`` (XLA, outside
+    the kernel). Returns ``(safe, table)``: a bool scalar and 16 float32 entries.
+
+    Rule (Transformer Engine ``core_nvfp4.cuh``, fp4jax ``quantize.element_encode_scale``):
+    ``e(s) = min(div_rn(1, f32(s) * dec), FLT_MAX)``, ``e = 0`` when ``s == 0``, for the
+    127 finite non-negative E4M3 scales ``s``. ``table_recip`` returns it for a scale
+    byte ``b = (ef << 3) | m`` as::
+
+        ef >= 1 (normal,    s = 2^(ef-7) * (1 + m/8)):  e = 2^(7-ef) * table[m]
+        ef == 0 (subnormal, s = m * 2^-9):              e = table[8 + m]
+
+    with ``table[m] = div_rn(1, f32(1 + m/8) * dec)`` (m = 0..7),
+    ``table[8 + m] = 2^9 * div_rn(1, f32(m) * dec)`` (m = 1..7) and ``table[8] = 0``.
+
+    Exact (bit-identical to the rule) when ``2^-117 <= dec < 2^117`` (``safe``): write
+    ``s = 2^E * M`` (M = 1 + m/8 with E = ef - 7, or M = m with E = -9). Then the real
+    products ``M*dec`` lie in [2^-117, 2^120) and ``s*dec`` in [2^-126, 448 * 2^117 <
+    2^126), both in the float32 normal range, and round-to-nearest commutes with scaling
+    by 2^E inside it: ``f32(s*dec) = 2^E * f32(M*dec)``. Likewise ``1/f32(M*dec)`` lies
+    in (2^-120, 2^117] and ``1/f32(s*dec)`` in (2^-126, 2^126]: normal again, so
+    ``div_rn(1, f32(s*dec)) = 2^-E * div_rn(1, f32(M*dec))``, exactly, and the FLT_MAX
+    clamp is never active. The kernel applies 2^(7-ef) as an integer add to the exponent
+    field (exact: the result stays normal). fp4jax's decode scale is ``1/enc`` with
+    ``enc <= 2^126`` and ``enc >= 2688/FLT_MAX``, i.e. ``dec`` in [2^-126, 1.3e35 <
+    2^117): only tensors with amax below ``2688 * 2^-117`` (~1.6e-32) are unsafe, and
+    get the ``recip_rn`` path. Checked exhaustively against IEEE float32 (NumPy) by
+    ``tests/test_kernel_quantize_fast.py`` (all E4M3 scales x thousands of ``dec``,
+    including both range ends).
+    """
+    from fp4jax.numerics import div_rn
+
+    dec = jnp.asarray(dec, jnp.float32)
+    mant = jnp.asarray(np.arange(8, dtype=np.float32) / 8 + 1)  # 1 + m/8, exact
+    sub = jnp.asarray(np.arange(8, dtype=np.float32))  # m
+    t_norm = div_rn(jnp.float32(1.0), mant * dec)
+    t_sub = div_rn(jnp.float32(1.0), sub[1:] * dec) * jnp.float32(512.0)
+    table = jnp.concatenate([t_norm, jnp.zeros((1,), jnp.float32), t_sub])
+    safe = (dec >= jnp.float32(TABLE_DEC_MIN)) & (dec < jnp.float32(TABLE_DEC_MAX))
+    return safe, table
+
+
+def table_recip(s_byte, table):
+    """``e = 1 / (f32(s) * dec)`` from the E4M3 bit pattern ``s_byte`` (int32 array,
+    0..126) and the 16 entries of ``recip_table`` (scalars): a 4-level select tree on
+    the index ``(ef == 0) << 3 | m`` and an exponent add of ``7 - ef`` (0 for
+    subnormal scales). The rule and its exactness range: ``recip_table``.
+    """
+    m = s_byte & 7
+    ef = lax.shift_right_logical(s_byte, 3) & 15
+    is_sub = ef == 0
+    b0 = (m & 1) != 0
+    b1 = (m & 2) != 0
+    b2 = (m & 4) != 0
+    t = list(table)
+    lvl = [jnp.where(b0, t[i + 1], t[i]) for i in range(0, 16, 2)]
+    lvl = [jnp.where(b1, lvl[i + 1], lvl[i]) for i in range(0, 8, 2)]
+    lvl = [jnp.where(b2, lvl[i + 1], lvl[i]) for i in range(0, 4, 2)]
+    v = jnp.where(is_sub, lvl[1], lvl[0])
+    shift = jnp.where(is_sub, 0, 7 - ef)
+    return _f32(_i32(v) + (shift << 23))
+
+
+def kernel_scalars(enc: jax.Array, dec: jax.Array) -> jax.Array:
+    """The kernels' scalar input (float32[N_SC], computed by XLA): ``enc * f32(1/6)``,
+    ``dec``, the table flag (1.0 when ``recip_table`` is exact for ``dec``), the 16
+    table entries, zero padding."""
+    safe, table = recip_table(dec)
+    sc = jnp.concatenate([
+        jnp.stack([enc.astype(jnp.float32) * jnp.float32(1.0 / 6.0), dec.astype(jnp.float32),
+                   safe.astype(jnp.float32)]),
+        table])
+    return jnp.pad(sc, (0, N_SC - sc.shape[0]))
+
+
+RECIP_MODES = ("auto", "table", "rn", "hw")
+
+
+def _elem_scale(sc_ref, s_val, s_byte, mode: str):
+    """Element encode scale ``min(1/(f32(s)*dec), FLT_MAX)`` (0 when s == 0) of a vector of
+    block scales, by ``mode``: ``"table"`` (``table_recip``; exact only for a safe dec),
+    ``"rn"`` (``recip_rn``, exact for every dec), ``"hw"`` (the hardware quotient, may
+    be one ulp off on the GPU: timing only). Rule: ``fp4jax.quantize.element_encode_scale``.
+    """
+    if mode == "table":
+        return table_recip(s_byte, [sc_ref[_SC_TABLE + i] for i in range(16)])
+    p = s_val * sc_ref[1]
+    if mode == "rn":
+        e_rn, ok = recip_rn(p)
+        e = jnp.where(ok, e_rn, 1.0 / p)  # div_rn's fallback (p or 1/p not normal)
+    else:
+        e = 1.0 / p
+    e = jnp.where(e > FLT_MAX, FLT_MAX, e)
+    return jnp.where(s_val == 0.0, 0.0, e)
+
+
+def _by_mode(sc_ref, mode: str, body):
+    """Run ``body(mode)`` with a concrete reciprocal mode: ``"auto"`` branches (uniformly,
+    on the scalar table flag) between ``"table"`` and ``"rn"``."""
+    if mode != "auto":
+        body(mode)
+        return
+
+    def run_table():
+        body("table")
+
+    def run_rn():
+        body("rn")
+
+    lax.cond(sc_ref[2] != 0.0, run_table, run_rn)
+
+
 SUB = 256  # blocks per register sub-tile: (256, 8) words, 16 words per thread
 
 
+def _load_words(x_ref, rows, plain: bool):
+    """A (rows, 8) tile of uint32 words (bf16 pairs) as int32, in the WGMMA register
+    layout (a block = a row spread over a quad of lanes) unless ``plain`` (interpret)."""
+    if plain:
+        w = x_ref[rows, :]
+    else:
+        w = plgpu.load(x_ref, (rows, slice(None)), layout=plgpu.Layout.WGMMA)
+    return lax.bitcast_convert_type(w, jnp.int32)
+
+
+def _block_amax_bits(w):
+    """Per-row (block) max of |x| as float32 bits (int32; integer order == float order
+    for >= 0, NaN/Inf compare above every finite value). Rule: the block amax of
+    ``fp4jax.quantize._quantize_impl`` (``max |x|`` over the block, NaN/Inf poison it)."""
+    return jnp.max(jnp.maximum((w << 16) & 0x7FFFFFFF, w & 0x7FFF0000), axis=1)
+
+
+def _block_scale(amax_bits, enc6):
+    """Block decode scale from the block amax bits: ``(s_val, s_byte, finite)``.
+
+    Rule (``fp4jax.quantize.block_decode_scale``, TE ``core_nvfp4.cuh``):
+    ``s = e4m3_rne_satfinite(amax_block * (enc * f32(1/6)))``; a NaN/Inf block gets the
+    NaN byte 0x7F (``s_val``/``s_byte`` are meaningless there: the caller masks them)."""
+    finite = amax_bits < 0x7F800000
+    s_f = _f32(amax_bits) * enc6
+    s_f = jnp.where(s_f > 448.0, 448.0, s_f)
+    s_val, s_byte = e4m3_round(s_f)
+    return s_val, s_byte, finite
+
+
+def _encode_words(w, e, finite, n: int):
+    """Packed E2M1 bytes (int32, (n, 8)) of a (n, 8) word tile, per-row scale ``e``;
+    NaN/Inf blocks get codes -0 (0x88) as a float4 cast of NaN gives.
+    Rule: ``q = e2m1_rne_satfinite(x * e)`` (``fp4jax.quantize._round_elements``)."""
+    lo = _f32(w << 16)  # element 2k
+    hi = _f32(w & -0x10000)  # element 2k+1
+    eb = lax.broadcast_in_dim(e, (n, 8), (0,))
+    fin = lax.broadcast_in_dim(finite.astype(jnp.int32), (n, 8), (0,))
+    byte = e2m1_code(lo * eb) | (e2m1_code(hi * eb) << 4)
+    return jnp.where(fin != 0, byte, 0x88)
+
+
 def _quant_tile(sc_ref, x_ref, q_ref, s_ref, *, nb: int, plain: bool = False,
-                exact_recip: bool = True):
+                mode: str = "rn"):
     """Quantize ``nb`` blocks: x_ref (nb, 8) uint32 words (bf16 pairs), q_ref (nb, 8)
     uint8 packed codes, s_ref (nb,) uint8 scale bits.
 
@@ -179,38 +340,36 @@ def _quant_tile(sc_ref, x_ref, q_ref, s_ref, *, nb: int, plain: bool = False,
     per-block scales live in the row layout and broadcast back along the row.
     """
     enc6 = sc_ref[0]
-    dec = sc_ref[1]
     for a in range(0, nb, SUB):
         rows = pl.ds(a, SUB) if nb > SUB else slice(None)
-        if plain:
-            w = x_ref[rows, :]
-        else:
-            w = plgpu.load(x_ref, (rows, slice(None)), layout=plgpu.Layout.WGMMA)
-        w = lax.bitcast_convert_type(w, jnp.int32)
-        lo = _f32(w << 16)  # element 2k
-        hi = _f32(w & -0x10000)  # element 2k+1
-        # |x| bits of the larger half, as an int: integer order == float order for >= 0
-        abs_bits = jnp.maximum(_i32(lo) & 0x7FFFFFFF, _i32(hi) & 0x7FFFFFFF)
-        amax_bits = jnp.max(abs_bits, axis=1)  # (SUB,) row layout
-        finite = amax_bits < 0x7F800000
-        s_f = _f32(amax_bits) * enc6
-        s_f = jnp.where(s_f > 448.0, 448.0, s_f)
-        s_val, s_byte = e4m3_round(s_f)
-        s_byte = jnp.where(finite, s_byte, 0x7F)
-        p = s_val * dec
-        if exact_recip:
-            e_rn, ok = recip_rn(p)
-            e = jnp.where(ok, e_rn, 1.0 / p)  # div_rn's fallback (p or 1/p not normal)
-        else:  # the hardware quotient (may be 1 ulp off on the GPU); for timing only
-            e = 1.0 / p
-        e = jnp.where(e > FLT_MAX, FLT_MAX, e)
-        e = jnp.where(s_val == 0.0, 0.0, e)
-        s_ref[rows] = s_byte.astype(jnp.uint8)
-        eb = lax.broadcast_in_dim(e, (SUB, 8), (0,))
-        fin = lax.broadcast_in_dim(finite.astype(jnp.int32), (SUB, 8), (0,))
-        byte = e2m1_code(lo * eb) | (e2m1_code(hi * eb) << 4)
-        byte = jnp.where(fin != 0, byte, 0x88)  # NaN/Inf block: codes -0, as astype
-        q_ref[rows, :] = byte.astype(jnp.uint8)
+        n = min(nb, SUB)
+        w = _load_words(x_ref, rows, plain)
+        s_val, s_byte, finite = _block_scale(_block_amax_bits(w), enc6)
+        e = _elem_scale(sc_ref, s_val, s_byte, mode)
+        s_ref[rows] = jnp.where(finite, s_byte, 0x7F).astype(jnp.uint8)
+        q_ref[rows, :] = _encode_words(w, e, finite, n).astype(jnp.uint8)
+
+
+def _quant_strip_2d(sc_ref, x_ref, q_ref, s_ref, *, g: int, plain: bool = False,
+                    mode: str = "rn"):
+    """Quantize one strip of ``g`` 16x16 tiles: x_ref (16, g, 8) uint32 words (row k of
+    tile j is x_ref[k, j]), q_ref (16, g, 8) uint8 packed codes, s_ref (g,) uint8 tile
+    scale bits. Two passes over the shared-memory strip: the tile amax is the
+    elementwise max of the 16 rows' block amaxes (all in the row layout, no shuffles
+    across rows), then every row is encoded with its tile's scale.
+    Rule: ``fp4jax.quantize._quantize_impl`` with ``block_2d=True`` (one scale per
+    16x16 tile, amax over the tile)."""
+    enc6 = sc_ref[0]
+    amax = None
+    for k in range(16):
+        a = _block_amax_bits(_load_words(x_ref.at[k], slice(None), plain))
+        amax = a if amax is None else jnp.maximum(amax, a)
+    s_val, s_byte, finite = _block_scale(amax, enc6)
+    e = _elem_scale(sc_ref, s_val, s_byte, mode)
+    s_ref[...] = jnp.where(finite, s_byte, 0x7F).astype(jnp.uint8)
+    for k in range(16):
+        w = _load_words(x_ref.at[k], slice(None), plain)
+        q_ref[k] = _encode_words(w, e, finite, g).astype(jnp.uint8)
 
 
 def _pick_block(n: int, candidates) -> int | None:
@@ -228,8 +387,28 @@ def supported(shape, dtype) -> bool:
     return c % 16 == 0 and (r * c // 16) % SUB == 0
 
 
+G2D = (64,)  # tiles per 2D strip (default): (16, 64, 8) words = 32 KiB; g=128 also works
+
+
+def supported_2d(shape, dtype) -> bool:
+    """Whether the 16x16 kernel handles x (R, C) (bf16, R % 16 == 0, C % 1024 == 0)."""
+    if len(shape) != 2 or jnp.dtype(dtype) != jnp.bfloat16:
+        return False
+    r, c = shape
+    return r % 16 == 0 and c % 16 == 0 and (c // 16) % G2D[-1] == 0
+
+
+def _mode(recip: str, exact_recip: bool | None) -> str:
+    if exact_recip is False:  # the old flag: hardware quotient
+        return "hw"
+    if recip not in RECIP_MODES:
+        raise ValueError(f"recip must be one of {RECIP_MODES}, got {recip!r}")
+    return recip
+
+
 @functools.partial(
-    jax.jit, static_argnames=("block", "steps_per_cta", "interpret", "exact_recip"))
+    jax.jit,
+    static_argnames=("block", "steps_per_cta", "interpret", "exact_recip", "recip"))
 def quantize_nvfp4_1x16_scaled(
     x: jax.Array,
     enc: jax.Array,
@@ -238,29 +417,37 @@ def quantize_nvfp4_1x16_scaled(
     block: int | None = None,
     steps_per_cta: int | None = None,
     interpret=False,
-    exact_recip: bool = True,
+    exact_recip: bool | None = None,
+    recip: str = "auto",
 ):
     """Kernel call with given tensor scales. x: (R, C) bfloat16, see ``supported``.
 
     Returns (packed uint8 (R, C//2), scale_bits uint8 (R, C//16)).
-    ``exact_recip=False`` uses the hardware ``1/(s*dec)`` (not bit-exact on the GPU;
-    kept only to time the cost of the correctly rounded reciprocal).
+    ``recip``: how ``1/(s*dec)`` is computed: ``"auto"`` (the default; the table of
+    ``recip_table`` when it is exact for this ``dec``, else ``recip_rn``; a uniform
+    branch inside the kernel), ``"table"`` (table only: exact only for a safe dec),
+    ``"rn"`` (``recip_rn`` always), ``"hw"`` (the hardware quotient: not bit-exact on the
+    GPU; kept only to time the cost). ``exact_recip=False`` is the old spelling of "hw".
     """
     if not supported(x.shape, x.dtype):
         raise ValueError(
             f"quantize kernel needs bfloat16 (R, C) with C % 16 == 0 and R*C % {16 * SUB} == 0,"
             f" got {x.dtype} {x.shape}"
         )
+    mode = _mode(recip, exact_recip)
     r, c = x.shape
     nbt = r * c // 16  # total blocks
     xw = lax.bitcast_convert_type(x.reshape(nbt, 8, 2), jnp.uint32)  # (blocks, 8 words)
-    sc = jnp.stack([enc.astype(jnp.float32) * jnp.float32(1.0 / 6.0), dec.astype(jnp.float32)])
-    sc = jnp.pad(sc, (0, 2))  # 16 bytes
+    sc = kernel_scalars(enc, dec)
     if interpret:
         # Mosaic GPU interpret mode (CPU tests) supports only trivial windows: run the
         # tile body once over all blocks (the TMA pipeline is not exercised).
+        def interp_body(sc_ref, x_ref, q_ref, s_ref):
+            _by_mode(sc_ref, mode, lambda md: _quant_tile(
+                sc_ref, x_ref, q_ref, s_ref, nb=nbt, plain=True, mode=md))
+
         q, s = pl.pallas_call(
-            functools.partial(_quant_tile, nb=nbt, plain=True, exact_recip=exact_recip),
+            interp_body,
             out_shape=(
                 jax.ShapeDtypeStruct((nbt, 8), jnp.uint8),
                 jax.ShapeDtypeStruct((nbt,), jnp.uint8),
@@ -287,11 +474,14 @@ def quantize_nvfp4_1x16_scaled(
         cta = lax.axis_index("ctas")
 
         def step(_, x_smem, q_smem, s_smem):
-            for i in range(kt):
-                _quant_tile(
-                    sc_gmem, x_smem.at[i], q_smem.at[i].reshape(SUB, 8), s_smem.at[i], nb=SUB,
-                    exact_recip=exact_recip,
-                )
+            def tiles(md):
+                for i in range(kt):
+                    _quant_tile(
+                        sc_gmem, x_smem.at[i], q_smem.at[i].reshape(SUB, 8), s_smem.at[i],
+                        nb=SUB, mode=md,
+                    )
+
+            _by_mode(sc_gmem, mode, tiles)
 
         plgpu.emit_pipeline(
             step,
@@ -321,4 +511,99 @@ def quantize_nvfp4_1x16(x: jax.Array, *, interpret: bool = False, **kw):
     """Global amax (XLA) + fused kernel. Returns (packed, scale_bits, dec)."""
     enc, dec = global_scales(x)
     packed, s = quantize_nvfp4_1x16_scaled(x, enc, dec, interpret=interpret, **kw)
+    return packed, s, dec
+
+
+@functools.partial(jax.jit, static_argnames=("g", "interpret", "recip"))
+def quantize_nvfp4_2d_scaled(
+    x: jax.Array,
+    enc: jax.Array,
+    dec: jax.Array,
+    *,
+    g: int | None = None,
+    interpret=False,
+    recip: str = "auto",
+):
+    """16x16 kernel call with given tensor scales. x: (R, C) bfloat16, see ``supported_2d``.
+
+    Returns (packed uint8 (R, C//2), tile scale_bits uint8 (R//16, C//16)): the packed
+    codes of ``fp4jax.quantize(x, NVFP4, block_2d=True).data`` along the last axis and
+    the bits of its ``.scale``. ``recip`` as in ``quantize_nvfp4_1x16_scaled``.
+
+    Layout: x is viewed as (R/16, 16, C/16, 8) words (a free reshape); each grid step
+    moves a strip of ``g`` tiles, (1, 16, g, 8) words, into shared memory with TMA and
+    runs ``_quant_strip_2d`` on it.
+    """
+    if not supported_2d(x.shape, x.dtype):
+        raise ValueError(
+            f"16x16 quantize kernel needs bfloat16 (R, C) with R % 16 == 0 and"
+            f" C % {16 * G2D[-1]} == 0, got {x.dtype} {x.shape}")
+    mode = _mode(recip, None)
+    r, c = x.shape
+    nr, nc = r // 16, c // 16
+    xw = lax.bitcast_convert_type(x.reshape(nr, 16, nc, 8, 2), jnp.uint32)
+    sc = kernel_scalars(enc, dec)
+    if interpret:
+        # one pallas_call over the whole array (interpret mode: trivial windows only);
+        # the strips are looped over in Python (small test shapes only)
+        def interp_body(sc_ref, x_ref, q_ref, s_ref):
+            def strips(md):
+                for i in range(nr):
+                    _quant_strip_2d(sc_ref, x_ref.at[i], q_ref.at[i], s_ref.at[i], g=nc,
+                                    plain=True, mode=md)
+
+            _by_mode(sc_ref, mode, strips)
+
+        q, s = pl.pallas_call(
+            interp_body,
+            out_shape=(
+                jax.ShapeDtypeStruct((nr, 16, nc, 8), jnp.uint8),
+                jax.ShapeDtypeStruct((nr, nc), jnp.uint8),
+            ),
+            interpret=interpret,
+            compiler_params=plgpu.CompilerParams(),
+        )(sc, xw)
+        return q.reshape(r, c // 2), s
+
+    g = g or _pick_block(nc, G2D)
+    if g is None or nc % g:
+        raise ValueError(f"g={g} must divide C/16={nc}")
+
+    def body(sc_gmem, x_gmem, q_gmem, s_gmem):
+        i = lax.axis_index("rows")
+        j = lax.axis_index("cols")
+
+        def step(_, x_smem, q_smem, s_smem):
+            _by_mode(sc_gmem, mode, lambda md: _quant_strip_2d(
+                sc_gmem, x_smem.at[0], q_smem.at[0].reshape(16, g, 8), s_smem.at[0], g=g,
+                mode=md))
+
+        plgpu.emit_pipeline(
+            step,
+            grid=(1,),
+            in_specs=[plgpu.BlockSpec((1, 16, g, 8), lambda _: (i, 0, j, 0))],
+            out_specs=[
+                plgpu.BlockSpec((1, 16, g // 2, 16), lambda _: (i, 0, j, 0)),
+                plgpu.BlockSpec((1, g), lambda _: (i, j)),
+            ],
+            max_concurrent_steps=1,
+        )(x_gmem, q_gmem, s_gmem)
+
+    q, s = plgpu.kernel(
+        body,
+        out_type=(
+            jax.ShapeDtypeStruct((nr, 16, c // 32, 16), jnp.uint8),
+            jax.ShapeDtypeStruct((nr, nc), jnp.uint8),
+        ),
+        grid=(nr, nc // g),
+        grid_names=("rows", "cols"),
+        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
+    )(sc, xw)
+    return q.reshape(r, c // 2), s
+
+
+def quantize_nvfp4_2d(x: jax.Array, *, interpret: bool = False, **kw):
+    """Global amax (XLA) + fused 16x16 kernel. Returns (packed, tile scale_bits, dec)."""
+    enc, dec = global_scales(x)
+    packed, s = quantize_nvfp4_2d_scaled(x, enc, dec, interpret=interpret, **kw)
     return packed, s, dec

@@ -97,3 +97,34 @@ def dequantize_nvfp4(codes, scale_bits, dec, axis_block=16):
     s = np.asarray(scale_bits, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     s = np.repeat(s, axis_block, axis=-1)
     return ((q * s) * F32(dec)).astype(np.float32)
+
+
+def quantize_nvfp4_16x16(x: np.ndarray, enc=None, dec=None):
+    """Reference 16x16 (2D) NVFP4 quantization of a 2-D ``x`` (R, C), R and C % 16 == 0.
+
+    One E4M3 scale per 16x16 tile from the tile amax (NVFP4 paper sec. 4.2; the 2D rule
+    of ``fp4jax.quantize(x, NVFP4, block_2d=True)``), then the 1x16 formulas above with
+    the tile's scale. Returns (codes uint8 (R, C), scale bits uint8 (R/16, C/16), dec).
+    """
+    x = np.asarray(x, np.float32)
+    if enc is None:
+        enc, dec = global_scales(x)
+    enc, dec = F32(enc), F32(dec)
+    r, c = x.shape
+    assert r % 16 == 0 and c % 16 == 0
+    tiles = x.reshape(r // 16, 16, c // 16, 16)
+    with np.errstate(invalid="ignore"):
+        amax_t = np.max(np.abs(tiles), axis=(1, 3))  # (R/16, C/16)
+    enc6 = F32(enc * F32(1.0 / 6.0))
+    with np.errstate(invalid="ignore", over="ignore"):
+        s_f = np.minimum(amax_t * enc6, F32(448.0))
+    s_f = np.where(np.isfinite(amax_t), s_f, F32(np.nan))
+    s = s_f.astype(ml_dtypes.float8_e4m3fn)
+    s32 = s.astype(np.float32)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        e = np.minimum(F32(1) / (s32 * dec), FLT_MAX).astype(np.float32)
+    e = np.where(s32 == 0, F32(0), e)
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = tiles * e[:, None, :, None]
+    codes = e2m1_codes(v).reshape(r, c)
+    return codes, s.view(np.uint8), dec
