@@ -2,7 +2,7 @@
 
 One script, one device call:
 
-    PYTHONPATH=$PWD python3 experiments/bench_kernels.py [copy quantize quantize2 sweep
+    PYTHONPATH=$PWD python3 experiments/bench_kernels.py [copy quantize quantize2 quantize3 sweep
                                                           decode gemm dotkern]
 
 Device time of every jitted call is measured with CUPTI
@@ -120,6 +120,63 @@ def bench_quantize(copy_gbps, sweep=False, shapes=((8192, 8192), (16384, 4096), 
                     if us:
                         rec(g, f"sweep block={kt} spc={spc} [bw]",
                             frac_of_copy=kern_bytes / us / 1e3 / copy_gbps, us=us)
+
+
+def bench_quantize3(copy_gbps, shapes=((8192, 8192), (4096, 14336))):
+    """Table reciprocal vs recip_rn, the 16x16 kernel, and XLA fp4jax.quantize (1x16, 2D),
+    each as a fraction of the copy bandwidth of the same run (KERNELS.md run 4)."""
+    for (r, c) in shapes:
+        x = rand((r, c), 1)
+        n = r * c
+        g = f"quantize3 {r}x{c}"
+        enc, dec = jax.jit(qk.global_scales)(x)
+        rec(g, "table reciprocal safe for this dec", ok=bool(qk.recip_table(dec)[0]),
+            dec=float(dec))
+        q1 = jax.jit(lambda x: fp4jax.quantize(x, fp4jax.NVFP4))(x)
+        q2 = jax.jit(lambda x: fp4jax.quantize(x, fp4jax.NVFP4, block_2d=True))(x)
+        for name, f, q in (("1x16 auto (table)", qk.quantize_nvfp4_1x16, q1),
+                           ("2d auto (table)", qk.quantize_nvfp4_2d, q2)):
+            pk, sb, d = jax.jit(f)(x)
+            exact = bool((pk == fp4jax.pack_e2m1(q.data)).all()
+                         & (sb == jax.lax.bitcast_convert_type(q.scale, jnp.uint8)).all()
+                         & (d == q.global_scale))
+            rec(g, f"kernel {name} exact vs fp4jax.quantize", exact=exact)
+        total_1 = n * (2 + 2 + 0.5 + 1 / 16)  # amax read + read + packed + scales
+        total_2 = n * (2 + 2 + 0.5 + 1 / 256)
+        kern_1 = n * (2 + 0.5 + 1 / 16)
+        kern_2 = n * (2 + 0.5 + 1 / 256)
+        rows = (
+            ("1x16 kernel + amax, table reciprocal (auto)", qk.quantize_nvfp4_1x16, (x,),
+             total_1),
+            ("1x16 kernel + amax, table only (recip=table)",
+             functools.partial(qk.quantize_nvfp4_1x16, recip="table"), (x,), total_1),
+            ("1x16 kernel + amax, recip_rn (run 3 kernel)",
+             functools.partial(qk.quantize_nvfp4_1x16, recip="rn"), (x,), total_1),
+            ("1x16 kernel + amax, hardware 1/x (not exact)",
+             functools.partial(qk.quantize_nvfp4_1x16, recip="hw"), (x,), total_1),
+            ("1x16 kernel only, table reciprocal (auto)", qk.quantize_nvfp4_1x16_scaled,
+             (x, enc, dec), kern_1),
+            ("1x16 kernel only, recip_rn",
+             functools.partial(qk.quantize_nvfp4_1x16_scaled, recip="rn"), (x, enc, dec),
+             kern_1),
+            ("2d kernel + amax (auto, g=64)", qk.quantize_nvfp4_2d, (x,), total_2),
+            ("2d kernel + amax (auto, g=128)", functools.partial(qk.quantize_nvfp4_2d, g=128),
+             (x,), total_2),
+            ("2d kernel + amax (recip_rn)", functools.partial(qk.quantize_nvfp4_2d, recip="rn"),
+             (x,), total_2),
+            ("2d kernel only (auto, g=64)", qk.quantize_nvfp4_2d_scaled, (x, enc, dec), kern_2),
+            ("xla fp4jax.quantize 1x16", lambda x: fp4jax.quantize(x, fp4jax.NVFP4), (x,),
+             total_1),
+            ("xla fp4jax.quantize 2d",
+             lambda x: fp4jax.quantize(x, fp4jax.NVFP4, block_2d=True), (x,), total_2),
+        )
+        for i, (name, f, args, nbytes) in enumerate(rows):
+            if (r, c) != shapes[0] and i in (1, 3, 5, 7, 8):  # 2nd shape: main rows only (time)
+                continue
+            us = timed(g, name, f, *args)
+            if us:
+                gbps = nbytes / us / 1e3
+                rec(g, name + " [bw]", gbps=gbps, frac_of_copy=gbps / copy_gbps, us=us)
 
 
 def bench_gemm():
@@ -315,6 +372,8 @@ def main():
         bench_quantize(copy_gbps, sweep="sweep" in which)
     if "quantize2" in which:  # two shapes only (short runs)
         bench_quantize(copy_gbps, shapes=((8192, 8192), (4096, 14336)))
+    if "quantize3" in which:  # table reciprocal, 16x16 kernel
+        bench_quantize3(copy_gbps)
     if "dotkern" in which:
         bench_dot_kernels()
     if "decode" in which:
