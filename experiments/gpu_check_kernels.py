@@ -120,6 +120,97 @@ def check_quantize_hard(shapes):
                    tb=traceback.format_exc()[-3000:])
 
 
+def check_table_recip():
+    """recip_table + table_recip (run by XLA on the GPU, as the kernel's table is built)
+    vs IEEE float32 (NumPy) 1/(s*dec) for all 127 E4M3 scales x 4000 decode scales
+    log-uniform over the whole float32 range and both ends of the safe range."""
+    import ml_dtypes
+
+    from pallas_kernels import quantize_nvfp4_sm90 as qk
+
+    rng = np.random.default_rng(2)
+    dec = np.concatenate([np.exp2(rng.uniform(-126, 127.9, 3000)),
+                          np.exp2(rng.uniform(-118, -116, 500)),
+                          np.exp2(rng.uniform(116, 118, 500))]).astype(np.float32)
+    s = np.arange(127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    with np.errstate(all="ignore"):
+        want = np.minimum(np.float32(1) / (s[:, None] * dec[None, :]),
+                          np.finfo(np.float32).max).astype(np.float32)
+    want = np.where(s[:, None] == 0, np.float32(0), want)
+
+    def one(d):
+        safe, table = qk.recip_table(d)
+        return safe, qk.table_recip(jnp.arange(127, dtype=jnp.int32), list(table))
+
+    safe, got = jax.jit(jax.vmap(one))(jnp.asarray(dec))
+    safe, got = np.asarray(safe), np.asarray(got).T
+    exact = (got.view(np.int32) == want.view(np.int32)).all(axis=0)
+    bad = int((safe & ~exact).sum())
+    record("table reciprocal vs IEEE 1/(s*dec) (XLA on GPU)", n_dec=int(dec.size),
+           n_safe=int(safe.sum()), safe_dec_inexact=bad,
+           unsafe_dec_inexact=int((~safe & ~exact).sum()), exact=bad == 0)
+
+
+def _count_bad(pk, sb, d, q):
+    """Differing packed blocks-of-8-bytes rows and scale bytes vs a fp4jax QuantizedArray."""
+    ref_pk = fp4jax.pack_e2m1(q.data)
+    ref_sb = jax.lax.bitcast_convert_type(q.scale, jnp.uint8)
+    return dict(bad_bytes=int(jnp.sum(pk != ref_pk)), bad_scales=int(jnp.sum(sb != ref_sb)),
+                dec_equal=bool(d == q.global_scale))
+
+
+def check_quantize3(shapes):
+    """The table-reciprocal 1x16 kernel (auto and table-only) and the 16x16 kernel vs
+    fp4jax.quantize (XLA on this GPU), bit for bit, on whole arrays; one shape also vs
+    the NumPy references; a tiny tensor (dec outside the table's range) exercises the
+    recip_rn fallback of "auto"."""
+    from pallas_kernels import quantize_nvfp4_sm90 as qk
+
+    for shape, kind in shapes:
+        try:
+            if kind == "blocks":
+                x = rand_blocks(shape, seed=shape[0] + shape[1])
+            else:
+                x = rand(shape, jnp.bfloat16, seed=shape[0] % 1000)
+            if kind == "tiny":  # amax <= 2^-110: dec <= 2^-121, outside [2^-117, 2^117)
+                amax = float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+                x = x * jnp.bfloat16(2.0 ** (-110 - int(np.ceil(np.log2(amax)))))
+            enc, dec = jax.jit(qk.global_scales)(x)
+            safe = bool(qk.recip_table(dec)[0])
+            q1 = jax.jit(lambda x: fp4jax.quantize(x, fp4jax.NVFP4))(x)
+            q2 = jax.jit(lambda x: fp4jax.quantize(x, fp4jax.NVFP4, block_2d=True))(x)
+            variants = [("1x16 auto", qk.quantize_nvfp4_1x16, q1),
+                        ("2d auto", qk.quantize_nvfp4_2d, q2)]
+            if kind != "tiny":
+                variants.insert(1, ("1x16 table", functools.partial(
+                    qk.quantize_nvfp4_1x16, recip="table"), q1))
+            else:
+                variants.append(("2d rn", functools.partial(qk.quantize_nvfp4_2d, recip="rn"),
+                                 q2))
+            for vname, f, q in variants:
+                name = f"quantize3 {vname} {shape} {kind} vs fp4jax"
+                if "2d" in vname and not qk.supported_2d(shape, jnp.bfloat16):
+                    record(name, ok=True, skipped="unsupported by the 16x16 kernel")
+                    continue
+                pk, sb, d = jax.jit(f)(x)
+                rec = dict(table_safe=safe, dec=float(dec), **_count_bad(pk, sb, d, q))
+                if kind == "blocks":
+                    rec["distinct_scales"] = int(len(np.unique(np.asarray(sb))))
+                    x32 = np.asarray(x.astype(jnp.float32))
+                    ref = (npref.quantize_nvfp4_16x16 if "2d" in vname
+                           else npref.quantize_nvfp4_1x16)(x32)
+                    rec["bad_bytes_vs_numpy"] = int((np.asarray(pk) != npref.pack_codes(ref[0]))
+                                                    .sum())
+                    rec["bad_scales_vs_numpy"] = int((np.asarray(sb) != ref[1]).sum())
+                rec["exact"] = (rec["bad_bytes"] == 0 and rec["bad_scales"] == 0
+                                and rec["dec_equal"] and rec.get("bad_bytes_vs_numpy", 0) == 0
+                                and rec.get("bad_scales_vs_numpy", 0) == 0)
+                record(name, **rec)
+        except Exception as e:  # noqa: BLE001
+            record(f"quantize3 {shape} {kind}", error=f"{type(e).__name__}: {str(e)[:2000]}",
+                   tb=traceback.format_exc()[-3000:])
+
+
 def check_quantize(shapes, dtypes, timing=True):
     from pallas_kernels import quantize_nvfp4_sm90 as qk
 
@@ -172,6 +263,11 @@ def main():
         check_quantize_hard([(1024, 4096), (256, 16384)])
         check_quantize([(256, 1024), (1000, 4096), (1003, 512), (24, 8192), (16, 256),
                         (4096, 14336), (8192, 8192)], [jnp.bfloat16], timing=False)
+    if "quantize3" in which:  # table reciprocal + 16x16 kernel (short run)
+        check_table_recip()
+        check_quantize3([((1024, 4096), "blocks"),
+                         ((4096, 14336), "random"), ((8192, 8192), "random"),
+                         ((1024, 4096), "tiny"), ((1000, 4096), "random")])
     if "matmul" in which:
         try:
             from experiments.gpu_check_matmul import check_matmul
