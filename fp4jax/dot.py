@@ -73,18 +73,20 @@ def _quant(x: jax.Array, spec: QuantSpec, axis: int, key: jax.Array,
            use_kernels: bool = False) -> Operand:
     """Quantize one operand per its spec (or pass it through when unquantized).
 
-    With ``use_kernels`` (see ``kernels_enabled``) the fused NVFP4 quantize kernel takes
-    the cases it covers (1x16, round-to-nearest, last axis, bf16); everything else runs
-    the XLA reference.
+    With ``use_kernels`` (see ``kernels_enabled``) the fused NVFP4 quantize kernels take
+    the cases they cover (round-to-nearest bf16; 1x16 blocks along the last axis, or
+    16x16 tiles); everything else runs the XLA reference.
     """
     if not spec.quantized:
         return x
-    if (spec.fmt == NVFP4 and not spec.block_2d and spec.rounding == "nearest"
-            and axis % x.ndim == x.ndim - 1 and use_kernels):
+    if (spec.fmt == NVFP4 and spec.rounding == "nearest" and use_kernels
+            and (spec.block_2d or axis % x.ndim == x.ndim - 1)):
         from pallas_kernels import dispatch
 
-        if dispatch.is_supported("quantize", x.shape, x.dtype, fmt=spec.fmt, axis=-1):
-            return dispatch.quantize(x, spec.fmt, axis=-1, backend="pallas")
+        if dispatch.is_supported("quantize", x.shape, x.dtype, fmt=spec.fmt, axis=-1,
+                                 block_2d=spec.block_2d):
+            return dispatch.quantize(x, spec.fmt, axis=-1, block_2d=spec.block_2d,
+                                     backend="pallas")
     return qz._quantize_impl(x, key if spec.stochastic else None, spec.fmt, axis % x.ndim,
                              spec.block_2d, spec.rounding)
 

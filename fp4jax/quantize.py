@@ -229,6 +229,20 @@ def _finite_amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), initial=0.0)
 
 
+def block_amax(blocks: jax.Array, axis) -> jax.Array:
+    """``max |x|`` over each block (``axis``: the block's element axes); NaN where the block
+    holds a NaN or an Inf, so that ``block_decode_scale`` gives it a NaN scale.
+
+    Non-finite entries are found by a separate boolean any-reduction: XLA's vectorized
+    float max reduction on CPU does not always propagate NaN (JAX 0.10.2: a NaN at most
+    positions of a 16-element block of a (64, 1024) float32 tensor vanished from
+    ``jnp.max(jnp.abs(blocks), -1)``), which would have turned NaN into finite FP4 codes.
+    """
+    amax = jnp.max(jnp.abs(blocks), axis=axis)
+    bad = jnp.any(~jnp.isfinite(blocks), axis=axis)
+    return jnp.where(bad, jnp.float32(jnp.nan), amax)
+
+
 def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     n = x.shape[axis]
     pad = (-n) % multiple
@@ -305,7 +319,7 @@ def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding
         lead = xp.shape[:-2]
         nr, nc = xp.shape[-2] // b, xp.shape[-1] // b
         tiles = xp.reshape(*lead, nr, b, nc, b)
-        amax_b = jnp.max(jnp.abs(tiles), axis=(-3, -1))  # (..., nr, nc)
+        amax_b = block_amax(tiles, axis=(-3, -1))  # (..., nr, nc)
         s = block_decode_scale(amax_b, enc, fmt)
         e = element_encode_scale(s, dec)[..., :, None, :, None]
         u = None
@@ -318,7 +332,7 @@ def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding
     n = x.shape[axis]
     xm = _pad_to(jnp.moveaxis(xf, axis, -1), -1, b)
     blocks = xm.reshape(*xm.shape[:-1], xm.shape[-1] // b, b)
-    amax_b = jnp.max(jnp.abs(blocks), axis=-1)  # (..., nb)
+    amax_b = block_amax(blocks, axis=-1)  # (..., nb)
     s = block_decode_scale(amax_b, enc, fmt)
     e = element_encode_scale(s, dec)[..., None]
     u = None

@@ -160,6 +160,37 @@ def test_zero_tensor_and_zero_blocks():
         assert np.isfinite(d).all() and np.all(d == 0)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("fmt", [fp4jax.NVFP4, fp4jax.MXFP4], ids=lambda f: f.name)
+def test_non_finite_at_every_block_position_gives_nan_scale(fmt, dtype):
+    """A NaN/Inf at any position of a block (here: every position, in a tensor large
+    enough for XLA to vectorize the block max) makes the block's scale NaN. XLA:CPU's
+    float max reduction dropped such NaNs at most positions before ``block_amax``."""
+    b = fmt.block_size
+    x = RNG.standard_normal((64, 1024)).astype(np.float32)
+    bad_vals = [np.nan, np.inf, -np.inf]
+    where = []
+    for r in range(64):
+        blk = (5 * r) % (1024 // b)
+        x[r, blk * b + r % b] = bad_vals[r % 3]
+        where.append((r, blk))
+    q = fp4jax.quantize(jnp.asarray(x, dtype), fmt)
+    sc = np.asarray(q.scale.astype(jnp.float32))
+    d = np.asarray(fp4jax.dequantize(q))
+    for r, blk in where:
+        assert np.isnan(sc[r, blk]), (r, blk)
+        assert np.isnan(d[r, blk * b:(blk + 1) * b]).all(), (r, blk)
+    mask = np.ones(sc.shape, bool)
+    mask[tuple(np.array(where).T)] = False
+    assert np.isfinite(sc[mask]).all()
+    # 16x16 tiles: the same positions poison their tiles
+    if fmt.block_size == 16:
+        q2 = fp4jax.quantize(jnp.asarray(x, dtype), fmt, block_2d=True)
+        sc2 = np.asarray(q2.scale.astype(jnp.float32))
+        for r, blk in where:
+            assert np.isnan(sc2[r // 16, blk]), (r, blk)
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("fmt", [fp4jax.NVFP4, fp4jax.MXFP4, fp4jax.BlockFormat("e3m4", 16, 3, 4)],
                          ids=lambda f: f.name)
@@ -291,6 +322,51 @@ def test_div_rn_is_correctly_rounded():
         for fn in (numerics.div_rn, numerics.div_rn_integer):
             assert float(fn(jnp.float32(x), jnp.float32(y))) == float(
                 np.float32(x) / np.float32(y))
+
+
+def _grid_scales() -> np.ndarray:
+    """Every E4M3 and E8M0 scale value, plus random float32 values with <= 7 mantissa bits
+    (the values of any ExMy scale grid), over the whole normal range."""
+    e4m3 = np.arange(1, 127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    e8m0 = np.exp2(np.arange(-126, 128)).astype(np.float32)
+    r = np.random.default_rng(11)
+    bits = ((r.integers(1, 255, 4000) << 23) | (r.integers(0, 128, 4000) << 16))
+    return np.concatenate([e4m3, e8m0, bits.astype(np.int32).view(np.float32)])
+
+
+def test_recip_scaled_rn_equals_div_rn():
+    """The per-tensor reciprocal table gives div_rn(1, s * dec)'s bits for every grid scale
+    and decode scale (the quantizer's element encode scale relies on it)."""
+    s = _grid_scales()
+    r = np.random.default_rng(12)
+    decs = np.concatenate([
+        np.exp2(r.uniform(-126, 127, 60)),
+        [2.0**-126, 2.0**-117, 2.0**-116.5, 1.0, 1 / 3, 2688 / 1e-30, 1e-30 / 2688,
+         float(np.finfo(np.float32).max) / 2688, 7.0e34, 2.0**117, 2.0**126],
+    ]).astype(np.float32)
+    fn = jax.jit(numerics.recip_scaled_rn)
+    ref = jax.jit(lambda a, d: numerics.div_rn(jnp.float32(1), a * d))
+    gpu_path = jax.jit(lambda a, d: numerics.div_rn_integer(jnp.float32(1), a * d))
+    checked = 0
+    for d in decs:
+        got = np.asarray(fn(jnp.asarray(s), jnp.float32(d)))
+        np.testing.assert_array_equal(got.view(np.int32),
+                                      np.asarray(ref(s, jnp.float32(d))).view(np.int32))
+        with np.errstate(over="ignore", divide="ignore"):
+            p = s * d  # numpy float32: IEEE, no flush
+            want = np.float32(1) / p
+        normal = (np.abs(p) >= np.finfo(np.float32).tiny) & np.isfinite(p)
+        normal &= (want >= np.finfo(np.float32).tiny) & np.isfinite(want)
+        np.testing.assert_array_equal(got[normal].view(np.int32), want[normal].view(np.int32))
+        np.testing.assert_array_equal(
+            got[normal].view(np.int32),
+            np.asarray(gpu_path(s, jnp.float32(d)))[normal].view(np.int32))
+        checked += int(normal.sum())
+    assert checked > 0.6 * s.size * decs.size  # the rest: p or 1/p outside the normal range
+    # zero, NaN, Inf scales: as 1 / (s * dec)
+    odd = jnp.asarray([0.0, np.nan, np.inf], jnp.float32)
+    got = np.asarray(fn(odd, jnp.float32(0.5)))
+    assert got[0] == np.inf and np.isnan(got[1]) and got[2] == 0.0
 
 
 @pytest.mark.parametrize("block_2d", [False, True])
