@@ -213,23 +213,23 @@ def div_rn_integer(a: jax.Array, b: jax.Array) -> jax.Array:
 def recip_scaled_rn(s: jax.Array, dec: jax.Array) -> jax.Array:
     """``div_rn(1, s * dec)`` (float32 product, then the correctly rounded reciprocal) for
     ``s`` with at most 7 significant mantissa bits (every value of a scale grid) and a
-    normal float32 scalar ``dec``, without a per-element division.
+    float32 scalar ``dec``, without a per-element division.
 
-    Every such ``s > 0`` is ``2**E * (1 + j/128)`` with ``j`` its top 7 mantissa bits.
-    Where ``P = f32((1 + j/128) * dec)``, ``p = f32(s * dec)`` and the result are normal
-    float32 numbers, ``f32(s * dec) = 2**E * P`` and ``RN(1/p) = 2**-E * RN(1/P)``
-    (scaling by a power of two commutes with rounding in the normal range). So the
-    128 reciprocals ``RN(1/P)`` are computed once per tensor with ``div_rn`` and each
-    element takes one table entry and an exponent subtraction: the same bits as
-    ``div_rn(1, s * dec)`` (``tests/test_core.py`` checks it on every scale-grid value
-    times decode scales over the whole float32 range). Elsewhere (``p`` or the result
-    not normal, ``s`` zero/NaN/Inf) it returns ``1 / p`` from the backend, which is what
-    ``div_rn_integer`` does there too.
+    Write ``dec = 2**D * d`` with ``d`` in [1, 2) and every such ``s > 0`` as
+    ``2**E * (1 + j/128)``, ``j`` its top 7 mantissa bits. With ``P = f32((1 + j/128) * d)``
+    (in [1, 4)) and ``T = RN(1/P)`` (in (1/4, 1]): wherever ``p = f32(s * dec)`` and the
+    result are normal float32 numbers, ``p = 2**(E+D) * P`` and
+    ``RN(1/p) = 2**-(E+D) * T`` (scaling by a power of two commutes with rounding in
+    the normal range). So the 128 reciprocals ``T`` are computed once per tensor with
+    ``div_rn`` and each element takes one table entry and an exponent subtraction.
+    Everywhere else (``p`` or the result not normal; ``s`` zero, NaN or Inf) it returns
+    the backend's ``1 / p``, which is exactly where ``div_rn_integer`` also falls back:
+    the bits equal ``div_rn(1, s * dec)`` on every backend (``tests/test_core.py``
+    checks every E4M3/E8M0 value and random grid values times decode scales over the
+    whole float32 range, against NumPy and against ``div_rn_integer``).
 
-    Why: ``div_rn_integer`` is ~130 integer operations per element; inlined into every
-    quantization of a training step it made the optimized HLO of an NVFP4 step 3x
-    larger on the GPU than on the CPU and its compile minutes long
-    (``experiments/results/gpu_run5``).
+    Why: ``div_rn_integer`` is ~130 integer operations per element; it was inlined into
+    every quantization of a training step on the GPU.
 
     Args:
       s: float32 array (block scales, on a grid with <= 7 mantissa bits).
@@ -239,25 +239,29 @@ def recip_scaled_rn(s: jax.Array, dec: jax.Array) -> jax.Array:
     """
     s = jnp.asarray(s, jnp.float32)
     dec = jnp.asarray(dec, jnp.float32)
-    table_p = (1.0 + jnp.arange(128, dtype=jnp.float32) * jnp.float32(1.0 / 128)) * dec
+    i32 = jnp.int32
+    # dec = 2**D * d, d in [1, 2); subnormal dec is scaled by 2**64 first (exact)
+    tiny = jnp.abs(dec) < jnp.float32(2.0**-126)
+    dec1 = jnp.where(tiny, dec * jnp.float32(2.0**64), dec)
+    db = jax.lax.bitcast_convert_type(dec1, i32)
+    d_exp = (db >> 23) & 0xFF
+    d_shift = d_exp - 127 - jnp.where(tiny, 64, 0)  # D
+    d = jax.lax.bitcast_convert_type((db & i32(-0x7F800001)) | (127 << 23), jnp.float32)
+    table_p = (1.0 + jnp.arange(128, dtype=jnp.float32) * jnp.float32(1.0 / 128)) * d
     table = div_rn(jnp.float32(1.0), table_p)  # (128,) correctly rounded 1/P
-    sb = jax.lax.bitcast_convert_type(s, jnp.int32)
+    sb = jax.lax.bitcast_convert_type(s, i32)
     j = (sb >> 16) & 0x7F
-    e_s = ((sb >> 23) & 0xFF) - 127
-    t = jnp.take(table, j, mode="clip")
-    tb = jax.lax.bitcast_convert_type(t, jnp.int32)
-    pb = jax.lax.bitcast_convert_type(jnp.take(table_p, j, mode="clip"), jnp.int32)
-    p = s * dec
-    p_exp = (jax.lax.bitcast_convert_type(p, jnp.int32) >> 23) & 0xFF
-    out_exp = ((tb >> 23) & 0xFF) - e_s
+    shift = ((sb >> 23) & 0xFF) - 127 + d_shift  # E + D
+    tb = jax.lax.bitcast_convert_type(jnp.take(table, j, mode="clip"), i32)
+    pb = jax.lax.bitcast_convert_type(jnp.take(table_p, j, mode="clip"), i32)
 
     def normal(field):
         return (field > 0) & (field < 255)
 
-    ok = ((sb & 0xFFFF) == 0) & (sb > 0) & normal((sb >> 23) & 0xFF) & normal(p_exp)
-    ok = ok & normal((pb >> 23) & 0xFF) & normal((tb >> 23) & 0xFF) & normal(out_exp)
-    fast = jax.lax.bitcast_convert_type(tb - (e_s << 23), jnp.float32)
-    return jnp.where(ok, fast, jnp.float32(1.0) / p)
+    ok = ((sb & 0xFFFF) == 0) & (sb > 0) & normal((sb >> 23) & 0xFF) & normal(d_exp)
+    ok = ok & normal(((pb >> 23) & 0xFF) + shift) & normal(((tb >> 23) & 0xFF) - shift)
+    fast = jax.lax.bitcast_convert_type(tb - (shift << 23), jnp.float32)
+    return jnp.where(ok, fast, jnp.float32(1.0) / (s * dec))
 
 
 def round_to_grid(v: jax.Array, grid: FloatGrid, mode: str = "nearest") -> jax.Array:
