@@ -376,6 +376,8 @@ def main():
         bench_quantize3(copy_gbps)
     if "dotkern" in which:
         bench_dot_kernels()
+    if "dotkern1" in which:  # 8192^3 only
+        bench_dot_kernels(shapes=((8192, 8192, 8192),))
     if "decode" in which:
         bench_decode()
     if "gemm" in which:

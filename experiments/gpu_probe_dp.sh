@@ -43,14 +43,13 @@ echo "---- p2 (tail)" >>"$OUT/probe.log"; grep -v hlo_pass_pipeline /tmp/probe/p
 python3 - /tmp/probe/p2.log "$OUT/passes.txt" <<'PY'
 import re, sys
 src, dst = sys.argv[1], sys.argv[2]
-pat = re.compile(r"(\d{10}\.\d{6})|(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)")
+pat = re.compile(r"^[IWEF]\d{4} (\d\d):(\d\d):(\d\d\.\d+)")  # absl: I1122 02:38:18.090002
 rows, prev = [], None
-import datetime as dt
 for line in open(src, errors="replace"):
     m = pat.search(line)
     if not m:
         continue
-    t = float(m.group(1)) if m.group(1) else dt.datetime.fromisoformat(m.group(2)).timestamp()
+    t = int(m.group(1)) * 3600 + int(m.group(2)) * 60 + float(m.group(3))
     if prev is not None:
         rows.append((t - prev[0], prev[1].strip()[:240]))
     prev = (t, line)
