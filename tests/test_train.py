@@ -186,7 +186,7 @@ def test_nan_stops_and_keeps_last_good_checkpoint(text, tmp_path, monkeypatch, c
     args = ["--preset", "micro", "--data", text, "--recipe", "bf16", "--steps", "30",
             "--lr", "0.01", "--warmup-steps", "3", "--batch-size", "8", "--seq-len", "64",
             "--eval-batches", "2", "--eval-every", "0", "--checkpoint-every", "4",
-            "--out", str(tmp_path / "cli"), "--no-progress"]
+            "--out", str(tmp_path / "cli"), "--no-progress", "--compile-cache", "off"]
     capsys.readouterr()
     assert T.main(args) == 1
     err = capsys.readouterr().err
@@ -202,9 +202,29 @@ def test_nan_stops_and_keeps_last_good_checkpoint(text, tmp_path, monkeypatch, c
 ])
 def test_cli_bad_input(args, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        T.main([*args, "--out", str(tmp_path), "--no-progress"])
+        T.main([*args, "--out", str(tmp_path), "--no-progress", "--compile-cache", "off"])
     assert e.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_cli_persistent_compile_cache(tmp_path):
+    """``--compile-cache DIR`` fills DIR with compiled executables (a second run of the same
+    configuration then skips XLA compilation); in a subprocess, since JAX's cache setting
+    is process-wide."""
+    import subprocess
+    import sys
+
+    text = tmp_path / "t.txt"
+    text.write_text("to be or not to be, that is the question. " * 400)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    cmd = [sys.executable, "-m", "experiments.train", "--preset", "micro", "--data", str(text),
+           "--recipe", "nvfp4", "--steps", "2", "--batch-size", "4", "--seq-len", "32",
+           "--eval-every", "0", "--no-progress", "--out", str(tmp_path / "run"),
+           "--compile-cache", str(tmp_path / "xla")]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert any("jit_step" in p.name for p in (tmp_path / "xla").iterdir())
 
 
 def test_schedules():
