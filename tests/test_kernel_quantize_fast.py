@@ -27,14 +27,8 @@ fp4jax = pytest.importorskip("fp4jax")
 from pallas_kernels import dispatch  # noqa: E402
 from pallas_kernels import quantize_nvfp4_sm90 as qk  # noqa: E402
 from pallas_kernels import reference as npref  # noqa: E402
+from tests.interpret import InterpretGPUParams, needs_interpret  # noqa: E402
 
-try:
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-except ImportError:  # pragma: no cover
-    InterpretGPUParams = None
-
-needs_interpret = pytest.mark.skipif(InterpretGPUParams is None,
-                                     reason="no Mosaic GPU interpret mode")
 F32_MAX = np.finfo(np.float32).max
 TINY = np.finfo(np.float32).tiny
 

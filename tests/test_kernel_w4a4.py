@@ -27,14 +27,7 @@ fp4jax = pytest.importorskip("fp4jax")
 from pallas_kernels import dispatch  # noqa: E402
 from pallas_kernels import fp4_gemm_w4a4_sm90 as w4  # noqa: E402
 from pallas_kernels import reference as npref  # noqa: E402
-
-try:
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-except ImportError:  # pragma: no cover
-    InterpretGPUParams = None
-
-needs_interpret = pytest.mark.skipif(InterpretGPUParams is None,
-                                     reason="no Mosaic GPU interpret mode")
+from tests.interpret import InterpretGPUParams, needs_interpret  # noqa: E402
 
 
 def _operands(m, k, n, seed, block_2d=False, special=False):
