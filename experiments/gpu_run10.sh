@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One nvidia-h200 call: A/B of the GPU compile time of the small NVFP4 training step, the
-# session's core numerics (B: table reciprocal recip_scaled_rn + NaN-safe block_amax) against
-# the previous formulas patched back in (A: per-element div_rn + plain max), compiled at the
-# same time on the same machine (equal contention).   OUT=<dir> bash experiments/gpu_run10.sh
+# NaN-safe block_amax (B) against the previous plain max patched back in (A), compiled at the
+# same time on the same machine (equal contention). A also patches element_encode_scale to
+# per-element div_rn, which at the commit this ran (9c51a6f) was what B used too: the table
+# reciprocal (numerics.recip_scaled_rn) was wired into the quantizer only later.   OUT=<dir> bash experiments/gpu_run10.sh
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:?set OUT}

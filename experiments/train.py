@@ -97,6 +97,7 @@ class TrainConfig:
     progress: bool = True
     compare: str | None = None
     resume_override: str | None = None
+    scan_layers: bool = False
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
@@ -113,6 +114,8 @@ def model_config(cfg: TrainConfig) -> LlamaConfig:
         changes["ffn"] = cfg.ffn
     if cfg.dtype is not None:
         changes["dtype"] = cfg.dtype
+    if cfg.scan_layers:
+        changes["scan_layers"] = True
     return mc.replace(**changes)
 
 
@@ -257,8 +260,10 @@ class Checkpointer:
 def config_diff(saved: dict, current: dict) -> list[str]:
     """Keys (outside ``RESUMABLE_KEYS``) whose values differ, as ``key: saved -> current``."""
     keys = sorted((set(saved) | set(current)) - RESUMABLE_KEYS)
-    return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys
-            if saved.get(k) != current.get(k)]
+    # a key absent from an older checkpoint's config had its default value then
+    default = dataclasses.asdict(TrainConfig())
+    return [f"{k}: {saved.get(k, default.get(k))!r} -> {current.get(k)!r}" for k in keys
+            if saved.get(k, default.get(k)) != current.get(k)]
 
 
 # ----------------------------------------------------------------------------- training
@@ -707,13 +712,16 @@ def build_parser() -> argparse.ArgumentParser:
       help=f"with --resume: comma-separated keys allowed to change ({', '.join(OVERRIDABLE_KEYS)})")
     a("--stop-at", type=int, default=None, help="stop after this step (schedule unchanged)")
     a("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    a("--scan-layers", action="store_true",
+      help="compile each run of same-recipe blocks once (flax scan): much faster compiles")
     return p
 
 
-def enable_compile_cache(path: str | None) -> str | None:
-    """Turns on JAX's persistent compilation cache in ``path`` (``"auto"``:
-    ``<fp4jax cache>/xla``, i.e. ``$FP4JAX_CACHE/xla`` or ``~/.cache/fp4jax/xla``;
-    ``"off"``: none). An existing ``JAX_COMPILATION_CACHE_DIR`` is left as it is.
+def enable_compile_cache(path: str | None, data_cache: str | None = None) -> str | None:
+    """Sets JAX's persistent compilation cache for this process: ``"auto"`` uses
+    ``$JAX_COMPILATION_CACHE_DIR`` when set, else ``<fp4jax cache>/xla`` (the run's
+    ``--cache-dir``, ``$FP4JAX_CACHE`` or ``~/.cache/fp4jax``); ``"off"`` disables it;
+    anything else is a directory. A directory that cannot be created only warns.
 
     Why: XLA compiles an NVFP4 training step far slower than a BF16 one (every quantized
     GEMM adds a few hundred elementwise ops): the ``small`` preset's step took ~165 s on
@@ -721,16 +729,31 @@ def enable_compile_cache(path: str | None) -> str | None:
     for BF16, so a re-run of the same configuration should not pay it again.
     Returns the directory in use, or None.
     """
-    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return os.environ["JAX_COMPILATION_CACHE_DIR"]
-    if path is None or path.lower() in ("off", "none", ""):
-        return None
     from fp4jax.data import cache_dir
 
-    d = cache_dir() / "xla" if path == "auto" else Path(path).expanduser()
-    d.mkdir(parents=True, exist_ok=True)
+    mode = (path or "off").strip()
+    if mode.lower() in ("off", "none", ""):
+        jax.config.update("jax_compilation_cache_dir", None)
+        return None
+    if mode.lower() == "auto":
+        if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+            return os.environ["JAX_COMPILATION_CACHE_DIR"]
+        d = cache_dir(data_cache) / "xla"
+    else:
+        d = Path(mode).expanduser()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"fp4jax-train: no compilation cache ({e})", file=sys.stderr)
+        return None
     jax.config.update("jax_compilation_cache_dir", str(d))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.0)
+    try:  # bounded (LRU eviction): JAX needs the optional `filelock` package for it
+        import filelock  # noqa: F401
+
+        jax.config.update("jax_compilation_cache_max_size", 4 * 2**30)
+    except (ImportError, AttributeError, KeyError, ValueError):
+        pass  # unbounded: delete the directory to clear it
     return str(d)
 
 
@@ -741,7 +764,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="persistent XLA compilation cache directory ('auto': "
                         "$FP4JAX_CACHE/xla or ~/.cache/fp4jax/xla; 'off': none)")
     args = vars(p.parse_args(argv))
-    enable_compile_cache(args.pop("compile_cache"))
+    enable_compile_cache(args.pop("compile_cache"), args.get("cache_dir"))
     cfg = TrainConfig(**args)
     try:
         get_preset(cfg.preset)

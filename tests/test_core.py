@@ -331,7 +331,9 @@ def _grid_scales() -> np.ndarray:
     e8m0 = np.exp2(np.arange(-126, 128)).astype(np.float32)
     r = np.random.default_rng(11)
     bits = ((r.integers(1, 255, 4000) << 23) | (r.integers(0, 128, 4000) << 16))
-    return np.concatenate([e4m3, e8m0, bits.astype(np.int32).view(np.float32)])
+    grid = np.concatenate([e4m3, e8m0, bits.astype(np.int32).view(np.float32)])
+    sub = np.float32([2.0**-127, 3 * 2.0**-130])  # float32 subnormals (E8M0's 2^-127)
+    return np.concatenate([grid, -grid[::7], sub])
 
 
 def test_recip_scaled_rn_equals_div_rn():
@@ -357,20 +359,24 @@ def test_recip_scaled_rn_equals_div_rn():
             p = s * d  # numpy float32: IEEE, no flush
             want = np.float32(1) / p
         normal = (np.abs(p) >= np.finfo(np.float32).tiny) & np.isfinite(p)
-        # XLA:CPU flushes subnormal inputs (dec) to zero; NumPy does not: compare those
+        # XLA:CPU flushes subnormal inputs (s, dec) to zero; NumPy does not: compare those
         # against XLA's own div_rn only (above)
-        normal &= abs(d) >= np.finfo(np.float32).tiny
-        normal &= (want >= np.finfo(np.float32).tiny) & np.isfinite(want)
+        normal &= (abs(d) >= np.finfo(np.float32).tiny) & (np.abs(s) >= np.finfo(np.float32).tiny)
+        normal &= (np.abs(want) >= np.finfo(np.float32).tiny) & np.isfinite(want)
         np.testing.assert_array_equal(got[normal].view(np.int32), want[normal].view(np.int32))
         np.testing.assert_array_equal(
             got[normal].view(np.int32),
             np.asarray(gpu_path(s, jnp.float32(d)))[normal].view(np.int32))
         checked += int(normal.sum())
     assert checked > 0.6 * s.size * decs.size  # the rest: p or 1/p outside the normal range
-    # zero, NaN, Inf scales: as 1 / (s * dec)
+    # zero, NaN, Inf scales and decode scales: as 1 / (s * dec)
     odd = jnp.asarray([0.0, np.nan, np.inf], jnp.float32)
     got = np.asarray(fn(odd, jnp.float32(0.5)))
     assert got[0] == np.inf and np.isnan(got[1]) and got[2] == 0.0
+    for d in (np.nan, np.inf, 0.0):
+        got = np.asarray(fn(jnp.asarray(s[:50]), jnp.float32(d)))
+        np.testing.assert_array_equal(got.view(np.int32),
+                                      np.asarray(ref(s[:50], jnp.float32(d))).view(np.int32))
 
 
 @pytest.mark.parametrize("block_2d", [False, True])

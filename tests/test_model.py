@@ -63,3 +63,39 @@ def test_presets_and_errors():
     model = Llama(CFG, PrecisionPolicy(RTN))
     with pytest.raises(ValueError, match="max_seq_len"):
         model.init(jax.random.key(0), jnp.zeros((1, 65), jnp.int32))
+
+
+def test_scan_layers_is_the_same_function():
+    """``scan_layers`` stacks each run of same-recipe blocks (here blocks 1-3 in NVFP4,
+    blocks 0 and 4 in BF16) under one flax scan; with the unrolled model's weights moved
+    into that layout it computes the same logits, and its NVFP4 forward quantizes the
+    same weights (no stochastic rounding in fprop)."""
+    cfg = LlamaConfig(d_model=64, n_layers=5, n_heads=2, n_kv_heads=1, d_ff=128,
+                      dtype="float32")
+    pol = PrecisionPolicy(fp4jax.recipes.nvfp4(), first_high_precision=1,
+                          last_high_precision=1)
+    tok = jax.random.randint(jax.random.key(1), (2, 32), 0, 256)
+    m0, m1 = Llama(cfg, pol), Llama(cfg.replace(scan_layers=True), pol)
+    p0 = m0.init(jax.random.key(0), tok)["params"]
+    p1 = m1.init(jax.random.key(0), tok)["params"]
+    assert sorted(p1) == ["block_0", "block_4", "blocks_1_3", "embed", "final_norm", "lm_head"]
+    assert p1["blocks_1_3"]["block"]["q"]["kernel"].shape == (3, 64, 64)
+    # the scanned blocks get different initial weights (split RNGs)
+    k = p1["blocks_1_3"]["block"]["q"]["kernel"]
+    assert not np.allclose(k[0], k[1])
+    moved = dict(p0)
+    for i in (1, 2, 3):
+        del moved[f"block_{i}"]
+    moved["blocks_1_3"] = {"block": jax.tree.map(lambda *a: jnp.stack(a),
+                                                 *[p0[f"block_{i}"] for i in (1, 2, 3)])}
+    key = jax.random.key(3)
+    want = m0.apply({"params": p0}, tok, rngs={"fp4": key})
+    got = m1.apply({"params": moved}, tok, rngs={"fp4": key})
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    # gradients flow into every scanned block, and SR keys differ per scanned block
+    g = jax.grad(lambda p: m1.apply({"params": p}, tok, rngs={"fp4": key}).sum())(moved)
+    gk = g["blocks_1_3"]["block"]["up"]["kernel"]
+    assert all(float(jnp.abs(gk[i]).sum()) > 0 for i in range(3))
+    # a policy with every block in one recipe scans all of them
+    m2 = Llama(cfg.replace(scan_layers=True), PrecisionPolicy(fp4jax.recipes.nvfp4()))
+    assert "blocks_0_4" in m2.init(jax.random.key(0), tok)["params"]

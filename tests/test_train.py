@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -101,6 +102,18 @@ def test_resume_is_exact_and_refuses_changed_config(text, tmp_path):
         T.train(_cfg(text, out_b, resume=True, lr=1e-3, seed=1))
     with pytest.raises(ValueError, match="no checkpoint"):
         T.train(_cfg(text, tmp_path / "c", resume=True))
+
+
+def test_scan_layers_trains_and_old_configs_resume(text, tmp_path):
+    """``--scan-layers`` trains (NVFP4, stochastic rounding inside the scan) with a falling
+    loss; a checkpoint config written before the key existed counts as its default."""
+    r = T.train(_cfg(text, tmp_path, scan_layers=True, first_bf16=0, last_bf16=0, stop_at=20))
+    loss = r["history"]["loss"]
+    assert np.isfinite(loss).all() and np.mean(loss[-5:]) < np.mean(loss[:5])
+    cfg = dataclasses.asdict(_cfg(text, tmp_path))
+    old = {k: v for k, v in cfg.items() if k != "scan_layers"}
+    assert T.config_diff(old, cfg) == []
+    assert T.config_diff(old, {**cfg, "scan_layers": True}) == ["scan_layers: False -> True"]
 
 
 def test_sharded_four_devices_matches_one(text, tmp_path):

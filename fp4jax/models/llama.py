@@ -45,6 +45,11 @@ class LlamaConfig:
       norm_eps: RMSNorm epsilon.
       dtype: compute dtype name (``"bfloat16"`` or ``"float32"``).
       init_std: std of the normal init; output projections use ``init_std/sqrt(2*n_layers)``.
+      scan_layers: run each maximal run of consecutive blocks that share their recipes
+        as one ``flax.linen.scan`` (parameters stacked along a leading axis, in
+        ``blocks_{first}_{last}``), so XLA compiles one block body per run instead of one
+        per block. Same function, fewer compiles; parameter tree and random draws
+        (init, stochastic rounding keys) differ from the unrolled model.
     """
 
     vocab_size: int = 256
@@ -59,6 +64,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     dtype: str = "bfloat16"
     init_std: float = 0.02
+    scan_layers: bool = False
 
     def __post_init__(self) -> None:
         if self.ffn not in ("relu2", "swiglu"):
@@ -187,6 +193,17 @@ class Block(nn.Module):
         return x
 
 
+class _ScanBlock(nn.Module):
+    """``Block`` as a ``flax.linen.scan`` body: ``(x, positions) -> (x, None)``."""
+
+    cfg: LlamaConfig
+    recipes: tuple[tuple[str, Any], ...]
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
+        return Block(self.cfg, self.recipes, name="block")(x, positions), None
+
+
 class Llama(nn.Module):
     """The decoder. ``__call__(tokens (B, T) int32) -> logits (B, T, vocab) float32``.
 
@@ -217,11 +234,24 @@ class Llama(nn.Module):
         x = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, name="embed")(tokens)
         x = x.astype(cfg.dtype)
         positions = jnp.arange(T)
-        for i in range(cfg.n_layers):
-            recipes = tuple(
-                (name, self.policy.recipe_for(i, cfg.n_layers, name)) for name in cfg.linear_layers
-            )
-            x = Block(cfg, recipes, name=f"block_{i}")(x, positions)
+        recipes = [
+            tuple((name, self.policy.recipe_for(i, cfg.n_layers, name))
+                  for name in cfg.linear_layers)
+            for i in range(cfg.n_layers)
+        ]
+        i = 0
+        while i < cfg.n_layers:
+            j = i + 1  # [i, j): a run of blocks with the same recipes
+            while cfg.scan_layers and j < cfg.n_layers and recipes[j] == recipes[i]:
+                j += 1
+            if j - i > 1:
+                scanned = nn.scan(_ScanBlock, variable_axes={"params": 0},
+                                  split_rngs={"params": True, "fp4": True},
+                                  in_axes=nn.broadcast, length=j - i)
+                x, _ = scanned(cfg, recipes[i], name=f"blocks_{i}_{j - 1}")(x, positions)
+            else:
+                x = Block(cfg, recipes[i], name=f"block_{i}")(x, positions)
+            i = j
         x = RMSNorm(cfg.norm_eps, cfg.dtype, name="final_norm")(x)
         logits = nn.Dense(
             cfg.vocab_size, use_bias=False, dtype=cfg.dtype, kernel_init=init, name="lm_head"
