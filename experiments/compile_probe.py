@@ -42,14 +42,9 @@ def probe(cfg: T.TrainConfig) -> dict:
     tx = T.make_optimizer(cfg)
     root = jax.random.key(cfg.seed)
 
-    def init_state():
-        x0 = jnp.zeros((1, seq_len), jnp.int32)
-        params = model.init(jax.random.fold_in(root, 0), x0)["params"]
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
-
     repl = NamedSharding(mesh, P())
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=repl),
-                         jax.eval_shape(init_state))
+                         jax.eval_shape(T.make_init_state(model, tx, cfg)))
     batch = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32,
                                  sharding=NamedSharding(mesh, P("data")))
     step = T.make_train_step(model, tx, jax.random.fold_in(root, 1), mesh)

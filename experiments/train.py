@@ -196,6 +196,19 @@ def _global_norm(tree: Any) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
+def make_init_state(model: Llama, tx: optax.GradientTransformation,
+                    cfg: TrainConfig) -> Callable[[], dict]:
+    """``init() -> {"step", "params", "opt_state"}``: parameters from ``fold_in(seed, 0)``."""
+
+    def init_state():
+        x0 = jnp.zeros((1, cfg.seq_len), jnp.int32)
+        params = model.init(jax.random.fold_in(jax.random.key(cfg.seed), 0), x0)["params"]
+        return {"step": jnp.zeros((), jnp.int32), "params": params,
+                "opt_state": tx.init(params)}
+
+    return init_state
+
+
 def make_train_step(model: Llama, tx: optax.GradientTransformation, base_key: jax.Array,
                     mesh: Mesh) -> Callable:
     """A jit-compiled ``step(state, batch) -> (state, metrics)``; state stays replicated."""
@@ -378,13 +391,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     sr_key = jax.random.fold_in(root, 1)
     repl, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 
-    def init_state():
-        params = model.init(jax.random.fold_in(root, 0), jnp.zeros((1, cfg.seq_len), jnp.int32))
-        params = params["params"]
-        return {"step": jnp.zeros((), jnp.int32), "params": params,
-                "opt_state": tx.init(params)}
-
-    state = jax.jit(init_state, out_shardings=repl)()
+    state = jax.jit(make_init_state(model, tx, cfg), out_shardings=repl)()
     n_params = sum(int(x.size) for x in jax.tree.leaves(state["params"]))
     cfg_dict = dataclasses.asdict(cfg)
     try:

@@ -44,6 +44,22 @@ def e2m1_codes(v: np.ndarray) -> np.ndarray:
     return q.view(np.uint8) & 0xF
 
 
+def _block_scales(amax: np.ndarray, enc, dec):
+    """E4M3 block scales and element encode scales from block (or tile) amaxes, in
+    Transformer Engine's float32 order (``core_nvfp4.cuh``): ``s = e4m3(min(amax *
+    (enc/6), 448))`` (NaN for a NaN/Inf block), ``e = min(1 / (f32(s) * dec), FLT_MAX)``,
+    0 where ``s == 0``. Returns (s float8_e4m3fn, e float32)."""
+    enc6 = F32(enc * F32(1.0 / 6.0))
+    with np.errstate(invalid="ignore", over="ignore"):
+        s_f = np.minimum(amax * enc6, F32(448.0))
+    s_f = np.where(np.isfinite(amax), s_f, F32(np.nan))  # NaN/Inf block -> NaN scale
+    s = s_f.astype(ml_dtypes.float8_e4m3fn)
+    s32 = s.astype(np.float32)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        e = np.minimum(F32(1) / (s32 * dec), FLT_MAX).astype(np.float32)
+    return s, np.where(s32 == 0, F32(0), e)
+
+
 def quantize_nvfp4_1x16(x: np.ndarray, enc=None, dec=None):
     """Reference 1x16 NVFP4 quantization along the last axis (len % 16 == 0).
 
@@ -58,15 +74,7 @@ def quantize_nvfp4_1x16(x: np.ndarray, enc=None, dec=None):
     xb = x.reshape(*x.shape[:-1], c // 16, 16)
     with np.errstate(invalid="ignore"):
         amax_b = np.max(np.abs(xb), axis=-1)
-    enc6 = F32(enc * F32(1.0 / 6.0))
-    with np.errstate(invalid="ignore", over="ignore"):
-        s_f = np.minimum(amax_b * enc6, F32(448.0))
-    s_f = np.where(np.isfinite(amax_b), s_f, F32(np.nan))  # NaN/Inf block -> NaN scale
-    s = s_f.astype(ml_dtypes.float8_e4m3fn)
-    s32 = s.astype(np.float32)
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        e = np.minimum(F32(1) / (s32 * dec), FLT_MAX).astype(np.float32)
-    e = np.where(s32 == 0, F32(0), e)
+    s, e = _block_scales(amax_b, enc, dec)
     with np.errstate(invalid="ignore", over="ignore"):
         v = xb * e[..., None]
     codes = e2m1_codes(v).reshape(x.shape)
@@ -115,15 +123,7 @@ def quantize_nvfp4_16x16(x: np.ndarray, enc=None, dec=None):
     tiles = x.reshape(r // 16, 16, c // 16, 16)
     with np.errstate(invalid="ignore"):
         amax_t = np.max(np.abs(tiles), axis=(1, 3))  # (R/16, C/16)
-    enc6 = F32(enc * F32(1.0 / 6.0))
-    with np.errstate(invalid="ignore", over="ignore"):
-        s_f = np.minimum(amax_t * enc6, F32(448.0))
-    s_f = np.where(np.isfinite(amax_t), s_f, F32(np.nan))
-    s = s_f.astype(ml_dtypes.float8_e4m3fn)
-    s32 = s.astype(np.float32)
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        e = np.minimum(F32(1) / (s32 * dec), FLT_MAX).astype(np.float32)
-    e = np.where(s32 == 0, F32(0), e)
+    s, e = _block_scales(amax_t, enc, dec)
     with np.errstate(invalid="ignore", over="ignore"):
         v = tiles * e[:, None, :, None]
     codes = e2m1_codes(v).reshape(r, c)
