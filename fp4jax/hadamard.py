@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["TE_SIGN_VECTOR", "default_signs", "hadamard_matrix", "random_hadamard_transform",
-           "resolve_signs"]
+__all__ = ["TE_SIGN_VECTOR", "default_signs", "fwht_tiles", "hadamard_matrix",
+           "random_hadamard_transform", "resolve_signs"]
 
 TE_SIGN_VECTOR = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 """Transformer Engine's fixed Wgrad sign vector (``get_wgrad_sign_vector`` in
@@ -90,7 +90,8 @@ def random_hadamard_transform(
     """Rotate every tile of ``size`` along ``axis``: ``v -> v @ (diag(signs) @ H / sqrt(size))``.
 
     This is Transformer Engine's RHT (``get_rht_matrix``: sign matrix times the
-    normalized Hadamard matrix, applied to row vectors), computed in float32.
+    normalized Hadamard matrix, applied to row vectors), computed in float32 as
+    ``fwht_tiles(v * signs)`` (a butterfly with a fixed addition order).
     The matrix is orthogonal, so ``rht(a, 0) .T @ rht(b, 0) == a.T @ b`` up to
     float32 rounding, and its inverse is its transpose.
 
@@ -124,8 +125,33 @@ def random_hadamard_transform(
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _rht_jit(x: jax.Array, signs: jax.Array, axis: int, size: int) -> jax.Array:
     n = x.shape[axis]
-    mat = signs[:, None] * jnp.asarray(hadamard_matrix(size), jnp.float32)
-    xm = jnp.moveaxis(x, axis, -1)
-    tiles = xm.reshape(*xm.shape[:-1], n // size, size)
-    y = jnp.matmul(tiles, mat, precision=jax.lax.Precision.HIGHEST)
-    return jnp.moveaxis(y.reshape(xm.shape), -1, axis)
+    pre, post = x.shape[:axis], x.shape[axis + 1:]
+    tiles = x.reshape(*pre, n // size, size, *post)
+    sb = signs.reshape((size,) + (1,) * len(post))
+    return fwht_tiles(tiles * sb, len(pre) + 1, size).reshape(x.shape)
+
+
+def fwht_tiles(v: jax.Array, axis: int, size: int) -> jax.Array:
+    """``H_size @ v / sqrt(size)`` along ``axis`` (of length ``size``) by the fast
+    Walsh-Hadamard butterfly, in float32: the rule for how fp4jax's RHT rounds.
+
+    ``log2(size)`` stages; stage ``h = 1, 2, 4, ...`` replaces each pair ``(a, b) =
+    (v[i], v[i + h])`` (``i mod 2h < h``) by ``(a + b, a - b)``, which yields the
+    Sylvester-ordered ``H @ v``; the result is then multiplied by ``f32(1/sqrt(size))``
+    (exact, 1/4, for the recipe's size 16). This fixes the order of every float32
+    addition, so the XLA path and the Pallas kernels (``pallas_kernels/
+    fakequant_nvfp4_sm90.py``, which runs the same stages on register arrays) give the
+    same bits; a matrix product would leave the summation order to the backend.
+    Transformer Engine applies the same matrix with a tensor-core MMA
+    (``hadamard_transform_cast_fusion.cu``), whose rounding is unspecified.
+    """
+    shape = v.shape
+    pre, post = shape[:axis], shape[axis + 1:]
+    h = 1
+    while h < size:
+        t = v.reshape(*pre, size // (2 * h), 2, h, *post)
+        a = jax.lax.index_in_dim(t, 0, len(pre) + 1, keepdims=False)
+        b = jax.lax.index_in_dim(t, 1, len(pre) + 1, keepdims=False)
+        v = jnp.stack([a + b, a - b], axis=len(pre) + 1).reshape(shape)
+        h *= 2
+    return v * jnp.float32(1.0 / np.sqrt(size))

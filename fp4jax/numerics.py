@@ -38,6 +38,8 @@ __all__ = [
     "recip_scaled_rn",
     "stochastic_round_to_grid",
     "uniform_from_key",
+    "threefry2x32",
+    "threefry_bits_at",
 ]
 
 
@@ -316,9 +318,64 @@ def round_to_grid(v: jax.Array, grid: FloatGrid, mode: str = "nearest") -> jax.A
 
 
 def uniform_from_key(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Uniform float32 in [0, 1) on a 2**-24 lattice, from 32 random bits per element."""
+    """Uniform float32 in [0, 1) on a 2**-24 lattice, from 32 random bits per element.
+
+    The bits are ``jax.random.bits(key, shape, uint32)``; for threefry keys (JAX's
+    default, with ``jax_threefry_partitionable`` on, the default since JAX 0.5) element
+    ``i`` (row-major) gets ``threefry_bits_at(key_data, i)``, which is how the Pallas
+    kernels make the same bits without reading them from memory.
+    """
     bits = jax.random.bits(key, shape, jnp.uint32)
     return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+_THREEFRY_ROT = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def _rotl32(v: jax.Array, r: int) -> jax.Array:
+    dt = jnp.result_type(v)
+    return jax.lax.shift_left(v, jnp.asarray(r, dt)) | jax.lax.shift_right_logical(
+        v, jnp.asarray(32 - r, dt))
+
+
+def threefry2x32(k1, k2, x0, x1):
+    """The Threefry-2x32 block cipher with 20 rounds (Salmon et al., SC'11), as
+    ``jax._src.random.threefry2x32`` (``_threefry2x32_lowering``) computes it.
+
+    Pure 32-bit integer adds, rotations and xors, elementwise over broadcastable
+    arrays; works on ``uint32`` or ``int32`` (two's-complement wrap-around gives the same
+    bits), so the Pallas kernels run this very function on register arrays.
+
+    Args:
+      k1, k2: the two key words. x0, x1: the two counter words.
+    Returns:
+      the two output words ``(y0, y1)``.
+    """
+    ks = (k1, k2, k1 ^ k2 ^ jnp.asarray(0x1BD11BDA, jnp.result_type(k1)))
+    x0 = x0 + ks[0]
+    x1 = x1 + ks[1]
+    for i in range(5):
+        for r in _THREEFRY_ROT[i % 2]:
+            x0 = x0 + x1
+            x1 = _rotl32(x1, r)
+            x1 = x0 ^ x1
+        x0 = x0 + ks[(i + 1) % 3]
+        x1 = x1 + ks[(i + 2) % 3] + (i + 1)
+    return x0, x1
+
+
+def threefry_bits_at(k1, k2, index):
+    """The 32 random bits that ``jax.random.bits(key, shape, jnp.uint32)`` gives the
+    element of row-major linear index ``index`` (< 2**32), for a threefry key with key
+    words ``(k1, k2) = jax.random.key_data(key)``, under ``jax_threefry_partitionable``.
+
+    Rule (``jax._src.random.threefry2x32._threefry_random_bits_partitionable``): the
+    counter is the 64-bit linear index split into (high, low) words, and the bits are
+    the xor of the two Threefry outputs. ``index`` is the low word (the high word is 0).
+    """
+    zero = index - index
+    y0, y1 = threefry2x32(k1, k2, zero, index)
+    return y0 ^ y1
 
 
 def stochastic_round_to_grid(v: jax.Array, grid: FloatGrid, u: jax.Array) -> jax.Array:

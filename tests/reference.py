@@ -180,3 +180,39 @@ def ref_hadamard(size: int) -> np.ndarray:
     i = np.arange(size)
     bits = np.vectorize(lambda v: bin(v).count("1"))(i[:, None] & i[None, :])
     return ((-1.0) ** bits) / np.sqrt(size)
+
+
+def ref_fwht_f32(v: np.ndarray, size: int) -> np.ndarray:
+    """fp4jax's RHT rounding rule, independently: the in-place fast Walsh-Hadamard
+    butterfly over the last axis (tiles of ``size``), one np.float32 add/sub at a time,
+    then times f32(1/sqrt(size))."""
+    v = np.array(v, dtype=F32).reshape(-1, size).copy()
+    h = 1
+    while h < size:
+        for i in range(0, size, 2 * h):
+            for j in range(i, i + h):
+                a, b = v[:, j].copy(), v[:, j + h].copy()
+                v[:, j], v[:, j + h] = a + b, a - b
+        h *= 2
+    return v * F32(1.0 / np.sqrt(size))
+
+
+def ref_threefry_bits(k1: int, k2: int, n: int) -> np.ndarray:
+    """``jax.random.bits(key, (n,), uint32)`` for a threefry key with words (k1, k2), from
+    the Threefry-2x32 definition (Salmon et al. 2011, 20 rounds; Random123's key schedule
+    and rotation constants) and JAX's partitionable counter layout (counter = (0, i),
+    bits = y0 ^ y1), in NumPy uint32 arithmetic."""
+    m = np.uint32(0xFFFFFFFF)
+    rot = [(13, 15, 26, 6), (17, 29, 16, 24)]
+    ks = [np.uint32(k1), np.uint32(k2), np.uint32(k1) ^ np.uint32(k2) ^ np.uint32(0x1BD11BDA)]
+    x0 = np.zeros(n, np.uint32) + ks[0]
+    x1 = np.arange(n, dtype=np.uint32) + ks[1]
+    with np.errstate(over="ignore"):
+        for i in range(5):
+            for r in rot[i % 2]:
+                x0 = (x0 + x1) & m
+                x1 = ((x1 << np.uint32(r)) | (x1 >> np.uint32(32 - r))) & m
+                x1 = x0 ^ x1
+            x0 = x0 + ks[(i + 1) % 3]
+            x1 = x1 + ks[(i + 2) % 3] + np.uint32(i + 1)
+    return x0 ^ x1

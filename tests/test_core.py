@@ -225,6 +225,28 @@ def _sr_draws(x, n_keys, fmt=fp4jax.NVFP4):
     return np.asarray(f(keys))
 
 
+@pytest.mark.parametrize("seed", [0, 7, 2**31 + 5])
+def test_threefry_bits_at_equals_jax_random_bits_and_numpy(seed):
+    """The counter-based bits the SR kernels compute in registers are jax.random.bits'
+    (and an independent NumPy Threefry's), in uint32 and in int32 arithmetic."""
+    from fp4jax import numerics as nm
+
+    if not jax.config.jax_threefry_partitionable:
+        pytest.skip("needs jax_threefry_partitionable (the default)")
+    key = jax.random.fold_in(jax.random.key(seed), 5)
+    k1, k2 = (int(v) for v in np.asarray(jax.random.key_data(key)))
+    shape = (3, 40, 16)
+    n = int(np.prod(shape))
+    want = np.asarray(jax.random.bits(key, shape, jnp.uint32)).reshape(-1)
+    np.testing.assert_array_equal(want, ref.ref_threefry_bits(k1, k2, n))
+    idx = jnp.arange(n, dtype=jnp.uint32)
+    got = nm.threefry_bits_at(jnp.uint32(k1), jnp.uint32(k2), idx)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    i32 = lambda v: jax.lax.bitcast_convert_type(jnp.uint32(v), jnp.int32)  # noqa: E731
+    got32 = nm.threefry_bits_at(i32(k1), i32(k2), idx.astype(jnp.int32))
+    np.testing.assert_array_equal(np.asarray(got32).view(np.uint32), want)
+
+
 def test_sr_picks_neighbours_and_is_unbiased():
     x = jnp.asarray(INPUTS["heavy"][:4, :64])
     n = 4000
