@@ -50,23 +50,43 @@ def _subkey(key: jax.Array, gemm: str, which: str) -> jax.Array:
     return jax.random.fold_in(key, _KEY_IDX[(gemm, which)])
 
 
-def kernels_enabled() -> bool:
-    """Whether ``dot`` uses the Pallas Mosaic GPU kernels (``pallas_kernels/``).
-
-    Opt-in: true only when the environment variable ``FP4JAX_KERNELS=on`` (or ``1``/
-    ``pallas``) is set *and* the default device is an sm_90 (Hopper) GPU. It is off by
-    default because, measured on an H200 (``experiments/results/KERNELS.md``, run 3),
-    the kernel path of ``dot`` is not yet faster than XLA's fused path. The setting is
-    part of the trace cache key, so changing it takes effect on the next call. Results
-    are bit-identical either way (the kernels are tested against the reference).
-    """
-    if os.environ.get("FP4JAX_KERNELS", "").lower() not in ("on", "1", "pallas"):
-        return False
+def _on_sm90() -> bool:
     try:
         dev = jax.devices()[0]
     except RuntimeError:
         return False
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+def kernel_mode() -> str:
+    """How ``dot`` runs NVFP4 quantization: ``"on"`` (Pallas Mosaic GPU kernels,
+    ``pallas_kernels/``), ``"off"`` (XLA) or ``"interpret"`` (the kernels in Mosaic GPU
+    interpret mode: for CPU tests only).
+
+    The environment variable ``FP4JAX_KERNELS`` decides: ``off``/``0``/``xla`` force XLA;
+    ``on``/``1``/``pallas`` use the kernels whenever the default device is an sm_90
+    (Hopper) GPU; unset or ``auto`` (the default) use them on an sm_90 GPU when this
+    process sees a single device (a Pallas call inside a multi-device, sharded ``jit`` is
+    not partitioned by XLA, so data-parallel runs keep the XLA path unless forced).
+    Either way the results are the same bits (the kernels are tested against the XLA
+    path). The setting is part of the trace cache key: a change takes effect on the
+    next call of ``dot``.
+    """
+    env = os.environ.get("FP4JAX_KERNELS", "auto").lower()
+    if env in ("off", "0", "xla"):
+        return "off"
+    if env == "interpret":
+        return "interpret"
+    if env in ("on", "1", "pallas"):
+        return "on" if _on_sm90() else "off"
+    if env not in ("", "auto"):
+        raise ValueError(f"FP4JAX_KERNELS={env!r}: use auto, on or off")
+    return "on" if _on_sm90() and jax.device_count() == 1 else "off"
+
+
+def kernels_enabled() -> bool:
+    """Whether ``dot`` uses the Pallas kernels (``kernel_mode() != "off"``)."""
+    return kernel_mode() != "off"
 
 
 def _quant(x: jax.Array, spec: QuantSpec, axis: int, key: jax.Array,
@@ -91,6 +111,16 @@ def _quant(x: jax.Array, spec: QuantSpec, axis: int, key: jax.Array,
                              spec.block_2d, spec.rounding)
 
 
+def _rht_signs(g: GemmSpec, key: jax.Array, gemm: str) -> jax.Array:
+    """The GEMM's RHT sign vector (float32 +-1 of length ``g.hadamard``)."""
+    signs = g.hadamard_signs
+    if signs == "random":
+        signs = _subkey(key, gemm, "rht")
+    elif isinstance(signs, tuple):
+        signs = np.asarray(signs, np.float32)
+    return resolve_signs(signs, g.hadamard)
+
+
 def _rht(x: jax.Array, g: GemmSpec, axis: int, key: jax.Array, gemm: str) -> jax.Array:
     """Zero-pad ``axis`` to the Hadamard size and rotate (no-op when the GEMM has no RHT)."""
     if not g.hadamard:
@@ -100,13 +130,8 @@ def _rht(x: jax.Array, g: GemmSpec, axis: int, key: jax.Array, gemm: str) -> jax
         widths = [(0, 0)] * x.ndim
         widths[axis] = (0, pad)
         x = jnp.pad(x, widths)
-    signs = g.hadamard_signs
-    if signs == "random":
-        signs = _subkey(key, gemm, "rht")
-    elif isinstance(signs, tuple):
-        signs = np.asarray(signs, np.float32)
     return random_hadamard_transform(x, axis=axis, size=g.hadamard,
-                                     signs=resolve_signs(signs, g.hadamard))
+                                     signs=_rht_signs(g, key, gemm))
 
 
 def _bf16_exact(op: Operand) -> bool:
@@ -129,6 +154,12 @@ def _gemm(subscripts: str, a: Operand, b: Operand, precision: Any) -> jax.Array:
 
     av, sa = unpack(a)
     bv, sb = unpack(b)
+    return _einsum_scaled(subscripts, av, bv, sa, sb, precision)
+
+
+def _einsum_scaled(subscripts: str, av: jax.Array, bv: jax.Array, sa: Any, sb: Any,
+                   precision: Any) -> jax.Array:
+    """``einsum(av, bv)`` accumulated in f32, times the tensor decode scales present."""
     y = jnp.einsum(subscripts, av, bv, preferred_element_type=jnp.float32, precision=precision)
     # cuBLAS-style alpha = dec_a * dec_b (NVFP4 paper Eq. 5). Applying the two scales one
     # at a time would avoid the underflow of alpha for two tiny tensors
@@ -140,10 +171,112 @@ def _gemm(subscripts: str, a: Operand, b: Operand, precision: Any) -> jax.Array:
     return y
 
 
+# ---------------------------------------------------------------------------
+# The kernel path: every operand as its bf16 ``data * scale`` (Pallas kernels on sm_90).
+# ---------------------------------------------------------------------------
+
+
+def _scaled_path_applies(recipe: Recipe) -> bool:
+    """The kernel path covers recipes whose six operands are all NVFP4."""
+    return all(q.quantized and q.fmt == NVFP4
+               for g in (recipe.fprop, recipe.dgrad, recipe.wgrad) for q in (g.lhs, g.rhs))
+
+
+def _threefry_keys() -> bool:
+    return bool(jax.config.jax_threefry_partitionable)
+
+
+def _kernel_for(x: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: jax.Array):
+    """Which fused kernel makes this operand (``"rows"``, ``"cols"``, ``"2d"``) or None
+    (the XLA path). ``x`` is canonical (B, R, C); ``axis`` 1 or 2 is the blocked axis."""
+    from pallas_kernels import fakequant_nvfp4_sm90 as fq
+
+    if x.shape[0] != 1 or x.dtype != jnp.bfloat16:
+        return None
+    if spec.stochastic and not (_threefry_keys() and "threefry" in str(
+            jax.random.key_impl(key)).lower()):
+        return None
+    mat = x.shape[1:]
+    if spec.block_2d:
+        ok = not g.hadamard and not spec.stochastic and fq.supported_2d(mat, x.dtype)
+        return "2d" if ok else None
+    if axis == 2:
+        return "rows" if not g.hadamard and fq.supported_rows(mat, x.dtype) else None
+    return "cols" if g.hadamard in (0, 16) and fq.supported_cols(mat, x.dtype) else None
+
+
+def _scaled_operand(x: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: jax.Array,
+                    gemm: str, which: str, kmode: str) -> tuple[jax.Array, jax.Array]:
+    """One operand as ``(scaled_data(Q(x)) in bf16, tensor decode scale)``: from a fused
+    kernel when one covers it, else from the XLA path (the same bits either way)."""
+    kind = _kernel_for(x, g, spec, axis, key)
+    if kind is None:
+        q = _quant(_rht(x, g, axis, key, gemm), spec, axis, _subkey(key, gemm, which))
+        return qz.scaled_data(q, jnp.bfloat16), q.global_scale
+    from pallas_kernels import fakequant_nvfp4_sm90 as fq
+
+    kw = {}
+    if kmode == "interpret":  # CPU tests: Mosaic GPU's interpret mode (JAX >= 0.10)
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        kw["interpret"] = InterpretGPUParams()
+    sr_key = _subkey(key, gemm, which) if spec.stochastic else None
+    m = x[0]
+    if kind == "2d":
+        out, dec = fq.fq_2d(m, **kw)
+    elif kind == "rows":
+        out, dec = fq.fq_rows(m, sr_key, **kw)
+    else:
+        signs = _rht_signs(g, key, gemm) if g.hadamard else None
+        out, dec = fq.fq_cols(m, sr_key, signs=signs, **kw)
+    return out[None], dec
+
+
+def _make_dot3_scaled(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any,
+                      kmode: str):
+    """The custom_vjp of ``_make_dot3`` for the kernel path: same GEMMs, same bits; the
+    residuals are the bf16 ``data * scale`` operands (as many bytes as the bf16 baseline's
+    ``x`` and ``w``; the XLA path keeps FP4 residuals instead)."""
+    fp, dg, wg = recipe.fprop, recipe.dgrad, recipe.wgrad
+    reuse_w = dg.rhs == fp.rhs and fp.rhs.block_2d and not (fp.hadamard or dg.hadamard)
+    hi = jax.lax.Precision.HIGHEST
+
+    def forward(x, w, key):
+        xs, sx = _scaled_operand(x, fp, fp.lhs, 2, key, "fprop", "lhs", kmode)
+        ws, sw = _scaled_operand(w, fp, fp.rhs, 1, key, "fprop", "rhs", kmode)
+        return _einsum_scaled("bmk,bkn->bmn", xs, ws, sx, sw, hi).astype(out_dtype), (ws, sw)
+
+    @jax.custom_vjp
+    def dot3(x, w, key):
+        return forward(x, w, key)[0]
+
+    def fwd(x, w, key):
+        y, w_res = forward(x, w, key)
+        if not reuse_w:
+            w_res = _scaled_operand(w, dg, dg.rhs, 2, key, "dgrad", "rhs", kmode)
+        x_res = _scaled_operand(x, wg, wg.lhs, 1, key, "wgrad", "lhs", kmode)
+        return y, (w_res, x_res, key)
+
+    def bwd(res, g):
+        (ws, sw), (xs, sx), key = res
+        g = g.astype(jnp.float32) if g.dtype != jnp.bfloat16 else g
+        gs, sg = _scaled_operand(g, dg, dg.lhs, 2, key, "dgrad", "lhs", kmode)
+        dx = _einsum_scaled("bmn,bkn->bmk", gs, ws, sg, sw, hi)
+        gs, sg = _scaled_operand(g, wg, wg.rhs, 1, key, "wgrad", "rhs", kmode)
+        dw = _einsum_scaled("bmk,bmn->bkn", xs, gs, sx, sg, hi)
+        return dx.astype(lhs_dtype), dw.astype(rhs_dtype), None
+
+    dot3.defvjp(fwd, bwd)
+    return jax.jit(dot3)
+
+
 @functools.cache
 def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, precision: Any,
-               use_kernels: bool = False):
+               kmode: str = "off"):
     """The custom_vjp for canonical ``(B, M, K) @ (B, K, N)``, specialized on static args."""
+    if kmode != "off" and _scaled_path_applies(recipe):
+        return _make_dot3_scaled(recipe, out_dtype, lhs_dtype, rhs_dtype, kmode)
+    use_kernels = kmode == "on"
     fp, dg, wg = recipe.fprop, recipe.dgrad, recipe.wgrad
     reuse_w = dg.rhs == fp.rhs and (not fp.rhs.quantized or fp.rhs.block_2d) and not (
         fp.hadamard or dg.hadamard
@@ -270,7 +403,7 @@ def dot_general(
     w3 = jnp.transpose(rhs, list(rb) + list(rc) + rfree).reshape(B, K, N)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
     fn = _make_dot3(recipe, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype),
-                    _hashable_precision(precision), kernels_enabled())
+                    _hashable_precision(precision), kernel_mode())
     y3 = fn(x3, w3, key)
     return y3.reshape(*bshape, *lfshape, *rfshape)
 

@@ -1,0 +1,428 @@
+"""Fused NVFP4 quantize-to-GEMM-operand kernels for Hopper (sm_90), Pallas Mosaic GPU.
+
+Hopper has no FP4 tensor cores, so ``fp4jax.dot`` runs each quantized GEMM as a bf16
+GEMM on ``data * scale`` (E2M1 times its E4M3 block scale: exact in bf16, see
+``fp4jax.quantize.scaled_data``) with the two tensor scales applied to the f32 result.
+These kernels make that bf16 operand in one pass over a bf16 input (read 2 bytes,
+write 2 bytes an element; the tensor amax is a separate XLA reduction), bit-identical
+to ``scaled_data(fp4jax.quantize(...), bfloat16)``:
+
+* ``fq_rows``: 1x16 blocks along the last axis (the fprop ``x`` and the dgrad ``dy``);
+* ``fq_cols``: 16x1 blocks along the first axis, i.e. the token axis of the wgrad
+  operands, optionally after the 16-point random Hadamard transform along that axis
+  (``fp4jax.hadamard.fwht_tiles``: the same butterfly, the same float32 additions), so
+  no transposed copy is ever written: the GEMM contracts the first axis directly;
+* ``fq_2d``: 16x16 tiles (the fprop/dgrad weight).
+
+Each does round-to-nearest-even or stochastic rounding. Stochastic rounding draws its
+32 bits per element in the kernel from the key (``fp4jax.numerics.threefry_bits_at``,
+the counter-based Threefry-2x32 of ``jax.random.bits``), at the element's row-major
+index in the layout the XLA path draws them (``(R, C)`` for rows, ``(C, R)`` for
+cols), so the kernels and the XLA path produce the same bits with no random array in
+memory.
+
+Numerics (each rule is the core's, cited where it is used): block amax, E4M3 block
+scale and element encode scale from ``quantize_nvfp4_sm90`` (TE ``core_nvfp4.cuh``);
+element rounding ``_e2m1_value`` (``fp4jax.numerics.round_to_grid`` /
+``stochastic_round_to_grid`` on E2M1). A block holding NaN/Inf gives NaN for all 16
+(or 256) outputs, as ``scaled_data`` of its NaN scale does.
+
+Layout: as the quantize kernels, words of two bf16 (uint32) in the WGMMA register
+layout; ``fq_rows`` views x as (blocks, 8) words (a block = a row of 8 words),
+``fq_cols`` and ``fq_2d`` view it as (R/16, 16, C/16, 8) words and process strips of
+16 rows x ``16 g`` columns, where row ``k`` of the strip is one register array, so a
+column block's amax and the Hadamard butterfly are elementwise operations across 16
+arrays (no shuffles).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from fp4jax.numerics import threefry_bits_at
+from pallas_kernels.quantize_nvfp4_sm90 import (
+    G2D,
+    SUB,
+    _block_amax_bits,
+    _block_scale,
+    _by_mode,
+    _elem_scale,
+    _f32,
+    _i32,
+    _load_words,
+    _mode,
+    _pick_block,
+    global_scales,
+    kernel_scalars,
+)
+
+__all__ = ["fq_rows", "fq_cols", "fq_2d", "supported_rows", "supported_cols", "supported_2d",
+           "scalars"]
+
+_SC_SIGNS = 32  # f32 scalars: kernel_scalars (32 words) then the 16 RHT signs
+_NAN2 = 0x7FC07FC0  # two bf16 quiet NaNs
+
+
+def scalars(enc: jax.Array, dec: jax.Array, signs: jax.Array | None = None) -> jax.Array:
+    """The kernels' float32 scalar input: ``kernel_scalars(enc, dec)`` then 16 RHT signs."""
+    s = jnp.ones((16,), jnp.float32) if signs is None else jnp.asarray(signs, jnp.float32)
+    return jnp.concatenate([kernel_scalars(enc, dec), s.reshape(16)])
+
+
+def key_words(key: jax.Array | None) -> jax.Array:
+    """int32[2]: the two Threefry key words of ``key`` (zeros without a key)."""
+    if key is None:
+        return jnp.zeros((2,), jnp.int32)
+    return lax.bitcast_convert_type(jax.random.key_data(key).reshape(2), jnp.int32)
+
+
+def _barrier(v, plain: bool):
+    # stops XLA (interpret mode) from folding (v + 2^23) - 2^23 into v
+    return lax.optimization_barrier(v) if plain else v
+
+
+def _e2m1_value(v, u_bits, plain: bool):
+    """E2M1 value (float32, sign of ``v`` kept) of a scaled element ``v`` (finite).
+
+    Rule: ``fp4jax.quantize._round_elements``: ``numerics.round_to_grid(|v|, E2M1,
+    "nearest")`` (``u_bits`` None) or ``numerics.stochastic_round_to_grid(|v|, E2M1, u)``
+    with ``u = (bits >> 8) * 2^-24``, then the sign. Same steps: the grid quantum ``q =
+    2^(clip(floor_log2|v|, 0, 2) - 1)``, ``t = |v| / q`` (exact), round ``t`` (half to
+    even by the 2^23 trick, or ``floor(t) + (u < frac(t))``; ``t < 2^23`` here), then
+    ``min(r * q, 6)``.
+    """
+    bits = _i32(v)
+    ab = bits & 0x7FFFFFFF
+    ex = jnp.minimum(jnp.maximum(lax.shift_right_logical(ab, 23) - 127, 0), 2) - 1
+    t = _f32(ab) * _f32((127 - ex) << 23)
+    if u_bits is None:
+        r = _barrier(t + 8388608.0, plain) - 8388608.0
+    else:
+        lo = t.astype(jnp.int32).astype(jnp.float32)  # floor: t >= 0
+        u = lax.shift_right_logical(u_bits, 8).astype(jnp.float32) * (2.0 ** -24)
+        r = jnp.where(u < t - lo, lo + 1.0, lo)
+    out = jnp.minimum(r * _f32((127 + ex) << 23), 6.0)
+    return _f32(_i32(out) | (bits & -0x80000000))
+
+
+def _iota(shape, dim, plain: bool):
+    if plain:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _bf16_hi(v):
+    """bf16 bits of an exactly representable float32, in the high half of an int32."""
+    return _i32(v) & -0x10000
+
+
+# ---------------------------------------------------------------------------
+# 1x16 along the last axis.
+# ---------------------------------------------------------------------------
+
+
+def _fq_tile(sc_ref, kw_ref, x_ref, o_ref, *, nb: int, base, plain: bool, mode: str,
+             sr: bool):
+    """``nb`` blocks: x_ref (nb, 8) uint32 words in, o_ref (nb, 8) uint32 words of bf16
+    ``data * scale`` out. ``base``: global index of the tile's first block (SR counters:
+    element ``16 * block + j`` of the row-major (R, C) array)."""
+    enc6 = sc_ref[0]
+    for a in range(0, nb, SUB):
+        rows = pl.ds(a, SUB) if nb > SUB else slice(None)
+        n = min(nb, SUB)
+        w = _load_words(x_ref, rows, plain)
+        s_val, s_byte, finite = _block_scale(_block_amax_bits(w), enc6)
+        e = _elem_scale(sc_ref, s_val, s_byte, mode)
+        eb = lax.broadcast_in_dim(e, (n, 8), (0,))
+        sb = lax.broadcast_in_dim(s_val, (n, 8), (0,))
+        fin = lax.broadcast_in_dim(finite.astype(jnp.int32), (n, 8), (0,))
+        u_lo = u_hi = None
+        if sr:
+            idx = ((base + a + _iota((n, 8), 0, plain)) << 4) + (_iota((n, 8), 1, plain) << 1)
+            u_lo = threefry_bits_at(kw_ref[0], kw_ref[1], idx)
+            u_hi = threefry_bits_at(kw_ref[0], kw_ref[1], idx + 1)
+        lo = _e2m1_value(_f32(w << 16) * eb, u_lo, plain) * sb
+        hi = _e2m1_value(_f32(w & -0x10000) * eb, u_hi, plain) * sb
+        word = lax.shift_right_logical(_i32(lo), 16) | _bf16_hi(hi)
+        word = jnp.where(fin != 0, word, _NAN2)
+        o_ref[rows, :] = lax.bitcast_convert_type(word, jnp.uint32)
+
+
+def supported_rows(shape, dtype) -> bool:
+    """bf16 (R, C), C % 16 == 0, R*C/16 a multiple of 256, R*C < 2^31."""
+    if len(shape) != 2 or jnp.dtype(dtype) != jnp.bfloat16:
+        return False
+    r, c = shape
+    return c % 16 == 0 and (r * c // 16) % SUB == 0 and r * c < 2**31
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr"))
+def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str = "auto",
+                   sr: bool = False):
+    """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec)``, ``kw = key_words(key)``.
+    Returns the bf16 (R, C) ``data * scale`` of 1x16 NVFP4 blocks along the last axis."""
+    if not supported_rows(x.shape, x.dtype):
+        raise ValueError(f"fq_rows needs bf16 (R, C), C % 16 == 0, R*C % {16 * SUB} == 0, "
+                         f"got {x.dtype} {x.shape}")
+    mode = _mode(recip, None)
+    r, c = x.shape
+    nbt = r * c // 16
+    xw = lax.bitcast_convert_type(x.reshape(nbt, 8, 2), jnp.uint32)
+    if interpret:
+        def interp_body(sc_ref, kw_ref, x_ref, o_ref):
+            _by_mode(sc_ref, mode, lambda md: _fq_tile(
+                sc_ref, kw_ref, x_ref, o_ref, nb=nbt, base=0, plain=True, mode=md, sr=sr))
+
+        o = pl.pallas_call(
+            interp_body, out_shape=jax.ShapeDtypeStruct((nbt, 8), jnp.uint32),
+            interpret=interpret, compiler_params=plgpu.CompilerParams())(sc, kw, xw)
+        return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
+
+    ns = nbt // SUB
+    kt = _pick_block(ns, (2, 1))
+
+    def body(sc_gmem, kw_gmem, x_gmem, o_gmem):
+        cta = lax.axis_index("ctas")
+
+        def step(_, x_smem, o_smem):
+            def tiles(md):
+                for i in range(kt):
+                    _fq_tile(sc_gmem, kw_gmem, x_smem.at[i], o_smem.at[i], nb=SUB,
+                             base=(cta * kt + i) * SUB, plain=False, mode=md, sr=sr)
+
+            _by_mode(sc_gmem, mode, tiles)
+
+        plgpu.emit_pipeline(
+            step, grid=(1,),
+            in_specs=[plgpu.BlockSpec((kt, SUB, 8), lambda j: (cta, 0, 0))],
+            out_specs=[plgpu.BlockSpec((kt, SUB, 8), lambda j: (cta, 0, 0))],
+            max_concurrent_steps=1,
+        )(x_gmem, o_gmem)
+
+    o = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((ns, SUB, 8), jnp.uint32),
+        grid=(ns // kt,), grid_names=("ctas",),
+        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
+    )(sc, kw, xw.reshape(ns, SUB, 8))
+    return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
+
+
+# ---------------------------------------------------------------------------
+# 16x1 along the first axis (optionally RHT'd), and 16x16.
+# ---------------------------------------------------------------------------
+
+
+def _fwht16(v):
+    """``fp4jax.hadamard.fwht_tiles`` over a list of 16 arrays (the tile axis is the list):
+    the same stages, pairs and float32 operations, then times 1/4."""
+    v = list(v)
+    h = 1
+    while h < 16:
+        for i in range(0, 16, 2 * h):
+            for j in range(i, i + h):
+                v[j], v[j + h] = v[j] + v[j + h], v[j] - v[j + h]
+        h *= 2
+    return [t * 0.25 for t in v]
+
+
+def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_rows: int,
+                   plain: bool, mode: str, sr: bool, rht: bool):
+    """One strip: x_ref (16, g, 8) uint32 words (row k of the strip is x_ref[k]; word
+    (i, w) holds columns ``col0 + 16 i + 2 w`` (low half) and ``+1`` (high half)),
+    o_ref (16, g, 8) words out. Each column of the strip is one 16-element block (along
+    the rows), after the Hadamard rotation along the rows when ``rht``. SR counters:
+    element (row, col) of the row-major (C, R) transposed array, ``col * n_rows + row``."""
+    enc6 = sc_ref[0]
+    words = [_load_words(x_ref.at[k], slice(None), plain) for k in range(16)]
+    for half in (0, 1):
+        v = [_f32(w << 16) if half == 0 else _f32(w & -0x10000) for w in words]
+        if rht:
+            v = _fwht16([v[k] * sc_ref[_SC_SIGNS + k] for k in range(16)])
+        amax = _i32(v[0]) & 0x7FFFFFFF
+        for k in range(1, 16):
+            amax = jnp.maximum(amax, _i32(v[k]) & 0x7FFFFFFF)
+        s_val, s_byte, finite = _block_scale(amax, enc6)
+        e = _elem_scale(sc_ref, s_val, s_byte, mode)
+        col = None
+        if sr:
+            col = (col0 + (_iota((g, 8), 0, plain) << 4) + (_iota((g, 8), 1, plain) << 1)
+                   + half) * n_rows + row0
+        for k in range(16):
+            u = threefry_bits_at(kw_ref[0], kw_ref[1], col + k) if sr else None
+            val = _e2m1_value(v[k] * e, u, plain) * s_val
+            if half == 0:
+                bits = jnp.where(finite, lax.shift_right_logical(_i32(val), 16), _NAN2 & 0xFFFF)
+            else:
+                lo = lax.bitcast_convert_type(_load_words_u(o_ref.at[k], plain), jnp.int32)
+                bits = lo | jnp.where(finite, _bf16_hi(val), _NAN2 & -0x10000)
+            o_ref[k] = lax.bitcast_convert_type(bits, jnp.uint32)
+
+
+def _load_words_u(ref, plain: bool):
+    if plain:
+        return ref[...]
+    return plgpu.load(ref, (slice(None), slice(None)), layout=plgpu.Layout.WGMMA)
+
+
+def _fq_strip_2d(sc_ref, x_ref, o_ref, *, g: int, plain: bool, mode: str):
+    """One strip of ``g`` 16x16 tiles: x_ref/o_ref (16, g, 8) words; one scale per tile
+    (amax over its 16 rows' blocks). Rule: ``fp4jax.quantize._quantize_impl`` with
+    ``block_2d=True``, round-to-nearest."""
+    enc6 = sc_ref[0]
+    amax = None
+    for k in range(16):
+        a = _block_amax_bits(_load_words(x_ref.at[k], slice(None), plain))
+        amax = a if amax is None else jnp.maximum(amax, a)
+    s_val, s_byte, finite = _block_scale(amax, enc6)
+    e = _elem_scale(sc_ref, s_val, s_byte, mode)
+    eb = lax.broadcast_in_dim(e, (g, 8), (0,))
+    sb = lax.broadcast_in_dim(s_val, (g, 8), (0,))
+    fin = lax.broadcast_in_dim(finite.astype(jnp.int32), (g, 8), (0,))
+    for k in range(16):
+        w = _load_words(x_ref.at[k], slice(None), plain)
+        lo = _e2m1_value(_f32(w << 16) * eb, None, plain) * sb
+        hi = _e2m1_value(_f32(w & -0x10000) * eb, None, plain) * sb
+        word = lax.shift_right_logical(_i32(lo), 16) | _bf16_hi(hi)
+        o_ref[k] = lax.bitcast_convert_type(jnp.where(fin != 0, word, _NAN2), jnp.uint32)
+
+
+GC = (64,)  # column-block groups (of 16 columns) per fq_cols strip
+
+
+def supported_cols(shape, dtype) -> bool:
+    """bf16 (R, C), R % 16 == 0, C % 1024 == 0, R*C < 2^31."""
+    if len(shape) != 2 or jnp.dtype(dtype) != jnp.bfloat16:
+        return False
+    r, c = shape
+    return r % 16 == 0 and c % (16 * GC[-1]) == 0 and r * c < 2**31
+
+
+def supported_2d(shape, dtype) -> bool:
+    """bf16 (R, C), R % 16 == 0, C % 1024 == 0."""
+    if len(shape) != 2 or jnp.dtype(dtype) != jnp.bfloat16:
+        return False
+    r, c = shape
+    return r % 16 == 0 and c % (16 * G2D[-1]) == 0
+
+
+def _strip_call(x, sc, kw, strip, *, g: int, interpret: bool, name: str):
+    """Run ``strip(sc_ref, kw_ref, x_ref, o_ref, g, row0, col0, plain)`` over all strips of
+    16 rows x 16g columns of x (R, C) bf16; returns the bf16 (R, C) output."""
+    r, c = x.shape
+    nr, nc = r // 16, c // 16
+    xw = lax.bitcast_convert_type(x.reshape(nr, 16, nc, 8, 2), jnp.uint32)
+    if interpret:
+        def interp_body(sc_ref, kw_ref, x_ref, o_ref):
+            @pl.loop(0, nr)
+            def _(i):
+                for j in range(nc // g):
+                    strip(sc_ref, kw_ref, x_ref.at[i, :, pl.ds(j * g, g)],
+                          o_ref.at[i, :, pl.ds(j * g, g)], g, 16 * i, 16 * g * j, True)
+
+        o = pl.pallas_call(
+            interp_body, out_shape=jax.ShapeDtypeStruct((nr, 16, nc, 8), jnp.uint32),
+            interpret=interpret, compiler_params=plgpu.CompilerParams())(sc, kw, xw)
+        return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
+    if nc % g:
+        raise ValueError(f"{name}: g={g} must divide C/16={nc}")
+
+    def body(sc_gmem, kw_gmem, x_gmem, o_gmem):
+        i = lax.axis_index("rows")
+        j = lax.axis_index("cols")
+
+        def step(_, x_smem, o_smem):
+            strip(sc_gmem, kw_gmem, x_smem.at[0], o_smem.at[0], g, 16 * i, 16 * g * j, False)
+
+        plgpu.emit_pipeline(
+            step, grid=(1,),
+            in_specs=[plgpu.BlockSpec((1, 16, g, 8), lambda _: (i, 0, j, 0))],
+            out_specs=[plgpu.BlockSpec((1, 16, g, 8), lambda _: (i, 0, j, 0))],
+            max_concurrent_steps=1,
+        )(x_gmem, o_gmem)
+
+    o = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((nr, 16, nc, 8), jnp.uint32),
+        grid=(nr, nc // g), grid_names=("rows", "cols"),
+        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
+    )(sc, kw, xw)
+    return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr", "rht", "g"))
+def fq_cols_scaled(x, sc, kw, *, interpret: bool = False, recip: str = "auto",
+                   sr: bool = False, rht: bool = False, g: int | None = None):
+    """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec, signs)``, ``kw =
+    key_words(key)``. Returns bf16 (R, C): ``data * scale`` of 16x1 NVFP4 blocks along
+    the rows of ``rht16(x)`` (rows rotated in tiles of 16 when ``rht``) or of ``x``."""
+    if not supported_cols(x.shape, x.dtype):
+        raise ValueError(f"fq_cols needs bf16 (R, C), R % 16 == 0, C % {16 * GC[-1]} == 0, "
+                         f"got {x.dtype} {x.shape}")
+    mode = _mode(recip, None)
+    n_rows = x.shape[0]
+    g = g or (x.shape[1] // 16 if interpret else _pick_block(x.shape[1] // 16, GC))
+
+    def strip(sc_ref, kw_ref, x_ref, o_ref, g_, row0, col0, plain):
+        _by_mode(sc_ref, mode, lambda md: _fq_strip_cols(
+            sc_ref, kw_ref, x_ref, o_ref, g=g_, row0=row0, col0=col0, n_rows=n_rows,
+            plain=plain, mode=md, sr=sr, rht=rht))
+
+    return _strip_call(x, sc, kw, strip, g=g, interpret=interpret, name="fq_cols")
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "recip", "g"))
+def fq_2d_scaled(x, sc, *, interpret: bool = False, recip: str = "rn", g: int | None = None):
+    """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec)``. Returns bf16 (R, C):
+    ``data * scale`` of 16x16-tile NVFP4 (round-to-nearest). ``recip="rn"`` as the
+    16x16 quantize kernel (one reciprocal per 256 elements)."""
+    if not supported_2d(x.shape, x.dtype):
+        raise ValueError(f"fq_2d needs bf16 (R, C), R % 16 == 0, C % {16 * G2D[-1]} == 0, "
+                         f"got {x.dtype} {x.shape}")
+    mode = _mode(recip, None)
+    g = g or (x.shape[1] // 16 if interpret else _pick_block(x.shape[1] // 16, G2D))
+
+    def strip(sc_ref, kw_ref, x_ref, o_ref, g_, row0, col0, plain):
+        del kw_ref, row0, col0
+        _by_mode(sc_ref, mode, lambda md: _fq_strip_2d(sc_ref, x_ref, o_ref, g=g_,
+                                                       plain=plain, mode=md))
+
+    return _strip_call(x, sc, key_words(None), strip, g=g, interpret=interpret, name="fq_2d")
+
+
+# ---------------------------------------------------------------------------
+# With the tensor scales (the amax pass, XLA).
+# ---------------------------------------------------------------------------
+
+
+def _rht_amax_scales(x, signs):
+    from fp4jax.hadamard import random_hadamard_transform
+
+    return global_scales(random_hadamard_transform(x, axis=0, size=16, signs=signs))
+
+
+def fq_rows(x, key=None, *, interpret: bool = False, **kw):
+    """bf16 ``data * scale`` of ``quantize(x, NVFP4, axis=-1)`` (SR with ``key``) and its
+    tensor decode scale: ``(scaled (R, C) bf16, dec f32)``."""
+    enc, dec = global_scales(x)
+    return fq_rows_scaled(x, scalars(enc, dec), key_words(key), sr=key is not None,
+                          interpret=interpret, **kw), dec
+
+
+def fq_cols(x, key=None, *, signs=None, interpret: bool = False, **kw):
+    """bf16 ``data * scale`` of ``quantize(rht(x, axis=0, signs) if signs is not None else
+    x, NVFP4, axis=0)`` (SR with ``key``) and its tensor decode scale."""
+    enc, dec = global_scales(x) if signs is None else _rht_amax_scales(x, signs)
+    return fq_cols_scaled(x, scalars(enc, dec, signs), key_words(key), sr=key is not None,
+                          rht=signs is not None, interpret=interpret, **kw), dec
+
+
+def fq_2d(x, *, interpret: bool = False, **kw):
+    """bf16 ``data * scale`` of ``quantize(x, NVFP4, block_2d=True)`` and its decode scale."""
+    enc, dec = global_scales(x)
+    return fq_2d_scaled(x, scalars(enc, dec), interpret=interpret, **kw), dec
+

@@ -1,0 +1,193 @@
+"""CPU tests of the fused NVFP4 GEMM-operand kernels (``pallas_kernels/fakequant_nvfp4_sm90``)
+and of ``fp4jax.dot``'s kernel path.
+
+* Each kernel (1x16 rows, 16x1 columns with and without the RHT, 16x16; round-to-nearest
+  and stochastic rounding) runs in Mosaic GPU interpret mode and is compared bit for bit
+  with the XLA path (``scaled_data(fp4jax.quantize(...))`` in bf16) and, for round-to-
+  nearest, with the NumPy references (``pallas_kernels/reference.py``,
+  ``tests/reference.py``'s butterfly), on inputs with NaN, Inf, -0, tiny and huge values.
+* The real kernels are lowered for CUDA on this machine (``jax.export``).
+* ``fp4jax.dot`` forward + backward with ``FP4JAX_KERNELS=interpret`` (all five
+  quantizations through the kernels, or some falling back to XLA) equals the XLA path
+  bit for bit.
+GPU exactness and speed: ``experiments/gpu_check_fakequant.py``, ``bench_kernels.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+fp4jax = pytest.importorskip("fp4jax")
+
+from fp4jax.formats import NVFP4  # noqa: E402
+from fp4jax.hadamard import default_signs, random_hadamard_transform  # noqa: E402
+from pallas_kernels import fakequant_nvfp4_sm90 as fq  # noqa: E402
+from pallas_kernels import reference as npref  # noqa: E402
+from tests import reference as ref  # noqa: E402
+from tests.interpret import InterpretGPUParams, needs_interpret  # noqa: E402
+
+qz = importlib.import_module("fp4jax.quantize")
+IP = InterpretGPUParams() if InterpretGPUParams is not None else None
+SIGNS = np.asarray(default_signs(16), np.float32)
+
+
+def _bits(a):
+    return np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32)).view(np.uint32)
+
+
+def _same(got, want):
+    """Bit-equal bf16 arrays, any NaN equal to any NaN; returns the number of mismatches."""
+    g = np.asarray(jnp.asarray(got, jnp.float32))
+    w = np.asarray(jnp.asarray(want, jnp.float32))
+    ok = (g.view(np.uint32) == w.view(np.uint32)) | (np.isnan(g) & np.isnan(w))
+    return int((~ok).sum())
+
+
+def _data(shape, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) * np.exp(rng.uniform(-6, 6, (shape[0], 1)))
+    x[0, :16] = 0.0
+    x[1, :16] = -0.0
+    x[2, 5] = np.nan
+    x[3, 40] = np.inf
+    x[5, 70] = -np.inf
+    x[6, 3] = 1e-30
+    x[7, :] *= 1e4
+    return jnp.asarray(x.astype(np.float32)).astype(jnp.bfloat16)
+
+
+def _np_scaled(codes, sbits, scale_repeat):
+    """NumPy: decode(codes) * E4M3 scale (broadcast by ``scale_repeat``), in bf16 bits."""
+    s = np.asarray(sbits, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return (npref.decode_codes(codes) * scale_repeat(s)).astype(ml_dtypes.bfloat16)
+
+
+def _xla_scaled(x, axis, *, key=None, block_2d=False, rht=False):
+    xin = random_hadamard_transform(x, axis=0, size=16, signs=SIGNS) if rht else x
+    q = qz._quantize_impl(xin, key, NVFP4, axis, block_2d,
+                          "stochastic" if key is not None else "nearest")
+    return qz.scaled_data(q, jnp.bfloat16), q.global_scale
+
+
+@needs_interpret
+@pytest.mark.parametrize("sr", [False, True])
+def test_rows_kernel_matches_xla_and_numpy(sr):
+    x = _data((32, 512), 0)
+    key = jax.random.key(3) if sr else None
+    got, dec = fq.fq_rows(x, key, interpret=IP)
+    want, wdec = _xla_scaled(x, -1, key=key)
+    assert _same(got, want) == 0 and float(dec) == float(wdec)
+    if sr:  # the random bits really matter: round-to-nearest differs
+        assert _same(got, _xla_scaled(x, -1)[0]) > 1000
+        other, _ = fq.fq_rows(x, jax.random.key(4), interpret=IP)
+        assert _same(got, other) > 1000
+    else:
+        codes, sb, _ = npref.quantize_nvfp4_1x16(np.asarray(x, np.float32))
+        want_np = _np_scaled(codes, sb, lambda s: np.repeat(s, 16, -1))
+        assert _same(got, want_np.astype(np.float32)) == 0
+
+
+@needs_interpret
+@pytest.mark.parametrize("sr", [False, True])
+@pytest.mark.parametrize("rht", [False, True])
+def test_cols_kernel_matches_xla_and_numpy(sr, rht):
+    x = _data((32, 1024), 1)
+    key = jax.random.key(5) if sr else None
+    got, dec = fq.fq_cols(x, key, signs=jnp.asarray(SIGNS) if rht else None, interpret=IP)
+    want, wdec = _xla_scaled(x, 0, key=key, rht=rht)
+    assert _same(got, want) == 0 and float(dec) == float(wdec)
+    if sr:
+        assert _same(got, _xla_scaled(x, 0, rht=rht)[0]) > 1000
+    else:
+        xt = np.asarray(x, np.float32).T  # (C, R): blocks along the original rows
+        if rht:
+            xt = ref.ref_fwht_f32(xt.reshape(-1, 16) * SIGNS, 16).reshape(xt.shape)
+        codes, sb, _ = npref.quantize_nvfp4_1x16(xt)
+        want_np = _np_scaled(codes, sb, lambda s: np.repeat(s, 16, -1)).T
+        assert _same(got, want_np.astype(np.float32)) == 0
+
+
+@needs_interpret
+def test_2d_kernel_matches_xla_and_numpy():
+    x = _data((32, 1024), 2)
+    got, dec = fq.fq_2d(x, interpret=IP)
+    want, wdec = _xla_scaled(x, -1, block_2d=True)
+    assert _same(got, want) == 0 and float(dec) == float(wdec)
+    codes, sb, _ = npref.quantize_nvfp4_16x16(np.asarray(x, np.float32))
+    want_np = _np_scaled(codes, sb, lambda s: np.repeat(np.repeat(s, 16, 0), 16, 1))
+    assert _same(got, want_np.astype(np.float32)) == 0
+
+
+def test_supported_shapes():
+    bf = jnp.bfloat16
+    assert fq.supported_rows((16, 256), bf) and not fq.supported_rows((16, 255), bf)
+    assert not fq.supported_rows((16, 256), jnp.float32)
+    assert not fq.supported_rows((8, 16), bf)  # fewer than 256 blocks
+    assert fq.supported_cols((16, 1024), bf) and not fq.supported_cols((24, 1024), bf)
+    assert not fq.supported_cols((16, 512), bf)
+    assert fq.supported_2d((32, 2048), bf) and not fq.supported_2d((8, 1024), bf)
+    with pytest.raises(ValueError, match="fq_cols needs"):
+        fq.fq_cols_scaled(jnp.zeros((24, 1024), bf), fq.scalars(jnp.float32(1), jnp.float32(1)),
+                          fq.key_words(None))
+
+
+@pytest.mark.parametrize("variant", ["rows", "rows_sr", "cols", "cols_rht_sr", "2d"])
+def test_kernels_lower_for_cuda(variant):
+    key = jax.random.key(0)
+    f = {
+        "rows": lambda x: fq.fq_rows(x),
+        "rows_sr": lambda x: fq.fq_rows(x, key),
+        "cols": lambda x: fq.fq_cols(x),
+        "cols_rht_sr": lambda x: fq.fq_cols(x, key, signs=jnp.asarray(SIGNS)),
+        "2d": lambda x: fq.fq_2d(x),
+    }[variant]
+    exp = jax.export.export(jax.jit(f), platforms=["cuda"])(
+        jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16))
+    assert "mosaic_gpu" in exp.mlir_module()
+
+
+def _dot_fwd_bwd(m, recipe="nvfp4"):
+    kx, kw, kc = jax.random.split(jax.random.key(m), 3)
+    x = jax.random.normal(kx, (m, 1024)).astype(jnp.bfloat16)
+    w = (0.05 * jax.random.normal(kw, (1024, 1024))).astype(jnp.bfloat16)
+    ct = jax.random.normal(kc, (m, 1024)).astype(jnp.bfloat16)
+    key = jax.random.key(9)
+
+    def loss(x, w):
+        y = fp4jax.dot(x, w, recipe=recipe, key=key)
+        return (y.astype(jnp.float32) * ct).sum(), y
+
+    (v, y), (dx, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+    return [np.asarray(a, np.float32) for a in (y, v, dx, dw)]
+
+
+@needs_interpret
+@pytest.mark.parametrize("m", [16, 24])  # 24 tokens: the 16x1 kernels fall back to XLA
+def test_dot_kernel_path_equals_xla_path(monkeypatch, m):
+    monkeypatch.setenv("FP4JAX_KERNELS", "off")
+    want = _dot_fwd_bwd(m)
+    monkeypatch.setenv("FP4JAX_KERNELS", "interpret")
+    lowered = jax.jit(lambda x, w: fp4jax.dot(x, w, key=jax.random.key(0))).lower(
+        jnp.zeros((m, 1024), jnp.bfloat16), jnp.zeros((1024, 1024), jnp.bfloat16))
+    assert "pallas" in lowered.as_text() or "callback" in lowered.as_text()
+    got = _dot_fwd_bwd(m)
+    for g, w, name in zip(got, want, ("y", "loss", "dx", "dw"), strict=True):
+        assert (g.view(np.uint32) == w.view(np.uint32)).all(), name
+
+
+def test_kernel_mode_setting(monkeypatch):
+    dot = importlib.import_module("fp4jax.dot")
+    for v, want in (("off", "off"), ("0", "off"), ("interpret", "interpret"), ("", "off"),
+                    ("auto", "off"), ("on", "off")):  # "on"/"auto" need an sm_90 GPU
+        monkeypatch.setenv("FP4JAX_KERNELS", v)
+        if jax.devices()[0].platform == "cpu":
+            assert dot.kernel_mode() == want
+    monkeypatch.setenv("FP4JAX_KERNELS", "fast")
+    with pytest.raises(ValueError, match="FP4JAX_KERNELS"):
+        dot.kernel_mode()
