@@ -3,7 +3,8 @@
 One script, one device call:
 
     PYTHONPATH=$PWD python3 experiments/bench_kernels.py [copy quantize quantize2 quantize3 sweep
-                                                          decode gemm dotkern]
+                                                          decode gemm dotkern dotkern1
+                                                          dotkern3 fakequant w4a4]
 
 Device time of every jitted call is measured with CUPTI
 (``jax.experimental.mosaic.gpu.profiler.measure``: the sum of the kernels one call
@@ -286,6 +287,50 @@ def bench_dot_kernels(iterations=10, shapes=((8192, 8192, 8192), (4096, 4096, 40
                 rec(g, name + " [ratio to bf16 fwd+bwd]", ratio_to_bf16=t / t_bfb, us=t)
 
 
+def bench_fakequant(copy_gbps, shapes=((8192, 8192), (16384, 4096))):
+    """The fused GEMM-operand kernels (bf16 in, bf16 data*scale out) incl. their amax pass,
+    against the XLA path's same output (``scaled_data(quantize(...))``); bytes = read x
+    twice (amax + kernel) + write the output, as a fraction of copy bandwidth."""
+    import importlib
+
+    from fp4jax.formats import NVFP4
+    from fp4jax.hadamard import default_signs, random_hadamard_transform
+    from pallas_kernels import fakequant_nvfp4_sm90 as fq
+
+    qz = importlib.import_module("fp4jax.quantize")
+    key = jax.random.key(11)
+    signs = jnp.asarray(default_signs(16))
+    for (r, c) in shapes:
+        g = f"fakequant {r}x{c}"
+        x = rand((r, c), 1)
+        nbytes = 3 * x.size * 2
+
+        def xla(axis, sr=False, block_2d=False, rht=False):
+            def f(a):
+                xin = random_hadamard_transform(a, axis=0, size=16, signs=signs) if rht else a
+                q = qz._quantize_impl(xin, key if sr else None, NVFP4, axis, block_2d,
+                                      "stochastic" if sr else "nearest")
+                return qz.scaled_data(q, jnp.bfloat16)
+            return f
+
+        rows = [
+            ("1x16 rows RtN", lambda x: fq.fq_rows(x)[0], xla(-1)),
+            ("1x16 rows SR", lambda x: fq.fq_rows(x, key)[0], xla(-1, sr=True)),
+            ("16x16 RtN", lambda x: fq.fq_2d(x)[0], xla(-1, block_2d=True)),
+            ("16x1 cols RtN", lambda x: fq.fq_cols(x)[0], xla(0)),
+            ("16x1 cols RHT RtN", lambda x: fq.fq_cols(x, signs=signs)[0], xla(0, rht=True)),
+            ("16x1 cols RHT SR", lambda x: fq.fq_cols(x, key, signs=signs)[0],
+             xla(0, sr=True, rht=True)),
+        ]
+        for name, fk, fx in rows:
+            tk = timed(g, f"kernel+amax {name}", fk, x)
+            tx = timed(g, f"XLA {name}", fx, x)
+            if tk:
+                rec(g, f"kernel {name} [fraction of copy BW]",
+                    frac_copy_bw=nbytes / tk / 1e3 / copy_gbps, us=tk,
+                    speedup_vs_xla=(tx / tk) if tx else None)
+
+
 def bench_decode():
     for m in (1, 16, 64):
         k = n = 8192
@@ -378,6 +423,11 @@ def main():
         bench_dot_kernels()
     if "dotkern1" in which:  # 8192^3 only
         bench_dot_kernels(shapes=((8192, 8192, 8192),))
+    if "dotkern3" in which:  # 8192^3, 4096^3, Llama-8B MLP up-projection
+        bench_dot_kernels(shapes=((8192, 8192, 8192), (4096, 4096, 4096),
+                                  (16384, 4096, 14336)))
+    if "fakequant" in which:
+        bench_fakequant(copy_gbps)
     if "decode" in which:
         bench_decode()
     if "gemm" in which:
