@@ -163,14 +163,16 @@ def supported_rows(shape, dtype) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr"))
-def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str = "auto",
+def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = None,
                    sr: bool = False):
     """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec)``, ``kw = key_words(key)``.
     Returns the bf16 (R, C) ``data * scale`` of 1x16 NVFP4 blocks along the last axis."""
     if not supported_rows(x.shape, x.dtype):
         raise ValueError(f"fq_rows needs bf16 (R, C), C % 16 == 0, R*C % {16 * SUB} == 0, "
                          f"got {x.dtype} {x.shape}")
-    mode = _mode(recip, None)
+    # "auto" (table, branching to recip_rn for extreme dec) emits the body twice; with
+    # SR's Threefry that doubles an already long kernel, so SR takes "rn" alone
+    mode = _mode(recip or ("rn" if sr else "auto"), None)
     r, c = x.shape
     nbt = r * c // 16
     xw = lax.bitcast_convert_type(x.reshape(nbt, 8, 2), jnp.uint32)
@@ -237,10 +239,17 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_rows: 
     (i, w) holds columns ``col0 + 16 i + 2 w`` (low half) and ``+1`` (high half)),
     o_ref (16, g, 8) words out. Each column of the strip is one 16-element block (along
     the rows), after the Hadamard rotation along the rows when ``rht``. SR counters:
-    element (row, col) of the row-major (C, R) transposed array, ``col * n_rows + row``."""
+    element (row, col) of the row-major (C, R) transposed array, ``col * n_rows + row``.
+
+    Code size: the block scales need all 16 (rotated) rows at once, but the per-element
+    rounding (with its 80-operation Threefry for SR) runs in a loop over the 16 rows, so
+    it is emitted once, not 16 times (an unrolled SR strip took minutes to compile). The
+    rotated low halves wait in ``o_ref`` and the high halves in ``x_ref`` (float32 bits,
+    one word per element) between the two phases."""
     enc6 = sc_ref[0]
     words = [_load_words(x_ref.at[k], slice(None), plain) for k in range(16)]
-    for half in (0, 1):
+    scales = []
+    for half, stash in ((0, o_ref), (1, x_ref)):
         v = [_f32(w << 16) if half == 0 else _f32(w & -0x10000) for w in words]
         if rht:
             v = _fwht16([v[k] * sc_ref[_SC_SIGNS + k] for k in range(16)])
@@ -248,20 +257,27 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_rows: 
         for k in range(1, 16):
             amax = jnp.maximum(amax, _i32(v[k]) & 0x7FFFFFFF)
         s_val, s_byte, finite = _block_scale(amax, enc6)
-        e = _elem_scale(sc_ref, s_val, s_byte, mode)
-        col = None
-        if sr:
-            col = (col0 + (_iota((g, 8), 0, plain) << 4) + (_iota((g, 8), 1, plain) << 1)
-                   + half) * n_rows + row0
+        scales.append((s_val, _elem_scale(sc_ref, s_val, s_byte, mode), finite))
         for k in range(16):
-            u = threefry_bits_at(kw_ref[0], kw_ref[1], col + k) if sr else None
-            val = _e2m1_value(v[k] * e, u, plain) * s_val
-            if half == 0:
-                bits = jnp.where(finite, lax.shift_right_logical(_i32(val), 16), _NAN2 & 0xFFFF)
-            else:
-                lo = lax.bitcast_convert_type(_load_words_u(o_ref.at[k], plain), jnp.int32)
-                bits = lo | jnp.where(finite, _bf16_hi(val), _NAN2 & -0x10000)
-            o_ref[k] = lax.bitcast_convert_type(bits, jnp.uint32)
+            stash[k] = lax.bitcast_convert_type(v[k], jnp.uint32)
+    col = None
+    if sr:
+        col = (col0 + (_iota((g, 8), 0, plain) << 4) + (_iota((g, 8), 1, plain) << 1)
+               ) * n_rows + row0
+
+    @pl.loop(0, 16)
+    def _(k):
+        out = []
+        for half, stash in ((0, o_ref), (1, x_ref)):
+            s_val, e, finite = scales[half]
+            v = _f32(_load_words_u(stash.at[k], plain))
+            u = (threefry_bits_at(kw_ref[0], kw_ref[1], col + half * n_rows + k)
+                 if sr else None)
+            out.append((_e2m1_value(v * e, u, plain) * s_val, finite))
+        (lo, flo), (hi, fhi) = out
+        bits = (jnp.where(flo, lax.shift_right_logical(_i32(lo), 16), _NAN2 & 0xFFFF)
+                | jnp.where(fhi, _bf16_hi(hi), _NAN2 & -0x10000))
+        o_ref[k] = lax.bitcast_convert_type(bits, jnp.uint32)
 
 
 def _load_words_u(ref, plain: bool):
@@ -355,7 +371,7 @@ def _strip_call(x, sc, kw, strip, *, g: int, interpret: bool, name: str):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr", "rht", "g"))
-def fq_cols_scaled(x, sc, kw, *, interpret: bool = False, recip: str = "auto",
+def fq_cols_scaled(x, sc, kw, *, interpret: bool = False, recip: str = "rn",
                    sr: bool = False, rht: bool = False, g: int | None = None):
     """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec, signs)``, ``kw =
     key_words(key)``. Returns bf16 (R, C): ``data * scale`` of 16x1 NVFP4 blocks along
