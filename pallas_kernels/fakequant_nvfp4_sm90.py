@@ -62,8 +62,8 @@ from pallas_kernels.quantize_nvfp4_sm90 import (
     kernel_scalars,
 )
 
-__all__ = ["fq_rows", "fq_cols", "fq_2d", "supported_rows", "supported_cols", "supported_2d",
-           "scalars"]
+__all__ = ["fq_rows", "fq_cols", "fq_2d", "rht_cols_amax", "supported_rows", "supported_cols",
+           "supported_2d", "scalars"]
 
 _SC_SIGNS = 32  # f32 scalars: kernel_scalars (32 words) then the 16 RHT signs
 _NAN2 = 0x7FC07FC0  # two bf16 quiet NaNs
@@ -327,12 +327,21 @@ def supported_2d(shape, dtype) -> bool:
     return r % 16 == 0 and c % (16 * G2D[-1]) == 0
 
 
-def _strip_call(x, sc, kw, strip, *, g: int, interpret: bool, name: str):
+def _strip_call(x, sc, kw, strip, *, g: int, interpret: bool, name: str, out_rows: int = 16):
     """Run ``strip(sc_ref, kw_ref, x_ref, o_ref, g, row0, col0, plain)`` over all strips of
-    16 rows x 16g columns of x (R, C) bf16; returns the bf16 (R, C) output."""
+    16 rows x 16g columns of x (R, C) bf16. With ``out_rows == 16`` returns the bf16 (R, C)
+    output; else the raw (R/16, out_rows, C/16, 8) uint32 output (``o_ref`` of a strip is
+    (out_rows, g, 8))."""
     r, c = x.shape
     nr, nc = r // 16, c // 16
     xw = lax.bitcast_convert_type(x.reshape(nr, 16, nc, 8, 2), jnp.uint32)
+    out_type = jax.ShapeDtypeStruct((nr, out_rows, nc, 8), jnp.uint32)
+
+    def result(o):
+        if out_rows != 16:
+            return o
+        return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
+
     if interpret:
         def interp_body(sc_ref, kw_ref, x_ref, o_ref):
             @pl.loop(0, nr)
@@ -342,9 +351,9 @@ def _strip_call(x, sc, kw, strip, *, g: int, interpret: bool, name: str):
                           o_ref.at[i, :, pl.ds(j * g, g)], g, 16 * i, 16 * g * j, True)
 
         o = pl.pallas_call(
-            interp_body, out_shape=jax.ShapeDtypeStruct((nr, 16, nc, 8), jnp.uint32),
+            interp_body, out_shape=out_type,
             interpret=interpret, compiler_params=plgpu.CompilerParams())(sc, kw, xw)
-        return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
+        return result(o)
     if nc % g:
         raise ValueError(f"{name}: g={g} must divide C/16={nc}")
 
@@ -358,16 +367,16 @@ def _strip_call(x, sc, kw, strip, *, g: int, interpret: bool, name: str):
         plgpu.emit_pipeline(
             step, grid=(1,),
             in_specs=[plgpu.BlockSpec((1, 16, g, 8), lambda _: (i, 0, j, 0))],
-            out_specs=[plgpu.BlockSpec((1, 16, g, 8), lambda _: (i, 0, j, 0))],
+            out_specs=[plgpu.BlockSpec((1, out_rows, g, 8), lambda _: (i, 0, j, 0))],
             max_concurrent_steps=1,
         )(x_gmem, o_gmem)
 
     o = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((nr, 16, nc, 8), jnp.uint32),
+        body, out_type=out_type,
         grid=(nr, nc // g), grid_names=("rows", "cols"),
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
     )(sc, kw, xw)
-    return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
+    return result(o)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr", "rht", "g"))
@@ -415,10 +424,52 @@ def fq_2d_scaled(x, sc, *, interpret: bool = False, recip: str = "rn", g: int | 
 # ---------------------------------------------------------------------------
 
 
-def _rht_amax_scales(x, signs):
-    from fp4jax.hadamard import random_hadamard_transform
+def _rht_cols_strip_amax(sc_ref, x_ref, a_ref, *, plain: bool):
+    """Finite amax bits (int32, NaN/Inf counted as 0) of every rotated column block of a
+    strip: x_ref (16, g, 8) words in, a_ref (2, g, 8) out (low / high halves). The
+    rotation is ``_fwht16``, the very operations of ``_fq_strip_cols``."""
+    words = [_load_words(x_ref.at[k], slice(None), plain) for k in range(16)]
+    for half in (0, 1):
+        v = [_f32(w << 16) if half == 0 else _f32(w & -0x10000) for w in words]
+        v = _fwht16([v[k] * sc_ref[_SC_SIGNS + k] for k in range(16)])
+        m = None
+        for k in range(16):
+            b = _i32(v[k]) & 0x7FFFFFFF
+            b = jnp.where(b < 0x7F800000, b, 0)
+            m = b if m is None else jnp.maximum(m, b)
+        a_ref[half] = lax.bitcast_convert_type(m, jnp.uint32)
 
-    return global_scales(random_hadamard_transform(x, axis=0, size=16, signs=signs))
+
+@functools.partial(jax.jit, static_argnames=("interpret", "g"))
+def rht_cols_amax(x, signs, *, interpret: bool = False, g: int | None = None):
+    """``max |rht16(x, axis=0)|`` over the finite values (float32 scalar), where the rotation
+    runs along the rows in tiles of 16 (``fp4jax.hadamard.fwht_tiles``: the same float32
+    bits as the XLA path's ``random_hadamard_transform``), without writing the rotated
+    tensor: a Pallas pass writes one amax per column block (1/16 of x, int32 bits) and
+    XLA reduces those. x: bf16 (R, C), see ``supported_cols``. Rule: the finite amax of
+    ``fp4jax.quantize._quantize_impl`` (``_finite_amax``)."""
+    if not supported_cols(x.shape, x.dtype):
+        raise ValueError(f"rht_cols_amax needs bf16 (R, C), R % 16 == 0, C % {16 * GC[-1]} "
+                         f"== 0, got {x.dtype} {x.shape}")
+    g = g or (x.shape[1] // 16 if interpret else _pick_block(x.shape[1] // 16, GC))
+    sc = jnp.concatenate([jnp.zeros((_SC_SIGNS,), jnp.float32), signs.astype(jnp.float32)])
+
+    def strip(sc_ref, kw_ref, x_ref, a_ref, g_, row0, col0, plain):
+        del kw_ref, row0, col0, g_
+        _rht_cols_strip_amax(sc_ref, x_ref, a_ref, plain=plain)
+
+    a = _strip_call(x, sc, key_words(None), strip, g=g, interpret=interpret,
+                    name="rht_cols_amax", out_rows=2)
+    return _f32(lax.bitcast_convert_type(jnp.max(a), jnp.int32))
+
+
+def _rht_amax_scales(x, signs, interpret=False):
+    from fp4jax.formats import NVFP4
+    from fp4jax.numerics import div_rn
+    from fp4jax.quantize import global_encode_scale
+
+    enc = global_encode_scale(rht_cols_amax(x, signs, interpret=interpret), NVFP4)
+    return enc, div_rn(jnp.float32(1.0), enc)
 
 
 def fq_rows(x, key=None, *, interpret: bool = False, **kw):
@@ -432,7 +483,7 @@ def fq_rows(x, key=None, *, interpret: bool = False, **kw):
 def fq_cols(x, key=None, *, signs=None, interpret: bool = False, **kw):
     """bf16 ``data * scale`` of ``quantize(rht(x, axis=0, signs) if signs is not None else
     x, NVFP4, axis=0)`` (SR with ``key``) and its tensor decode scale."""
-    enc, dec = global_scales(x) if signs is None else _rht_amax_scales(x, signs)
+    enc, dec = global_scales(x) if signs is None else _rht_amax_scales(x, signs, interpret)
     return fq_cols_scaled(x, scalars(enc, dec, signs), key_words(key), sr=key is not None,
                           rht=signs is not None, interpret=interpret, **kw), dec
 

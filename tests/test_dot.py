@@ -248,8 +248,9 @@ def test_backward_same_key_same_bits():
     assert not np.array_equal(np.asarray(a[0]), np.asarray(c[0]))
 
 
-def test_residuals_are_quantized():
+def test_residuals_are_quantized(monkeypatch):
     """The nvfp4 forward saves FP4 tensors, not x and w, for the backward pass."""
+    monkeypatch.setenv("FP4JAX_KERNELS", "off")  # the XLA path (the kernel path: bf16)
     x, w = _randn(32, 64), _randn(64, 48)
     _, res = jax.vjp(lambda x, w: fp4jax.dot(x, w, key=jax.random.key(0)), x, w)
     leaves = jax.tree_util.tree_leaves(res)
@@ -452,9 +453,10 @@ def test_more_bad_inputs():
         fp4jax.dequantize(fp4jax.quantize(x), jnp.int8)
 
 
-def test_residual_memory_is_fp4_sized():
+def test_residual_memory_is_fp4_sized(monkeypatch):
     """XLA stores float4 arrays packed: the nvfp4 backward keeps ~4.4x fewer bytes than
     the bf16 recipe, which saves x (bf16) and w (f32)."""
+    monkeypatch.setenv("FP4JAX_KERNELS", "off")  # the XLA path (the kernel path: bf16)
     x = jnp.ones((512, 256), jnp.bfloat16)
     w = jnp.ones((256, 256), jnp.float32)
 

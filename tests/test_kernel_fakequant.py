@@ -114,6 +114,17 @@ def test_cols_kernel_matches_xla_and_numpy(sr, rht):
 
 
 @needs_interpret
+@pytest.mark.parametrize("wild", [False, True])
+def test_rht_cols_amax_is_the_finite_amax_of_the_rotation(wild):
+    x = _data((32, 1024), 4) if wild else jax.random.normal(
+        jax.random.key(2), (32, 1024)).astype(jnp.bfloat16)
+    got = fq.rht_cols_amax(x, jnp.asarray(SIGNS), interpret=IP)
+    r = np.asarray(random_hadamard_transform(x, axis=0, size=16, signs=SIGNS))
+    want = np.max(np.where(np.isfinite(r), np.abs(r), 0))
+    assert np.asarray(got).view(np.uint32) == np.float32(want).view(np.uint32)
+
+
+@needs_interpret
 def test_2d_kernel_matches_xla_and_numpy():
     x = _data((32, 1024), 2)
     got, dec = fq.fq_2d(x, interpret=IP)
@@ -137,7 +148,7 @@ def test_supported_shapes():
                           fq.key_words(None))
 
 
-@pytest.mark.parametrize("variant", ["rows", "rows_sr", "cols", "cols_rht_sr", "2d"])
+@pytest.mark.parametrize("variant", ["rows", "rows_sr", "cols", "cols_rht_sr", "2d", "amax"])
 def test_kernels_lower_for_cuda(variant):
     key = jax.random.key(0)
     f = {
@@ -146,6 +157,7 @@ def test_kernels_lower_for_cuda(variant):
         "cols": lambda x: fq.fq_cols(x),
         "cols_rht_sr": lambda x: fq.fq_cols(x, key, signs=jnp.asarray(SIGNS)),
         "2d": lambda x: fq.fq_2d(x),
+        "amax": lambda x: fq.rht_cols_amax(x, jnp.asarray(SIGNS)),
     }[variant]
     exp = jax.export.export(jax.jit(f), platforms=["cuda"])(
         jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16))
