@@ -149,9 +149,13 @@ def fwht_tiles(v: jax.Array, axis: int, size: int) -> jax.Array:
     pre, post = shape[:axis], shape[axis + 1:]
     h = 1
     while h < size:
+        # one elementwise stage (reverse + select fuse into a single XLA loop; slicing
+        # and stacking the halves made XLA emit a slice and a concatenate kernel per
+        # stage): the partner of i is i ^ h; the first of a pair gets a + b, the second
+        # partner - self = a - b (float addition is commutative, so the same bits)
         t = v.reshape(*pre, size // (2 * h), 2, h, *post)
-        a = jax.lax.index_in_dim(t, 0, len(pre) + 1, keepdims=False)
-        b = jax.lax.index_in_dim(t, 1, len(pre) + 1, keepdims=False)
-        v = jnp.stack([a + b, a - b], axis=len(pre) + 1).reshape(shape)
+        partner = jnp.flip(t, axis=len(pre) + 1)
+        first = jax.lax.broadcasted_iota(jnp.int32, t.shape, len(pre) + 1) == 0
+        v = jnp.where(first, t + partner, partner - t).reshape(shape)
         h *= 2
     return v * jnp.float32(1.0 / np.sqrt(size))
