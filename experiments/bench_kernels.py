@@ -419,6 +419,10 @@ def main():
         bench_quantize(copy_gbps, shapes=((8192, 8192), (4096, 14336)))
     if "quantize3" in which:  # table reciprocal, 16x16 kernel
         bench_quantize3(copy_gbps)
+    if "fakequant" in which:
+        bench_fakequant(copy_gbps)
+    if "fakequant1" in which:  # 8192x8192 only
+        bench_fakequant(copy_gbps, shapes=((8192, 8192),))
     if "dotkern" in which:
         bench_dot_kernels()
     if "dotkern1" in which:  # 8192^3 only
@@ -426,8 +430,6 @@ def main():
     if "dotkern3" in which:  # 8192^3, 4096^3, Llama-8B MLP up-projection
         bench_dot_kernels(shapes=((8192, 8192, 8192), (4096, 4096, 4096),
                                   (16384, 4096, 14336)))
-    if "fakequant" in which:
-        bench_fakequant(copy_gbps)
     if "decode" in which:
         bench_decode()
     if "gemm" in which:
