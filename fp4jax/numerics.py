@@ -318,15 +318,23 @@ def round_to_grid(v: jax.Array, grid: FloatGrid, mode: str = "nearest") -> jax.A
 
 
 def uniform_from_key(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Uniform float32 in [0, 1) on a 2**-24 lattice, from 32 random bits per element.
+    """Uniform float32 in [0, 1) on a 2**-16 lattice, 16 random bits per element.
 
-    The bits are ``jax.random.bits(key, shape, uint32)``; for threefry keys (JAX's
-    default, with ``jax_threefry_partitionable`` on, the default since JAX 0.5) element
-    ``i`` (row-major) gets ``threefry_bits_at(key_data, i)``, which is how the Pallas
-    kernels make the same bits without reading them from memory.
+    Rule: with ``n = prod(shape)``, ``bits = jax.random.bits(key, (ceil(n/2),), uint32)``;
+    element ``i`` (row-major) takes the low 16 bits of ``bits[i // 2]`` when ``i`` is
+    even, the high 16 bits when odd, and ``u = bits16 * 2**-16``. Two elements share one
+    32-bit draw because generating the bits (20 Threefry rounds) is what bounds the
+    stochastic-rounding kernels on Hopper (``pallas_kernels/fakequant_nvfp4_sm90.py``:
+    a 32-bit draw per element made the SR kernel 3x slower than the round-to-nearest
+    one); 16 bits keep the rounding's bias below 2**-16 of one grid step. For threefry
+    keys (JAX's default, with ``jax_threefry_partitionable`` on, the default since JAX
+    0.5) ``bits[j]`` is ``threefry_bits_at(key_data, j)``: the kernels compute the same
+    bits in registers.
     """
-    bits = jax.random.bits(key, shape, jnp.uint32)
-    return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+    n = int(np.prod(shape))
+    bits = jax.random.bits(key, ((n + 1) // 2,), jnp.uint32)
+    u16 = jnp.stack([bits & 0xFFFF, bits >> 16], axis=-1).reshape(-1)[:n]
+    return u16.astype(jnp.float32).reshape(shape) * jnp.float32(2.0**-16)
 
 
 _THREEFRY_ROT = ((13, 15, 26, 6), (17, 29, 16, 24))
@@ -386,8 +394,8 @@ def stochastic_round_to_grid(v: jax.Array, grid: FloatGrid, u: jax.Array) -> jax
     ``E[result] = v`` for every ``v`` inside the grid's range (values above
     ``max_value`` saturate, as in Transformer Engine's ``cvt.rs.satfinite``).
     The fractional position ``t - floor(t)`` is computed exactly and compared
-    with ``u`` (uniform on a 2**-24 lattice), so the only bias is below
-    ``2**-24`` of one grid step. Exact grid values are returned unchanged.
+    with ``u`` (uniform on a 2**-16 lattice, see ``uniform_from_key``), so the only bias
+    is below ``2**-16`` of one grid step. Exact grid values are returned unchanged.
 
     Reference: FP4 All the Way (Chmiel et al., 2025), section 3 (SR definition);
     NVFP4 paper section 4.3.

@@ -15,9 +15,10 @@ to ``scaled_data(fp4jax.quantize(...), bfloat16)``:
 * ``fq_2d``: 16x16 tiles (the fprop/dgrad weight).
 
 Each does round-to-nearest-even or stochastic rounding. Stochastic rounding draws its
-32 bits per element in the kernel from the key (``fp4jax.numerics.threefry_bits_at``,
-the counter-based Threefry-2x32 of ``jax.random.bits``), at the element's row-major
-index in the layout the XLA path draws them (``(R, C)`` for rows, ``(C, R)`` for
+16 bits per element in the kernel from the key (``fp4jax.numerics.threefry_bits_at``,
+the counter-based Threefry-2x32 of ``jax.random.bits``; two elements per 32-bit draw,
+the rule of ``fp4jax.numerics.uniform_from_key``), indexed by the element's row-major
+position in the layout the XLA path draws them for (``(R, C)`` for rows, ``(C, R)`` for
 cols), so the kernels and the XLA path produce the same bits with no random array in
 memory.
 
@@ -87,12 +88,13 @@ def _barrier(v, plain: bool):
     return lax.optimization_barrier(v) if plain else v
 
 
-def _e2m1_value(v, u_bits, plain: bool):
+def _e2m1_value(v, u16, plain: bool):
     """E2M1 value (float32, sign of ``v`` kept) of a scaled element ``v`` (finite).
 
     Rule: ``fp4jax.quantize._round_elements``: ``numerics.round_to_grid(|v|, E2M1,
-    "nearest")`` (``u_bits`` None) or ``numerics.stochastic_round_to_grid(|v|, E2M1, u)``
-    with ``u = (bits >> 8) * 2^-24``, then the sign. Same steps: the grid quantum ``q =
+    "nearest")`` (``u16`` None) or ``numerics.stochastic_round_to_grid(|v|, E2M1, u)``
+    with ``u = u16 * 2^-16`` (``u16``: the element's 16 random bits, int32, see
+    ``numerics.uniform_from_key``), then the sign. Same steps: the grid quantum ``q =
     2^(clip(floor_log2|v|, 0, 2) - 1)``, ``t = |v| / q`` (exact), round ``t`` (half to
     even by the 2^23 trick, or ``floor(t) + (u < frac(t))``; ``t < 2^23`` here), then
     ``min(r * q, 6)``.
@@ -101,11 +103,11 @@ def _e2m1_value(v, u_bits, plain: bool):
     ab = bits & 0x7FFFFFFF
     ex = jnp.minimum(jnp.maximum(lax.shift_right_logical(ab, 23) - 127, 0), 2) - 1
     t = _f32(ab) * _f32((127 - ex) << 23)
-    if u_bits is None:
+    if u16 is None:
         r = _barrier(t + 8388608.0, plain) - 8388608.0
     else:
         lo = t.astype(jnp.int32).astype(jnp.float32)  # floor: t >= 0
-        u = lax.shift_right_logical(u_bits, 8).astype(jnp.float32) * (2.0 ** -24)
+        u = u16.astype(jnp.float32) * (2.0 ** -16)
         r = jnp.where(u < t - lo, lo + 1.0, lo)
     out = jnp.minimum(r * _f32((127 + ex) << 23), 6.0)
     return _f32(_i32(out) | (bits & -0x80000000))
@@ -130,8 +132,9 @@ def _bf16_hi(v):
 def _fq_tile(sc_ref, kw_ref, x_ref, o_ref, *, nb: int, base, plain: bool, mode: str,
              sr: bool):
     """``nb`` blocks: x_ref (nb, 8) uint32 words in, o_ref (nb, 8) uint32 words of bf16
-    ``data * scale`` out. ``base``: global index of the tile's first block (SR counters:
-    element ``16 * block + j`` of the row-major (R, C) array)."""
+    ``data * scale`` out. ``base``: global index of the tile's first block (SR: element
+    ``16 * block + j`` of the row-major (R, C) array takes half of draw ``8 * block + j //
+    2``, the low 16 bits for even ``j``, the high for odd: word ``j // 2`` owns a draw)."""
     enc6 = sc_ref[0]
     for a in range(0, nb, SUB):
         rows = pl.ds(a, SUB) if nb > SUB else slice(None)
@@ -144,9 +147,9 @@ def _fq_tile(sc_ref, kw_ref, x_ref, o_ref, *, nb: int, base, plain: bool, mode: 
         fin = lax.broadcast_in_dim(finite.astype(jnp.int32), (n, 8), (0,))
         u_lo = u_hi = None
         if sr:
-            idx = ((base + a + _iota((n, 8), 0, plain)) << 4) + (_iota((n, 8), 1, plain) << 1)
-            u_lo = threefry_bits_at(kw_ref[0], kw_ref[1], idx)
-            u_hi = threefry_bits_at(kw_ref[0], kw_ref[1], idx + 1)
+            idx = ((base + a + _iota((n, 8), 0, plain)) << 3) + _iota((n, 8), 1, plain)
+            bits = threefry_bits_at(kw_ref[0], kw_ref[1], idx)
+            u_lo, u_hi = bits & 0xFFFF, lax.shift_right_logical(bits, 16)
         lo = _e2m1_value(_f32(w << 16) * eb, u_lo, plain) * sb
         hi = _e2m1_value(_f32(w & -0x10000) * eb, u_hi, plain) * sb
         word = lax.shift_right_logical(_i32(lo), 16) | _bf16_hi(hi)
@@ -238,8 +241,9 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_rows: 
     """One strip: x_ref (16, g, 8) uint32 words (row k of the strip is x_ref[k]; word
     (i, w) holds columns ``col0 + 16 i + 2 w`` (low half) and ``+1`` (high half)),
     o_ref (16, g, 8) words out. Each column of the strip is one 16-element block (along
-    the rows), after the Hadamard rotation along the rows when ``rht``. SR counters:
-    element (row, col) of the row-major (C, R) transposed array, ``col * n_rows + row``.
+    the rows), after the Hadamard rotation along the rows when ``rht``. SR: element (row,
+    col) has index ``i = col * n_rows + row`` in the row-major (C, R) transposed array and
+    takes half ``i % 2`` of draw ``i // 2``, so rows 2p and 2p+1 share a draw.
 
     Code size: the block scales need all 16 (rotated) rows at once, but the per-element
     rounding (with its 80-operation Threefry for SR) runs in a loop over the 16 rows, so
@@ -260,24 +264,31 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_rows: 
         scales.append((s_val, _elem_scale(sc_ref, s_val, s_byte, mode), finite))
         for k in range(16):
             stash[k] = lax.bitcast_convert_type(v[k], jnp.uint32)
-    col = None
-    if sr:
-        col = (col0 + (_iota((g, 8), 0, plain) << 4) + (_iota((g, 8), 1, plain) << 1)
-               ) * n_rows + row0
+    draw0 = None
+    if sr:  # draw index of (row0, even column of each word); n_rows and row0 are even
+        draw0 = lax.shift_right_logical(
+            (col0 + (_iota((g, 8), 0, plain) << 4) + (_iota((g, 8), 1, plain) << 1))
+            * n_rows + row0, 1)
 
-    @pl.loop(0, 16)
-    def _(k):
-        out = []
-        for half, stash in ((0, o_ref), (1, x_ref)):
-            s_val, e, finite = scales[half]
-            v = _f32(_load_words_u(stash.at[k], plain))
-            u = (threefry_bits_at(kw_ref[0], kw_ref[1], col + half * n_rows + k)
-                 if sr else None)
-            out.append((_e2m1_value(v * e, u, plain) * s_val, finite))
-        (lo, flo), (hi, fhi) = out
-        bits = (jnp.where(flo, lax.shift_right_logical(_i32(lo), 16), _NAN2 & 0xFFFF)
-                | jnp.where(fhi, _bf16_hi(hi), _NAN2 & -0x10000))
-        o_ref[k] = lax.bitcast_convert_type(bits, jnp.uint32)
+    @pl.loop(0, 8)
+    def _(p):
+        draws = [threefry_bits_at(kw_ref[0], kw_ref[1], draw0 + half * (n_rows // 2) + p)
+                 if sr else None for half in (0, 1)]
+        for r in (0, 1):
+            k = 2 * p + r
+            out = []
+            for half, stash in ((0, o_ref), (1, x_ref)):
+                s_val, e, finite = scales[half]
+                v = _f32(_load_words_u(stash.at[k], plain))
+                u = None
+                if sr:
+                    u = draws[half] & 0xFFFF if r == 0 else lax.shift_right_logical(
+                        draws[half], 16)
+                out.append((_e2m1_value(v * e, u, plain) * s_val, finite))
+            (lo, flo), (hi, fhi) = out
+            bits = (jnp.where(flo, lax.shift_right_logical(_i32(lo), 16), _NAN2 & 0xFFFF)
+                    | jnp.where(fhi, _bf16_hi(hi), _NAN2 & -0x10000))
+            o_ref[k] = lax.bitcast_convert_type(bits, jnp.uint32)
 
 
 def _load_words_u(ref, plain: bool):
