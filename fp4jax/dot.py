@@ -58,7 +58,16 @@ def _on_sm90() -> bool:
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
-def kernel_mode() -> str:
+KERNEL_AUTO_MIN_MKN = 4096**3
+"""``FP4JAX_KERNELS=auto`` uses the kernels only for GEMMs with ``M*K*N`` at least this.
+Measured on an H200 (``experiments/results/KERNELS.md``, runs 14-16): at 8192^3 the
+kernel path's forward + backward takes 5.27 ms vs 7.78 ms for the XLA path (bf16 4.24
+ms), but training the ``small`` preset (GEMMs of 16384 x 512 x 512..2048) with the
+kernels ran at ~408k tokens/s against ~556k for the XLA path in an earlier run. The
+crossover between these sizes is not measured; 4096^3 is a conservative guess."""
+
+
+def kernel_mode(mkn: int | None = None) -> str:
     """How ``dot`` runs NVFP4 quantization: ``"on"`` (Pallas Mosaic GPU kernels,
     ``pallas_kernels/``), ``"off"`` (XLA) or ``"interpret"`` (the kernels in Mosaic GPU
     interpret mode: for CPU tests only).
@@ -67,10 +76,11 @@ def kernel_mode() -> str:
     ``on``/``1``/``pallas`` use the kernels whenever the default device is an sm_90
     (Hopper) GPU; unset or ``auto`` (the default) use them on an sm_90 GPU when this
     process sees a single device (a Pallas call inside a multi-device, sharded ``jit`` is
-    not partitioned by XLA, so data-parallel runs keep the XLA path unless forced).
-    Either way the results are the same bits (the kernels are tested against the XLA
-    path). The setting is part of the trace cache key: a change takes effect on the
-    next call of ``dot``.
+    not partitioned by XLA, so data-parallel runs keep the XLA path unless forced) and
+    the GEMM is large: ``mkn`` (``M*K*N`` of the call, all batch dims included) at least
+    ``KERNEL_AUTO_MIN_MKN``. Either way the results are the same bits (the kernels are
+    tested against the XLA path). The setting is part of the trace cache key: a change
+    takes effect on the next call of ``dot``.
     """
     env = os.environ.get("FP4JAX_KERNELS", "auto").lower()
     if env in ("off", "0", "xla"):
@@ -81,7 +91,8 @@ def kernel_mode() -> str:
         return "on" if _on_sm90() else "off"
     if env not in ("", "auto"):
         raise ValueError(f"FP4JAX_KERNELS={env!r}: use auto, on or off")
-    return "on" if _on_sm90() and jax.device_count() == 1 else "off"
+    big = mkn is None or mkn >= KERNEL_AUTO_MIN_MKN
+    return "on" if big and _on_sm90() and jax.device_count() == 1 else "off"
 
 
 def kernels_enabled() -> bool:
@@ -403,7 +414,7 @@ def dot_general(
     w3 = jnp.transpose(rhs, list(rb) + list(rc) + rfree).reshape(B, K, N)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
     fn = _make_dot3(recipe, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype),
-                    _hashable_precision(precision), kernel_mode())
+                    _hashable_precision(precision), kernel_mode(B * M * K * N))
     y3 = fn(x3, w3, key)
     return y3.reshape(*bshape, *lfshape, *rfshape)
 
