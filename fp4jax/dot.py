@@ -75,10 +75,12 @@ def kernel_mode(mkn: int | None = None) -> str:
     The environment variable ``FP4JAX_KERNELS`` decides: ``off``/``0``/``xla`` force XLA;
     ``on``/``1``/``pallas`` use the kernels whenever the default device is an sm_90
     (Hopper) GPU; unset or ``auto`` (the default) use them on an sm_90 GPU when this
-    process sees a single device (a Pallas call inside a multi-device, sharded ``jit`` is
-    not partitioned by XLA, so data-parallel runs keep the XLA path unless forced) and
-    the GEMM is large: ``mkn`` (``M*K*N`` of the call, all batch dims included) at least
-    ``KERNEL_AUTO_MIN_MKN``. Either way the results are the same bits (the kernels are
+    JAX sees a single device (``jax.device_count() == 1``: a Pallas call inside a
+    multi-device, sharded ``jit`` is not partitioned by XLA, so data-parallel runs keep
+    the XLA path unless forced) and the GEMM is large: ``mkn`` (``M*K*N`` of an unbatched
+    call; ``dot_general`` passes 0 for batched ones, which the kernels do not cover) at
+    least ``KERNEL_AUTO_MIN_MKN``. Under ``jax.vmap`` the operands take the XLA path.
+    Either way the results are the same bits (the kernels are
     tested against the XLA path). The setting is part of the trace cache key: a change
     takes effect on the next call of ``dot``.
     """
@@ -96,7 +98,8 @@ def kernel_mode(mkn: int | None = None) -> str:
 
 
 def kernels_enabled() -> bool:
-    """Whether ``dot`` uses the Pallas kernels (``kernel_mode() != "off"``)."""
+    """Whether ``dot`` may use the Pallas kernels (``kernel_mode() != "off"``, i.e. for
+    GEMMs of any size; ``auto`` still skips the small ones)."""
     return kernel_mode() != "off"
 
 
@@ -220,10 +223,29 @@ def _scaled_operand(x: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: 
                     gemm: str, which: str, kmode: str) -> tuple[jax.Array, jax.Array]:
     """One operand as ``(scaled_data(Q(x)) in bf16, tensor decode scale)``: from a fused
     kernel when one covers it, else from the XLA path (the same bits either way)."""
-    kind = _kernel_for(x, g, spec, axis, key)
-    if kind is None:
+    def xla(x, key):
         q = _quant(_rht(x, g, axis, key, gemm), spec, axis, _subkey(key, gemm, which))
         return qz.scaled_data(q, jnp.bfloat16), q.global_scale
+
+    kind = _kernel_for(x, g, spec, axis, key)
+    if kind is None:
+        return xla(x, key)
+
+    # Pallas calls have no correct batching rule here: under jax.vmap this operand takes
+    # the XLA path (vmapped), which is what the unbatched kernel computes per example.
+    f = jax.custom_batching.custom_vmap(
+        lambda x, key: _kernel_operand(x, g, spec, key, gemm, which, kmode, kind))
+
+    @f.def_vmap
+    def _(axis_size, in_batched, x, key):
+        del axis_size
+        out = jax.vmap(xla, in_axes=[0 if b else None for b in in_batched])(x, key)
+        return out, (True, True)
+
+    return f(x, key)
+
+
+def _kernel_operand(x, g, spec, key, gemm, which, kmode, kind):
     from pallas_kernels import fakequant_nvfp4_sm90 as fq
 
     kw = {}
@@ -287,7 +309,9 @@ def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, p
     """The custom_vjp for canonical ``(B, M, K) @ (B, K, N)``, specialized on static args."""
     if kmode != "off" and _scaled_path_applies(recipe):
         return _make_dot3_scaled(recipe, out_dtype, lhs_dtype, rhs_dtype, kmode)
-    use_kernels = kmode == "on"
+    # the older packed-quantize kernels of _quant: only when explicitly forced
+    use_kernels = kmode == "on" and os.environ.get("FP4JAX_KERNELS", "").lower() in (
+        "on", "1", "pallas")
     fp, dg, wg = recipe.fprop, recipe.dgrad, recipe.wgrad
     reuse_w = dg.rhs == fp.rhs and (not fp.rhs.quantized or fp.rhs.block_2d) and not (
         fp.hadamard or dg.hadamard
@@ -414,7 +438,8 @@ def dot_general(
     w3 = jnp.transpose(rhs, list(rb) + list(rc) + rfree).reshape(B, K, N)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
     fn = _make_dot3(recipe, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype),
-                    _hashable_precision(precision), kernel_mode(B * M * K * N))
+                    _hashable_precision(precision),
+                    kernel_mode(M * K * N if B == 1 else 0))  # the kernels need B == 1
     y3 = fn(x3, w3, key)
     return y3.reshape(*bshape, *lfshape, *rfshape)
 

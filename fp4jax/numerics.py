@@ -326,7 +326,9 @@ def uniform_from_key(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     32-bit draw because generating the bits (20 Threefry rounds) is what bounds the
     stochastic-rounding kernels on Hopper (``pallas_kernels/fakequant_nvfp4_sm90.py``:
     a 32-bit draw per element made the SR kernel 3x slower than the round-to-nearest
-    one); 16 bits keep the rounding's bias below 2**-16 of one grid step. For threefry
+    one); 16 bits keep the rounding's bias below 2**-16 of one grid step (one-sided:
+    ``P(round up) = ceil(frac * 2**16) / 2**16 >= frac``, so a value within 2**-16 of a
+    step above a grid point rounds up with probability 2**-16). For threefry
     keys (JAX's default, with ``jax_threefry_partitionable`` on, the default since JAX
     0.5) ``bits[j]`` is ``threefry_bits_at(key_data, j)``: the kernels compute the same
     bits in registers.

@@ -4,7 +4,8 @@ Hopper has no FP4 tensor cores, so ``fp4jax.dot`` runs each quantized GEMM as a 
 GEMM on ``data * scale`` (E2M1 times its E4M3 block scale: exact in bf16, see
 ``fp4jax.quantize.scaled_data``) with the two tensor scales applied to the f32 result.
 These kernels make that bf16 operand in one pass over a bf16 input (read 2 bytes,
-write 2 bytes an element; the tensor amax is a separate XLA reduction), bit-identical
+write 2 bytes an element; the tensor amax is a separate pass: an XLA reduction, or
+``rht_cols_amax`` for the rotated columns), bit-identical
 to ``scaled_data(fp4jax.quantize(...), bfloat16)``:
 
 * ``fq_rows``: 1x16 blocks along the last axis (the fprop ``x`` and the dgrad ``dy``);

@@ -193,6 +193,40 @@ def test_dot_kernel_path_equals_xla_path(monkeypatch, m):
         assert (g.view(np.uint32) == w.view(np.uint32)).all(), name
 
 
+@needs_interpret
+def test_dot_kernel_path_under_vmap_equals_xla_path(monkeypatch):
+    """Under vmap the kernel path's operands fall back to the (vmapped) XLA path: same bits,
+    no Pallas batching error."""
+    x = jax.random.normal(jax.random.key(1), (2, 16, 1024)).astype(jnp.bfloat16)
+    w = (0.05 * jax.random.normal(jax.random.key(2), (1024, 1024))).astype(jnp.bfloat16)
+
+    def f(xi, w):
+        return (fp4jax.dot(xi, w, key=jax.random.key(3)).astype(jnp.float32) ** 2).sum()
+
+    outs = []
+    for mode in ("off", "interpret"):
+        monkeypatch.setenv("FP4JAX_KERNELS", mode)
+        v, (dx, dw) = jax.vmap(jax.value_and_grad(f, argnums=(0, 1)), in_axes=(0, None))(x, w)
+        outs.append([np.asarray(a, np.float32) for a in (v, dx, dw)])
+    for a, b in zip(*outs, strict=True):
+        assert (a.view(np.uint32) == b.view(np.uint32)).all()
+
+
+def test_auto_mode_size_threshold_and_devices(monkeypatch):
+    dot = importlib.import_module("fp4jax.dot")
+    monkeypatch.setenv("FP4JAX_KERNELS", "auto")
+    monkeypatch.setattr(dot, "_on_sm90", lambda: True)
+    big = dot.KERNEL_AUTO_MIN_MKN
+    want = "on" if jax.device_count() == 1 else "off"
+    assert dot.kernel_mode(big) == want
+    assert dot.kernel_mode(big - 1) == "off"
+    assert dot.kernel_mode(0) == "off"  # batched dot_general
+    monkeypatch.setenv("FP4JAX_KERNELS", "on")
+    assert dot.kernel_mode(1) == "on"
+    monkeypatch.setattr(dot, "_on_sm90", lambda: False)
+    assert dot.kernel_mode(big) == "off"
+
+
 def test_kernel_mode_setting(monkeypatch):
     dot = importlib.import_module("fp4jax.dot")
     for v, want in (("off", "off"), ("0", "off"), ("interpret", "interpret"), ("", "off"),
