@@ -51,7 +51,6 @@ from fp4jax.numerics import threefry_bits_at
 from pallas_kernels.quantize_nvfp4_sm90 import (
     G2D,
     SUB,
-    _block_amax_bits,
     _block_scale,
     _by_mode,
     _elem_scale,
@@ -60,6 +59,8 @@ from pallas_kernels.quantize_nvfp4_sm90 import (
     _load_words,
     _mode,
     _pick_block,
+    _strip_2d_scales,
+    _word_scales,
     global_scales,
     kernel_scalars,
 )
@@ -125,6 +126,19 @@ def _bf16_hi(v):
     return _i32(v) & -0x10000
 
 
+def _scaled_words(w, e, s_val, finite, n: int, plain: bool, u_lo=None, u_hi=None):
+    """bf16 ``data * scale`` words (int32, (n, 8)) of a (n, 8) word tile whose row ``i``
+    has element encode scale ``e[i]``, block scale ``s_val[i]`` and ``finite[i]`` (a
+    NaN/Inf block gives NaN); ``u_lo``/``u_hi``: SR bits of the low/high elements."""
+    eb = lax.broadcast_in_dim(e, (n, 8), (0,))
+    sb = lax.broadcast_in_dim(s_val, (n, 8), (0,))
+    fin = lax.broadcast_in_dim(finite.astype(jnp.int32), (n, 8), (0,))
+    lo = _e2m1_value(_f32(w << 16) * eb, u_lo, plain) * sb
+    hi = _e2m1_value(_f32(w & -0x10000) * eb, u_hi, plain) * sb
+    word = lax.shift_right_logical(_i32(lo), 16) | _bf16_hi(hi)
+    return jnp.where(fin != 0, word, _NAN2)
+
+
 # ---------------------------------------------------------------------------
 # 1x16 along the last axis.
 # ---------------------------------------------------------------------------
@@ -136,25 +150,17 @@ def _fq_tile(sc_ref, kw_ref, x_ref, o_ref, *, nb: int, base, plain: bool, mode: 
     ``data * scale`` out. ``base``: global index of the tile's first block (SR: element
     ``16 * block + j`` of the row-major (R, C) array takes half of draw ``8 * block + j //
     2``, the low 16 bits for even ``j``, the high for odd: word ``j // 2`` owns a draw)."""
-    enc6 = sc_ref[0]
     for a in range(0, nb, SUB):
         rows = pl.ds(a, SUB) if nb > SUB else slice(None)
         n = min(nb, SUB)
         w = _load_words(x_ref, rows, plain)
-        s_val, s_byte, finite = _block_scale(_block_amax_bits(w), enc6)
-        e = _elem_scale(sc_ref, s_val, s_byte, mode)
-        eb = lax.broadcast_in_dim(e, (n, 8), (0,))
-        sb = lax.broadcast_in_dim(s_val, (n, 8), (0,))
-        fin = lax.broadcast_in_dim(finite.astype(jnp.int32), (n, 8), (0,))
+        s_val, _, e, finite = _word_scales(sc_ref, w, mode)
         u_lo = u_hi = None
         if sr:
             idx = ((base + a + _iota((n, 8), 0, plain)) << 3) + _iota((n, 8), 1, plain)
             bits = threefry_bits_at(kw_ref[0], kw_ref[1], idx)
             u_lo, u_hi = bits & 0xFFFF, lax.shift_right_logical(bits, 16)
-        lo = _e2m1_value(_f32(w << 16) * eb, u_lo, plain) * sb
-        hi = _e2m1_value(_f32(w & -0x10000) * eb, u_hi, plain) * sb
-        word = lax.shift_right_logical(_i32(lo), 16) | _bf16_hi(hi)
-        word = jnp.where(fin != 0, word, _NAN2)
+        word = _scaled_words(w, e, s_val, finite, n, plain, u_lo, u_hi)
         o_ref[rows, :] = lax.bitcast_convert_type(word, jnp.uint32)
 
 
@@ -280,7 +286,7 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_rows: 
             out = []
             for half, stash in ((0, o_ref), (1, x_ref)):
                 s_val, e, finite = scales[half]
-                v = _f32(_load_words_u(stash.at[k], plain))
+                v = _f32(_load_words(stash.at[k], slice(None), plain))
                 u = None
                 if sr:
                     u = draws[half] & 0xFFFF if r == 0 else lax.shift_right_logical(
@@ -292,32 +298,15 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_rows: 
             o_ref[k] = lax.bitcast_convert_type(bits, jnp.uint32)
 
 
-def _load_words_u(ref, plain: bool):
-    if plain:
-        return ref[...]
-    return plgpu.load(ref, (slice(None), slice(None)), layout=plgpu.Layout.WGMMA)
-
-
 def _fq_strip_2d(sc_ref, x_ref, o_ref, *, g: int, plain: bool, mode: str):
     """One strip of ``g`` 16x16 tiles: x_ref/o_ref (16, g, 8) words; one scale per tile
     (amax over its 16 rows' blocks). Rule: ``fp4jax.quantize._quantize_impl`` with
     ``block_2d=True``, round-to-nearest."""
-    enc6 = sc_ref[0]
-    amax = None
-    for k in range(16):
-        a = _block_amax_bits(_load_words(x_ref.at[k], slice(None), plain))
-        amax = a if amax is None else jnp.maximum(amax, a)
-    s_val, s_byte, finite = _block_scale(amax, enc6)
-    e = _elem_scale(sc_ref, s_val, s_byte, mode)
-    eb = lax.broadcast_in_dim(e, (g, 8), (0,))
-    sb = lax.broadcast_in_dim(s_val, (g, 8), (0,))
-    fin = lax.broadcast_in_dim(finite.astype(jnp.int32), (g, 8), (0,))
+    s_val, _, e, finite = _strip_2d_scales(sc_ref, x_ref, plain, mode)
     for k in range(16):
         w = _load_words(x_ref.at[k], slice(None), plain)
-        lo = _e2m1_value(_f32(w << 16) * eb, None, plain) * sb
-        hi = _e2m1_value(_f32(w & -0x10000) * eb, None, plain) * sb
-        word = lax.shift_right_logical(_i32(lo), 16) | _bf16_hi(hi)
-        o_ref[k] = lax.bitcast_convert_type(jnp.where(fin != 0, word, _NAN2), jnp.uint32)
+        o_ref[k] = lax.bitcast_convert_type(_scaled_words(w, e, s_val, finite, g, plain),
+                                            jnp.uint32)
 
 
 GC = (64,)  # column-block groups (of 16 columns) per fq_cols strip

@@ -315,6 +315,25 @@ def _block_scale(amax_bits, enc6):
     return s_val, s_byte, finite
 
 
+def _word_scales(sc_ref, w, mode: str):
+    """Block scales of a (n, 8) word tile (a block = a row): ``(s_val, s_byte, e, finite)``
+    with ``e`` the element encode scale (``_block_scale``, ``_elem_scale``)."""
+    s_val, s_byte, finite = _block_scale(_block_amax_bits(w), sc_ref[0])
+    return s_val, s_byte, _elem_scale(sc_ref, s_val, s_byte, mode), finite
+
+
+def _strip_2d_scales(sc_ref, x_ref, plain: bool, mode: str):
+    """Tile scales of a strip of 16x16 tiles, x_ref (16, g, 8) words: the tile amax is the
+    elementwise max of the 16 rows' block amaxes. Returns ``(s_val, s_byte, e, finite)``,
+    one per tile. Rule: ``fp4jax.quantize._quantize_impl`` with ``block_2d=True``."""
+    amax = None
+    for k in range(16):
+        a = _block_amax_bits(_load_words(x_ref.at[k], slice(None), plain))
+        amax = a if amax is None else jnp.maximum(amax, a)
+    s_val, s_byte, finite = _block_scale(amax, sc_ref[0])
+    return s_val, s_byte, _elem_scale(sc_ref, s_val, s_byte, mode), finite
+
+
 def _encode_words(w, e, finite, n: int):
     """Packed E2M1 bytes (int32, (n, 8)) of a (n, 8) word tile, per-row scale ``e``;
     NaN/Inf blocks get codes -0 (0x88) as a float4 cast of NaN gives.
@@ -339,13 +358,11 @@ def _quant_tile(sc_ref, x_ref, q_ref, s_ref, *, nb: int, plain: bool = False,
     a quad of lanes), so a block's amax is a row reduction (quad shuffles) and the
     per-block scales live in the row layout and broadcast back along the row.
     """
-    enc6 = sc_ref[0]
     for a in range(0, nb, SUB):
         rows = pl.ds(a, SUB) if nb > SUB else slice(None)
         n = min(nb, SUB)
         w = _load_words(x_ref, rows, plain)
-        s_val, s_byte, finite = _block_scale(_block_amax_bits(w), enc6)
-        e = _elem_scale(sc_ref, s_val, s_byte, mode)
+        _, s_byte, e, finite = _word_scales(sc_ref, w, mode)
         s_ref[rows] = jnp.where(finite, s_byte, 0x7F).astype(jnp.uint8)
         q_ref[rows, :] = _encode_words(w, e, finite, n).astype(jnp.uint8)
 
@@ -359,13 +376,7 @@ def _quant_strip_2d(sc_ref, x_ref, q_ref, s_ref, *, g: int, plain: bool = False,
     across rows), then every row is encoded with its tile's scale.
     Rule: ``fp4jax.quantize._quantize_impl`` with ``block_2d=True`` (one scale per
     16x16 tile, amax over the tile)."""
-    enc6 = sc_ref[0]
-    amax = None
-    for k in range(16):
-        a = _block_amax_bits(_load_words(x_ref.at[k], slice(None), plain))
-        amax = a if amax is None else jnp.maximum(amax, a)
-    s_val, s_byte, finite = _block_scale(amax, enc6)
-    e = _elem_scale(sc_ref, s_val, s_byte, mode)
+    _, s_byte, e, finite = _strip_2d_scales(sc_ref, x_ref, plain, mode)
     s_ref[...] = jnp.where(finite, s_byte, 0x7F).astype(jnp.uint8)
     for k in range(16):
         w = _load_words(x_ref.at[k], slice(None), plain)
