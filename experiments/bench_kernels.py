@@ -4,7 +4,7 @@ One script, one device call:
 
     PYTHONPATH=$PWD python3 experiments/bench_kernels.py [copy quantize quantize2 quantize3 sweep
                                                           decode gemm dotkern dotkern1
-                                                          dotkern3 fakequant w4a4]
+                                                          dotkern3 dotsweep fakequant w4a4]
 
 Device time of every jitted call is measured with CUPTI
 (``jax.experimental.mosaic.gpu.profiler.measure``: the sum of the kernels one call
@@ -322,6 +322,18 @@ def bench_fakequant(copy_gbps, shapes=((8192, 8192), (16384, 4096))):
             ("16x1 cols RHT SR", lambda x: fq.fq_cols(x, key, signs=signs)[0],
              xla(0, sr=True, rht=True)),
         ]
+        # the tensor amaxes: an XLA reduction (plain), the rotated one (a Pallas pass), and
+        # both from one read (what dot's kernel path does for x and dy)
+        def xla_amax(a):
+            a = jnp.abs(a.astype(jnp.float32))
+            return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0))
+
+        ta = timed(g, "amax XLA reduction", xla_amax, x)
+        tr = timed(g, "rht_cols_amax", lambda x: fq.rht_cols_amax(x, signs), x)
+        tp = timed(g, "cols_amaxes (both from one read)", lambda x: fq.cols_amaxes(x, signs), x)
+        if ta and tr and tp:
+            rec(g, "cols_amaxes vs separate passes", us_saved=ta + tr - tp,
+                frac_copy_bw_read=(x.size * 2) / tp / 1e3 / copy_gbps)
         for name, fk, fx in rows:
             tk = timed(g, f"kernel+amax {name}", fk, x)
             tx = timed(g, f"XLA {name}", fx, x)
@@ -427,6 +439,10 @@ def main():
         bench_dot_kernels()
     if "dotkern1" in which:  # 8192^3 only
         bench_dot_kernels(shapes=((8192, 8192, 8192),))
+    if "dotsweep" in which:  # sizes around the auto threshold (FP4JAX_KERNELS=auto)
+        bench_dot_kernels(iterations=10, shapes=(
+            (2048, 2048, 2048), (16384, 512, 2048), (16384, 2048, 512), (8192, 2048, 2048),
+            (16384, 2048, 2048), (4096, 4096, 4096), (8192, 4096, 4096)))
     if "dotkern3" in which:  # 8192^3, 4096^3, Llama-8B MLP up-projection
         bench_dot_kernels(shapes=((8192, 8192, 8192), (4096, 4096, 4096),
                                   (16384, 4096, 14336)))

@@ -215,37 +215,53 @@ def _kernel_for(x: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: jax.
         ok = not g.hadamard and not spec.stochastic and fq.supported_2d(mat, x.dtype)
         return "2d" if ok else None
     if axis == 2:
-        return "rows" if not g.hadamard and fq.supported_rows(mat, x.dtype) else None
+        ok = not g.hadamard and fq.supported_rows(mat, x.dtype, spec.stochastic)
+        return "rows" if ok else None
     return "cols" if g.hadamard in (0, 16) and fq.supported_cols(mat, x.dtype) else None
 
 
-def _scaled_operand(x: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: jax.Array,
-                    gemm: str, which: str, kmode: str) -> tuple[jax.Array, jax.Array]:
-    """One operand as ``(scaled_data(Q(x)) in bf16, tensor decode scale)``: from a fused
-    kernel when one covers it, else from the XLA path (the same bits either way)."""
-    def xla(x, key):
+def _scaled_operands(x: jax.Array, ops: tuple, key: jax.Array, kmode: str
+                     ) -> list[tuple[jax.Array, jax.Array]]:
+    """Operands made from one tensor ``x``, each ``(scaled_data(Q(x)) in bf16, tensor
+    decode scale)``; ``ops``: ``(gemm_spec, quant_spec, axis, gemm, which)`` per operand.
+    Each comes from a fused kernel when one covers it, else from the XLA path (the same
+    bits either way). A rows operand and an RHT'd cols operand of the same tensor take
+    both tensor amaxes from one read (``cols_amaxes``)."""
+    def xla(x, key, op):
+        g, spec, axis, gemm, which = op
         q = _quant(_rht(x, g, axis, key, gemm), spec, axis, _subkey(key, gemm, which))
         return qz.scaled_data(q, jnp.bfloat16), q.global_scale
 
-    kind = _kernel_for(x, g, spec, axis, key)
-    if kind is None:
-        return xla(x, key)
+    kinds = [_kernel_for(x, op[0], op[1], op[2], key) for op in ops]
+    out: list = [None] * len(ops)
+    for i, (op, kind) in enumerate(zip(ops, kinds, strict=True)):
+        if kind is None:
+            out[i] = xla(x, key, op)
+    todo = [i for i, kind in enumerate(kinds) if kind is not None]
+    if not todo:
+        return out
 
-    # Pallas calls have no correct batching rule here: under jax.vmap this operand takes
-    # the XLA path (vmapped), which is what the unbatched kernel computes per example.
+    def xla_all(x, key):
+        return [xla(x, key, ops[i]) for i in todo]
+
+    # Pallas calls have no correct batching rule here: under jax.vmap these operands take
+    # the XLA path (vmapped), which is what the unbatched kernels compute per example.
     f = jax.custom_batching.custom_vmap(
-        lambda x, key: _kernel_operand(x, g, spec, key, gemm, which, kmode, kind))
+        lambda x, key: _kernel_operands(x, [ops[i] for i in todo], [kinds[i] for i in todo],
+                                        key, kmode))
 
     @f.def_vmap
     def _(axis_size, in_batched, x, key):
         del axis_size
-        out = jax.vmap(xla, in_axes=[0 if b else None for b in in_batched])(x, key)
-        return out, (True, True)
+        res = jax.vmap(xla_all, in_axes=[0 if b else None for b in in_batched])(x, key)
+        return res, [(True, True)] * len(todo)
 
-    return f(x, key)
+    for i, r in zip(todo, f(x, key), strict=True):
+        out[i] = tuple(r)
+    return out
 
 
-def _kernel_operand(x, g, spec, key, gemm, which, kmode, kind):
+def _kernel_operands(x, ops, kinds, key, kmode):
     from pallas_kernels import fakequant_nvfp4_sm90 as fq
 
     kw = {}
@@ -253,16 +269,25 @@ def _kernel_operand(x, g, spec, key, gemm, which, kmode, kind):
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
         kw["interpret"] = InterpretGPUParams()
-    sr_key = _subkey(key, gemm, which) if spec.stochastic else None
     m = x[0]
-    if kind == "2d":
-        out, dec = fq.fq_2d(m, **kw)
-    elif kind == "rows":
-        out, dec = fq.fq_rows(m, sr_key, **kw)
-    else:
-        signs = _rht_signs(g, key, gemm) if g.hadamard else None
-        out, dec = fq.fq_cols(m, sr_key, signs=signs, **kw)
-    return out[None], dec
+    signs = [_rht_signs(op[0], key, op[3]) if kind == "cols" and op[0].hadamard else None
+             for op, kind in zip(ops, kinds, strict=True)]
+    amax = rht_amax = None
+    rot = [i for i, sg in enumerate(signs) if sg is not None]
+    if kinds.count("rows") == 1 and len(rot) == 1:  # x (fprop, wgrad) or dy (dgrad, wgrad)
+        amax, rht_amax = fq.cols_amaxes(m, signs[rot[0]], **kw)
+    res = []
+    for (_, spec, _, gemm, which), kind, sg in zip(ops, kinds, signs, strict=True):
+        sr_key = _subkey(key, gemm, which) if spec.stochastic else None
+        if kind == "2d":
+            o, dec = fq.fq_2d(m, **kw)
+        elif kind == "rows":
+            o, dec = fq.fq_rows(m, sr_key, amax=amax, **kw)
+        else:
+            o, dec = fq.fq_cols(m, sr_key, signs=sg, amax=rht_amax if sg is not None else None,
+                                **kw)
+        res.append((o[None], dec))
+    return res
 
 
 def _make_dot3_scaled(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any,
@@ -274,29 +299,34 @@ def _make_dot3_scaled(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype:
     reuse_w = dg.rhs == fp.rhs and fp.rhs.block_2d and not (fp.hadamard or dg.hadamard)
     hi = jax.lax.Precision.HIGHEST
 
-    def forward(x, w, key):
-        xs, sx = _scaled_operand(x, fp, fp.lhs, 2, key, "fprop", "lhs", kmode)
-        ws, sw = _scaled_operand(w, fp, fp.rhs, 1, key, "fprop", "rhs", kmode)
-        return _einsum_scaled("bmk,bkn->bmn", xs, ws, sx, sw, hi).astype(out_dtype), (ws, sw)
+    x_fprop = (fp, fp.lhs, 2, "fprop", "lhs")
+    w_fprop = (fp, fp.rhs, 1, "fprop", "rhs")
+
+    def forward(x, w, key, with_x_res=False):
+        xops = (x_fprop, (wg, wg.lhs, 1, "wgrad", "lhs")) if with_x_res else (x_fprop,)
+        xo = _scaled_operands(x, xops, key, kmode)
+        (xs, sx), = xo[:1]
+        (ws, sw), = _scaled_operands(w, (w_fprop,), key, kmode)
+        y = _einsum_scaled("bmk,bkn->bmn", xs, ws, sx, sw, hi).astype(out_dtype)
+        return y, (ws, sw), xo[1:]
 
     @jax.custom_vjp
     def dot3(x, w, key):
         return forward(x, w, key)[0]
 
     def fwd(x, w, key):
-        y, w_res = forward(x, w, key)
+        y, w_res, (x_res,) = forward(x, w, key, with_x_res=True)
         if not reuse_w:
-            w_res = _scaled_operand(w, dg, dg.rhs, 2, key, "dgrad", "rhs", kmode)
-        x_res = _scaled_operand(x, wg, wg.lhs, 1, key, "wgrad", "lhs", kmode)
+            w_res, = _scaled_operands(w, ((dg, dg.rhs, 2, "dgrad", "rhs"),), key, kmode)
         return y, (w_res, x_res, key)
 
     def bwd(res, g):
         (ws, sw), (xs, sx), key = res
         g = g.astype(jnp.float32) if g.dtype != jnp.bfloat16 else g
-        gs, sg = _scaled_operand(g, dg, dg.lhs, 2, key, "dgrad", "lhs", kmode)
+        (gs, sg), (gt, sgt) = _scaled_operands(
+            g, ((dg, dg.lhs, 2, "dgrad", "lhs"), (wg, wg.rhs, 1, "wgrad", "rhs")), key, kmode)
         dx = _einsum_scaled("bmn,bkn->bmk", gs, ws, sg, sw, hi)
-        gs, sg = _scaled_operand(g, wg, wg.rhs, 1, key, "wgrad", "rhs", kmode)
-        dw = _einsum_scaled("bmk,bmn->bkn", xs, gs, sx, sg, hi)
+        dw = _einsum_scaled("bmk,bmn->bkn", xs, gt, sx, sgt, hi)
         return dx.astype(lhs_dtype), dw.astype(rhs_dtype), None
 
     dot3.defvjp(fwd, bwd)

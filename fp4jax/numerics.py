@@ -318,25 +318,41 @@ def round_to_grid(v: jax.Array, grid: FloatGrid, mode: str = "nearest") -> jax.A
 
 
 def uniform_from_key(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Uniform float32 in [0, 1) on a 2**-16 lattice, 16 random bits per element.
+    """Uniform float32 in (0, 1) on the midpoint lattice ``(b + 1/2) * 2**-8``, 8 random
+    bits per element, four elements (a 2x2 square) per 32-bit draw.
 
-    Rule: with ``n = prod(shape)``, ``bits = jax.random.bits(key, (ceil(n/2),), uint32)``;
-    element ``i`` (row-major) takes the low 16 bits of ``bits[i // 2]`` when ``i`` is
-    even, the high 16 bits when odd, and ``u = bits16 * 2**-16``. Two elements share one
-    32-bit draw because generating the bits (20 Threefry rounds) is what bounds the
-    stochastic-rounding kernels on Hopper (``pallas_kernels/fakequant_nvfp4_sm90.py``:
-    a 32-bit draw per element made the SR kernel 3x slower than the round-to-nearest
-    one); 16 bits keep the rounding's bias below 2**-16 of one grid step (one-sided:
-    ``P(round up) = ceil(frac * 2**16) / 2**16 >= frac``, so a value within 2**-16 of a
-    step above a grid point rounds up with probability 2**-16). For threefry
-    keys (JAX's default, with ``jax_threefry_partitionable`` on, the default since JAX
-    0.5) ``bits[j]`` is ``threefry_bits_at(key_data, j)``: the kernels compute the same
-    bits in registers.
+    Rule: view ``shape`` as a matrix (N, K), ``K = shape[-1]`` (the blocked axis: callers
+    pass the padded array with the blocked axis last), ``N = prod(shape[:-1])``. With
+    ``bits = jax.random.bits(key, (ceil(N/2) * ceil(K/2),), uint32)``, element (n, k)
+    takes byte ``2 * (n % 2) + (k % 2)`` (byte 0 = bits 0..7) of
+    ``bits[(n // 2) * ceil(K/2) + k // 2]``: rows 2m and 2m+1 and columns 2j and 2j+1
+    share one draw, which is what a bf16 word (two neighbours along one axis) of two
+    neighbouring rows or columns holds in the Hopper kernels
+    (``pallas_kernels/fakequant_nvfp4_sm90.py``), so a kernel makes one Threefry draw per
+    four elements. For threefry keys (JAX's default, with ``jax_threefry_partitionable``
+    on, the default since JAX 0.5) ``bits[j]`` is ``threefry_bits_at(key_data, j)``.
+
+    Why 8 bits: it is the random-bit budget of Transformer Engine's NVFP4 stochastic
+    rounding on Blackwell, which feeds one 32-bit ``rbits`` word to each
+    ``cvt.rs.satfinite.e2m1x4.f32`` (four values; TE ``common/util/ptx.cuh``, PTX ISA
+    ``cvt``), and generating the bits (20 Threefry rounds per draw) is what bounds the
+    stochastic-rounding kernels on Hopper. With ``u`` on the midpoint lattice,
+    ``stochastic_round_to_grid`` rounds up with probability ``round(frac * 256) / 256``
+    (``frac`` the position between the two neighbours; exact ties at ``(b + 1/2) / 256``
+    round down), so the rounding's bias is two-sided and at most ``2**-9`` of a grid step,
+    exact grid values (``frac = 0``) never move, and ``frac >= 511/512`` always rounds up.
     """
-    n = int(np.prod(shape))
-    bits = jax.random.bits(key, ((n + 1) // 2,), jnp.uint32)
-    u16 = jnp.stack([bits & 0xFFFF, bits >> 16], axis=-1).reshape(-1)[:n]
-    return u16.astype(jnp.float32).reshape(shape) * jnp.float32(2.0**-16)
+    shape = tuple(int(d) for d in shape)
+    k = shape[-1] if shape else 1
+    n = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    nh, kh = -(-n // 2), -(-k // 2)
+    bits = jax.random.bits(key, (nh * kh,), jnp.uint32).reshape(nh, 1, kh, 1)
+    shift = (8 * (2 * jnp.arange(2, dtype=jnp.uint32)[:, None]
+                  + jnp.arange(2, dtype=jnp.uint32)[None, :]))  # [n % 2, k % 2]
+    b = (bits >> shift[None, :, None, :]) & 0xFF  # (nh, 2, kh, 2)
+    b = b.reshape(2 * nh, 2 * kh)[:n, :k]
+    u = (b.astype(jnp.float32) * 2 + 1) * jnp.float32(2.0**-9)
+    return u.reshape(shape)
 
 
 _THREEFRY_ROT = ((13, 15, 26, 6), (17, 29, 16, 24))
@@ -396,8 +412,9 @@ def stochastic_round_to_grid(v: jax.Array, grid: FloatGrid, u: jax.Array) -> jax
     ``E[result] = v`` for every ``v`` inside the grid's range (values above
     ``max_value`` saturate, as in Transformer Engine's ``cvt.rs.satfinite``).
     The fractional position ``t - floor(t)`` is computed exactly and compared
-    with ``u`` (uniform on a 2**-16 lattice, see ``uniform_from_key``), so the only bias
-    is below ``2**-16`` of one grid step. Exact grid values are returned unchanged.
+    with ``u`` (uniform on the lattice ``(b + 1/2) / 256``, see ``uniform_from_key``), so
+    the only bias is at most ``2**-9`` of one grid step, in either direction. Exact grid
+    values are returned unchanged.
 
     Reference: FP4 All the Way (Chmiel et al., 2025), section 3 (SR definition);
     NVFP4 paper section 4.3.

@@ -327,7 +327,7 @@ def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding
         e = element_encode_scale(s, dec)[..., :, None, :, None]
         u = None
         if rounding == "stochastic":
-            u = numerics.uniform_from_key(key, tiles.shape)
+            u = numerics.uniform_from_key(key, xp.shape).reshape(tiles.shape)
         q = _round_elements(tiles * e, rounding, u).reshape(xp.shape)[..., :rows, :cols]
         return QuantizedArray(q.astype(_F4), s.astype(fmt.scale_dtype), dec, fmt, None, True)
 
@@ -340,7 +340,7 @@ def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding
     e = element_encode_scale(s, dec)[..., None]
     u = None
     if rounding == "stochastic":
-        u = numerics.uniform_from_key(key, blocks.shape)
+        u = numerics.uniform_from_key(key, xm.shape).reshape(blocks.shape)
     q = _round_elements(blocks * e, rounding, u).reshape(xm.shape)[..., :n]
     q = jnp.moveaxis(q, -1, axis).astype(_F4)
     scale = jnp.moveaxis(s, -1, axis).astype(fmt.scale_dtype)

@@ -16,12 +16,13 @@ to ``scaled_data(fp4jax.quantize(...), bfloat16)``:
 * ``fq_2d``: 16x16 tiles (the fprop/dgrad weight).
 
 Each does round-to-nearest-even or stochastic rounding. Stochastic rounding draws its
-16 bits per element in the kernel from the key (``fp4jax.numerics.threefry_bits_at``,
-the counter-based Threefry-2x32 of ``jax.random.bits``; two elements per 32-bit draw,
-the rule of ``fp4jax.numerics.uniform_from_key``), indexed by the element's row-major
-position in the layout the XLA path draws them for (``(R, C)`` for rows, ``(C, R)`` for
-cols), so the kernels and the XLA path produce the same bits with no random array in
-memory.
+8 bits per element in the kernel from the key (``fp4jax.numerics.threefry_bits_at``,
+the counter-based Threefry-2x32 of ``jax.random.bits``; the four elements of a 2x2
+square share one 32-bit draw, the rule of ``fp4jax.numerics.uniform_from_key``, on the
+blocked-axis-last view: ``(R, C)`` for rows, ``(C, R)`` for cols). A bf16 word holds two
+neighbours, so one draw serves the same word of two neighbouring rows: ``fq_rows`` takes
+its rows in pairs, ``fq_cols`` loops over row pairs. Kernels and XLA path produce the
+same bits with no random array in memory.
 
 Numerics (each rule is the core's, cited where it is used): block amax, E4M3 block
 scale and element encode scale from ``quantize_nvfp4_sm90`` (TE ``core_nvfp4.cuh``);
@@ -65,8 +66,8 @@ from pallas_kernels.quantize_nvfp4_sm90 import (
     kernel_scalars,
 )
 
-__all__ = ["fq_rows", "fq_cols", "fq_2d", "rht_cols_amax", "supported_rows", "supported_cols",
-           "supported_2d", "scalars"]
+__all__ = ["fq_rows", "fq_cols", "fq_2d", "rht_cols_amax", "cols_amaxes", "supported_rows",
+           "supported_cols", "supported_2d", "scalars"]
 
 _SC_SIGNS = 32  # f32 scalars: kernel_scalars (32 words) then the 16 RHT signs
 _NAN2 = 0x7FC07FC0  # two bf16 quiet NaNs
@@ -90,12 +91,12 @@ def _barrier(v, plain: bool):
     return lax.optimization_barrier(v) if plain else v
 
 
-def _e2m1_value(v, u16, plain: bool):
+def _e2m1_value(v, u8, plain: bool):
     """E2M1 value (float32, sign of ``v`` kept) of a scaled element ``v`` (finite).
 
     Rule: ``fp4jax.quantize._round_elements``: ``numerics.round_to_grid(|v|, E2M1,
-    "nearest")`` (``u16`` None) or ``numerics.stochastic_round_to_grid(|v|, E2M1, u)``
-    with ``u = u16 * 2^-16`` (``u16``: the element's 16 random bits, int32, see
+    "nearest")`` (``u8`` None) or ``numerics.stochastic_round_to_grid(|v|, E2M1, u)``
+    with ``u = (u8 + 1/2) * 2^-8`` (``u8``: the element's random byte, int32, see
     ``numerics.uniform_from_key``), then the sign. Same steps: the grid quantum ``q =
     2^(clip(floor_log2|v|, 0, 2) - 1)``, ``t = |v| / q`` (exact), round ``t`` (half to
     even by the 2^23 trick, or ``floor(t) + (u < frac(t))``; ``t < 2^23`` here), then
@@ -105,11 +106,11 @@ def _e2m1_value(v, u16, plain: bool):
     ab = bits & 0x7FFFFFFF
     ex = jnp.minimum(jnp.maximum(lax.shift_right_logical(ab, 23) - 127, 0), 2) - 1
     t = _f32(ab) * _f32((127 - ex) << 23)
-    if u16 is None:
+    if u8 is None:
         r = _barrier(t + 8388608.0, plain) - 8388608.0
     else:
         lo = t.astype(jnp.int32).astype(jnp.float32)  # floor: t >= 0
-        u = u16.astype(jnp.float32) * (2.0 ** -16)
+        u = (u8 * 2 + 1).astype(jnp.float32) * (2.0 ** -9)
         r = jnp.where(u < t - lo, lo + 1.0, lo)
     out = jnp.minimum(r * _f32((127 + ex) << 23), 6.0)
     return _f32(_i32(out) | (bits & -0x80000000))
@@ -144,32 +145,53 @@ def _scaled_words(w, e, s_val, finite, n: int, plain: bool, u_lo=None, u_hi=None
 # ---------------------------------------------------------------------------
 
 
-def _fq_tile(sc_ref, kw_ref, x_ref, o_ref, *, nb: int, base, plain: bool, mode: str,
-             sr: bool):
-    """``nb`` blocks: x_ref (nb, 8) uint32 words in, o_ref (nb, 8) uint32 words of bf16
-    ``data * scale`` out. ``base``: global index of the tile's first block (SR: element
-    ``16 * block + j`` of the row-major (R, C) array takes half of draw ``8 * block + j //
-    2``, the low 16 bits for even ``j``, the high for odd: word ``j // 2`` owns a draw)."""
+def _fq_tile(sc_ref, kw_ref, x_ref, o_ref, *, nb: int, plain: bool, mode: str):
+    """Round-to-nearest: ``nb`` blocks, x_ref (nb, 8) uint32 words in, o_ref (nb, 8)
+    uint32 words of bf16 ``data * scale`` out (stochastic rounding: ``_fq_pair_tile``)."""
+    del kw_ref
     for a in range(0, nb, SUB):
         rows = pl.ds(a, SUB) if nb > SUB else slice(None)
         n = min(nb, SUB)
         w = _load_words(x_ref, rows, plain)
         s_val, _, e, finite = _word_scales(sc_ref, w, mode)
-        u_lo = u_hi = None
-        if sr:
-            idx = ((base + a + _iota((n, 8), 0, plain)) << 3) + _iota((n, 8), 1, plain)
-            bits = threefry_bits_at(kw_ref[0], kw_ref[1], idx)
-            u_lo, u_hi = bits & 0xFFFF, lax.shift_right_logical(bits, 16)
-        word = _scaled_words(w, e, s_val, finite, n, plain, u_lo, u_hi)
+        word = _scaled_words(w, e, s_val, finite, n, plain)
         o_ref[rows, :] = lax.bitcast_convert_type(word, jnp.uint32)
 
 
-def supported_rows(shape, dtype) -> bool:
-    """bf16 (R, C), C % 16 == 0, R*C/16 a multiple of 256, R*C < 2^31."""
+def _byte(bits, i: int):
+    """Byte ``i`` (0 = bits 0..7) of int32 ``bits``, as int32 in 0..255."""
+    return lax.shift_right_logical(bits, 8 * i) & 0xFF if i else bits & 0xFF
+
+
+def _fq_pair_tile(sc_ref, kw_ref, x_ref, o_ref, *, g: int, draw0, plain: bool, mode: str):
+    """Stochastic rounding of the same ``g`` blocks of two neighbouring rows (2m, 2m+1):
+    x_ref/o_ref (2, g, 8) words. The word (i, j) of both rows shares the draw ``draw0 +
+    8 i + j`` (``numerics.uniform_from_key`` on (R, C): row 2m takes bytes 0 (low
+    element) and 1 (high), row 2m+1 bytes 2 and 3); ``draw0 = m * C/2 + 8 * (first
+    block of the tile within its row)``."""
+    bits = threefry_bits_at(kw_ref[0], kw_ref[1],
+                            draw0 + (_iota((g, 8), 0, plain) << 3) + _iota((g, 8), 1, plain))
+    for r in (0, 1):
+        w = _load_words(x_ref.at[r], slice(None), plain)
+        s_val, _, e, finite = _word_scales(sc_ref, w, mode)
+        word = _scaled_words(w, e, s_val, finite, g, plain, _byte(bits, 2 * r),
+                             _byte(bits, 2 * r + 1))
+        o_ref[r] = lax.bitcast_convert_type(word, jnp.uint32)
+
+
+GR = (128, 64)  # blocks per row of an SR pair tile (fq_rows with a key)
+PAIR_BLOCKS = 512  # blocks per CTA of the SR rows kernel (as kt * SUB of the RtN one)
+
+
+def supported_rows(shape, dtype, sr: bool = False) -> bool:
+    """bf16 (R, C), C % 16 == 0, R*C/16 a multiple of 256, R*C < 2^31; with stochastic
+    rounding (``sr``) also R even and C % 1024 == 0 (rows are taken in pairs, 64 blocks
+    of each at least)."""
     if len(shape) != 2 or jnp.dtype(dtype) != jnp.bfloat16:
         return False
     r, c = shape
-    return c % 16 == 0 and (r * c // 16) % SUB == 0 and r * c < 2**31
+    ok = c % 16 == 0 and (r * c // 16) % SUB == 0 and r * c < 2**31
+    return ok and (not sr or (r % 2 == 0 and c % (16 * GR[-1]) == 0))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr"))
@@ -177,19 +199,22 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
                    sr: bool = False):
     """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec)``, ``kw = key_words(key)``.
     Returns the bf16 (R, C) ``data * scale`` of 1x16 NVFP4 blocks along the last axis."""
-    if not supported_rows(x.shape, x.dtype):
-        raise ValueError(f"fq_rows needs bf16 (R, C), C % 16 == 0, R*C % {16 * SUB} == 0, "
-                         f"got {x.dtype} {x.shape}")
+    if not supported_rows(x.shape, x.dtype, sr):
+        raise ValueError(f"fq_rows needs bf16 (R, C), C % 16 == 0, R*C % {16 * SUB} == 0 "
+                         f"(with a key also R % 2 == 0 and C % {16 * GR[-1]} == 0), got "
+                         f"{x.dtype} {x.shape}")
     # "auto" (table, branching to recip_rn for extreme dec) emits the body twice; with
     # SR's Threefry that doubles an already long kernel, so SR takes "rn" alone
     mode = _mode(recip or ("rn" if sr else "auto"), None)
     r, c = x.shape
+    if sr:
+        return _fq_rows_pairs(x, sc, kw, interpret=interpret, mode=mode)
     nbt = r * c // 16
     xw = lax.bitcast_convert_type(x.reshape(nbt, 8, 2), jnp.uint32)
     if interpret:
         def interp_body(sc_ref, kw_ref, x_ref, o_ref):
             _by_mode(sc_ref, mode, lambda md: _fq_tile(
-                sc_ref, kw_ref, x_ref, o_ref, nb=nbt, base=0, plain=True, mode=md, sr=sr))
+                sc_ref, kw_ref, x_ref, o_ref, nb=nbt, plain=True, mode=md))
 
         o = pl.pallas_call(
             interp_body, out_shape=jax.ShapeDtypeStruct((nbt, 8), jnp.uint32),
@@ -206,7 +231,7 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
             def tiles(md):
                 for i in range(kt):
                     _fq_tile(sc_gmem, kw_gmem, x_smem.at[i], o_smem.at[i], nb=SUB,
-                             base=(cta * kt + i) * SUB, plain=False, mode=md, sr=sr)
+                             plain=False, mode=md)
 
             _by_mode(sc_gmem, mode, tiles)
 
@@ -223,6 +248,60 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
     )(sc, kw, xw.reshape(ns, SUB, 8))
     return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
+
+
+def _fq_rows_pairs(x, sc, kw, *, interpret: bool, mode: str):
+    """``fq_rows_scaled`` with stochastic rounding: x viewed as (R, C/16, 8) words, each
+    CTA takes ``rp`` row pairs x ``g`` blocks (``_fq_pair_tile`` per pair)."""
+    r, c = x.shape
+    nbr = c // 16
+    xw = lax.bitcast_convert_type(x.reshape(r, nbr, 8, 2), jnp.uint32)
+    out_type = jax.ShapeDtypeStruct((r, nbr, 8), jnp.uint32)
+
+    def result(o):
+        return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
+
+    if interpret:
+        def interp_body(sc_ref, kw_ref, x_ref, o_ref):
+            @pl.loop(0, r // 2)
+            def _(m):
+                rows = pl.ds(2 * m, 2)
+                _fq_pair_tile(sc_ref, kw_ref, x_ref.at[rows], o_ref.at[rows], g=nbr,
+                              draw0=m * (c // 2), plain=True, mode=mode)
+
+        return result(pl.pallas_call(
+            interp_body, out_shape=out_type, interpret=interpret,
+            compiler_params=plgpu.CompilerParams())(sc, kw, xw))
+
+    g = _pick_block(nbr, GR)
+    rp = max(1, PAIR_BLOCKS // (2 * g))
+    while (r // 2) % rp:
+        rp //= 2
+
+    def body(sc_gmem, kw_gmem, x_gmem, o_gmem):
+        i = lax.axis_index("rows")
+        j = lax.axis_index("cols")
+
+        def step(_, x_smem, o_smem):
+            for p in range(rp):
+                rows = pl.ds(2 * p, 2)
+                _fq_pair_tile(sc_gmem, kw_gmem, x_smem.at[rows], o_smem.at[rows], g=g,
+                              draw0=(i * rp + p) * (c // 2) + 8 * g * j, plain=False,
+                              mode=mode)
+
+        plgpu.emit_pipeline(
+            step, grid=(1,),
+            in_specs=[plgpu.BlockSpec((2 * rp, g, 8), lambda _: (i, j, 0))],
+            out_specs=[plgpu.BlockSpec((2 * rp, g, 8), lambda _: (i, j, 0))],
+            max_concurrent_steps=1,
+        )(x_gmem, o_gmem)
+
+    o = plgpu.kernel(
+        body, out_type=out_type,
+        grid=(r // (2 * rp), nbr // g), grid_names=("rows", "cols"),
+        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
+    )(sc, kw, xw)
+    return result(o)
 
 
 # ---------------------------------------------------------------------------
@@ -248,9 +327,10 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_rows: 
     """One strip: x_ref (16, g, 8) uint32 words (row k of the strip is x_ref[k]; word
     (i, w) holds columns ``col0 + 16 i + 2 w`` (low half) and ``+1`` (high half)),
     o_ref (16, g, 8) words out. Each column of the strip is one 16-element block (along
-    the rows), after the Hadamard rotation along the rows when ``rht``. SR: element (row,
-    col) has index ``i = col * n_rows + row`` in the row-major (C, R) transposed array and
-    takes half ``i % 2`` of draw ``i // 2``, so rows 2p and 2p+1 share a draw.
+    the rows), after the Hadamard rotation along the rows when ``rht``. SR
+    (``numerics.uniform_from_key`` on the (C, R) transposed view): element (row, col)
+    takes byte ``2 (col % 2) + (row % 2)`` of draw ``(col // 2) * n_rows/2 + row // 2``,
+    so a word (two neighbouring columns) of rows 2p and 2p+1 shares one draw.
 
     Code size: the block scales need all 16 (rotated) rows at once, but the per-element
     rounding (with its 80-operation Threefry for SR) runs in a loop over the 16 rows, so
@@ -272,25 +352,20 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_rows: 
         for k in range(16):
             stash[k] = lax.bitcast_convert_type(v[k], jnp.uint32)
     draw0 = None
-    if sr:  # draw index of (row0, even column of each word); n_rows and row0 are even
-        draw0 = lax.shift_right_logical(
-            (col0 + (_iota((g, 8), 0, plain) << 4) + (_iota((g, 8), 1, plain) << 1))
-            * n_rows + row0, 1)
+    if sr:  # draw of (rows row0, row0 + 1; the word's column pair); n_rows, row0 even
+        draw0 = (lax.shift_right_logical(col0, 1) + (_iota((g, 8), 0, plain) << 3)
+                 + _iota((g, 8), 1, plain)) * (n_rows // 2) + lax.shift_right_logical(row0, 1)
 
     @pl.loop(0, 8)
     def _(p):
-        draws = [threefry_bits_at(kw_ref[0], kw_ref[1], draw0 + half * (n_rows // 2) + p)
-                 if sr else None for half in (0, 1)]
+        draw = threefry_bits_at(kw_ref[0], kw_ref[1], draw0 + p) if sr else None
         for r in (0, 1):
             k = 2 * p + r
             out = []
             for half, stash in ((0, o_ref), (1, x_ref)):
                 s_val, e, finite = scales[half]
                 v = _f32(_load_words(stash.at[k], slice(None), plain))
-                u = None
-                if sr:
-                    u = draws[half] & 0xFFFF if r == 0 else lax.shift_right_logical(
-                        draws[half], 16)
+                u = _byte(draw, 2 * half + r) if sr else None
                 out.append((_e2m1_value(v * e, u, plain) * s_val, finite))
             (lo, flo), (hi, fhi) = out
             bits = (jnp.where(flo, lax.shift_right_logical(_i32(lo), 16), _NAN2 & 0xFFFF)
@@ -425,20 +500,30 @@ def fq_2d_scaled(x, sc, *, interpret: bool = False, recip: str = "rn", g: int | 
 # ---------------------------------------------------------------------------
 
 
-def _rht_cols_strip_amax(sc_ref, x_ref, a_ref, *, plain: bool):
+def _finite_max_bits(v):
+    """Elementwise max over the list ``v`` of float32 arrays of ``|v|`` as int32 bits, with
+    NaN/Inf counted as 0 (the core's ``_finite_amax``)."""
+    m = None
+    for t in v:
+        b = _i32(t) & 0x7FFFFFFF
+        b = jnp.where(b < 0x7F800000, b, 0)
+        m = b if m is None else jnp.maximum(m, b)
+    return m
+
+
+def _rht_cols_strip_amax(sc_ref, x_ref, a_ref, *, plain: bool, plain_amax: bool = False):
     """Finite amax bits (int32, NaN/Inf counted as 0) of every rotated column block of a
     strip: x_ref (16, g, 8) words in, a_ref (2, g, 8) out (low / high halves). The
-    rotation is ``_fwht16``, the very operations of ``_fq_strip_cols``."""
+    rotation is ``_fwht16``, the very operations of ``_fq_strip_cols``. With
+    ``plain_amax`` a_ref is (4, g, 8) and rows 2, 3 get the amax of the unrotated
+    blocks (the same read serves ``fq_rows``' tensor scale)."""
     words = [_load_words(x_ref.at[k], slice(None), plain) for k in range(16)]
     for half in (0, 1):
         v = [_f32(w << 16) if half == 0 else _f32(w & -0x10000) for w in words]
+        if plain_amax:
+            a_ref[2 + half] = lax.bitcast_convert_type(_finite_max_bits(v), jnp.uint32)
         v = _fwht16([v[k] * sc_ref[_SC_SIGNS + k] for k in range(16)])
-        m = None
-        for k in range(16):
-            b = _i32(v[k]) & 0x7FFFFFFF
-            b = jnp.where(b < 0x7F800000, b, 0)
-            m = b if m is None else jnp.maximum(m, b)
-        a_ref[half] = lax.bitcast_convert_type(m, jnp.uint32)
+        a_ref[half] = lax.bitcast_convert_type(_finite_max_bits(v), jnp.uint32)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "g"))
@@ -449,6 +534,11 @@ def rht_cols_amax(x, signs, *, interpret: bool = False, g: int | None = None):
     tensor: a Pallas pass writes one amax per column block (1/16 of x, int32 bits) and
     XLA reduces those. x: bf16 (R, C), see ``supported_cols``. Rule: the finite amax of
     ``fp4jax.quantize._quantize_impl`` (``_finite_amax``)."""
+    return _f32(lax.bitcast_convert_type(jnp.max(_rht_strip_amaxes(
+        x, signs, interpret, g, plain_amax=False)), jnp.int32))
+
+
+def _rht_strip_amaxes(x, signs, interpret, g, *, plain_amax: bool):
     if not supported_cols(x.shape, x.dtype):
         raise ValueError(f"rht_cols_amax needs bf16 (R, C), R % 16 == 0, C % {16 * GC[-1]} "
                          f"== 0, got {x.dtype} {x.shape}")
@@ -457,34 +547,39 @@ def rht_cols_amax(x, signs, *, interpret: bool = False, g: int | None = None):
 
     def strip(sc_ref, kw_ref, x_ref, a_ref, g_, row0, col0, plain):
         del kw_ref, row0, col0, g_
-        _rht_cols_strip_amax(sc_ref, x_ref, a_ref, plain=plain)
+        _rht_cols_strip_amax(sc_ref, x_ref, a_ref, plain=plain, plain_amax=plain_amax)
 
-    a = _strip_call(x, sc, key_words(None), strip, g=g, interpret=interpret,
-                    name="rht_cols_amax", out_rows=2)
-    return _f32(lax.bitcast_convert_type(jnp.max(a), jnp.int32))
-
-
-def _rht_amax_scales(x, signs, interpret=False):
-    from fp4jax.formats import NVFP4
-    from fp4jax.numerics import div_rn
-    from fp4jax.quantize import global_encode_scale
-
-    enc = global_encode_scale(rht_cols_amax(x, signs, interpret=interpret), NVFP4)
-    return enc, div_rn(jnp.float32(1.0), enc)
+    return _strip_call(x, sc, key_words(None), strip, g=g, interpret=interpret,
+                       name="rht_cols_amax", out_rows=4 if plain_amax else 2)
 
 
-def fq_rows(x, key=None, *, interpret: bool = False, **kw):
+@functools.partial(jax.jit, static_argnames=("interpret", "g"))
+def cols_amaxes(x, signs, *, interpret: bool = False, g: int | None = None):
+    """``(finite amax of x, rht_cols_amax(x, signs))`` from one read of x: the two tensor
+    amaxes of an operand that is quantized along rows (``fq_rows``) and, rotated, along
+    columns (``fq_cols`` with ``signs``), as the fprop and wgrad ``x`` or the dgrad and
+    wgrad ``dy`` of the NVFP4 recipe are. Float32 scalars; x as ``rht_cols_amax``."""
+    a = _rht_strip_amaxes(x, signs, interpret, g, plain_amax=True)
+    m = lambda t: _f32(lax.bitcast_convert_type(jnp.max(t), jnp.int32))  # noqa: E731
+    return m(a[:, 2:]), m(a[:, :2])
+
+
+def fq_rows(x, key=None, *, interpret: bool = False, amax=None, **kw):
     """bf16 ``data * scale`` of ``quantize(x, NVFP4, axis=-1)`` (SR with ``key``) and its
-    tensor decode scale: ``(scaled (R, C) bf16, dec f32)``."""
-    enc, dec = global_scales(x)
+    tensor decode scale: ``(scaled (R, C) bf16, dec f32)``. ``amax``: x's finite amax if
+    already known (else an XLA reduction computes it)."""
+    enc, dec = global_scales(x, amax)
     return fq_rows_scaled(x, scalars(enc, dec), key_words(key), sr=key is not None,
                           interpret=interpret, **kw), dec
 
 
-def fq_cols(x, key=None, *, signs=None, interpret: bool = False, **kw):
+def fq_cols(x, key=None, *, signs=None, interpret: bool = False, amax=None, **kw):
     """bf16 ``data * scale`` of ``quantize(rht(x, axis=0, signs) if signs is not None else
-    x, NVFP4, axis=0)`` (SR with ``key``) and its tensor decode scale."""
-    enc, dec = global_scales(x) if signs is None else _rht_amax_scales(x, signs, interpret)
+    x, NVFP4, axis=0)`` (SR with ``key``) and its tensor decode scale. ``amax``: the
+    finite amax of the tensor that is quantized (rotated, with ``signs``) if known."""
+    if amax is None and signs is not None:
+        amax = rht_cols_amax(x, signs, interpret=interpret)
+    enc, dec = global_scales(x, amax)
     return fq_cols_scaled(x, scalars(enc, dec, signs), key_words(key), sr=key is not None,
                           rht=signs is not None, interpret=interpret, **kw), dec
 

@@ -55,8 +55,10 @@ except ImportError:  # pragma: no cover
 FLT_MAX = float(np.finfo(np.float32).max)
 
 
-def global_scales(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """NVFP4 tensor scales (enc, dec) from the finite amax of ``x`` (an XLA reduction).
+def global_scales(x: jax.Array | None, amax: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
+    """NVFP4 tensor scales (enc, dec) from the finite amax of ``x`` (an XLA reduction), or
+    from ``amax`` when given (the finite amax computed elsewhere, e.g. ``cols_amaxes``).
 
     Exactly the core's: ``fp4jax.quantize.global_encode_scale`` and ``dec =
     numerics.div_rn(1, enc)`` (correctly rounded divisions, also on the GPU).
@@ -65,8 +67,9 @@ def global_scales(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     from fp4jax.numerics import div_rn
     from fp4jax.quantize import global_encode_scale
 
-    a = jnp.abs(x.astype(jnp.float32))
-    amax = jnp.max(jnp.where(jnp.isfinite(a), a, 0.0))
+    if amax is None:
+        a = jnp.abs(x.astype(jnp.float32))
+        amax = jnp.max(jnp.where(jnp.isfinite(a), a, 0.0))
     enc = global_encode_scale(amax, NVFP4)
     dec = div_rn(jnp.float32(1.0), enc)
     return enc, dec

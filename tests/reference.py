@@ -94,8 +94,11 @@ def ref_global_encode(amax: float, scale_max: float, tensor_scale: bool) -> np.f
 
 
 def ref_quantize(x, exp_bits=4, man_bits=3, block=16, tensor_scale=True, rule="nearest",
-                 axis=-1, block_2d=False):
-    """Returns (data float64 with signed zeros, scale float64 per block, dec float32)."""
+                 axis=-1, block_2d=False, sr_key_words=None):
+    """Returns (data float64 with signed zeros, scale float64 per block, dec float32).
+
+    ``sr_key_words=(k1, k2)``: stochastic rounding of the elements (E2M1 only) with the
+    uniforms of ``ref_sr_uniform`` over the padded, blocked-axis-last array."""
     x = np.asarray(x, np.float32)
     sgrid = grid_values(exp_bits, man_bits, nan_code=True)
     a = np.abs(x)
@@ -114,7 +117,8 @@ def ref_quantize(x, exp_bits=4, man_bits=3, block=16, tensor_scale=True, rule="n
         s = _block_scale(amax_b, enc, sgrid, rule, man_bits)
         e = _elem_scale(s, dec)
         y = (t.astype(F32) * e[..., :, None, :, None].astype(F32)).astype(F32)
-        q = _e2m1(y).reshape(xp.shape)[..., :R, :C]
+        u = None if sr_key_words is None else ref_sr_uniform(*sr_key_words, xp.shape)
+        q = _e2m1(y, None if u is None else u.reshape(t.shape)).reshape(xp.shape)[..., :R, :C]
         return q, s, dec
 
     axis = axis % x.ndim
@@ -126,7 +130,8 @@ def ref_quantize(x, exp_bits=4, man_bits=3, block=16, tensor_scale=True, rule="n
     s = _block_scale(amax_b, enc, sgrid, rule, man_bits)
     e = _elem_scale(s, dec)
     y = (blocks.astype(F32) * e[..., None].astype(F32)).astype(F32)
-    q = _e2m1(y).reshape(xp.shape)[..., :n]
+    u = None if sr_key_words is None else ref_sr_uniform(*sr_key_words, xp.shape)
+    q = _e2m1(y, None if u is None else u.reshape(blocks.shape)).reshape(xp.shape)[..., :n]
     return np.moveaxis(q, -1, axis), np.moveaxis(s, -1, axis), dec
 
 
@@ -156,8 +161,18 @@ def _elem_scale(s, dec):
     return np.where(s32 == 0, F32(0), e).astype(F32)
 
 
-def _e2m1(y):
-    mag = round_nearest(np.abs(y).astype(np.float64), E2M1)
+def _e2m1(y, u=None):
+    a = np.abs(y).astype(np.float64)
+    if u is None:
+        mag = round_nearest(a, E2M1)
+    else:  # stochastic: the upper neighbour with probability P(u < (a - lo) / (hi - lo))
+        idx = np.clip(np.searchsorted(E2M1, a, side="right") - 1, 0, len(E2M1) - 1)
+        lo = E2M1[idx]
+        hi = E2M1[np.minimum(idx + 1, len(E2M1) - 1)]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            frac = np.where(hi > lo, (a - lo) / (hi - lo), 0.0)
+        mag = np.where(u.astype(np.float64) < frac, hi, lo)
+        mag = np.where(a >= E2M1[-1], E2M1[-1], mag)
     mag = np.where(np.isfinite(y), mag, 0.0)
     return np.where(np.signbit(y), -mag, mag)
 
@@ -216,3 +231,22 @@ def ref_threefry_bits(k1: int, k2: int, n: int) -> np.ndarray:
             x0 = x0 + ks[(i + 1) % 3]
             x1 = x1 + ks[(i + 2) % 3] + np.uint32(i + 1)
     return x0 ^ x1
+
+
+def ref_sr_uniform(k1: int, k2: int, shape) -> np.ndarray:
+    """The stochastic-rounding uniforms of ``fp4jax.numerics.uniform_from_key`` for a
+    threefry key with words (k1, k2), written from its documented rule: view ``shape`` as
+    (N, K) with K the last axis; element (n, k) takes byte ``2 (n % 2) + (k % 2)`` of draw
+    ``(n // 2) ceil(K / 2) + k // 2`` and ``u = (byte + 1/2) / 256``. Loops over draws."""
+    shape = tuple(shape)
+    k = shape[-1]
+    n = int(np.prod(shape[:-1]))
+    kh = -(-k // 2)
+    bits = ref_threefry_bits(k1, k2, -(-n // 2) * kh)
+    u = np.empty((n, k), np.float32)
+    for r in range(n):
+        for c in range(k):
+            word = int(bits[(r // 2) * kh + c // 2])
+            byte = (word >> (8 * (2 * (r % 2) + (c % 2)))) & 0xFF
+            u[r, c] = (byte + 0.5) / 256.0
+    return u.reshape(shape)

@@ -247,6 +247,62 @@ def test_threefry_bits_at_equals_jax_random_bits_and_numpy(seed):
     np.testing.assert_array_equal(np.asarray(got32).view(np.uint32), want)
 
 
+@pytest.mark.parametrize("shape,axis,block_2d", [
+    ((6, 64), -1, False), ((6, 64), 0, False), ((5, 33), -1, False), ((7, 48), 0, False),
+    ((2, 3, 32), 1, False), ((20, 24), None, True)])
+def test_sr_bit_exact_against_numpy(shape, axis, block_2d):
+    """SR data and scales equal the NumPy reference that draws its uniforms from an
+    independent Threefry and the documented 2x2-square byte rule (odd sizes included)."""
+    if not jax.config.jax_threefry_partitionable:
+        pytest.skip("needs jax_threefry_partitionable (the default)")
+    x = np.asarray(INPUTS["heavy"]).reshape(-1)[: int(np.prod(shape))].reshape(shape)
+    key = jax.random.key(11)
+    k1, k2 = (int(v) for v in np.asarray(jax.random.key_data(key)))
+    q = fp4jax.quantize(jnp.asarray(x), axis=-1 if block_2d else axis, block_2d=block_2d,
+                        rounding="stochastic", key=key)
+    rq, rs, rdec = ref.ref_quantize(x, axis=-1 if block_2d else axis, block_2d=block_2d,
+                                    sr_key_words=(k1, k2))
+    _bits_equal(q.data.astype(jnp.float32), rq)
+    _bits_equal(q.scale.astype(jnp.float32), rs)
+    rtn, _, _ = ref.ref_quantize(x, axis=-1 if block_2d else axis, block_2d=block_2d)
+    assert np.sum(rq != rtn) > x.size // 20  # the random bits matter
+
+
+def test_sr_uniform_lattice_and_sharing():
+    """uniform_from_key: the midpoint lattice (b + 1/2) / 256, equal to the NumPy rule, and
+    the four elements of a 2x2 square take the four bytes of one draw."""
+    key = jax.random.key(2)
+    k1, k2 = (int(v) for v in np.asarray(jax.random.key_data(key)))
+    for shape in [(4, 6), (5, 7), (3, 2, 10), (9,)]:
+        u = np.asarray(numerics.uniform_from_key(key, shape))
+        np.testing.assert_array_equal(u, ref.ref_sr_uniform(k1, k2, shape))
+    u = np.asarray(numerics.uniform_from_key(key, (64, 64)))
+    b = u * 256 - 0.5
+    np.testing.assert_array_equal(b, np.round(b))
+    assert b.min() >= 0 and b.max() <= 255
+    bits = np.asarray(jax.random.bits(key, (32 * 32,), jnp.uint32)).reshape(32, 32)
+    word = (b[0::2, 0::2].astype(np.uint32) | (b[0::2, 1::2].astype(np.uint32) << 8)
+            | (b[1::2, 0::2].astype(np.uint32) << 16) | (b[1::2, 1::2].astype(np.uint32) << 24))
+    np.testing.assert_array_equal(word, bits)
+    # about uniform: each byte value ~16 times among 4096
+    counts = np.bincount(b.astype(np.int64).ravel(), minlength=256)
+    assert counts.min() > 0 and counts.max() < 45
+
+
+def test_sr_probability_is_the_rounded_fraction():
+    """P(round up) = round(frac * 256) / 256 (ties down): checked exactly by enumerating
+    the 256 lattice points for fractions on and off the lattice."""
+    grid = numerics.unsigned_grid(2, 1, has_nan_code=False)
+    lattice = (jnp.arange(256, dtype=jnp.float32) + 0.5) / 256
+    for frac in [0.0, 1e-4, 1 / 512, 3 / 512, 0.3, 0.5, 0.7, 511 / 512, 0.9999]:
+        v = jnp.full((256,), 2.0 + 1.0 * frac, jnp.float32)  # between 2 and 3 (step 1)
+        r = np.asarray(numerics.stochastic_round_to_grid(v, grid, lattice))
+        p_up = np.mean(r == 3.0)
+        assert np.all((r == 2.0) | (r == 3.0))
+        want = np.sum((np.arange(256) + 0.5) / 256 < np.float32(2.0 + frac) - 2.0) / 256
+        assert p_up == want and abs(p_up - frac) <= 1 / 512 + 1e-7
+
+
 def test_sr_picks_neighbours_and_is_unbiased():
     x = jnp.asarray(INPUTS["heavy"][:4, :64])
     n = 4000

@@ -78,7 +78,7 @@ def _xla_scaled(x, axis, *, key=None, block_2d=False, rht=False):
 @needs_interpret
 @pytest.mark.parametrize("sr", [False, True])
 def test_rows_kernel_matches_xla_and_numpy(sr):
-    x = _data((32, 512), 0)
+    x = _data((32, 1024) if sr else (32, 512), 0)
     key = jax.random.key(3) if sr else None
     got, dec = fq.fq_rows(x, key, interpret=IP)
     want, wdec = _xla_scaled(x, -1, key=key)
@@ -122,6 +122,13 @@ def test_rht_cols_amax_is_the_finite_amax_of_the_rotation(wild):
     r = np.asarray(random_hadamard_transform(x, axis=0, size=16, signs=SIGNS))
     want = np.max(np.where(np.isfinite(r), np.abs(r), 0))
     assert np.asarray(got).view(np.uint32) == np.float32(want).view(np.uint32)
+    # one read for both tensor amaxes (rows and rotated cols operands of the same x)
+    plain, rot = fq.cols_amaxes(x, jnp.asarray(SIGNS), interpret=IP)
+    xa = np.asarray(x, np.float32)
+    want_plain = np.max(np.where(np.isfinite(xa), np.abs(xa), 0))
+    assert np.asarray(rot).view(np.uint32) == np.float32(want).view(np.uint32)
+    assert np.asarray(plain).view(np.uint32) == np.float32(want_plain).view(np.uint32)
+    assert float(plain) != float(rot)
 
 
 @needs_interpret
@@ -140,6 +147,10 @@ def test_supported_shapes():
     assert fq.supported_rows((16, 256), bf) and not fq.supported_rows((16, 255), bf)
     assert not fq.supported_rows((16, 256), jnp.float32)
     assert not fq.supported_rows((8, 16), bf)  # fewer than 256 blocks
+    # stochastic rounding takes rows in pairs of >= 64 blocks
+    assert fq.supported_rows((32, 1024), bf, sr=True)
+    assert not fq.supported_rows((32, 512), bf, sr=True)
+    assert not fq.supported_rows((33, 4096), bf, sr=True) and fq.supported_rows((33, 4096), bf)
     assert fq.supported_cols((16, 1024), bf) and not fq.supported_cols((24, 1024), bf)
     assert not fq.supported_cols((16, 512), bf)
     assert fq.supported_2d((32, 2048), bf) and not fq.supported_2d((8, 1024), bf)
@@ -148,7 +159,8 @@ def test_supported_shapes():
                           fq.key_words(None))
 
 
-@pytest.mark.parametrize("variant", ["rows", "rows_sr", "cols", "cols_rht_sr", "2d", "amax"])
+@pytest.mark.parametrize("variant", ["rows", "rows_sr", "cols", "cols_rht_sr", "2d", "amax",
+                                     "amax2", "rows_sr_c1024"])
 def test_kernels_lower_for_cuda(variant):
     key = jax.random.key(0)
     f = {
@@ -158,6 +170,8 @@ def test_kernels_lower_for_cuda(variant):
         "cols_rht_sr": lambda x: fq.fq_cols(x, key, signs=jnp.asarray(SIGNS)),
         "2d": lambda x: fq.fq_2d(x),
         "amax": lambda x: fq.rht_cols_amax(x, jnp.asarray(SIGNS)),
+        "amax2": lambda x: fq.cols_amaxes(x, jnp.asarray(SIGNS)),
+        "rows_sr_c1024": lambda x: fq.fq_rows(x.reshape(512, 1024), key),  # 64-block pairs
     }[variant]
     exp = jax.export.export(jax.jit(f), platforms=["cuda"])(
         jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16))
