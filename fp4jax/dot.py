@@ -58,13 +58,13 @@ def _on_sm90() -> bool:
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
-KERNEL_AUTO_MIN_MKN = 4096**3
+KERNEL_AUTO_MIN_MKN = 2048**3
 """``FP4JAX_KERNELS=auto`` uses the kernels only for GEMMs with ``M*K*N`` at least this.
-Measured on an H200 (``experiments/results/KERNELS.md``, runs 14-16): at 8192^3 the
-kernel path's forward + backward takes 5.27 ms vs 7.78 ms for the XLA path (bf16 4.24
-ms), but training the ``small`` preset (GEMMs of 16384 x 512 x 512..2048) with the
-kernels ran at ~408k tokens/s against ~556k for the XLA path in an earlier run. The
-crossover between these sizes is not measured; 4096^3 is a conservative guess."""
+Measured on an H200 (``experiments/results/KERNELS.md``, runs 17-18, ``bench_kernels.py
+dotsweep``): the kernel path's forward + backward was faster than the XLA path at every
+size measured, 2048^3 (218 vs 349 us), 16384x512x2048 (603 vs 1,222 us), 16384x2048x512,
+8192x2048x2048 and 8192^3 (5,135 vs 7,634 us). Smaller GEMMs are not measured and stay on
+XLA."""
 
 
 def kernel_mode(mkn: int | None = None) -> str:
