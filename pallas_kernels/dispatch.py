@@ -246,11 +246,15 @@ def w4a4_unsupported_reason(m: int, k: int, n: int, qa=None, qb=None,
     """
     if impl not in W4A4_IMPLS:
         raise ValueError(f"impl must be one of {W4A4_IMPLS}, got {impl!r}")
+    from pallas_kernels.fp4_gemm_w4a4_sm90 import scale_format
+
     for name, q, ax in (("A", qa, 1), ("B", qb, 0)):
         if q is None:
             continue
-        if not _nvfp4(q.fmt):
-            return f"kernel implements NVFP4 operands only ({name})"
+        sf = scale_format(q.fmt)
+        if sf is None or (impl == "fused" and sf != "e4m3"):
+            what = "NVFP4 and MXFP4" if impl == "two_pass" else "NVFP4"
+            return f"{impl} kernel implements {what} operands only ({name}: {q.fmt.name})"
         if q.ndim != 2:
             return f"2-D operands only ({name} has shape {tuple(q.shape)})"
         if not q.block_2d and q.axis % 2 != ax:
@@ -274,8 +278,9 @@ def prepare_w4a4(qa, qb):
 
 def w4a4_matmul(qa, qb, *, prepared_a=None, prepared_b=None, out_dtype=jnp.bfloat16,
                 impl: str = "two_pass", backend: str = "auto"):
-    """``dequantize(qa) @ dequantize(qb)`` for NVFP4 ``qa`` (M, K) and ``qb`` (K, N), both
-    scaled along K. Returns (M, N) ``out_dtype`` (bfloat16 or float32).
+    """``dequantize(qa) @ dequantize(qb)`` for NVFP4 or MXFP4 (``impl="two_pass"``; the fused
+    kernel: NVFP4) ``qa`` (M, K) and ``qb`` (K, N), both scaled along K. Returns (M, N)
+    ``out_dtype`` (bfloat16 or float32).
 
     ``prepared_a`` / ``prepared_b``: the kernel layouts (``prepare_w4a4``) if already
     made. ``impl``: ``"two_pass"`` (decode kernel + XLA bf16 GEMM) or ``"fused"``.
@@ -298,5 +303,8 @@ def w4a4_matmul(qa, qb, *, prepared_a=None, prepared_b=None, out_dtype=jnp.bfloa
         return y.astype(out_dtype)
     pa = prepared_a if prepared_a is not None else w4.prepare_a(qa)
     pb = prepared_b if prepared_b is not None else w4.prepare_b(qb)
-    f = w4.w4a4_matmul_two_pass if impl == "two_pass" else w4.w4a4_matmul_fused
-    return f(*pa, *pb, out_dtype=out_dtype)
+    if impl == "fused":
+        return w4.w4a4_matmul_fused(*pa, *pb, out_dtype=out_dtype)
+    return w4.w4a4_matmul_two_pass(*pa, *pb, out_dtype=out_dtype,
+                                   scale_a=w4.scale_format(qa.fmt),
+                                   scale_b=w4.scale_format(qb.fmt))

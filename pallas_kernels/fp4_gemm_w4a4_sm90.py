@@ -1,5 +1,9 @@
 """Packed-NVFP4 x packed-NVFP4 GEMM (W4A4) for Hopper (sm_90), Pallas Mosaic GPU.
 
+MXFP4 operands (blocks of 32, UE8M0 scales) run through the two-pass implementation too:
+``prepare_a``/``prepare_b`` repeat each 32-block's scale for its two 16-halves and
+``decode_operand(scale_fmt="ue8m0")`` decodes ``q * 2^(e - 127)`` (``decode_ue8m0``).
+
 ``y = dequantize(A) @ dequantize(B)`` with A (M, K) and B (K, N) both NVFP4 scaled in
 1x16 blocks along K (E2M1 codes, E4M3 block scales, FP32 tensor decode scale each),
 float32 accumulation, output bfloat16 or float32.
@@ -70,11 +74,26 @@ def native_from_codes(codes_rk: jax.Array, sbits_rk: jax.Array):
     return packed, sbits_rk.astype(jnp.uint8).T
 
 
+def scale_format(fmt) -> str | None:
+    """``"e4m3"`` for NVFP4, ``"ue8m0"`` for MXFP4 (blocks of 32, UE8M0 scale, no tensor
+    scale: ``fp4jax.MXFP4`` and ``MXFP4_OCP``, which differ only in how they choose the
+    scale), else None (no kernel)."""
+    bits = (fmt.scale_exp_bits, fmt.scale_man_bits)
+    if fmt.block_size == 16 and fmt.tensor_scale and bits == (4, 3):
+        return "e4m3"
+    if fmt.block_size == 32 and not fmt.tensor_scale and bits == (8, 0):
+        return "ue8m0"
+    return None
+
+
 def _prepare(q, contract_axis: int):
     from fp4jax.quantize import e2m1_codes
 
-    if q.fmt.block_size != 16 or not q.fmt.tensor_scale:
-        raise ValueError("W4A4 kernels support NVFP4 operands only")
+    sf = scale_format(q.fmt)
+    if sf is None:
+        raise ValueError(f"W4A4 kernels support NVFP4 and MXFP4 operands, got {q.fmt.name}")
+    if sf == "ue8m0" and q.block_2d:
+        raise ValueError("MXFP4 operands are scaled in 1-D blocks of 32")
     if q.ndim != 2:
         raise ValueError(f"2-D operands only, got shape {q.shape}")
     codes = e2m1_codes(q.data)
@@ -84,15 +103,20 @@ def _prepare(q, contract_axis: int):
         sb = sb[:, : codes.shape[1]] if contract_axis == 0 else sb[: codes.shape[0]]
     elif q.axis % 2 != contract_axis:
         raise ValueError(f"operand must be scaled along its contraction axis {contract_axis}")
+    if sf == "ue8m0":  # one 32-block = the two 16-blocks of one 16-byte group: repeat
+        sb = jnp.repeat(sb, 2, axis=contract_axis)
     if contract_axis == 0:
         codes, sb = codes.T, sb.T
     packed, sbits = native_from_codes(codes, sb)
-    return packed, sbits, q.global_scale.astype(jnp.float32)
+    dec = q.global_scale if q.global_scale is not None else jnp.float32(1.0)
+    return packed, sbits, jnp.asarray(dec, jnp.float32)
 
 
 def prepare_a(q):
-    """Kernel layout of an NVFP4 ``QuantizedArray`` A (M, K) scaled along K (axis=1 /
-    -1, or 16x16 tiles). Returns (codes (M, K/2) uint8, sbits (K/16, M) uint8, dec f32)."""
+    """Kernel layout of an NVFP4 or MXFP4 ``QuantizedArray`` A (M, K) scaled along K
+    (axis=1 / -1, or NVFP4 16x16 tiles). Returns (codes (M, K/2) uint8, sbits (K/16, M)
+    uint8, dec f32); MXFP4: each UE8M0 scale is repeated for both of its 16-halves and
+    dec is 1 (decode with ``scale_fmt="ue8m0"``)."""
     return _prepare(q, 1)
 
 
@@ -124,6 +148,20 @@ def decode_e4m3(b):
     return jnp.where((b & 0x80) != 0, -v, v)
 
 
+def decode_ue8m0(b):
+    """UE8M0 (float8_e8m0fnu) bits -> float32 ``2^(b - 127)``, integer ops; 0xFF -> NaN.
+
+    OCP MX v1.0 spec (E8M0: exponent only, bias 127, 0xFF = NaN). ``b = 0`` (2^-127) is
+    a float32 subnormal; fp4jax's MXFP4 scales stay within 2^-126..2^127 (see
+    ``fp4jax.formats``), so it does not occur."""
+    b = b.astype(jnp.int32) & 0xFF
+    v = lax.bitcast_convert_type(jnp.where(b == 0, 0x00400000, b << 23), jnp.float32)
+    return jnp.where(b == 0xFF, jnp.float32(jnp.nan), v)
+
+
+SCALE_DECODERS = {"e4m3": decode_e4m3, "ue8m0": decode_ue8m0}
+
+
 def decode_block(c, s):
     """E2M1 codes ``c`` (int32, 0..15) times float32 scales ``s`` -> exact ``q * s`` (bf16).
 
@@ -133,7 +171,9 @@ def decode_block(c, s):
     0.5 or 0.75, mapped to 0 / 0.5 by ``2f - 1`` (exact). No subnormal is ever formed
     (no reliance on denormal handling). ``|q| * s`` is exact in float32 and in bf16
     (2 x 4 significant bits, range [2^-10, 2688]); the sign is ORed in last, so code 8
-    gives -0 like ``fp4jax.dequantize``; a NaN scale gives NaN.
+    gives -0 like ``fp4jax.dequantize``; a NaN scale gives NaN. MXFP4 (``s`` a power of
+    two, 2^-126..2^127): ``q * s`` is exact wherever it is a normal float (|q * s| <
+    2^128; an overflow gives Inf as ``fp4jax.dequantize`` does).
     """
     mag = c & 7
     f = lax.bitcast_convert_type((mag << 22) + 0x3F000000, jnp.float32)
@@ -142,12 +182,14 @@ def decode_block(c, s):
     return lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
 
 
-def _decode_tile(q_ref, nblk, load_scale, emit):
+def _decode_tile(q_ref, nblk, load_scale, emit, scale_fmt: str = "e4m3"):
     """Decode one (rows, 8 * nblk) packed tile (``nblk`` 16-k blocks per row).
 
-    ``load_scale(g)`` gives block g's scales (rows,) as uint8; ``emit(g, v)`` receives
-    block g's decoded values v (rows, 16) bf16 (k = 16g .. 16g + 15 of the tile).
+    ``load_scale(g)`` gives block g's scales (rows,) as uint8 (``scale_fmt`` bits);
+    ``emit(g, v)`` receives block g's decoded values v (rows, 16) bf16 (k = 16g .. 16g +
+    15 of the tile).
     """
+    decode_scale = SCALE_DECODERS[scale_fmt]
     byts = q_ref[...].astype(jnp.int32)
     rows = byts.shape[0]
     lo_all = byts & 15
@@ -156,7 +198,7 @@ def _decode_tile(q_ref, nblk, load_scale, emit):
         cols = slice(16 * p, 16 * p + 16)
         for h, codes in enumerate((lo_all[:, cols], hi_all[:, cols])):
             g = 2 * p + h
-            s = decode_e4m3(load_scale(g))
+            s = decode_scale(load_scale(g))
             emit(g, decode_block(codes, lax.broadcast_in_dim(s, (rows, 16), (0,))))
 
 
@@ -170,10 +212,12 @@ def _swizzle_transforms(row_bytes: int, itemsize: int):
 # ---------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("tile_k", "stages", "out_swizzle", "interpret"))
+@functools.partial(jax.jit, static_argnames=("tile_k", "stages", "out_swizzle", "interpret",
+                                             "scale_fmt"))
 def decode_operand(codes, sbits, *, tile_k: int = 256, stages: int = 2, out_swizzle: bool = True,
-                   interpret=False):
+                   interpret=False, scale_fmt: str = "e4m3"):
     """Kernel-layout operand -> (R, K) bfloat16 ``q * s`` (exact; no tensor scale).
+    ``scale_fmt``: ``"e4m3"`` (NVFP4) or ``"ue8m0"`` (MXFP4, see ``prepare_a``).
 
     codes (R, K/2) uint8, sbits (K/16, R) uint8; R % 64 == 0, K % tile_k == 0
     (tile_k a multiple of 32). ``out_swizzle``: the bf16 output tile in SMEM is
@@ -190,7 +234,7 @@ def decode_operand(codes, sbits, *, tile_k: int = 256, stages: int = 2, out_swiz
             def emit(g, v):
                 o_ref[:, 16 * g:16 * g + 16] = v
 
-            _decode_tile(q_ref, s_ref.shape[0], lambda g: s_ref[g, :], emit)
+            _decode_tile(q_ref, s_ref.shape[0], lambda g: s_ref[g, :], emit, scale_fmt)
 
         return pl.pallas_call(
             body_i, out_shape=jax.ShapeDtypeStruct((r, k), jnp.bfloat16),
@@ -217,7 +261,7 @@ def decode_operand(codes, sbits, *, tile_k: int = 256, stages: int = 2, out_swiz
             def emit(g, v):
                 o_smem[:, pl.ds(16 * g, 16)] = v
 
-            _decode_tile(q_smem, nblk, load_scale, emit)
+            _decode_tile(q_smem, nblk, load_scale, emit, scale_fmt)
 
         plgpu.emit_pipeline(
             step,
@@ -236,12 +280,12 @@ def decode_operand(codes, sbits, *, tile_k: int = 256, stages: int = 2, out_swiz
     )(codes, sbits)
 
 
-def decode_operand_xla(codes, sbits):
+def decode_operand_xla(codes, sbits, scale_fmt: str = "e4m3"):
     """XLA version of :func:`decode_operand` (same rule, :func:`decode_block`)."""
     r, kh = codes.shape
     c = codes.reshape(r, kh // 16, 1, 16).astype(jnp.int32)
     c = jnp.concatenate([c & 15, c >> 4], axis=2).reshape(r, kh // 8, 16)
-    s = decode_e4m3(sbits).T[:, :, None]  # (R, K/16, 1)
+    s = SCALE_DECODERS[scale_fmt](sbits).T[:, :, None]  # (R, K/16, 1)
     return decode_block(c, s).reshape(r, 2 * kh)
 
 
@@ -255,25 +299,31 @@ def _gemm_decoded(a16, bt16, dec_a, dec_b, out_dtype):
     return _epilogue(acc, dec_a, dec_b, out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "tile_k", "out_swizzle", "interpret"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tile_k", "out_swizzle", "interpret",
+                                             "scale_a", "scale_b"))
 def w4a4_matmul_two_pass(aq, as_, dec_a, bq, bs, dec_b, *, out_dtype=jnp.bfloat16,
-                         tile_k: int = 256, out_swizzle: bool = True, interpret=False):
+                         tile_k: int = 256, out_swizzle: bool = True, interpret=False,
+                         scale_a: str = "e4m3", scale_b: str = "e4m3"):
     """(a): decode kernel on each operand, XLA bf16 GEMM (f32 accumulation), epilogue.
 
     aq (M, K/2), as_ (K/16, M), bq (N, K/2), bs (K/16, N) uint8 (kernel layout);
     dec_a, dec_b float32 scalars. Returns (M, N) ``out_dtype``. ``tile_k``,
-    ``out_swizzle``: :func:`decode_operand` knobs.
+    ``out_swizzle``: :func:`decode_operand` knobs; ``scale_a``/``scale_b``: each
+    operand's block-scale format (``scale_format``: NVFP4 or MXFP4, mixed allowed).
     """
-    a16 = decode_operand(aq, as_, tile_k=tile_k, out_swizzle=out_swizzle, interpret=interpret)
-    b16 = decode_operand(bq, bs, tile_k=tile_k, out_swizzle=out_swizzle, interpret=interpret)
+    a16 = decode_operand(aq, as_, tile_k=tile_k, out_swizzle=out_swizzle, interpret=interpret,
+                         scale_fmt=scale_a)
+    b16 = decode_operand(bq, bs, tile_k=tile_k, out_swizzle=out_swizzle, interpret=interpret,
+                         scale_fmt=scale_b)
     return _gemm_decoded(a16, b16, dec_a, dec_b, out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype",))
-def w4a4_matmul_xla(aq, as_, dec_a, bq, bs, dec_b, *, out_dtype=jnp.bfloat16):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "scale_a", "scale_b"))
+def w4a4_matmul_xla(aq, as_, dec_a, bq, bs, dec_b, *, out_dtype=jnp.bfloat16,
+                    scale_a: str = "e4m3", scale_b: str = "e4m3"):
     """XLA decode (:func:`decode_operand_xla`) + bf16 GEMM: the comparison baseline."""
-    a16 = decode_operand_xla(aq, as_)
-    b16 = decode_operand_xla(bq, bs)
+    a16 = decode_operand_xla(aq, as_, scale_a)
+    b16 = decode_operand_xla(bq, bs, scale_b)
     return _gemm_decoded(a16, b16, dec_a, dec_b, out_dtype)
 
 

@@ -135,6 +135,70 @@ def test_two_pass_interpret_matches_reference(block_2d):
     assert yb.dtype == jnp.bfloat16
 
 
+def _mx_operands(m, k, n, seed, fmt_a=fp4jax.MXFP4, fmt_b=fp4jax.MXFP4):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    a *= np.exp2(rng.uniform(-30, 30, (m, k // 32, 1))).repeat(32, -1).reshape(m, k)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    b *= np.exp2(rng.uniform(-30, 30, (k // 32, 1, n))).repeat(32, 1).reshape(k, n)
+    a[0, :32] = 0.0
+    return (fp4jax.quantize(jnp.asarray(a), fmt_a, axis=1),
+            fp4jax.quantize(jnp.asarray(b), fmt_b, axis=0))
+
+
+@needs_interpret
+@pytest.mark.parametrize("fmt", [fp4jax.MXFP4, fp4jax.MXFP4_OCP], ids=lambda f: f.name)
+def test_decode_kernel_mxfp4_interpret_bit_exact(fmt):
+    qa, _ = _mx_operands(64, 256, 64, 7, fmt_a=fmt)
+    aq, as_, dec = w4.prepare_a(qa)
+    assert float(dec) == 1.0 and w4.scale_format(qa.fmt) == "ue8m0"
+    got = w4.decode_operand(aq, as_, interpret=InterpretGPUParams(), scale_fmt="ue8m0")
+    # NumPy: E2M1 value of each code times 2^(e - 127) of its 32-block's UE8M0 bits
+    codes = np.asarray(jax.lax.bitcast_convert_type(qa.data, jnp.uint4)).astype(np.int64)
+    e = np.asarray(jax.lax.bitcast_convert_type(qa.scale, jnp.uint8)).astype(np.float64)
+    mag = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])[codes & 7] * np.exp2(e - 127).repeat(32, 1)
+    want = np.where(codes & 8, -mag, mag).astype(np.float32).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(_bits(got), want.view(np.uint16))
+    np.testing.assert_array_equal(
+        _bits(w4.decode_operand_xla(aq, as_, "ue8m0")), want.view(np.uint16))
+    deq = np.asarray(fp4jax.dequantize(qa, jnp.float32)).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(_bits(got), deq.view(np.uint16))
+
+
+@needs_interpret
+@pytest.mark.parametrize("mixed", [False, True])
+def test_two_pass_mxfp4_interpret_matches_reference(mixed):
+    qa, qb = _mx_operands(64, 256, 128, 8)
+    if mixed:  # NVFP4 activations x MXFP4 weights
+        qa = fp4jax.quantize(fp4jax.dequantize(qa), fp4jax.NVFP4, axis=1)
+    pa, pb = w4.prepare_a(qa), w4.prepare_b(qb)
+    sa, sb = w4.scale_format(qa.fmt), w4.scale_format(qb.fmt)
+    y = w4.w4a4_matmul_two_pass(*pa, *pb, out_dtype=jnp.float32, scale_a=sa, scale_b=sb,
+                                interpret=InterpretGPUParams())
+    ref = (np.asarray(fp4jax.dequantize(qa, jnp.float32), np.float64)
+           @ np.asarray(fp4jax.dequantize(qb, jnp.float32), np.float64))
+    _close(y, ref)
+    _close(w4.w4a4_matmul_xla(*pa, *pb, out_dtype=jnp.float32, scale_a=sa, scale_b=sb), ref)
+    # the scale format matters: decoding UE8M0 bits as E4M3 gives something else
+    wrong = w4.w4a4_matmul_xla(*pa, *pb, out_dtype=jnp.float32, scale_a="e4m3", scale_b="e4m3")
+    assert not np.allclose(np.asarray(wrong), ref, rtol=1e-3)
+
+
+def test_mxfp4_prepare_and_dispatch_rules():
+    qa, qb = _mx_operands(64, 256, 64, 9)
+    assert dispatch.w4a4_unsupported_reason(64, 256, 64, qa, qb) in (None, "no sm_90 GPU")
+    assert "NVFP4 operands only" in dispatch.w4a4_unsupported_reason(
+        64, 256, 128, qa, qb, impl="fused")
+    q8 = fp4jax.quantize(jnp.ones((64, 256)), fp4jax.BlockFormat(
+        "b8", block_size=8, scale_exp_bits=4, scale_man_bits=3, tensor_scale=True), axis=1)
+    assert "NVFP4 and MXFP4" in dispatch.w4a4_unsupported_reason(64, 256, 64, qa=q8)
+    with pytest.raises(ValueError, match="NVFP4 and MXFP4"):
+        w4.prepare_a(q8)
+    _close(dispatch.w4a4_matmul(qa, qb, out_dtype=jnp.float32, backend="xla"),
+           np.asarray(fp4jax.dequantize(qa), np.float64) @ np.asarray(fp4jax.dequantize(qb),
+                                                                        np.float64))
+
+
 def _blocks(q, s, nblk):
     """{g: decoded (rows, 16) bf16 block g} of a packed (rows, 8 * nblk) tile q and its
     (nblk, rows) scale bits s, through the kernels' ``_decode_tile``."""
