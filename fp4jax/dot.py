@@ -58,14 +58,15 @@ def _on_sm90() -> bool:
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
-KERNEL_AUTO_MIN_MKN = 2048**3
-"""``FP4JAX_KERNELS=auto`` uses the kernels only for GEMMs with ``M*K*N`` at least this.
-Measured on an H200 (``experiments/results/KERNELS.md``, runs 17-18, ``bench_kernels.py
-dotsweep``): the kernel path's forward + backward was faster than the XLA path at every
-size measured, 2048^3 (218 vs 349 us), 16384x512x2048 (603 vs 1,222 us), 16384x2048x512,
-8192x2048x2048 and 8192^3 (5,135 vs 7,634 us); training the ``small`` preset ran at
-477k tokens/s with the kernels vs 383k without (run 22). Smaller GEMMs are not measured
-and stay on XLA."""
+KERNEL_AUTO_MIN_MKN = 2**31
+"""``FP4JAX_KERNELS=auto`` uses the kernels only for GEMMs with ``M*K*N`` at least this
+(16384 x 512 x 256). Measured on an H200 (``experiments/results/KERNELS.md``, runs 17-22):
+the kernel path's forward + backward was faster than the XLA path at every size measured
+alone, 2048^3 (218 vs 349 us), 16384x512x2048 (603 vs 1,222 us), 16384x2048x512,
+8192x2048x2048 and 8192^3 (5,135 vs 7,634 us); and training the ``small`` preset with every
+GEMM on the kernels (``FP4JAX_KERNELS=on``; its smallest GEMMs are 16384 x 512 x 256) ran
+at 477k tokens/s vs 383k on the XLA path (run 22). Smaller GEMMs are not measured and
+stay on XLA."""
 
 
 def kernel_mode(mkn: int | None = None) -> str:

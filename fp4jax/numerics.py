@@ -340,7 +340,7 @@ def uniform_from_key(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     ``stochastic_round_to_grid`` rounds up with probability ``round(frac * 256) / 256``
     (``frac`` the position between the two neighbours; exact ties at ``(b + 1/2) / 256``
     round down), so the rounding's bias is two-sided and at most ``2**-9`` of a grid step,
-    exact grid values (``frac = 0``) never move, and ``frac >= 511/512`` always rounds up.
+    exact grid values (``frac = 0``) never move, and ``frac > 511/512`` always rounds up.
     """
     shape = tuple(int(d) for d in shape)
     k = shape[-1] if shape else 1
@@ -422,7 +422,8 @@ def stochastic_round_to_grid(v: jax.Array, grid: FloatGrid, u: jax.Array) -> jax
     Args:
       v: float32 array of non-negative values.
       grid: target grid.
-      u: float32 uniforms in [0, 1), same shape as ``v`` (see ``uniform_from_key``).
+      u: float32 uniforms in (0, 1), same shape as ``v`` (``uniform_from_key``: the
+        midpoint lattice ``(b + 1/2) / 256``; any uniforms work for the rule itself).
     """
     v = v.astype(jnp.float32)
     q, inv_q = _quantum(v, grid)

@@ -17,10 +17,10 @@ What the kernels cover (everything else goes to XLA under ``"auto"``):
 * ``w4a16_matmul``: ``x (M, K) bf16 @ W`` with W an NVFP4 ``QuantizedArray`` (K, N)
   scaled along K (1x16 along axis 0, or 16x16 tiles); M <= 256, K % 256 == 0,
   N % 64 == 0. Equal to ``x @ dequantize(W)`` up to float32 accumulation order.
-* ``w4a4_matmul``: NVFP4 A (M, K) @ NVFP4 B (K, N), both scaled along K; two-pass
-  (decode kernel + XLA bf16 GEMM: M % 64, N % 64, K % 256 == 0) or fused (M % 64,
-  N % 128, K % 128 == 0). Equal to ``dequantize(A) @ dequantize(B)`` up to float32
-  accumulation order.
+* ``w4a4_matmul``: NVFP4 or MXFP4 A (M, K) @ NVFP4 or MXFP4 B (K, N), both scaled along
+  K; two-pass (decode kernel + XLA bf16 GEMM: M % 64, N % 64, K % 256 == 0; both formats)
+  or fused (NVFP4 only; M % 64, N % 128, K % 128 == 0). Equal to
+  ``dequantize(A) @ dequantize(B)`` up to float32 accumulation order.
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ def w4a16_matmul(x: jax.Array, q, *, prepared=None, out_dtype=None, backend: str
 
 
 # ---------------------------------------------------------------------------
-# W4A4 GEMM (packed NVFP4 x packed NVFP4).
+# W4A4 GEMM (packed NVFP4 / MXFP4 x packed NVFP4 / MXFP4).
 # ---------------------------------------------------------------------------
 
 W4A4_IMPLS = ("two_pass", "fused")
@@ -255,6 +255,8 @@ def w4a4_unsupported_reason(m: int, k: int, n: int, qa=None, qb=None,
         if sf is None or (impl == "fused" and sf != "e4m3"):
             what = "NVFP4 and MXFP4" if impl == "two_pass" else "NVFP4"
             return f"{impl} kernel implements {what} operands only ({name}: {q.fmt.name})"
+        if sf == "ue8m0" and q.block_2d:
+            return f"MXFP4 operands must be scaled in 1-D blocks along K ({name} is 2D)"
         if q.ndim != 2:
             return f"2-D operands only ({name} has shape {tuple(q.shape)})"
         if not q.block_2d and q.axis % 2 != ax:
@@ -269,8 +271,8 @@ def w4a4_unsupported_reason(m: int, k: int, n: int, qa=None, qb=None,
 
 
 def prepare_w4a4(qa, qb):
-    """Kernel layouts of NVFP4 A (M, K) and B (K, N): ``((aq, as, dec_a), (bq, bs, dec_b))``
-    (see ``fp4_gemm_w4a4_sm90``). Do this once per weight."""
+    """Kernel layouts of NVFP4 or MXFP4 A (M, K) and B (K, N): ``((aq, as, dec_a), (bq, bs,
+    dec_b))`` (see ``fp4_gemm_w4a4_sm90``). Do this once per weight."""
     from pallas_kernels import fp4_gemm_w4a4_sm90 as w4
 
     return w4.prepare_a(qa), w4.prepare_b(qb)

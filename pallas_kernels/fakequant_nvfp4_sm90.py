@@ -4,8 +4,9 @@ Hopper has no FP4 tensor cores, so ``fp4jax.dot`` runs each quantized GEMM as a 
 GEMM on ``data * scale`` (E2M1 times its E4M3 block scale: exact in bf16, see
 ``fp4jax.quantize.scaled_data``) with the two tensor scales applied to the f32 result.
 These kernels make that bf16 operand in one pass over a bf16 input (read 2 bytes,
-write 2 bytes an element; the tensor amax is a separate pass: an XLA reduction, or
-``rht_cols_amax`` for the rotated columns), bit-identical
+write 2 bytes an element; the tensor amax is a separate pass: an XLA reduction,
+``rht_cols_amax`` for the rotated columns, or ``cols_amaxes`` for both from one read),
+bit-identical
 to ``scaled_data(fp4jax.quantize(...), bfloat16)``:
 
 * ``fq_rows``: 1x16 blocks along the last axis (the fprop ``x`` and the dgrad ``dy``);
@@ -194,11 +195,14 @@ def supported_rows(shape, dtype, sr: bool = False) -> bool:
     return ok and (not sr or (r % 2 == 0 and c % (16 * GR[-1]) == 0))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr"))
+@functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr", "g", "rp"))
 def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = None,
-                   sr: bool = False):
+                   sr: bool = False, g: int | None = None, rp: int | None = None):
     """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec)``, ``kw = key_words(key)``.
-    Returns the bf16 (R, C) ``data * scale`` of 1x16 NVFP4 blocks along the last axis."""
+    Returns the bf16 (R, C) ``data * scale`` of 1x16 NVFP4 blocks along the last axis.
+    ``g``, ``rp`` (SR only): blocks per row and row pairs of a CTA tile (defaults: the
+    GPU's choice; in interpret mode whole rows, one pair, unless given, so CPU tests can
+    run the GPU tiling's draw offsets)."""
     if not supported_rows(x.shape, x.dtype, sr):
         raise ValueError(f"fq_rows needs bf16 (R, C), C % 16 == 0, R*C % {16 * SUB} == 0 "
                          f"(with a key also R % 2 == 0 and C % {16 * GR[-1]} == 0), got "
@@ -208,7 +212,7 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
     mode = _mode(recip or ("rn" if sr else "auto"), None)
     r, c = x.shape
     if sr:
-        return _fq_rows_pairs(x, sc, kw, interpret=interpret, mode=mode)
+        return _fq_rows_pairs(x, sc, kw, interpret=interpret, mode=mode, g=g, rp=rp)
     nbt = r * c // 16
     xw = lax.bitcast_convert_type(x.reshape(nbt, 8, 2), jnp.uint32)
     if interpret:
@@ -250,9 +254,11 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
     return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
 
 
-def _fq_rows_pairs(x, sc, kw, *, interpret: bool, mode: str):
+def _fq_rows_pairs(x, sc, kw, *, interpret: bool, mode: str, g: int | None = None,
+                   rp: int | None = None):
     """``fq_rows_scaled`` with stochastic rounding: x viewed as (R, C/16, 8) words, each
-    CTA takes ``rp`` row pairs x ``g`` blocks (``_fq_pair_tile`` per pair)."""
+    CTA (i, j) takes row pairs ``i * rp + p`` (p < rp) x blocks ``j * g ..`` of them
+    (``_fq_pair_tile`` per pair, first draw ``_pair_draw0``)."""
     r, c = x.shape
     nbr = c // 16
     xw = lax.bitcast_convert_type(x.reshape(r, nbr, 8, 2), jnp.uint32)
@@ -262,21 +268,32 @@ def _fq_rows_pairs(x, sc, kw, *, interpret: bool, mode: str):
         return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
 
     if interpret:
+        g = g or nbr
+        rp = rp or 1
+    else:
+        g = g or _pick_block(nbr, GR)
+        rp = rp or max(1, PAIR_BLOCKS // (2 * g))
+        while (r // 2) % rp:
+            rp //= 2
+    if nbr % g or (r // 2) % rp:
+        raise ValueError(f"fq_rows SR tiling: g={g} must divide C/16={nbr} and rp={rp} R/2")
+
+    def _pair_draw0(i, j, p):  # draw of word (0, 0) of row pair i * rp + p, block j * g
+        return (i * rp + p) * (c // 2) + 8 * g * j
+
+    if interpret:
         def interp_body(sc_ref, kw_ref, x_ref, o_ref):
-            @pl.loop(0, r // 2)
-            def _(m):
-                rows = pl.ds(2 * m, 2)
-                _fq_pair_tile(sc_ref, kw_ref, x_ref.at[rows], o_ref.at[rows], g=nbr,
-                              draw0=m * (c // 2), plain=True, mode=mode)
+            @pl.loop(0, r // (2 * rp))
+            def _(i):
+                for j in range(nbr // g):
+                    for p in range(rp):
+                        at = (pl.ds(2 * (i * rp + p), 2), pl.ds(j * g, g))
+                        _fq_pair_tile(sc_ref, kw_ref, x_ref.at[at], o_ref.at[at], g=g,
+                                      draw0=_pair_draw0(i, j, p), plain=True, mode=mode)
 
         return result(pl.pallas_call(
             interp_body, out_shape=out_type, interpret=interpret,
             compiler_params=plgpu.CompilerParams())(sc, kw, xw))
-
-    g = _pick_block(nbr, GR)
-    rp = max(1, PAIR_BLOCKS // (2 * g))
-    while (r // 2) % rp:
-        rp //= 2
 
     def body(sc_gmem, kw_gmem, x_gmem, o_gmem):
         i = lax.axis_index("rows")
@@ -286,8 +303,7 @@ def _fq_rows_pairs(x, sc, kw, *, interpret: bool, mode: str):
             for p in range(rp):
                 rows = pl.ds(2 * p, 2)
                 _fq_pair_tile(sc_gmem, kw_gmem, x_smem.at[rows], o_smem.at[rows], g=g,
-                              draw0=(i * rp + p) * (c // 2) + 8 * g * j, plain=False,
-                              mode=mode)
+                              draw0=_pair_draw0(i, j, p), plain=False, mode=mode)
 
         plgpu.emit_pipeline(
             step, grid=(1,),
@@ -540,7 +556,8 @@ def rht_cols_amax(x, signs, *, interpret: bool = False, g: int | None = None):
 
 def _rht_strip_amaxes(x, signs, interpret, g, *, plain_amax: bool):
     if not supported_cols(x.shape, x.dtype):
-        raise ValueError(f"rht_cols_amax needs bf16 (R, C), R % 16 == 0, C % {16 * GC[-1]} "
+        name = "cols_amaxes" if plain_amax else "rht_cols_amax"
+        raise ValueError(f"{name} needs bf16 (R, C), R % 16 == 0, C % {16 * GC[-1]} "
                          f"== 0, got {x.dtype} {x.shape}")
     g = g or (x.shape[1] // 16 if interpret else _pick_block(x.shape[1] // 16, GC))
     sc = jnp.concatenate([jnp.zeros((_SC_SIGNS,), jnp.float32), signs.astype(jnp.float32)])

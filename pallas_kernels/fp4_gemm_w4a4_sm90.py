@@ -121,9 +121,10 @@ def prepare_a(q):
 
 
 def prepare_b(q):
-    """Kernel layout of an NVFP4 ``QuantizedArray`` B (K, N) scaled along K (axis=0 /
-    -2, or 16x16 tiles). Returns (codes (N, K/2) uint8, sbits (K/16, N) uint8, dec f32)
-    (the W4A16 weight layout: ``fp4_matmul_sm90.prepare_weight``)."""
+    """Kernel layout of an NVFP4 or MXFP4 ``QuantizedArray`` B (K, N) scaled along K
+    (axis=0 / -2, or NVFP4 16x16 tiles). Returns (codes (N, K/2) uint8, sbits (K/16, N)
+    uint8, dec f32) (the W4A16 weight layout: ``fp4_matmul_sm90.prepare_weight``); MXFP4
+    as ``prepare_a`` (scale repeated per 16-half, dec = 1, ``scale_fmt="ue8m0"``)."""
     return _prepare(q, 0)
 
 

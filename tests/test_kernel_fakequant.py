@@ -114,6 +114,25 @@ def test_cols_kernel_matches_xla_and_numpy(sr, rht):
 
 
 @needs_interpret
+def test_sr_kernels_with_the_gpu_tiling_match_xla():
+    """The draw offsets of the GPU tilings (several CTA tiles per row and per column
+    strip), run in interpret mode: rows SR with 2 row pairs x 64 blocks per tile, cols SR
+    (with RHT) in strips of 64 column blocks."""
+    key = jax.random.key(21)
+    x = _data((8, 2048), 6)
+    enc, dec = fq.global_scales(x)
+    got = fq.fq_rows_scaled(x, fq.scalars(enc, dec), fq.key_words(key), sr=True, g=64, rp=2,
+                            interpret=IP)
+    assert _same(got, _xla_scaled(x, -1, key=key)[0]) == 0
+    x = _data((16, 2048), 7)
+    got, _ = fq.fq_cols(x, key, signs=jnp.asarray(SIGNS), interpret=IP, g=64)
+    assert _same(got, _xla_scaled(x, 0, key=key, rht=True)[0]) == 0
+    with pytest.raises(ValueError, match="tiling"):
+        fq.fq_rows_scaled(x, fq.scalars(enc, dec), fq.key_words(key), sr=True, g=48,
+                          interpret=IP)
+
+
+@needs_interpret
 @pytest.mark.parametrize("wild", [False, True])
 def test_rht_cols_amax_is_the_finite_amax_of_the_rotation(wild):
     x = _data((32, 1024), 4) if wild else jax.random.normal(

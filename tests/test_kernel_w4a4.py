@@ -194,6 +194,10 @@ def test_mxfp4_prepare_and_dispatch_rules():
     assert "NVFP4 and MXFP4" in dispatch.w4a4_unsupported_reason(64, 256, 64, qa=q8)
     with pytest.raises(ValueError, match="NVFP4 and MXFP4"):
         w4.prepare_a(q8)
+    q2d = fp4jax.quantize(jnp.ones((64, 256)), fp4jax.MXFP4, block_2d=True)
+    assert "1-D blocks" in dispatch.w4a4_unsupported_reason(64, 256, 64, qa=q2d)
+    with pytest.raises(ValueError, match="1-D blocks"):
+        w4.prepare_a(q2d)
     _close(dispatch.w4a4_matmul(qa, qb, out_dtype=jnp.float32, backend="xla"),
            np.asarray(fp4jax.dequantize(qa), np.float64) @ np.asarray(fp4jax.dequantize(qb),
                                                                         np.float64))
