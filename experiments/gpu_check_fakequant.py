@@ -57,11 +57,14 @@ def data(shape, seed, wild):
     return x.astype(jnp.bfloat16)
 
 
-def check_kernels():
+KERNEL_SHAPES = (((1024, 4096), True), ((16384, 4096), True), ((8192, 8192), False),
+                 ((48, 2048), True), ((4096, 14336), False))
+
+
+def check_kernels(shapes=KERNEL_SHAPES):
     signs = jnp.asarray(default_signs(16))
     key = jax.random.key(2024)
-    for shape, wild in (((1024, 4096), True), ((16384, 4096), True), ((8192, 8192), False),
-                        ((48, 2048), True), ((4096, 14336), False)):
+    for shape, wild in shapes:
         x = data(shape, sum(shape), wild)
         row = {"shape": list(shape), "wild": wild, "kernel": "cols_amaxes"}
         try:  # the one-read pair of tensor amaxes (plain, rotated) vs XLA
@@ -146,6 +149,8 @@ if __name__ == "__main__":
         check_kernels()
     if "dot" in which:
         check_dot()
+    if "kernels64" in which:  # widths whose SR rows tiles are 64 blocks (C % 2048 != 0)
+        check_kernels((((2048, 1024), True), ((4096, 3072), False)))
     if "dot3" in which:  # 1000 tokens: the 16x1 kernels fall back to XLA
         check_dot(DOT_SHAPES[:1] + DOT_SHAPES[3:])
     RES["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
