@@ -69,6 +69,14 @@ at 477k tokens/s vs 383k on the XLA path (run 22). Smaller GEMMs are not measure
 stay on XLA."""
 
 
+_ENV_OFF = ("off", "0", "xla")  # FP4JAX_KERNELS spellings that force XLA
+_ENV_ON = ("on", "1", "pallas")  # ... that force the kernels
+
+
+def _kernels_env() -> str:
+    return os.environ.get("FP4JAX_KERNELS", "auto").lower()
+
+
 def kernel_mode(mkn: int | None = None) -> str:
     """How ``dot`` runs NVFP4 quantization: ``"on"`` (Pallas Mosaic GPU kernels,
     ``pallas_kernels/``), ``"off"`` (XLA) or ``"interpret"`` (the kernels in Mosaic GPU
@@ -86,12 +94,12 @@ def kernel_mode(mkn: int | None = None) -> str:
     tested against the XLA path). The setting is part of the trace cache key: a change
     takes effect on the next call of ``dot``.
     """
-    env = os.environ.get("FP4JAX_KERNELS", "auto").lower()
-    if env in ("off", "0", "xla"):
+    env = _kernels_env()
+    if env in _ENV_OFF:
         return "off"
     if env == "interpret":
         return "interpret"
-    if env in ("on", "1", "pallas"):
+    if env in _ENV_ON:
         return "on" if _on_sm90() else "off"
     if env not in ("", "auto"):
         raise ValueError(f"FP4JAX_KERNELS={env!r}: use auto, on or off")
@@ -337,13 +345,13 @@ def _make_dot3_scaled(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype:
 
 @functools.cache
 def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, precision: Any,
-               kmode: str = "off"):
-    """The custom_vjp for canonical ``(B, M, K) @ (B, K, N)``, specialized on static args."""
+               kmode: str = "off", forced: bool = False):
+    """The custom_vjp for canonical ``(B, M, K) @ (B, K, N)``, specialized on static args
+    (``forced``: ``FP4JAX_KERNELS`` forces the kernels, part of the cache key)."""
     if kmode != "off" and _scaled_path_applies(recipe):
         return _make_dot3_scaled(recipe, out_dtype, lhs_dtype, rhs_dtype, kmode)
     # the older packed-quantize kernels of _quant: only when explicitly forced
-    use_kernels = kmode == "on" and os.environ.get("FP4JAX_KERNELS", "").lower() in (
-        "on", "1", "pallas")
+    use_kernels = kmode == "on" and forced
     fp, dg, wg = recipe.fprop, recipe.dgrad, recipe.wgrad
     reuse_w = dg.rhs == fp.rhs and (not fp.rhs.quantized or fp.rhs.block_2d) and not (
         fp.hadamard or dg.hadamard
@@ -471,7 +479,8 @@ def dot_general(
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
     fn = _make_dot3(recipe, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype),
                     _hashable_precision(precision),
-                    kernel_mode(M * K * N if B == 1 else 0))  # the kernels need B == 1
+                    kernel_mode(M * K * N if B == 1 else 0),  # the kernels need B == 1
+                    _kernels_env() in _ENV_ON)
     y3 = fn(x3, w3, key)
     return y3.reshape(*bshape, *lfshape, *rfshape)
 
