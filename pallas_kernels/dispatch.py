@@ -246,21 +246,16 @@ def w4a4_unsupported_reason(m: int, k: int, n: int, qa=None, qb=None,
     """
     if impl not in W4A4_IMPLS:
         raise ValueError(f"impl must be one of {W4A4_IMPLS}, got {impl!r}")
-    from pallas_kernels.fp4_gemm_w4a4_sm90 import scale_format
+    from pallas_kernels.fp4_gemm_w4a4_sm90 import operand_unsupported_reason, scale_format
 
     for name, q, ax in (("A", qa, 1), ("B", qb, 0)):
         if q is None:
             continue
-        sf = scale_format(q.fmt)
-        if sf is None or (impl == "fused" and sf != "e4m3"):
-            what = "NVFP4 and MXFP4" if impl == "two_pass" else "NVFP4"
-            return f"{impl} kernel implements {what} operands only ({name}: {q.fmt.name})"
-        if sf == "ue8m0" and q.block_2d:
-            return f"MXFP4 operands must be scaled in 1-D blocks along K ({name} is 2D)"
-        if q.ndim != 2:
-            return f"2-D operands only ({name} has shape {tuple(q.shape)})"
-        if not q.block_2d and q.axis % 2 != ax:
-            return f"{name} must be scaled along K (axis={ax} or 16x16 tiles)"
+        reason = operand_unsupported_reason(q, ax)
+        if reason is not None:
+            return f"{reason} ({name})"
+        if impl == "fused" and scale_format(q.fmt) != "e4m3":
+            return f"fused kernel implements NVFP4 operands only ({name}: {q.fmt.name})"
     kq, nq = (256, 64) if impl == "two_pass" else (128, 128)
     if m % 64 or n % nq or k % kq:
         return (f"{impl}: M % 64 == 0, N % {nq} == 0 and K % {kq} == 0 needed,"

@@ -86,23 +86,34 @@ def scale_format(fmt) -> str | None:
     return None
 
 
+def operand_unsupported_reason(q, contract_axis: int) -> str | None:
+    """None when ``prepare_a`` (``contract_axis`` 1) / ``prepare_b`` (0) take the
+    ``QuantizedArray`` ``q``, else why not (shapes aside: see ``dispatch``)."""
+    sf = scale_format(q.fmt)
+    if sf is None:
+        return f"W4A4 kernels support NVFP4 and MXFP4 operands, got {q.fmt.name}"
+    if sf == "ue8m0" and q.block_2d:
+        return "MXFP4 operands must be scaled in 1-D blocks along K"
+    if q.ndim != 2:
+        return f"2-D operands only, got shape {tuple(q.shape)}"
+    if not q.block_2d and q.axis % 2 != contract_axis:
+        return (f"operand must be scaled along K, its contraction axis {contract_axis} "
+                "(or in 16x16 tiles)")
+    return None
+
+
 def _prepare(q, contract_axis: int):
     from fp4jax.quantize import e2m1_codes
 
+    reason = operand_unsupported_reason(q, contract_axis)
+    if reason is not None:
+        raise ValueError(reason)
     sf = scale_format(q.fmt)
-    if sf is None:
-        raise ValueError(f"W4A4 kernels support NVFP4 and MXFP4 operands, got {q.fmt.name}")
-    if sf == "ue8m0" and q.block_2d:
-        raise ValueError("MXFP4 operands are scaled in 1-D blocks of 32")
-    if q.ndim != 2:
-        raise ValueError(f"2-D operands only, got shape {q.shape}")
     codes = e2m1_codes(q.data)
     sb = lax.bitcast_convert_type(q.scale, jnp.uint8)
     if q.block_2d:  # 16x16 tiles: repeat each tile scale along the non-contracted axis
         sb = jnp.repeat(sb, 16, axis=1 - contract_axis)
         sb = sb[:, : codes.shape[1]] if contract_axis == 0 else sb[: codes.shape[0]]
-    elif q.axis % 2 != contract_axis:
-        raise ValueError(f"operand must be scaled along its contraction axis {contract_axis}")
     if sf == "ue8m0":  # one 32-block = the two 16-blocks of one 16-byte group: repeat
         sb = jnp.repeat(sb, 2, axis=contract_axis)
     if contract_axis == 0:
