@@ -550,13 +550,17 @@ def rht_cols_amax(x, signs, *, interpret: bool = False, g: int | None = None):
     tensor: a Pallas pass writes one amax per column block (1/16 of x, int32 bits) and
     XLA reduces those. x: bf16 (R, C), see ``supported_cols``. Rule: the finite amax of
     ``fp4jax.quantize._quantize_impl`` (``_finite_amax``)."""
-    return _f32(lax.bitcast_convert_type(jnp.max(_rht_strip_amaxes(
-        x, signs, interpret, g, plain_amax=False)), jnp.int32))
+    return _max_f32(_rht_strip_amaxes(x, signs, interpret, g, plain_amax=False))
+
+
+def _max_f32(a):
+    """The float32 whose (non-negative) int32 bits are the largest in uint32 array ``a``."""
+    return _f32(lax.bitcast_convert_type(jnp.max(a), jnp.int32))
 
 
 def _rht_strip_amaxes(x, signs, interpret, g, *, plain_amax: bool):
+    name = "cols_amaxes" if plain_amax else "rht_cols_amax"
     if not supported_cols(x.shape, x.dtype):
-        name = "cols_amaxes" if plain_amax else "rht_cols_amax"
         raise ValueError(f"{name} needs bf16 (R, C), R % 16 == 0, C % {16 * GC[-1]} "
                          f"== 0, got {x.dtype} {x.shape}")
     g = g or (x.shape[1] // 16 if interpret else _pick_block(x.shape[1] // 16, GC))
@@ -567,7 +571,7 @@ def _rht_strip_amaxes(x, signs, interpret, g, *, plain_amax: bool):
         _rht_cols_strip_amax(sc_ref, x_ref, a_ref, plain=plain, plain_amax=plain_amax)
 
     return _strip_call(x, sc, key_words(None), strip, g=g, interpret=interpret,
-                       name="rht_cols_amax", out_rows=4 if plain_amax else 2)
+                       name=name, out_rows=4 if plain_amax else 2)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "g"))
@@ -577,8 +581,7 @@ def cols_amaxes(x, signs, *, interpret: bool = False, g: int | None = None):
     columns (``fq_cols`` with ``signs``), as the fprop and wgrad ``x`` or the dgrad and
     wgrad ``dy`` of the NVFP4 recipe are. Float32 scalars; x as ``rht_cols_amax``."""
     a = _rht_strip_amaxes(x, signs, interpret, g, plain_amax=True)
-    m = lambda t: _f32(lax.bitcast_convert_type(jnp.max(t), jnp.int32))  # noqa: E731
-    return m(a[:, 2:]), m(a[:, :2])
+    return _max_f32(a[:, 2:]), _max_f32(a[:, :2])
 
 
 def fq_rows(x, key=None, *, interpret: bool = False, amax=None, **kw):
