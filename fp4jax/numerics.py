@@ -40,6 +40,7 @@ __all__ = [
     "uniform_from_key",
     "threefry2x32",
     "threefry_bits_at",
+    "draws_from_key",
 ]
 
 
@@ -319,24 +320,33 @@ def round_to_grid(v: jax.Array, grid: FloatGrid, mode: str = "nearest") -> jax.A
 
 def uniform_from_key(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """Uniform float32 in (0, 1) on the midpoint lattice ``(b + 1/2) * 2**-8``, 8 random
-    bits per element, four elements (a 2x2 square) per 32-bit draw.
+    bits per element, eight elements (four rows x two columns) per 64-bit draw.
 
-    Rule: view ``shape`` as a matrix (N, K), ``K = shape[-1]`` (the blocked axis: callers
-    pass the padded array with the blocked axis last), ``N = prod(shape[:-1])``. With
-    ``bits = jax.random.bits(key, (ceil(N/2) * ceil(K/2),), uint32)``, element (n, k)
-    takes byte ``2 * (n % 2) + (k % 2)`` (byte 0 = bits 0..7) of
-    ``bits[(n // 2) * ceil(K/2) + k // 2]``: rows 2m and 2m+1 and columns 2j and 2j+1
-    share one draw, which is what a bf16 word (two neighbours along one axis) of two
-    neighbouring rows or columns holds in the Hopper kernels
-    (``pallas_kernels/fakequant_nvfp4_sm90.py``), so a kernel makes one Threefry draw per
-    four elements. For threefry keys (JAX's default, with ``jax_threefry_partitionable``
-    on, the default since JAX 0.5) ``bits[j]`` is ``threefry_bits_at(key_data, j)``.
+    Rule: view ``shape`` as a matrix (N, K) in its stored order, ``K = shape[-1]``, ``N =
+    prod(shape[:-1])`` (callers pass the tensor being quantized as it is laid out, padded
+    along the blocked axis, whichever axis that is; ``fp4jax.quantize`` then moves the
+    uniforms along with the data). Draw ``d = (n // 4) * ceil(K/2) + k // 2`` is the
+    Threefry-2x32 block (20 rounds) of the key words ``(k1, k2)`` on the counter ``(0,
+    d)``: two words ``(y0, y1)`` (``draws_from_key``). Element (n, k) takes byte ``2 * (n %
+    2) + (k % 2)`` (byte 0 = bits 0..7) of word ``y0`` if ``n % 4 < 2`` else ``y1``: rows
+    4m..4m+3 and columns 2j, 2j+1 share one draw. In the Hopper kernels
+    (``pallas_kernels/fakequant_nvfp4_sm90.py``) a bf16 word holds two neighbouring
+    columns and each row is its own register array, both for the 1x16 blocks along rows
+    and the 16x1 blocks along columns, so one draw serves the same word of four rows and a
+    kernel makes one Threefry draw per eight elements with elementwise code only.
+
+    ``(y0, y1)`` is what ``jax.random.bits(key, (D,), jnp.uint64)`` gives draw ``d`` as its
+    high and low words (with ``jax_enable_x64`` and ``jax_threefry_partitionable``);
+    computed here from the key words, so the stream does not depend on either flag. Keys
+    of other implementations (``rbg``, ...) take ``jax.random.bits(key, (D, 2),
+    jnp.uint32)`` rows as ``(y0, y1)``. ``D < 2**32`` (N * K < 2**34) is required.
 
     Why 8 bits: it is the random-bit budget of Transformer Engine's NVFP4 stochastic
     rounding on Blackwell, which feeds one 32-bit ``rbits`` word to each
     ``cvt.rs.satfinite.e2m1x4.f32`` (four values; TE ``common/util/ptx.cuh``, PTX ISA
     ``cvt``), and generating the bits (20 Threefry rounds per draw) is what bounds the
-    stochastic-rounding kernels on Hopper. With ``u`` on the midpoint lattice,
+    stochastic-rounding kernels on Hopper: using both 32-bit outputs of each Threefry
+    block halves that work. With ``u`` on the midpoint lattice,
     ``stochastic_round_to_grid`` rounds up with probability ``round(frac * 256) / 256``
     (``frac`` the position between the two neighbours; exact ties at ``(b + 1/2) / 256``
     round down), so the rounding's bias is two-sided and at most ``2**-9`` of a grid step,
@@ -345,14 +355,33 @@ def uniform_from_key(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     shape = tuple(int(d) for d in shape)
     k = shape[-1] if shape else 1
     n = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-    nh, kh = -(-n // 2), -(-k // 2)
-    bits = jax.random.bits(key, (nh * kh,), jnp.uint32).reshape(nh, 1, kh, 1)
+    nq, kh = -(-n // 4), -(-k // 2)
+    y0, y1 = draws_from_key(key, nq * kh)
+    words = jnp.stack([y0.reshape(nq, kh), y1.reshape(nq, kh)], axis=1)  # (nq, 2, kh)
     shift = (8 * (2 * jnp.arange(2, dtype=jnp.uint32)[:, None]
                   + jnp.arange(2, dtype=jnp.uint32)[None, :]))  # [n % 2, k % 2]
-    b = (bits >> shift[None, :, None, :]) & 0xFF  # (nh, 2, kh, 2)
-    b = b.reshape(2 * nh, 2 * kh)[:n, :k]
+    b = (words[:, :, None, :, None] >> shift[None, None, :, None, :]) & 0xFF
+    b = b.reshape(4 * nq, 2 * kh)[:n, :k]  # row 4m + 2 * word + n % 2
     u = (b.astype(jnp.float32) * 2 + 1) * jnp.float32(2.0**-9)
     return u.reshape(shape)
+
+
+def draws_from_key(key: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
+    """The 64-bit draws ``0 .. count-1`` of ``uniform_from_key`` as two uint32 arrays
+    ``(y0, y1)`` of shape (count,): ``threefry2x32(k1, k2, 0, d)`` for a threefry key
+    (typed or raw) with key words ``(k1, k2)``, else ``jax.random.bits(key, (count, 2),
+    uint32)`` split into its columns."""
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)  # raw uint32 key: the default implementation
+    if count >= 2**32:
+        raise ValueError(f"stochastic rounding of {count} draws (>= 2**32): quantize a "
+                         "tensor of fewer than 2**34 elements per call")
+    if "threefry" in str(jax.random.key_impl(key)).lower():
+        k1, k2 = jax.random.key_data(key).reshape(2)
+        d = jnp.arange(count, dtype=jnp.uint32)
+        return threefry2x32(k1, k2, jnp.zeros_like(d), d)
+    bits = jax.random.bits(key, (count, 2), jnp.uint32)
+    return bits[:, 0], bits[:, 1]
 
 
 _THREEFRY_ROT = ((13, 15, 26, 6), (17, 29, 16, 24))

@@ -339,12 +339,20 @@ def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding
     s = block_decode_scale(amax_b, enc, fmt)
     e = element_encode_scale(s, dec)[..., None]
     u = None
-    if rounding == "stochastic":
-        u = numerics.uniform_from_key(key, xm.shape).reshape(blocks.shape)
+    if rounding == "stochastic":  # drawn in the stored order (uniform_from_key), moved along
+        u = numerics.uniform_from_key(key, _padded_shape(x.shape, axis, b))
+        u = jnp.moveaxis(u, axis, -1).reshape(blocks.shape)
     q = _round_elements(blocks * e, rounding, u).reshape(xm.shape)[..., :n]
     q = jnp.moveaxis(q, -1, axis).astype(_F4)
     scale = jnp.moveaxis(s, -1, axis).astype(fmt.scale_dtype)
     return QuantizedArray(q, scale, dec, fmt, axis, False)
+
+
+def _padded_shape(shape: tuple[int, ...], axis: int, b: int) -> tuple[int, ...]:
+    """``shape`` with ``axis`` rounded up to a multiple of ``b`` (the padded tensor)."""
+    out = list(shape)
+    out[axis] = -(-out[axis] // b) * b
+    return tuple(out)
 
 
 def _expand_scale(q: QuantizedArray) -> jax.Array:

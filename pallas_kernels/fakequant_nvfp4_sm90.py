@@ -17,13 +17,13 @@ to ``scaled_data(fp4jax.quantize(...), bfloat16)``:
 * ``fq_2d``: 16x16 tiles (the fprop/dgrad weight).
 
 Each does round-to-nearest-even or stochastic rounding. Stochastic rounding draws its
-8 bits per element in the kernel from the key (``fp4jax.numerics.threefry_bits_at``,
-the counter-based Threefry-2x32 of ``jax.random.bits``; the four elements of a 2x2
-square share one 32-bit draw, the rule of ``fp4jax.numerics.uniform_from_key``, on the
-blocked-axis-last view: ``(R, C)`` for rows, ``(C, R)`` for cols). A bf16 word holds two
-neighbours, so one draw serves the same word of two neighbouring rows: ``fq_rows`` takes
-its rows in pairs, ``fq_cols`` loops over row pairs. Kernels and XLA path produce the
-same bits with no random array in memory.
+8 bits per element in the kernel from the key (``fp4jax.numerics.threefry2x32``, the
+counter-based Threefry-2x32 of ``jax.random``; the eight elements of four rows x two
+columns share both 32-bit words of one draw, the rule of
+``fp4jax.numerics.uniform_from_key`` on x's stored (R, C) order, for rows and cols
+alike). A bf16 word holds two neighbouring columns, so one draw serves the same word of
+four neighbouring rows: ``fq_rows`` takes its rows in quads, ``fq_cols`` loops over row
+quads. Kernels and XLA path produce the same bits with no random array in memory.
 
 Numerics (each rule is the core's, cited where it is used): block amax, E4M3 block
 scale and element encode scale from ``quantize_nvfp4_sm90`` (TE ``core_nvfp4.cuh``);
@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from fp4jax.numerics import threefry_bits_at
+from fp4jax.numerics import threefry2x32
 from pallas_kernels.quantize_nvfp4_sm90 import (
     G2D,
     SUB,
@@ -148,7 +148,7 @@ def _scaled_words(w, e, s_val, finite, n: int, plain: bool, u_lo=None, u_hi=None
 
 def _fq_tile(sc_ref, kw_ref, x_ref, o_ref, *, nb: int, plain: bool, mode: str):
     """Round-to-nearest: ``nb`` blocks, x_ref (nb, 8) uint32 words in, o_ref (nb, 8)
-    uint32 words of bf16 ``data * scale`` out (stochastic rounding: ``_fq_pair_tile``)."""
+    uint32 words of bf16 ``data * scale`` out (stochastic rounding: ``_fq_quad_tile``)."""
     del kw_ref
     for a in range(0, nb, SUB):
         rows = pl.ds(a, SUB) if nb > SUB else slice(None)
@@ -164,55 +164,57 @@ def _byte(bits, i: int):
     return lax.shift_right_logical(bits, 8 * i) & 0xFF if i else bits & 0xFF
 
 
-def _fq_pair_tile(sc_ref, kw_ref, x_ref, o_ref, *, g: int, draw0, plain: bool, mode: str):
-    """Stochastic rounding of the same ``g`` blocks of two neighbouring rows (2m, 2m+1):
-    x_ref/o_ref (2, g, 8) words. The word (i, j) of both rows shares the draw ``draw0 +
-    8 i + j`` (``numerics.uniform_from_key`` on (R, C): row 2m takes bytes 0 (low
-    element) and 1 (high), row 2m+1 bytes 2 and 3); ``draw0 = m * C/2 + 8 * (first
-    block of the tile within its row)``."""
-    bits = threefry_bits_at(kw_ref[0], kw_ref[1],
-                            draw0 + (_iota((g, 8), 0, plain) << 3) + _iota((g, 8), 1, plain))
-    for r in (0, 1):
+def _fq_quad_tile(sc_ref, kw_ref, x_ref, o_ref, *, g: int, draw0, plain: bool, mode: str):
+    """Stochastic rounding of the same ``g`` blocks of four neighbouring rows (4m ..
+    4m+3): x_ref/o_ref (4, g, 8) words. The word (i, j) of the four rows shares the 64-bit
+    draw ``draw0 + 8 i + j`` (``numerics.uniform_from_key`` on (R, C): rows 4m, 4m+1 take
+    word y0, rows 4m+2, 4m+3 word y1; the even row bytes 0 (low element) and 1 (high), the
+    odd row bytes 2 and 3); ``draw0 = m * C/2 + 8 * (first block of the tile in its
+    row)``."""
+    d = draw0 + (_iota((g, 8), 0, plain) << 3) + _iota((g, 8), 1, plain)
+    words = threefry2x32(kw_ref[0], kw_ref[1], d - d, d)
+    for r in range(4):
         w = _load_words(x_ref.at[r], slice(None), plain)
         s_val, _, e, finite = _word_scales(sc_ref, w, mode)
-        word = _scaled_words(w, e, s_val, finite, g, plain, _byte(bits, 2 * r),
-                             _byte(bits, 2 * r + 1))
+        bits = words[r // 2]
+        word = _scaled_words(w, e, s_val, finite, g, plain, _byte(bits, 2 * (r % 2)),
+                             _byte(bits, 2 * (r % 2) + 1))
         o_ref[r] = lax.bitcast_convert_type(word, jnp.uint32)
 
 
-GR = (128, 64)  # blocks per row of an SR pair tile (fq_rows with a key)
-PAIR_BLOCKS = 512  # blocks per CTA of the SR rows kernel (as kt * SUB of the RtN one)
+GR = (128, 64)  # blocks per row of an SR quad tile (fq_rows with a key)
+QUAD_BLOCKS = 512  # blocks per CTA of the SR rows kernel (as kt * SUB of the RtN one)
 
 
 def supported_rows(shape, dtype, sr: bool = False) -> bool:
     """bf16 (R, C), C % 16 == 0, R*C/16 a multiple of 256, R*C < 2^31; with stochastic
-    rounding (``sr``) also R even and C % 1024 == 0 (rows are taken in pairs, 64 blocks
-    of each at least)."""
+    rounding (``sr``) also R % 4 == 0 and C % 1024 == 0 (rows are taken in quads, 64
+    blocks of each at least)."""
     if len(shape) != 2 or jnp.dtype(dtype) != jnp.bfloat16:
         return False
     r, c = shape
     ok = c % 16 == 0 and (r * c // 16) % SUB == 0 and r * c < 2**31
-    return ok and (not sr or (r % 2 == 0 and c % (16 * GR[-1]) == 0))
+    return ok and (not sr or (r % 4 == 0 and c % (16 * GR[-1]) == 0))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr", "g", "rp"))
+@functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr", "g", "rq"))
 def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = None,
-                   sr: bool = False, g: int | None = None, rp: int | None = None):
+                   sr: bool = False, g: int | None = None, rq: int | None = None):
     """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec)``, ``kw = key_words(key)``.
     Returns the bf16 (R, C) ``data * scale`` of 1x16 NVFP4 blocks along the last axis.
-    ``g``, ``rp`` (SR only): blocks per row and row pairs of a CTA tile (defaults: the
-    GPU's choice; in interpret mode whole rows, one pair, unless given, so CPU tests can
+    ``g``, ``rq`` (SR only): blocks per row and row quads of a CTA tile (defaults: the
+    GPU's choice; in interpret mode whole rows, one quad, unless given, so CPU tests can
     run the GPU tiling's draw offsets)."""
     if not supported_rows(x.shape, x.dtype, sr):
         raise ValueError(f"fq_rows needs bf16 (R, C), C % 16 == 0, R*C % {16 * SUB} == 0 "
-                         f"(with a key also R % 2 == 0 and C % {16 * GR[-1]} == 0), got "
+                         f"(with a key also R % 4 == 0 and C % {16 * GR[-1]} == 0), got "
                          f"{x.dtype} {x.shape}")
     # "auto" (table, branching to recip_rn for extreme dec) emits the body twice; with
     # SR's Threefry that doubles an already long kernel, so SR takes "rn" alone
     mode = _mode(recip or ("rn" if sr else "auto"), None)
     r, c = x.shape
     if sr:
-        return _fq_rows_pairs(x, sc, kw, interpret=interpret, mode=mode, g=g, rp=rp)
+        return _fq_rows_quads(x, sc, kw, interpret=interpret, mode=mode, g=g, rq=rq)
     nbt = r * c // 16
     xw = lax.bitcast_convert_type(x.reshape(nbt, 8, 2), jnp.uint32)
     if interpret:
@@ -254,11 +256,11 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
     return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
 
 
-def _fq_rows_pairs(x, sc, kw, *, interpret: bool, mode: str, g: int | None = None,
-                   rp: int | None = None):
+def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = None,
+                   rq: int | None = None):
     """``fq_rows_scaled`` with stochastic rounding: x viewed as (R, C/16, 8) words, each
-    CTA (i, j) takes row pairs ``i * rp + p`` (p < rp) x blocks ``j * g ..`` of them
-    (``_fq_pair_tile`` per pair, first draw ``_pair_draw0``)."""
+    CTA (i, j) takes row quads ``i * rq + p`` (p < rq) x blocks ``j * g ..`` of them
+    (``_fq_quad_tile`` per quad, first draw ``_quad_draw0``)."""
     r, c = x.shape
     nbr = c // 16
     xw = lax.bitcast_convert_type(x.reshape(r, nbr, 8, 2), jnp.uint32)
@@ -269,27 +271,27 @@ def _fq_rows_pairs(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
 
     if interpret:
         g = g or nbr
-        rp = rp or 1
+        rq = rq or 1
     else:
         g = g or _pick_block(nbr, GR)
-        rp = rp or max(1, PAIR_BLOCKS // (2 * g))
-        while (r // 2) % rp:
-            rp //= 2
-    if nbr % g or (r // 2) % rp:
-        raise ValueError(f"fq_rows SR tiling: g={g} must divide C/16={nbr} and rp={rp} R/2")
+        rq = rq or max(1, QUAD_BLOCKS // (4 * g))
+        while (r // 4) % rq:
+            rq //= 2
+    if nbr % g or (r // 4) % rq:
+        raise ValueError(f"fq_rows SR tiling: g={g} must divide C/16={nbr} and rq={rq} R/4")
 
-    def _pair_draw0(i, j, p):  # draw of word (0, 0) of row pair i * rp + p, block j * g
-        return (i * rp + p) * (c // 2) + 8 * g * j
+    def _quad_draw0(i, j, p):  # draw of word (0, 0) of row quad i * rq + p, block j * g
+        return (i * rq + p) * (c // 2) + 8 * g * j
 
     if interpret:
         def interp_body(sc_ref, kw_ref, x_ref, o_ref):
-            @pl.loop(0, r // (2 * rp))
+            @pl.loop(0, r // (4 * rq))
             def _(i):
                 for j in range(nbr // g):
-                    for p in range(rp):
-                        at = (pl.ds(2 * (i * rp + p), 2), pl.ds(j * g, g))
-                        _fq_pair_tile(sc_ref, kw_ref, x_ref.at[at], o_ref.at[at], g=g,
-                                      draw0=_pair_draw0(i, j, p), plain=True, mode=mode)
+                    for p in range(rq):
+                        at = (pl.ds(4 * (i * rq + p), 4), pl.ds(j * g, g))
+                        _fq_quad_tile(sc_ref, kw_ref, x_ref.at[at], o_ref.at[at], g=g,
+                                      draw0=_quad_draw0(i, j, p), plain=True, mode=mode)
 
         return result(pl.pallas_call(
             interp_body, out_shape=out_type, interpret=interpret,
@@ -300,21 +302,21 @@ def _fq_rows_pairs(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
         j = lax.axis_index("cols")
 
         def step(_, x_smem, o_smem):
-            for p in range(rp):
-                rows = pl.ds(2 * p, 2)
-                _fq_pair_tile(sc_gmem, kw_gmem, x_smem.at[rows], o_smem.at[rows], g=g,
-                              draw0=_pair_draw0(i, j, p), plain=False, mode=mode)
+            for p in range(rq):
+                rows = pl.ds(4 * p, 4)
+                _fq_quad_tile(sc_gmem, kw_gmem, x_smem.at[rows], o_smem.at[rows], g=g,
+                              draw0=_quad_draw0(i, j, p), plain=False, mode=mode)
 
         plgpu.emit_pipeline(
             step, grid=(1,),
-            in_specs=[plgpu.BlockSpec((2 * rp, g, 8), lambda _: (i, j, 0))],
-            out_specs=[plgpu.BlockSpec((2 * rp, g, 8), lambda _: (i, j, 0))],
+            in_specs=[plgpu.BlockSpec((4 * rq, g, 8), lambda _: (i, j, 0))],
+            out_specs=[plgpu.BlockSpec((4 * rq, g, 8), lambda _: (i, j, 0))],
             max_concurrent_steps=1,
         )(x_gmem, o_gmem)
 
     o = plgpu.kernel(
         body, out_type=out_type,
-        grid=(r // (2 * rp), nbr // g), grid_names=("rows", "cols"),
+        grid=(r // (4 * rq), nbr // g), grid_names=("rows", "cols"),
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
     )(sc, kw, xw)
     return result(o)
@@ -338,18 +340,20 @@ def _fwht16(v):
     return [t * 0.25 for t in v]
 
 
-def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_rows: int,
+def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: int,
                    plain: bool, mode: str, sr: bool, rht: bool):
     """One strip: x_ref (16, g, 8) uint32 words (row k of the strip is x_ref[k]; word
     (i, w) holds columns ``col0 + 16 i + 2 w`` (low half) and ``+1`` (high half)),
     o_ref (16, g, 8) words out. Each column of the strip is one 16-element block (along
     the rows), after the Hadamard rotation along the rows when ``rht``. SR
-    (``numerics.uniform_from_key`` on the (C, R) transposed view): element (row, col)
-    takes byte ``2 (col % 2) + (row % 2)`` of draw ``(col // 2) * n_rows/2 + row // 2``,
-    so a word (two neighbouring columns) of rows 2p and 2p+1 shares one draw.
+    (``numerics.uniform_from_key`` on x's stored (R, C) order): element (row, col) takes
+    byte ``2 (row % 2) + (col % 2)`` of word ``row % 4 // 2`` of the 64-bit draw ``(row //
+    4) * n_cols/2 + col // 2``, so a word (two neighbouring columns) of rows 4p .. 4p+3
+    shares one draw.
 
     Code size: the block scales need all 16 (rotated) rows at once, but the per-element
-    rounding (with its 80-operation Threefry for SR) runs in a loop over the 16 rows, so
+    rounding (with its 80-operation Threefry for SR) runs in a loop over the 16 rows
+    (pairs of rows, or quads with SR: one draw per iteration), so
     it is emitted once, not 16 times (an unrolled SR strip took minutes to compile). The
     rotated low halves wait in ``o_ref`` and the high halves in ``x_ref`` (float32 bits,
     one word per element) between the two phases."""
@@ -368,20 +372,23 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_rows: 
         for k in range(16):
             stash[k] = lax.bitcast_convert_type(v[k], jnp.uint32)
     draw0 = None
-    if sr:  # draw of (rows row0, row0 + 1; the word's column pair); n_rows, row0 even
-        draw0 = (lax.shift_right_logical(col0, 1) + (_iota((g, 8), 0, plain) << 3)
-                 + _iota((g, 8), 1, plain)) * (n_rows // 2) + lax.shift_right_logical(row0, 1)
+    per = 4 if sr else 2  # rows per loop iteration
+    if sr:  # draw of (rows row0 .. row0 + 3; the word's column pair); row0 % 16 == 0
+        draw0 = (lax.shift_right_logical(row0, 2) * (n_cols // 2) + lax.shift_right_logical(
+            col0, 1) + (_iota((g, 8), 0, plain) << 3) + _iota((g, 8), 1, plain))
 
-    @pl.loop(0, 8)
+    @pl.loop(0, 16 // per)
     def _(p):
-        draw = threefry_bits_at(kw_ref[0], kw_ref[1], draw0 + p) if sr else None
-        for r in (0, 1):
-            k = 2 * p + r
+        if sr:
+            d = draw0 + p * (n_cols // 2)
+            draws = threefry2x32(kw_ref[0], kw_ref[1], d - d, d)
+        for r in range(per):
+            k = per * p + r
             out = []
             for half, stash in ((0, o_ref), (1, x_ref)):
                 s_val, e, finite = scales[half]
                 v = _f32(_load_words(stash.at[k], slice(None), plain))
-                u = _byte(draw, 2 * half + r) if sr else None
+                u = _byte(draws[r // 2], 2 * (r % 2) + half) if sr else None
                 out.append((_e2m1_value(v * e, u, plain) * s_val, finite))
             (lo, flo), (hi, fhi) = out
             bits = (jnp.where(flo, lax.shift_right_logical(_i32(lo), 16), _NAN2 & 0xFFFF)
@@ -481,12 +488,12 @@ def fq_cols_scaled(x, sc, kw, *, interpret: bool = False, recip: str = "rn",
         raise ValueError(f"fq_cols needs bf16 (R, C), R % 16 == 0, C % {16 * GC[-1]} == 0, "
                          f"got {x.dtype} {x.shape}")
     mode = _mode(recip, None)
-    n_rows = x.shape[0]
+    n_cols = x.shape[1]
     g = g or (x.shape[1] // 16 if interpret else _pick_block(x.shape[1] // 16, GC))
 
     def strip(sc_ref, kw_ref, x_ref, o_ref, g_, row0, col0, plain):
         _by_mode(sc_ref, mode, lambda md: _fq_strip_cols(
-            sc_ref, kw_ref, x_ref, o_ref, g=g_, row0=row0, col0=col0, n_rows=n_rows,
+            sc_ref, kw_ref, x_ref, o_ref, g=g_, row0=row0, col0=col0, n_cols=n_cols,
             plain=plain, mode=md, sr=sr, rht=rht))
 
     return _strip_call(x, sc, kw, strip, g=g, interpret=interpret, name="fq_cols")

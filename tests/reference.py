@@ -98,7 +98,8 @@ def ref_quantize(x, exp_bits=4, man_bits=3, block=16, tensor_scale=True, rule="n
     """Returns (data float64 with signed zeros, scale float64 per block, dec float32).
 
     ``sr_key_words=(k1, k2)``: stochastic rounding of the elements (E2M1 only) with the
-    uniforms of ``ref_sr_uniform`` over the padded, blocked-axis-last array."""
+    uniforms of ``ref_sr_uniform`` over the padded array in its stored order (moved along
+    with the data to the blocked-axis-last view)."""
     x = np.asarray(x, np.float32)
     sgrid = grid_values(exp_bits, man_bits, nan_code=True)
     a = np.abs(x)
@@ -130,7 +131,11 @@ def ref_quantize(x, exp_bits=4, man_bits=3, block=16, tensor_scale=True, rule="n
     s = _block_scale(amax_b, enc, sgrid, rule, man_bits)
     e = _elem_scale(s, dec)
     y = (blocks.astype(F32) * e[..., None].astype(F32)).astype(F32)
-    u = None if sr_key_words is None else ref_sr_uniform(*sr_key_words, xp.shape)
+    u = None
+    if sr_key_words is not None:
+        padded = list(x.shape)
+        padded[axis] = xp.shape[-1]
+        u = np.moveaxis(ref_sr_uniform(*sr_key_words, padded), axis, -1)
     q = _e2m1(y, None if u is None else u.reshape(blocks.shape)).reshape(xp.shape)[..., :n]
     return np.moveaxis(q, -1, axis), np.moveaxis(s, -1, axis), dec
 
@@ -213,10 +218,16 @@ def ref_fwht_f32(v: np.ndarray, size: int) -> np.ndarray:
 
 
 def ref_threefry_bits(k1: int, k2: int, n: int) -> np.ndarray:
+    """``jax.random.bits(key, (n,), uint32)``: ``y0 ^ y1`` of ``ref_threefry_words``."""
+    y0, y1 = ref_threefry_words(k1, k2, n)
+    return y0 ^ y1
+
+
+def ref_threefry_words(k1: int, k2: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     """``jax.random.bits(key, (n,), uint32)`` for a threefry key with words (k1, k2), from
     the Threefry-2x32 definition (Salmon et al. 2011, 20 rounds; Random123's key schedule
-    and rotation constants) and JAX's partitionable counter layout (counter = (0, i),
-    bits = y0 ^ y1), in NumPy uint32 arithmetic."""
+    and rotation constants) on the counters (0, i), i < n: the two output words (y0, y1),
+    in NumPy uint32 arithmetic (JAX's partitionable layout; its 32-bit bits are y0 ^ y1)."""
     m = np.uint32(0xFFFFFFFF)
     rot = [(13, 15, 26, 6), (17, 29, 16, 24)]
     ks = [np.uint32(k1), np.uint32(k2), np.uint32(k1) ^ np.uint32(k2) ^ np.uint32(0x1BD11BDA)]
@@ -230,23 +241,24 @@ def ref_threefry_bits(k1: int, k2: int, n: int) -> np.ndarray:
                 x1 = x0 ^ x1
             x0 = x0 + ks[(i + 1) % 3]
             x1 = x1 + ks[(i + 2) % 3] + np.uint32(i + 1)
-    return x0 ^ x1
+    return x0, x1
 
 
 def ref_sr_uniform(k1: int, k2: int, shape) -> np.ndarray:
     """The stochastic-rounding uniforms of ``fp4jax.numerics.uniform_from_key`` for a
     threefry key with words (k1, k2), written from its documented rule: view ``shape`` as
-    (N, K) with K the last axis; element (n, k) takes byte ``2 (n % 2) + (k % 2)`` of draw
-    ``(n // 2) ceil(K / 2) + k // 2`` and ``u = (byte + 1/2) / 256``. Loops over draws."""
+    (N, K) in stored order, K the last axis; element (n, k) takes byte ``2 (n % 2) + (k %
+    2)`` of word ``n % 4 // 2`` (y0, y1) of the Threefry block on counter (0, ``(n // 4)
+    ceil(K / 2) + k // 2``) and ``u = (byte + 1/2) / 256``. Loops over elements."""
     shape = tuple(shape)
     k = shape[-1]
     n = int(np.prod(shape[:-1]))
     kh = -(-k // 2)
-    bits = ref_threefry_bits(k1, k2, -(-n // 2) * kh)
+    words = ref_threefry_words(k1, k2, -(-n // 4) * kh)
     u = np.empty((n, k), np.float32)
     for r in range(n):
         for c in range(k):
-            word = int(bits[(r // 2) * kh + c // 2])
+            word = int(words[(r % 4) // 2][(r // 4) * kh + c // 2])
             byte = (word >> (8 * (2 * (r % 2) + (c % 2)))) & 0xFF
             u[r, c] = (byte + 0.5) / 256.0
     return u.reshape(shape)

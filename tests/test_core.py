@@ -252,9 +252,8 @@ def test_threefry_bits_at_equals_jax_random_bits_and_numpy(seed):
     ((2, 3, 32), 1, False), ((20, 24), None, True)])
 def test_sr_bit_exact_against_numpy(shape, axis, block_2d):
     """SR data and scales equal the NumPy reference that draws its uniforms from an
-    independent Threefry and the documented 2x2-square byte rule (odd sizes included)."""
-    if not jax.config.jax_threefry_partitionable:
-        pytest.skip("needs jax_threefry_partitionable (the default)")
+    independent Threefry and the documented 4x2-rectangle byte rule, drawn in the stored
+    order whichever axis is blocked (odd sizes included)."""
     x = np.asarray(INPUTS["heavy"]).reshape(-1)[: int(np.prod(shape))].reshape(shape)
     key = jax.random.key(11)
     k1, k2 = (int(v) for v in np.asarray(jax.random.key_data(key)))
@@ -270,20 +269,35 @@ def test_sr_bit_exact_against_numpy(shape, axis, block_2d):
 
 def test_sr_uniform_lattice_and_sharing():
     """uniform_from_key: the midpoint lattice (b + 1/2) / 256, equal to the NumPy rule, and
-    the four elements of a 2x2 square take the four bytes of one draw."""
+    the eight elements of a 4x2 rectangle take the eight bytes of one 64-bit draw, which
+    is jax.random.bits' uint64 draw (x64) split into (high, low) words."""
     key = jax.random.key(2)
     k1, k2 = (int(v) for v in np.asarray(jax.random.key_data(key)))
-    for shape in [(4, 6), (5, 7), (3, 2, 10), (9,)]:
+    for shape in [(4, 6), (5, 7), (3, 2, 10), (9,), (6, 1)]:
         u = np.asarray(numerics.uniform_from_key(key, shape))
         np.testing.assert_array_equal(u, ref.ref_sr_uniform(k1, k2, shape))
     u = np.asarray(numerics.uniform_from_key(key, (64, 64)))
-    b = u * 256 - 0.5
+    b = (u * 256 - 0.5)
     np.testing.assert_array_equal(b, np.round(b))
     assert b.min() >= 0 and b.max() <= 255
-    bits = np.asarray(jax.random.bits(key, (32 * 32,), jnp.uint32)).reshape(32, 32)
-    word = (b[0::2, 0::2].astype(np.uint32) | (b[0::2, 1::2].astype(np.uint32) << 8)
-            | (b[1::2, 0::2].astype(np.uint32) << 16) | (b[1::2, 1::2].astype(np.uint32) << 24))
-    np.testing.assert_array_equal(word, bits)
+    b = b.astype(np.uint32)
+    y0, y1 = ref.ref_threefry_words(k1, k2, 16 * 32)
+    for w, r in ((y0, 0), (y1, 2)):
+        word = (b[r::4, 0::2] | (b[r::4, 1::2] << 8) | (b[r + 1::4, 0::2] << 16)
+                | (b[r + 1::4, 1::2] << 24))
+        np.testing.assert_array_equal(word, w.reshape(16, 32))
+    if jax.config.jax_threefry_partitionable and hasattr(jax, "enable_x64"):
+        with jax.enable_x64(True):
+            b64 = np.asarray(jax.random.bits(key, (16 * 32,), jnp.uint64))
+        np.testing.assert_array_equal((b64 >> 32).astype(np.uint32), y0)
+        np.testing.assert_array_equal((b64 & 0xFFFFFFFF).astype(np.uint32), y1)
+    # a raw key and the typed key give the same uniforms; rbg keys work too
+    raw = jax.random.PRNGKey(2)
+    np.testing.assert_array_equal(np.asarray(numerics.uniform_from_key(raw, (8, 6))),
+                                  np.asarray(numerics.uniform_from_key(
+                                      jax.random.wrap_key_data(raw), (8, 6))))
+    ur = np.asarray(numerics.uniform_from_key(jax.random.key(2, impl="rbg"), (8, 6)))
+    assert ur.shape == (8, 6) and np.all((ur > 0) & (ur < 1))
     # about uniform: each byte value ~16 times among 4096
     counts = np.bincount(b.astype(np.int64).ravel(), minlength=256)
     assert counts.min() > 0 and counts.max() < 45

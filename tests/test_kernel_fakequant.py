@@ -116,12 +116,12 @@ def test_cols_kernel_matches_xla_and_numpy(sr, rht):
 @needs_interpret
 def test_sr_kernels_with_the_gpu_tiling_match_xla():
     """The draw offsets of the GPU tilings (several CTA tiles per row and per column
-    strip), run in interpret mode: rows SR with 2 row pairs x 64 blocks per tile, cols SR
-    (with RHT) in strips of 64 column blocks."""
+    strip), run in interpret mode: rows SR with 2 row quads x 64 blocks per tile (2 x 2
+    tiles), cols SR (with RHT) in strips of 64 column blocks."""
     key = jax.random.key(21)
-    x = _data((8, 2048), 6)
+    x = _data((16, 2048), 6)
     enc, dec = fq.global_scales(x)
-    got = fq.fq_rows_scaled(x, fq.scalars(enc, dec), fq.key_words(key), sr=True, g=64, rp=2,
+    got = fq.fq_rows_scaled(x, fq.scalars(enc, dec), fq.key_words(key), sr=True, g=64, rq=2,
                             interpret=IP)
     assert _same(got, _xla_scaled(x, -1, key=key)[0]) == 0
     x = _data((16, 2048), 7)
@@ -166,10 +166,12 @@ def test_supported_shapes():
     assert fq.supported_rows((16, 256), bf) and not fq.supported_rows((16, 255), bf)
     assert not fq.supported_rows((16, 256), jnp.float32)
     assert not fq.supported_rows((8, 16), bf)  # fewer than 256 blocks
-    # stochastic rounding takes rows in pairs of >= 64 blocks
+    # stochastic rounding takes rows in quads of >= 64 blocks
     assert fq.supported_rows((32, 1024), bf, sr=True)
     assert not fq.supported_rows((32, 512), bf, sr=True)
     assert not fq.supported_rows((33, 4096), bf, sr=True) and fq.supported_rows((33, 4096), bf)
+    assert not fq.supported_rows((34, 4096), bf, sr=True) and fq.supported_rows((34, 4096), bf)
+    assert fq.supported_rows((36, 4096), bf, sr=True)
     assert fq.supported_cols((16, 1024), bf) and not fq.supported_cols((24, 1024), bf)
     assert not fq.supported_cols((16, 512), bf)
     assert fq.supported_2d((32, 2048), bf) and not fq.supported_2d((8, 1024), bf)
@@ -190,7 +192,7 @@ def test_kernels_lower_for_cuda(variant):
         "2d": lambda x: fq.fq_2d(x),
         "amax": lambda x: fq.rht_cols_amax(x, jnp.asarray(SIGNS)),
         "amax2": lambda x: fq.cols_amaxes(x, jnp.asarray(SIGNS)),
-        "rows_sr_c1024": lambda x: fq.fq_rows(x.reshape(512, 1024), key),  # 64-block pairs
+        "rows_sr_c1024": lambda x: fq.fq_rows(x.reshape(512, 1024), key),  # 64-block quads
     }[variant]
     exp = jax.export.export(jax.jit(f), platforms=["cuda"])(
         jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16))
