@@ -124,12 +124,18 @@ def main() -> None:
             c, s = agg.get(name, (0, 0.0))
             agg[name] = (c + 1, s + ms * 1e3)
         total = sum(s for _, s in agg.values())
+        # launch order, to tell the Pallas kernels apart (they share one name) against
+        # the HLO schedule (--hlo)
+        res["sequence"] = [[name[:80], round(ms * 1e3, 1)] for name, ms in per]
         res["breakdown_total_us"] = round(total, 1)
         res["breakdown"] = [{"kernel": kname, "calls": c, "us": round(s, 1)}
                             for kname, (c, s) in sorted(agg.items(), key=lambda kv: -kv[1][1])]
         for r in res["breakdown"][:40]:
             print(f"  {r['us']:>9.1f} us  x{r['calls']}  {r['kernel'][:100]}")
         print(f"  total {total:.1f} us over {len(per)} kernels")
+        for i, (name, us) in enumerate(res["sequence"]):
+            if us >= 5:
+                print(f"  #{i:<3} {us:>9.1f} us  {name}")
     except Exception as e:  # noqa: BLE001
         res["breakdown_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print(res["breakdown_error"])
