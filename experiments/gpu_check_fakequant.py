@@ -151,6 +151,9 @@ if __name__ == "__main__":
         check_dot()
     if "kernels64" in which:  # widths whose SR rows tiles are 64 blocks (C % 2048 != 0)
         check_kernels((((2048, 1024), True), ((4096, 3072), False)))
+    if "kernels5" in which:  # one call's worth: wild small/odd widths, 64-block SR tiles
+        check_kernels((((1024, 4096), True), ((48, 2048), True), ((2048, 1024), True),
+                       ((4096, 3072), False), ((4096, 14336), False)))
     if "dot3" in which:  # 1000 tokens: the 16x1 kernels fall back to XLA
         check_dot(DOT_SHAPES[:1] + DOT_SHAPES[3:])
     RES["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")

@@ -92,29 +92,46 @@ def _barrier(v, plain: bool):
     return lax.optimization_barrier(v) if plain else v
 
 
-def _e2m1_value(v, u8, plain: bool):
+def _e2m1_value(v, u, plain: bool):
     """E2M1 value (float32, sign of ``v`` kept) of a scaled element ``v`` (finite).
 
     Rule: ``fp4jax.quantize._round_elements``: ``numerics.round_to_grid(|v|, E2M1,
-    "nearest")`` (``u8`` None) or ``numerics.stochastic_round_to_grid(|v|, E2M1, u)``
-    with ``u = (u8 + 1/2) * 2^-8`` (``u8``: the element's random byte, int32, see
-    ``numerics.uniform_from_key``), then the sign. Same steps: the grid quantum ``q =
-    2^(clip(floor_log2|v|, 0, 2) - 1)``, ``t = |v| / q`` (exact), round ``t`` (half to
-    even by the 2^23 trick, or ``floor(t) + (u < frac(t))``; ``t < 2^23`` here), then
-    ``min(r * q, 6)``.
+    "nearest")`` (``u`` None) or ``numerics.stochastic_round_to_grid(|v|, E2M1, u)``
+    (``u`` float32 from ``_sr_uniform``), then the sign; the same values, computed with
+    full-rate operations only (no int <-> float conversions, which run at a quarter of
+    the integer rate and bounded the stochastic-rounding kernels):
+
+    * nearest: below 1 the grid step is 1/2, so ``(|v| + 1.5 * 2^22) - 1.5 * 2^22``
+      rounds half to even onto it; from 1 up E2M1 keeps one mantissa bit, so adding
+      ``0x1FFFFF`` plus the kept bit to the float32 bits and clearing the 22 lower bits
+      rounds half to even (a carry moves to the next binade); then ``min(., 6)``.
+    * stochastic: ``t = |v| / q`` (``q = 2^(clip(floor_log2|v|, 0, 2) - 1)``, exact),
+      ``floor(t)`` as ``RNE(t)`` (the 2^23 trick) minus one where that exceeds ``t``,
+      round up where ``u < t - floor(t)``, then ``min(r * q, 6)``.
     """
     bits = _i32(v)
     ab = bits & 0x7FFFFFFF
-    ex = jnp.minimum(jnp.maximum(lax.shift_right_logical(ab, 23) - 127, 0), 2) - 1
-    t = _f32(ab) * _f32((127 - ex) << 23)
-    if u8 is None:
-        r = _barrier(t + 8388608.0, plain) - 8388608.0
+    if u is None:
+        small = _barrier(_f32(ab) + 6291456.0, plain) - 6291456.0
+        big = _f32((ab + 0x1FFFFF + (lax.shift_right_logical(ab, 22) & 1)) & -0x400000)
+        out = jnp.minimum(jnp.where(ab < 0x3F800000, small, big), 6.0)
     else:
-        lo = t.astype(jnp.int32).astype(jnp.float32)  # floor: t >= 0
-        u = (u8 * 2 + 1).astype(jnp.float32) * (2.0 ** -9)
+        ex = jnp.minimum(jnp.maximum(lax.shift_right_logical(ab, 23) - 127, 0), 2) - 1
+        t = _f32(ab) * _f32((127 - ex) << 23)
+        r0 = _barrier(t + 8388608.0, plain) - 8388608.0
+        lo = jnp.where(r0 > t, r0 - 1.0, r0)
         r = jnp.where(u < t - lo, lo + 1.0, lo)
-    out = jnp.minimum(r * _f32((127 + ex) << 23), 6.0)
+        out = jnp.minimum(r * _f32((127 + ex) << 23), 6.0)
     return _f32(_i32(out) | (bits & -0x80000000))
+
+
+def _sr_uniform(bits, i: int):
+    """``u = (b + 1/2) / 256`` (float32, exact) for byte ``i`` (0 = bits 0..7) ``b`` of
+    int32 ``bits`` (``numerics.uniform_from_key``): the float ``1 + u`` is built from its
+    bits (``b`` as mantissa bits 22..15, the half as bit 14), then 1 is subtracted."""
+    sh = 15 - 8 * i
+    b = (bits << sh) if sh >= 0 else lax.shift_right_logical(bits, -sh)
+    return _f32((b & 0x7F8000) | 0x3F804000) - 1.0
 
 
 def _iota(shape, dim, plain: bool):
@@ -131,7 +148,7 @@ def _bf16_hi(v):
 def _scaled_words(w, e, s_val, finite, n: int, plain: bool, u_lo=None, u_hi=None):
     """bf16 ``data * scale`` words (int32, (n, 8)) of a (n, 8) word tile whose row ``i``
     has element encode scale ``e[i]``, block scale ``s_val[i]`` and ``finite[i]`` (a
-    NaN/Inf block gives NaN); ``u_lo``/``u_hi``: SR bits of the low/high elements."""
+    NaN/Inf block gives NaN); ``u_lo``/``u_hi``: SR uniforms of the low/high elements."""
     eb = lax.broadcast_in_dim(e, (n, 8), (0,))
     sb = lax.broadcast_in_dim(s_val, (n, 8), (0,))
     fin = lax.broadcast_in_dim(finite.astype(jnp.int32), (n, 8), (0,))
@@ -159,11 +176,6 @@ def _fq_tile(sc_ref, kw_ref, x_ref, o_ref, *, nb: int, plain: bool, mode: str):
         o_ref[rows, :] = lax.bitcast_convert_type(word, jnp.uint32)
 
 
-def _byte(bits, i: int):
-    """Byte ``i`` (0 = bits 0..7) of int32 ``bits``, as int32 in 0..255."""
-    return lax.shift_right_logical(bits, 8 * i) & 0xFF if i else bits & 0xFF
-
-
 def _fq_quad_tile(sc_ref, kw_ref, x_ref, o_ref, *, g: int, draw0, plain: bool, mode: str):
     """Stochastic rounding of the same ``g`` blocks of four neighbouring rows (4m ..
     4m+3): x_ref/o_ref (4, g, 8) words. The word (i, j) of the four rows shares the 64-bit
@@ -177,8 +189,8 @@ def _fq_quad_tile(sc_ref, kw_ref, x_ref, o_ref, *, g: int, draw0, plain: bool, m
         w = _load_words(x_ref.at[r], slice(None), plain)
         s_val, _, e, finite = _word_scales(sc_ref, w, mode)
         bits = words[r // 2]
-        word = _scaled_words(w, e, s_val, finite, g, plain, _byte(bits, 2 * (r % 2)),
-                             _byte(bits, 2 * (r % 2) + 1))
+        word = _scaled_words(w, e, s_val, finite, g, plain, _sr_uniform(bits, 2 * (r % 2)),
+                             _sr_uniform(bits, 2 * (r % 2) + 1))
         o_ref[r] = lax.bitcast_convert_type(word, jnp.uint32)
 
 
@@ -364,10 +376,10 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: 
         v = [_f32(w << 16) if half == 0 else _f32(w & -0x10000) for w in words]
         if rht:
             v = _fwht16([v[k] * sc_ref[_SC_SIGNS + k] for k in range(16)])
-        amax = _i32(v[0]) & 0x7FFFFFFF
+        amax = jnp.abs(v[0])  # float max: NaN propagates, Inf stays above every finite
         for k in range(1, 16):
-            amax = jnp.maximum(amax, _i32(v[k]) & 0x7FFFFFFF)
-        s_val, s_byte, finite = _block_scale(amax, enc6)
+            amax = jnp.maximum(amax, jnp.abs(v[k]))
+        s_val, s_byte, finite = _block_scale(_i32(amax), enc6)
         scales.append((s_val, _elem_scale(sc_ref, s_val, s_byte, mode), finite))
         for k in range(16):
             stash[k] = lax.bitcast_convert_type(v[k], jnp.uint32)
@@ -388,7 +400,7 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: 
             for half, stash in ((0, o_ref), (1, x_ref)):
                 s_val, e, finite = scales[half]
                 v = _f32(_load_words(stash.at[k], slice(None), plain))
-                u = _byte(draws[r // 2], 2 * (r % 2) + half) if sr else None
+                u = _sr_uniform(draws[r // 2], 2 * (r % 2) + half) if sr else None
                 out.append((_e2m1_value(v * e, u, plain) * s_val, finite))
             (lo, flo), (hi, fhi) = out
             bits = (jnp.where(flo, lax.shift_right_logical(_i32(lo), 16), _NAN2 & 0xFFFF)
@@ -524,14 +536,15 @@ def fq_2d_scaled(x, sc, *, interpret: bool = False, recip: str = "rn", g: int | 
 
 
 def _finite_max_bits(v):
-    """Elementwise max over the list ``v`` of float32 arrays of ``|v|`` as int32 bits, with
-    NaN/Inf counted as 0 (the core's ``_finite_amax``)."""
+    """Elementwise max over the list ``v`` of float32 arrays of ``|v|``, with NaN/Inf
+    counted as 0 (the core's ``_finite_amax``), as int32 bits. Float compares, selects
+    and max (full rate, the abs folds into them) rather than integer ones (half rate)."""
     m = None
     for t in v:
-        b = _i32(t) & 0x7FFFFFFF
-        b = jnp.where(b < 0x7F800000, b, 0)
-        m = b if m is None else jnp.maximum(m, b)
-    return m
+        a = jnp.abs(t)
+        a = jnp.where(a < jnp.inf, a, 0.0)
+        m = a if m is None else jnp.maximum(m, a)
+    return _i32(m)
 
 
 def _rht_cols_strip_amax(sc_ref, x_ref, a_ref, *, plain: bool, plain_amax: bool = False):

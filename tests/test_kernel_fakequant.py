@@ -75,6 +75,47 @@ def _xla_scaled(x, axis, *, key=None, block_2d=False, rht=False):
     return qz.scaled_data(q, jnp.bfloat16), q.global_scale
 
 
+def _rounding_inputs():
+    """float32 values around every E2M1 grid point and tie, random magnitudes over the
+    whole float32 range (subnormals included), both signs."""
+    rng = np.random.default_rng(3)
+    grid = np.array([0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8],
+                    np.float32)
+    near = (grid[:, None].view(np.int32) + np.arange(-3, 4, dtype=np.int32)).view(np.float32)
+    rnd = np.concatenate([rng.uniform(0, 7, 20000), np.exp2(rng.uniform(-149, 127, 4000)),
+                          rng.uniform(0, 1, 4000) * 2.0**-126]).astype(np.float32)
+    v = np.concatenate([near.ravel(), grid, rnd, [np.float32(np.inf)]])
+    v = v[np.isfinite(v) | np.isinf(v)]
+    return np.concatenate([v, -v]).astype(np.float32)
+
+
+def test_kernel_element_rounding_is_the_core_rule():
+    """The kernels' full-rate E2M1 rounding (bit tricks, no int<->float conversion) gives
+    the core rule's bits: numerics.round_to_grid (nearest) and stochastic_round_to_grid
+    with u = (b + 1/2)/256 for every byte b (via _sr_uniform on each byte position)."""
+    from fp4jax import numerics as nm
+
+    v = jnp.asarray(_rounding_inputs())
+    finite = np.isfinite(np.asarray(v))
+    want = jnp.sign(v) * nm.round_to_grid(jnp.abs(v), nm.E2M1, "nearest")
+    got = jax.jit(lambda a: fq._e2m1_value(a, None, True))(v)
+    np.testing.assert_array_equal(np.abs(np.asarray(got))[finite],
+                                  np.abs(np.asarray(want))[finite])
+    np.testing.assert_array_equal(np.signbit(np.asarray(got)), np.signbit(np.asarray(v)))
+    assert np.all(np.asarray(got)[~finite] == 6.0 * np.sign(np.asarray(v)[~finite]))
+    rng = np.random.default_rng(4)
+    b = jnp.asarray(rng.integers(0, 256, v.shape), jnp.int32)
+    for i in range(4):  # the byte at position i of a word, the others random
+        word = (b << (8 * i)) | jnp.asarray(rng.integers(0, 2**31, v.shape) & ~(
+            0xFF << (8 * i)), jnp.int32) if i < 3 else (b << 24) | jnp.asarray(
+            rng.integers(0, 2**24, v.shape), jnp.int32)
+        u = jax.jit(lambda w, i=i: fq._sr_uniform(w, i))(word)
+        np.testing.assert_array_equal(np.asarray(u), (np.asarray(b) + 0.5) / 256)
+        want = jnp.sign(v) * nm.stochastic_round_to_grid(jnp.abs(v), nm.E2M1, u)
+        got = jax.jit(lambda a, uu: fq._e2m1_value(a, uu, True))(v, u)
+        np.testing.assert_array_equal(np.asarray(got)[finite], np.asarray(want)[finite])
+
+
 @needs_interpret
 @pytest.mark.parametrize("sr", [False, True])
 def test_rows_kernel_matches_xla_and_numpy(sr):
