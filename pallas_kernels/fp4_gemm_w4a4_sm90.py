@@ -30,9 +30,10 @@ accumulation order and the one rounding of ``dec_a * dec_b``.
 Two implementations:
 
 * (a) :func:`w4a4_matmul_two_pass`: a Mosaic GPU decode kernel (:func:`decode_operand`)
-  writes each operand as exact bf16 ``q * s`` to HBM, then XLA's bf16
-  ``dot_general(..., preferred_element_type=float32)`` and the ``dec_a * dec_b``
-  epilogue. :func:`w4a4_matmul_xla` is the same with the decode in XLA.
+  writes each operand as exact bf16 ``q * s`` to HBM, then the bf16 GEMM with float32
+  accumulation and ``dec_a * dec_b`` in its epilogue (``gemm_alpha_sm90.gemm_alpha``;
+  XLA's ``dot_general`` and a separate epilogue where its tiles do not fit).
+  :func:`w4a4_matmul_xla` is the same with the decode and the GEMM in XLA.
 * (b) :func:`w4a4_matmul_fused`: one kernel; per K step it TMA-loads the packed A and
   B tiles (4x fewer bytes than bf16), decodes B's tile into a bf16 SMEM tile (one
   (TN, 16) sub-tile per 16-k block) and each 16-k block of A into registers (wgmma's
@@ -305,7 +306,16 @@ def _epilogue(acc, dec_a, dec_b, out_dtype):
     return (acc * (dec_a.astype(jnp.float32) * dec_b.astype(jnp.float32))).astype(out_dtype)
 
 
-def _gemm_decoded(a16, bt16, dec_a, dec_b, out_dtype):
+def _gemm_decoded(a16, bt16, dec_a, dec_b, out_dtype, pallas: bool = False):
+    """``a16 @ bt16.T`` in f32 times ``dec_a * dec_b``; with ``pallas`` (a GPU, bf16 out,
+    tile-aligned sizes) on ``gemm_alpha_sm90.gemm_alpha`` (the scale in its epilogue, so
+    the f32 product never goes to memory), else XLA's dot and the epilogue."""
+    from pallas_kernels import gemm_alpha_sm90 as ga
+
+    (m, k), n = a16.shape, bt16.shape[0]
+    if pallas and jnp.dtype(out_dtype) == jnp.bfloat16 and ga.supported(m, k, n):
+        alpha = dec_a.astype(jnp.float32) * dec_b.astype(jnp.float32)
+        return ga.gemm_alpha(a16, bt16, alpha, trans_b=True)
     acc = lax.dot_general(a16, bt16, (((1,), (1,)), ((), ())),
                           preferred_element_type=jnp.float32)
     return _epilogue(acc, dec_a, dec_b, out_dtype)
@@ -316,7 +326,9 @@ def _gemm_decoded(a16, bt16, dec_a, dec_b, out_dtype):
 def w4a4_matmul_two_pass(aq, as_, dec_a, bq, bs, dec_b, *, out_dtype=jnp.bfloat16,
                          tile_k: int = 256, out_swizzle: bool = True, interpret=False,
                          scale_a: str = "e4m3", scale_b: str = "e4m3"):
-    """(a): decode kernel on each operand, XLA bf16 GEMM (f32 accumulation), epilogue.
+    """(a): decode kernel on each operand, then the bf16 GEMM with f32 accumulation and the
+    ``dec_a * dec_b`` epilogue: the Pallas ``gemm_alpha`` kernel when the sizes fit its
+    tiles and the output is bf16 (else XLA's dot and a separate epilogue).
 
     aq (M, K/2), as_ (K/16, M), bq (N, K/2), bs (K/16, N) uint8 (kernel layout);
     dec_a, dec_b float32 scalars. Returns (M, N) ``out_dtype``. ``tile_k``,
@@ -327,7 +339,7 @@ def w4a4_matmul_two_pass(aq, as_, dec_a, bq, bs, dec_b, *, out_dtype=jnp.bfloat1
                          scale_fmt=scale_a)
     b16 = decode_operand(bq, bs, tile_k=tile_k, out_swizzle=out_swizzle, interpret=interpret,
                          scale_fmt=scale_b)
-    return _gemm_decoded(a16, b16, dec_a, dec_b, out_dtype)
+    return _gemm_decoded(a16, b16, dec_a, dec_b, out_dtype, pallas=not interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "scale_a", "scale_b"))
