@@ -218,22 +218,25 @@ def bench_gemm():
                 rec(g, "recipe fwd+bwd ratio to bf16", ratio_to_bf16=t2 / t1)
 
 
-def _with_kernels(setting, make):
-    """Build and trace ``make()`` with FP4JAX_KERNELS=setting. fp4jax.dot caches its
-    jitted custom_vjp per recipe (``_make_dot3``), so that cache and JAX's trace caches are
-    cleared first: otherwise the first setting's trace would be reused."""
+def _with_kernels(setting, make, gemm="pallas"):
+    """Build and trace ``make()`` with FP4JAX_KERNELS=setting and FP4JAX_KERNEL_GEMM=gemm.
+    fp4jax.dot caches its jitted custom_vjp per recipe (``_make_dot3``), so that cache and
+    JAX's trace caches are cleared first: otherwise the first setting's trace would be
+    reused."""
     dot_mod = sys.modules["fp4jax.dot"]  # the module (fp4jax.dot is also the function)
-    old = os.environ.get("FP4JAX_KERNELS")
-    os.environ["FP4JAX_KERNELS"] = setting
+    env = {"FP4JAX_KERNELS": setting, "FP4JAX_KERNEL_GEMM": gemm}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         dot_mod._make_dot3.cache_clear()
         jax.clear_caches()
         return make()
     finally:
-        if old is None:
-            os.environ.pop("FP4JAX_KERNELS", None)
-        else:
-            os.environ["FP4JAX_KERNELS"] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def bench_dot_kernels(iterations=10, shapes=((8192, 8192, 8192), (4096, 4096, 4096))):
@@ -262,7 +265,9 @@ def bench_dot_kernels(iterations=10, shapes=((8192, 8192, 8192), (4096, 4096, 40
                       jax.value_and_grad(loss_bf, argnums=(0, 1)), x, w, ct,
                       iterations=iterations)
         res = {}
-        for setting in ("off", "on"):
+        # "on": kernels with the Pallas GEMM (gemm_alpha, the default); "on-xla-gemm": the
+        # same operand kernels with XLA's GEMMs and a separate alpha pass
+        for setting in ("off", "on", "on-xla-gemm"):
             def make(setting=setting, x=x, w=w, ct=ct, g=g, loss_fp=loss_fp):
                 fwd = jax.jit(lambda x, w: fp4jax.dot(x, w, recipe=recipe, key=key))
                 fb = jax.jit(jax.value_and_grad(loss_fp, argnums=(0, 1)))
@@ -276,15 +281,18 @@ def bench_dot_kernels(iterations=10, shapes=((8192, 8192, 8192), (4096, 4096, 40
                            ct, iterations=iterations, mosaic_gpu_mentions=uses_b)
                 return tf, tb, out
 
-            res[setting] = _with_kernels(setting, make)
-        same = all(bool((a == b).all()) for a, b in zip(res["off"][2], res["on"][2], strict=True))
-        rec(g, "outputs (y, loss, dx, dw) bit-identical kernels on vs off", ok=same)
-        for name, t in (("fwd on", res["on"][0]), ("fwd off", res["off"][0])):
-            if t and t_bf:
-                rec(g, name + " [ratio to bf16 fwd]", ratio_to_bf16=t / t_bf, us=t)
-        for name, t in (("fwd+bwd on", res["on"][1]), ("fwd+bwd off", res["off"][1])):
-            if t and t_bfb:
-                rec(g, name + " [ratio to bf16 fwd+bwd]", ratio_to_bf16=t / t_bfb, us=t)
+            res[setting] = _with_kernels(setting.split("-")[0], make,
+                                         "xla" if setting.endswith("xla-gemm") else "pallas")
+        for other in ("on", "on-xla-gemm"):
+            same = all(bool((a == b).all())
+                       for a, b in zip(res["off"][2], res[other][2], strict=True))
+            rec(g, f"outputs (y, loss, dx, dw) bit-identical {other} vs off", ok=same)
+        for setting, (tf, tb, _) in res.items():
+            if tf and t_bf:
+                rec(g, f"fwd {setting} [ratio to bf16 fwd]", ratio_to_bf16=tf / t_bf, us=tf)
+            if tb and t_bfb:
+                rec(g, f"fwd+bwd {setting} [ratio to bf16 fwd+bwd]", ratio_to_bf16=tb / t_bfb,
+                    us=tb)
 
 
 def bench_fakequant(copy_gbps, shapes=((8192, 8192), (16384, 4096))):
@@ -413,8 +421,13 @@ def bench_w4a4(shapes=((8192, 8192, 8192), (4096, 4096, 4096), (16384, 4096, 143
             except Exception as e:  # noqa: BLE001
                 rec(g, name, error=f"{type(e).__name__}: {str(e)[:600]}")
                 continue
+            y16 = jax.jit(functools.partial(f, out_dtype=jnp.bfloat16))(*pa, *pb)
+            # the bf16 output (the Pallas GEMM's epilogue for two-pass) vs the f32
+            # reference rounded once to bf16
+            differ16 = float(jnp.mean((y16 != ref.astype(jnp.bfloat16)).astype(jnp.float32)))
             t = timed(g, name, functools.partial(f, out_dtype=jnp.bfloat16), *pa, *pb,
-                      rel_err_f32_out=rel, exact_ok=rel < 1e-5)
+                      rel_err_f32_out=rel, exact_ok=rel < 1e-5,
+                      bf16_out_frac_differ_from_rounded_ref=differ16)
             if t and t_bf:
                 rec(g, name + " [rate]", tflops=flops / t / 1e6, ratio_to_bf16_time=t / t_bf,
                     frac_of_bf16_tflops=t_bf / t)

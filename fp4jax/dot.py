@@ -77,6 +77,16 @@ def _kernels_env() -> str:
     return os.environ.get("FP4JAX_KERNELS", "auto").lower()
 
 
+def _kernel_gemm_env() -> str:
+    """``FP4JAX_KERNEL_GEMM``: the kernel path's GEMMs on the Pallas ``gemm_alpha``
+    kernel (``pallas``, the default) or on XLA's ``dot_general`` followed by the alpha
+    multiply (``xla``: bit-identical to the XLA path)."""
+    env = os.environ.get("FP4JAX_KERNEL_GEMM", "pallas").lower()
+    if env not in ("pallas", "xla"):
+        raise ValueError(f"FP4JAX_KERNEL_GEMM={env!r}: use pallas or xla")
+    return env
+
+
 def kernel_mode(mkn: int | None = None) -> str:
     """How ``dot`` runs NVFP4 quantization: ``"on"`` (Pallas Mosaic GPU kernels,
     ``pallas_kernels/``), ``"off"`` (XLA) or ``"interpret"`` (the kernels in Mosaic GPU
@@ -295,14 +305,38 @@ def _kernel_operands(x, ops, kinds, key, kmode):
     return res
 
 
+_GEMM_LAYOUTS = {"bmk,bkn->bmn": (False, False),  # fprop: x @ w
+                 "bmn,bkn->bmk": (False, True),  # dgrad: dy @ w^T (w stored (K, N))
+                 "bmk,bmn->bkn": (True, False)}  # wgrad: x^T @ dy (x stored (M, K))
+
+
+def _gemm_kernel_path(subscripts: str, av: jax.Array, bv: jax.Array, sa: Any, sb: Any,
+                      out_dtype: Any, kmode: str, gemm: str) -> jax.Array:
+    """One GEMM of the kernel path: ``(sa * sb * einsum(av, bv)).astype(out_dtype)`` on the
+    Pallas ``gemm_alpha`` kernel (alpha in the epilogue, one rounding) when ``gemm ==
+    "pallas"``, on an sm_90 GPU (``kmode == "on"``), for unbatched bf16 operands, a bf16
+    output and tile-aligned sizes; else ``_einsum_scaled`` (XLA, the XLA path's bits)."""
+    from pallas_kernels import gemm_alpha_sm90 as ga
+
+    trans_a, trans_b = _GEMM_LAYOUTS[subscripts]
+    a, b = av[0], bv[0]
+    m, k = a.shape[::-1] if trans_a else a.shape
+    n = b.shape[0] if trans_b else b.shape[1]
+    if (gemm == "pallas" and kmode == "on" and av.shape[0] == 1 and sa is not None
+            and sb is not None and jnp.dtype(out_dtype) == jnp.bfloat16
+            and ga.supported(m, k, n)):
+        return ga.gemm_alpha(a, b, sa * sb, trans_a=trans_a, trans_b=trans_b)[None]
+    return _einsum_scaled(subscripts, av, bv, sa, sb,
+                          jax.lax.Precision.HIGHEST).astype(out_dtype)
+
+
 def _make_dot3_scaled(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any,
-                      kmode: str):
+                      kmode: str, gemm: str = "xla"):
     """The custom_vjp of ``_make_dot3`` for the kernel path: same GEMMs, same bits; the
     residuals are the bf16 ``data * scale`` operands (as many bytes as the bf16 baseline's
     ``x`` and ``w``; the XLA path keeps FP4 residuals instead)."""
     fp, dg, wg = recipe.fprop, recipe.dgrad, recipe.wgrad
     reuse_w = dg.rhs == fp.rhs and fp.rhs.block_2d and not (fp.hadamard or dg.hadamard)
-    hi = jax.lax.Precision.HIGHEST
 
     x_fprop = (fp, fp.lhs, 2, "fprop", "lhs")
     w_fprop = (fp, fp.rhs, 1, "fprop", "rhs")
@@ -312,7 +346,7 @@ def _make_dot3_scaled(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype:
         xo = _scaled_operands(x, xops, key, kmode)
         (xs, sx), = xo[:1]
         (ws, sw), = _scaled_operands(w, (w_fprop,), key, kmode)
-        y = _einsum_scaled("bmk,bkn->bmn", xs, ws, sx, sw, hi).astype(out_dtype)
+        y = _gemm_kernel_path("bmk,bkn->bmn", xs, ws, sx, sw, out_dtype, kmode, gemm)
         return y, (ws, sw), xo[1:]
 
     @jax.custom_vjp
@@ -330,9 +364,9 @@ def _make_dot3_scaled(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype:
         g = g.astype(jnp.float32) if g.dtype != jnp.bfloat16 else g
         (gs, sg), (gt, sgt) = _scaled_operands(
             g, ((dg, dg.lhs, 2, "dgrad", "lhs"), (wg, wg.rhs, 1, "wgrad", "rhs")), key, kmode)
-        dx = _einsum_scaled("bmn,bkn->bmk", gs, ws, sg, sw, hi)
-        dw = _einsum_scaled("bmk,bmn->bkn", xs, gt, sx, sgt, hi)
-        return dx.astype(lhs_dtype), dw.astype(rhs_dtype), None
+        dx = _gemm_kernel_path("bmn,bkn->bmk", gs, ws, sg, sw, lhs_dtype, kmode, gemm)
+        dw = _gemm_kernel_path("bmk,bmn->bkn", xs, gt, sx, sgt, rhs_dtype, kmode, gemm)
+        return dx, dw, None
 
     dot3.defvjp(fwd, bwd)
     return jax.jit(dot3)
@@ -340,11 +374,12 @@ def _make_dot3_scaled(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype:
 
 @functools.cache
 def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, precision: Any,
-               kmode: str = "off", forced: bool = False):
+               kmode: str = "off", forced: bool = False, gemm: str = "xla"):
     """The custom_vjp for canonical ``(B, M, K) @ (B, K, N)``, specialized on static args
-    (``forced``: ``FP4JAX_KERNELS`` forces the kernels, part of the cache key)."""
+    (``forced``: ``FP4JAX_KERNELS`` forces the kernels; ``gemm``: ``FP4JAX_KERNEL_GEMM``;
+    both part of the cache key)."""
     if kmode != "off" and _scaled_path_applies(recipe):
-        return _make_dot3_scaled(recipe, out_dtype, lhs_dtype, rhs_dtype, kmode)
+        return _make_dot3_scaled(recipe, out_dtype, lhs_dtype, rhs_dtype, kmode, gemm)
     # the older packed-quantize kernels of _quant: only when explicitly forced
     use_kernels = kmode == "on" and forced
     fp, dg, wg = recipe.fprop, recipe.dgrad, recipe.wgrad
@@ -475,7 +510,7 @@ def dot_general(
     fn = _make_dot3(recipe, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype),
                     _hashable_precision(precision),
                     kernel_mode(M * K * N if B == 1 else 0),  # the kernels need B == 1
-                    _kernels_env() in _ENV_ON)
+                    _kernels_env() in _ENV_ON, _kernel_gemm_env())
     y3 = fn(x3, w3, key)
     return y3.reshape(*bshape, *lfshape, *rfshape)
 
