@@ -4,7 +4,7 @@ One script, one device call:
 
     PYTHONPATH=$PWD python3 experiments/bench_kernels.py [copy quantize quantize2 quantize3 sweep
                                                           decode gemm dotkern dotkern1
-                                                          dotkern3 dotsweep fakequant w4a4]
+                                                          dotkern3 dotsweep fakequant w4a4 w4a4two]
 
 Device time of every jitted call is measured with CUPTI
 (``jax.experimental.mosaic.gpu.profiler.measure``: the sum of the kernels one call
@@ -388,7 +388,7 @@ def bench_decode():
 
 
 def bench_w4a4(shapes=((8192, 8192, 8192), (4096, 4096, 4096), (16384, 4096, 14336)),
-               fused_cfgs=((128, 128), (256, 128), (128, 256))):
+               fused_cfgs=((128, 128), (256, 128), (128, 256)), two_pass_only=False):
     """W4A4 (packed NVFP4 A and B, pallas_kernels/fp4_gemm_w4a4_sm90.py) against bf16
     jnp.dot in the same run: XLA decode + bf16 dot, (a) decode kernel + bf16 dot (and the
     decode kernel alone), (b) fused kernel at a few (tile_n, tile_k); fused configs
@@ -407,11 +407,11 @@ def bench_w4a4(shapes=((8192, 8192, 8192), (4096, 4096, 4096), (16384, 4096, 143
         t_bf = timed(g, "bf16 jnp.dot", jnp.dot, a16, b16)
         cands = [("xla decode + bf16 dot", w4.w4a4_matmul_xla),
                  ("(a) two-pass: decode kernel + bf16 dot", w4.w4a4_matmul_two_pass)]
-        if si == 0:
+        if si == 0 and not two_pass_only:
             cands.append(("(a) two-pass, decode tile_k=128 out_swizzle=False",
                           functools.partial(w4.w4a4_matmul_two_pass, tile_k=128,
                                             out_swizzle=False)))
-        for tn, tk in (fused_cfgs if si == 0 else fused_cfgs[:1]):
+        for tn, tk in () if two_pass_only else (fused_cfgs if si == 0 else fused_cfgs[:1]):
             cands.append((f"(b) fused tile_n={tn} tile_k={tk}",
                           functools.partial(w4.w4a4_matmul_fused, tile_n=tn, tile_k=tk)))
         for name, f in cands:
@@ -452,6 +452,8 @@ def main():
         bench_dot_kernels()
     if "dotkern1" in which:  # 8192^3 only
         bench_dot_kernels(shapes=((8192, 8192, 8192),))
+    if "w4a4two" in which:  # 8192^3 and the Llama MLP shape, two-pass and XLA only
+        bench_w4a4(shapes=((8192, 8192, 8192), (16384, 4096, 14336)), two_pass_only=True)
     if "dotsweep" in which:  # sizes around the auto threshold (FP4JAX_KERNELS=auto)
         bench_dot_kernels(iterations=10, shapes=(
             (2048, 2048, 2048), (16384, 512, 2048), (16384, 2048, 512), (8192, 2048, 2048),
