@@ -9,11 +9,15 @@ says why not) or ``"xla"`` (always the reference). The environment variable
 
 What the kernels cover (everything else goes to XLA under ``"auto"``):
 
-* ``quantize``: NVFP4, round-to-nearest, bfloat16 input; 1x16 blocks along the last
-  axis (element count / 16 a multiple of 256, last axis a multiple of 16), or 16x16
-  tiles over the last two axes (``block_2d=True``: rows a multiple of 16, last axis a
-  multiple of 1024; leading axes are stacked matrices). Bit-identical to
-  ``fp4jax.quantize`` (codes, E4M3 scale bits, tensor scale).
+* ``quantize``: NVFP4, bfloat16 input; 1x16 blocks along the last axis, round-to-nearest
+  (element count / 16 a multiple of 256, last axis a multiple of 16) or stochastic
+  (rows % 4 == 0, last axis % 1024 == 0, a threefry key), or 16x16 tiles over the last
+  two axes (``block_2d=True``, round-to-nearest: rows a multiple of 16, last axis a
+  multiple of 1024; leading axes are stacked matrices), or 16x1 blocks along axis 0 of a
+  2D (tokens, features) tensor, round-to-nearest or stochastic, optionally after the
+  16-point RHT along the tokens (``quantize_cols_packed``: tokens % 256 == 0, features %
+  256 == 0; codes written transposed, (C, R/2)). Bit-identical to ``fp4jax.quantize``
+  (codes, E4M3 scale bits, tensor scale).
 * ``w4a16_matmul``: ``x (M, K) bf16 @ W`` with W an NVFP4 ``QuantizedArray`` (K, N)
   scaled along K (1x16 along axis 0, or 16x16 tiles); M <= 256, K % 256 == 0,
   N % 64 == 0. Equal to ``x @ dequantize(W)`` up to float32 accumulation order.
@@ -67,34 +71,77 @@ def _nvfp4(fmt) -> bool:
 # ---------------------------------------------------------------------------
 
 
+def _rows(shape) -> int:
+    r = 1
+    for d in shape[:-1]:
+        r *= d
+    return r
+
+
+def _key_reason(key) -> str | None:
+    """None for a threefry key (typed or raw uint32) or no key, else why the kernels
+    cannot draw its bits (they compute Threefry-2x32 in registers)."""
+    if key is None:
+        return None
+    if hasattr(key, "dtype") and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        impl = str(jax.random.key_impl(key)).lower()
+        if "threefry" not in impl:
+            return f"kernels draw Threefry bits: key must be a threefry key, got {impl}"
+    return None
+
+
 def quantize_unsupported_reason(shape, dtype, *, fmt=None, axis=-1, block_2d=False,
-                                rounding="nearest") -> str | None:
-    """None when the quantize kernel handles these arguments, else the reason."""
+                                rounding="nearest", rht: bool = False,
+                                key=None) -> str | None:
+    """None when a quantize kernel handles these arguments, else the reason.
+
+    Kernels: 1x16 blocks along the last axis, round-to-nearest (``quantize_nvfp4_1x16``)
+    or stochastic (``quantize_nvfp4_1x16_sr``); 16x16 tiles, round-to-nearest; 16x1
+    blocks along axis 0 of a 2D (tokens, features) tensor, optionally after the RHT
+    (``rht``), either rounding (``quantize_cols_nvfp4_sm90``). Stochastic rounding needs
+    a threefry ``key`` (checked when given)."""
+    from pallas_kernels import quantize_cols_nvfp4_sm90 as qc
     from pallas_kernels import quantize_nvfp4_sm90 as qk
 
     if fmt is not None and not _nvfp4(fmt):
         return "kernel implements NVFP4 only"
-    if rounding != "nearest":
-        return "kernel implements round-to-nearest only (no stochastic rounding)"
+    if rounding not in ("nearest", "stochastic"):
+        return f"unknown rounding {rounding!r}"
+    sr = rounding == "stochastic"
+    if sr and (reason := _key_reason(key)) is not None:
+        return reason
+    name = jnp.dtype(dtype).name
     if block_2d:
+        if sr:
+            return "16x16 kernel implements round-to-nearest only (no stochastic rounding)"
+        if rht:
+            return "16x16 kernel has no RHT (the RHT runs along the token axis, axis=0)"
         if len(shape) < 2:
             return "16x16 tiles need >= 2 dims"
-        r = 1
-        for d in shape[:-1]:
-            r *= d
-        if shape[-2] % 16 or not qk.supported_2d((r, shape[-1]), dtype):
+        if shape[-2] % 16 or not qk.supported_2d((_rows(shape), shape[-1]), dtype):
             return (f"16x16 kernel needs bfloat16, rows % 16 == 0 and last axis %"
-                    f" {16 * qk.G2D[-1]} == 0; got {jnp.dtype(dtype).name} {tuple(shape)}")
+                    f" {16 * qk.G2D[-1]} == 0; got {name} {tuple(shape)}")
         return None if on_sm90() else "no sm_90 GPU"
-    if len(shape) < 1 or axis % len(shape) != len(shape) - 1:
-        return "kernel blocks along the last axis only"
-    c = shape[-1]
-    r = 1
-    for d in shape[:-1]:
-        r *= d
-    if not qk.supported((r, c), dtype):
+    if len(shape) < 1 or not -len(shape) <= axis < len(shape):
+        return f"axis={axis} out of range for shape {tuple(shape)}"
+    if len(shape) == 2 and axis % 2 == 0:  # 16x1 along the token axis
+        reason = qc.unsupported_reason(shape, dtype)
+        if reason is not None:
+            return f"16x1 (axis=0) kernel: {reason}"
+        return None if on_sm90() else "no sm_90 GPU"
+    if axis % len(shape) != len(shape) - 1:
+        return ("kernels block along the last axis, or along axis 0 of a 2D (tokens, "
+                "features) tensor")
+    if rht:
+        return "the RHT kernel rotates the token axis: axis=0 of a 2D tensor only"
+    c, r = shape[-1], _rows(shape)
+    if sr:
+        if not qk.supported_sr((r, c), dtype):
+            return (f"stochastic-rounding kernel needs bfloat16, rows % 4 == 0, last axis "
+                    f"% 1024 == 0 and size < 2^31; got {name} {tuple(shape)}")
+    elif not qk.supported((r, c), dtype):
         return (f"kernel needs bfloat16, last axis % 16 == 0 and size/16 % {qk.SUB} == 0;"
-                f" got {jnp.dtype(dtype).name} {tuple(shape)}")
+                f" got {name} {tuple(shape)}")
     if not on_sm90():
         return "no sm_90 GPU"
     return None
@@ -112,24 +159,37 @@ def is_supported(op: str, *args, **kwargs) -> bool:
     raise ValueError(f"unknown op {op!r}")
 
 
-def quantize_packed(x: jax.Array, *, block_2d: bool = False, backend: str = "auto"):
-    """NVFP4 quantization, 1x16 blocks along the last axis or (``block_2d``) 16x16 tiles
-    over the last two axes, packed.
+def _check_sr_key(rounding: str, key) -> None:
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if rounding == "stochastic" and key is None:
+        raise ValueError("key: stochastic rounding needs a PRNG key, pass "
+                         "key=jax.random.key(seed) (a new key per call)")
+
+
+def quantize_packed(x: jax.Array, *, block_2d: bool = False, rounding: str = "nearest",
+                    key=None, backend: str = "auto"):
+    """NVFP4 quantization, 1x16 blocks along the last axis (round-to-nearest or, with
+    ``rounding="stochastic"`` and ``key``, stochastic) or (``block_2d``) 16x16 tiles over
+    the last two axes (round-to-nearest), packed.
 
     Returns ``(packed uint8 (..., C/2), scale_bits, dec float32)``: ``packed`` is
     ``fp4jax.pack_e2m1(q.data)``, ``scale_bits`` the bits of ``q.scale`` (uint8
     (..., C/16), or (..., R/16, C/16) for 16x16) and ``dec`` is ``q.global_scale`` of
-    ``q = fp4jax.quantize(x, fp4jax.NVFP4, block_2d=block_2d)``.
+    ``q = fp4jax.quantize(x, fp4jax.NVFP4, block_2d=block_2d, rounding=rounding,
+    key=key)``. For 16x1 blocks along the token axis see ``quantize_cols_packed``.
     """
     import fp4jax
     from pallas_kernels import quantize_nvfp4_sm90 as qk
 
+    _check_sr_key(rounding, key)
     backend = _resolve(backend)
-    reason = quantize_unsupported_reason(x.shape, x.dtype, block_2d=block_2d)
+    reason = quantize_unsupported_reason(x.shape, x.dtype, block_2d=block_2d,
+                                         rounding=rounding, key=key)
     if backend == "pallas" and reason is not None:
         raise ValueError(f"pallas quantize kernel unavailable: {reason}")
     if backend == "xla" or reason is not None:
-        q = fp4jax.quantize(x, fp4jax.NVFP4, block_2d=block_2d)
+        q = fp4jax.quantize(x, fp4jax.NVFP4, block_2d=block_2d, rounding=rounding, key=key)
         return (fp4jax.pack_e2m1(q.data), jax.lax.bitcast_convert_type(q.scale, jnp.uint8),
                 q.global_scale)
     c = x.shape[-1]
@@ -139,34 +199,88 @@ def quantize_packed(x: jax.Array, *, block_2d: bool = False, backend: str = "aut
         packed, sbits, dec = qk.quantize_nvfp4_2d(x.reshape(-1, c))
         return (packed.reshape(*x.shape[:-1], c // 2),
                 sbits.reshape(*x.shape[:-2], r // 16, c // 16), dec)
-    packed, sbits, dec = qk.quantize_nvfp4_1x16(x.reshape(-1, c))
+    if rounding == "stochastic":
+        # uniform_from_key views x as (prod(leading), C): the same as the 2D reshape
+        packed, sbits, dec = qk.quantize_nvfp4_1x16_sr(x.reshape(-1, c), key)
+    else:
+        packed, sbits, dec = qk.quantize_nvfp4_1x16(x.reshape(-1, c))
     return (packed.reshape(*x.shape[:-1], c // 2), sbits.reshape(*x.shape[:-1], c // 16), dec)
+
+
+def quantize_cols_packed(x: jax.Array, *, signs=None, key=None, backend: str = "auto"):
+    """NVFP4 16x1 blocks along the token axis (axis 0) of x (R tokens, C features),
+    optionally after the 16-point random Hadamard transform along it (``signs``: the 16
+    +-1 signs, e.g. ``fp4jax.hadamard.default_signs(16)``), stochastic rounding with
+    ``key`` (else round-to-nearest); packed in the transposed (K-major) layout of
+    ``quantize_cols_nvfp4_sm90``.
+
+    Returns ``(codes uint8 (C, R/2), scale_bits uint8 (C, R/16), dec float32)``:
+    ``pack_e2m1(q.data.T)``, ``bitcast(q.scale.T, uint8)``, ``q.global_scale`` of ``q =
+    fp4jax.quantize(xin, NVFP4, axis=0, rounding=..., key=key)`` with ``xin =
+    random_hadamard_transform(x, axis=0, size=16, signs=signs)`` (or ``x``).
+    """
+    import fp4jax
+    from fp4jax.hadamard import random_hadamard_transform
+    from pallas_kernels import quantize_cols_nvfp4_sm90 as qc
+
+    if not hasattr(x, "shape") or len(x.shape) != 2:
+        raise ValueError(f"x must be 2D (tokens, features), got shape "
+                         f"{tuple(getattr(x, 'shape', ()))}")
+    if signs is not None:
+        signs = jnp.asarray(signs, jnp.float32)
+        if signs.shape != (16,):
+            raise ValueError(f"signs must hold 16 values (+-1), got shape {signs.shape}")
+    rounding = "stochastic" if key is not None else "nearest"
+    backend = _resolve(backend)
+    reason = quantize_unsupported_reason(x.shape, x.dtype, axis=0, rounding=rounding,
+                                         rht=signs is not None, key=key)
+    if backend == "pallas" and reason is not None:
+        raise ValueError(f"pallas quantize kernel unavailable: {reason}")
+    if backend == "xla" or reason is not None:
+        xin = x if signs is None else random_hadamard_transform(x, axis=0, size=16,
+                                                                signs=signs)
+        q = fp4jax.quantize(xin, fp4jax.NVFP4, axis=0, rounding=rounding, key=key)
+        return (fp4jax.pack_e2m1(q.data.T),
+                jax.lax.bitcast_convert_type(q.scale.T, jnp.uint8), q.global_scale)
+    return qc.quantize_cols_nvfp4(x, key, signs=signs)
 
 
 def quantize(x: jax.Array, fmt=None, *, axis: int = -1, block_2d: bool = False,
              rounding: str = "nearest", key=None, backend: str = "auto"):
-    """Drop-in for ``fp4jax.quantize`` that uses the kernel when it applies.
+    """Drop-in for ``fp4jax.quantize`` that uses a kernel when one applies (1x16 along the
+    last axis with either rounding, 16x16 round-to-nearest, 16x1 along axis 0 of a 2D
+    tensor with either rounding).
 
     The kernel result is unpacked into a ``QuantizedArray`` (one extra XLA pass over the
-    packed bytes); callers that can consume packed data should use ``quantize_packed``.
+    packed bytes); callers that can consume packed data should use ``quantize_packed`` /
+    ``quantize_cols_packed``.
     """
     import fp4jax
     from fp4jax.quantize import QuantizedArray
 
     fmt = fp4jax.NVFP4 if fmt is None else fmt
+    _check_sr_key(rounding, key)
     backend = _resolve(backend)
     reason = quantize_unsupported_reason(x.shape, x.dtype, fmt=fmt, axis=axis,
-                                         block_2d=block_2d, rounding=rounding)
+                                         block_2d=block_2d, rounding=rounding, key=key)
     if backend == "pallas" and reason is not None:
         raise ValueError(f"pallas quantize kernel unavailable: {reason}")
     if backend == "xla" or reason is not None:
         return fp4jax.quantize(x, fmt, axis=axis, block_2d=block_2d, rounding=rounding, key=key)
-    packed, sbits, dec = quantize_packed(x, block_2d=block_2d, backend="pallas")
+    fmt = fp4jax.get_format(fmt)
+    if not block_2d and x.ndim == 2 and axis % 2 == 0:
+        codes, sbits, dec = quantize_cols_packed(x, key=key if rounding == "stochastic"
+                                                 else None, backend="pallas")
+        data = fp4jax.unpack_e2m1(codes, x.shape[0], axis=-1).T
+        scale = jax.lax.bitcast_convert_type(sbits, jnp.float8_e4m3fn).T
+        return QuantizedArray(data, scale, dec, fmt, -2, False)
+    packed, sbits, dec = quantize_packed(x, block_2d=block_2d, rounding=rounding, key=key,
+                                         backend="pallas")
     data = fp4jax.unpack_e2m1(packed, x.shape[-1], axis=-1)
     scale = jax.lax.bitcast_convert_type(sbits, jnp.float8_e4m3fn)
     if block_2d:
-        return QuantizedArray(data, scale, dec, fp4jax.get_format(fmt), None, True)
-    return QuantizedArray(data, scale, dec, fp4jax.get_format(fmt), -1, False)
+        return QuantizedArray(data, scale, dec, fmt, None, True)
+    return QuantizedArray(data, scale, dec, fmt, -1, False)
 
 
 # ---------------------------------------------------------------------------

@@ -625,3 +625,185 @@ def quantize_nvfp4_2d(x: jax.Array, *, interpret: bool = False, **kw):
     enc, dec = global_scales(x)
     packed, s = quantize_nvfp4_2d_scaled(x, enc, dec, interpret=interpret, **kw)
     return packed, s, dec
+
+
+# ---------------------------------------------------------------------------
+# 1x16 with stochastic rounding (packed output).
+# ---------------------------------------------------------------------------
+
+
+def _fq():
+    """``pallas_kernels.fakequant_nvfp4_sm90`` (imported late: it imports this module)."""
+    from pallas_kernels import fakequant_nvfp4_sm90
+
+    return fakequant_nvfp4_sm90
+
+
+def e2m1_code_of_value(v):
+    """E2M1 code (int32, 0..15, bits ``s e1 e0 m``) of a float32 ``v`` that is exactly an
+    E2M1 value (what ``fakequant_nvfp4_sm90._e2m1_value`` returns), integer ops only:
+    ``|v| >= 1`` has one mantissa bit, so ``(bits >> 22) - 252`` is the code (1.0 -> 2 ..
+    6.0 -> 7); below 1 the values are 0 and 0.5 (code 0, 1: bit 24 of the bits). The
+    sign bit moves to code bit 3 (-0 -> 8, as ``fp4jax.quantize.e2m1_codes``)."""
+    bits = _i32(v)
+    ab = bits & 0x7FFFFFFF
+    mag = jnp.where(ab >= 0x3F800000, lax.shift_right_logical(ab, 22) - 252,
+                    lax.shift_right_logical(ab, 24) & 1)
+    return mag | (lax.shift_right_logical(bits, 28) & 8)
+
+
+def _sr_packed_quad_tile(sc_ref, kw_ref, x_ref, q_ref, s_ref, *, g: int, draw0,
+                         plain: bool, mode: str):
+    """Stochastic rounding of ``g`` blocks of four neighbouring rows (4m .. 4m+3), packed:
+    x_ref (4, g, 8) uint32 words (bf16 pairs) in; q_ref (4, g, 8) uint8 (byte k of a
+    block: codes of elements 2k (low nibble) and 2k+1) and s_ref (4, g) uint8 E4M3 scale
+    bits out.
+
+    The same steps as ``fakequant_nvfp4_sm90._fq_quad_tile`` (whose bf16 words these
+    codes times their scales are): block scales ``_word_scales`` (TE ``core_nvfp4.cuh``),
+    the 64-bit draw ``draw0 + 8 i + j`` for word (i, j) of the four rows
+    (``numerics.uniform_from_key`` on x's stored (R, C) order: rows 4m, 4m+1 take word
+    y0, rows 4m+2, 4m+3 word y1; the even row bytes 0 (low element) and 1 (high), the odd
+    row bytes 2 and 3), ``u = _sr_uniform(byte)``, the element rounding ``_e2m1_value``
+    (``numerics.stochastic_round_to_grid`` on E2M1), then the code of that value
+    (``e2m1_code_of_value``). NaN/Inf blocks: scale byte 0x7F (NaN) and codes 0 (+0), the
+    codes ``fp4jax.quantize`` gives there (its elements become NaN times the NaN encode
+    scale, which round to +0 for a positive NaN; the round-to-nearest packed kernel
+    writes 0x88 instead)."""
+    fq = _fq()
+    d = draw0 + (fq._iota((g, 8), 0, plain) << 3) + fq._iota((g, 8), 1, plain)
+    words = fq.threefry2x32(kw_ref[0], kw_ref[1], d - d, d)
+    for r in range(4):
+        w = _load_words(x_ref.at[r], slice(None), plain)
+        _, s_byte, e, finite = _word_scales(sc_ref, w, mode)
+        bits = words[r // 2]
+        eb = lax.broadcast_in_dim(e, (g, 8), (0,))
+        fin = lax.broadcast_in_dim(finite.astype(jnp.int32), (g, 8), (0,))
+        lo = fq._e2m1_value(_f32(w << 16) * eb, fq._sr_uniform(bits, 2 * (r % 2)), plain)
+        hi = fq._e2m1_value(_f32(w & -0x10000) * eb, fq._sr_uniform(bits, 2 * (r % 2) + 1),
+                            plain)
+        byte = e2m1_code_of_value(lo) | (e2m1_code_of_value(hi) << 4)
+        q_ref[r] = jnp.where(fin != 0, byte, 0).astype(jnp.uint8)
+        s_ref[r] = jnp.where(finite, s_byte, 0x7F).astype(jnp.uint8)
+
+
+def supported_sr(shape, dtype) -> bool:
+    """Whether the stochastic-rounding 1x16 kernel handles x (R, C): bf16, R % 4 == 0,
+    C % 1024 == 0, R*C < 2^31 (``fakequant_nvfp4_sm90.supported_rows`` with ``sr``)."""
+    return _fq().supported_rows(shape, dtype, sr=True)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "g", "rq"))
+def quantize_nvfp4_1x16_sr_scaled(x: jax.Array, enc: jax.Array, dec: jax.Array,
+                                  kw: jax.Array, *, interpret=False, g: int | None = None,
+                                  rq: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Kernel call: 1x16 NVFP4 blocks along the last axis with stochastic rounding.
+
+    Args:
+      x: (R, C) bfloat16, see ``supported_sr``.
+      enc, dec: float32 tensor scales (``global_scales``).
+      kw: int32[2], the Threefry key words (``fakequant_nvfp4_sm90.key_words(key)``).
+      g, rq: blocks per row and row quads of a CTA tile (defaults: the GPU's choice,
+        ``fakequant_nvfp4_sm90.GR`` / ``QUAD_BLOCKS``, as ``fq_rows``' SR kernel; in
+        interpret mode whole rows, one quad, unless given, so CPU tests can run the GPU
+        tiling's draw offsets).
+    Returns:
+      (packed uint8 (R, C//2), scale_bits uint8 (R, C//16)): ``pack_e2m1(q.data)`` and the
+      bits of ``q.scale`` of ``q = fp4jax.quantize(x, NVFP4, axis=-1,
+      rounding="stochastic", key=key)`` (codes of NaN/Inf blocks are 0; the scale is NaN
+      there).
+
+    Layout: x viewed as (R, C/16, 8) words; CTA (i, j) takes row quads ``i * rq + p`` (p <
+    rq) x blocks ``j * g ..`` (``_sr_packed_quad_tile`` per quad). The packed output is
+    viewed as (R, C/32, 16) bytes for its TMA store (boxes of 16 bytes a row) and the
+    shared-memory tile reshaped to (4 rq, g, 8). The reciprocal is ``recip_rn`` (as
+    ``fq_rows``' SR kernel: no table branch, whose second copy of the body would double
+    an already long kernel).
+    """
+    fq = _fq()
+    if not supported_sr(x.shape, x.dtype):
+        raise ValueError(f"stochastic-rounding quantize kernel needs bfloat16 (R, C) with "
+                         f"R % 4 == 0, C % {16 * fq.GR[-1]} == 0 and R*C < 2^31, got "
+                         f"{x.dtype} {x.shape}")
+    mode = "rn"
+    r, c = x.shape
+    nbr = c // 16
+    xw = lax.bitcast_convert_type(x.reshape(r, nbr, 8, 2), jnp.uint32)
+    sc = kernel_scalars(enc, dec)
+    if interpret:
+        g = g or nbr
+        rq = rq or 1
+    else:
+        g = g or _pick_block(nbr, fq.GR)
+        rq = rq or max(1, fq.QUAD_BLOCKS // (4 * g))
+        while (r // 4) % rq:
+            rq //= 2
+    if nbr % g or (r // 4) % rq or (not interpret and g % 64):
+        raise ValueError(f"SR quantize tiling: g={g} must divide C/16={nbr} (and be a "
+                         f"multiple of 64 on the GPU), rq={rq} must divide R/4={r // 4}")
+
+    def draw0(i, j, p):  # draw of word (0, 0) of row quad i * rq + p, block j * g
+        return (i * rq + p) * (c // 2) + 8 * g * j
+
+    if interpret:
+        def interp_body(sc_ref, kw_ref, x_ref, q_ref, s_ref):
+            @pl.loop(0, r // (4 * rq))
+            def _(i):
+                for j in range(nbr // g):
+                    for p in range(rq):
+                        rows = pl.ds(4 * (i * rq + p), 4)
+                        at = (rows, pl.ds(j * g, g))
+                        _sr_packed_quad_tile(sc_ref, kw_ref, x_ref.at[at], q_ref.at[at],
+                                             s_ref.at[at], g=g, draw0=draw0(i, j, p),
+                                             plain=True, mode=mode)
+
+        q, s = pl.pallas_call(
+            interp_body,
+            out_shape=(jax.ShapeDtypeStruct((r, nbr, 8), jnp.uint8),
+                       jax.ShapeDtypeStruct((r, nbr), jnp.uint8)),
+            interpret=interpret, compiler_params=plgpu.CompilerParams())(sc, kw, xw)
+        return q.reshape(r, c // 2), s
+
+    def body(sc_gmem, kw_gmem, x_gmem, q_gmem, s_gmem):
+        i = lax.axis_index("rows")
+        j = lax.axis_index("cols")
+
+        def step(_, x_smem, q_smem, s_smem):
+            q_tile = q_smem.reshape(4 * rq, g, 8)
+            for p in range(rq):
+                rows = pl.ds(4 * p, 4)
+                _sr_packed_quad_tile(sc_gmem, kw_gmem, x_smem.at[rows], q_tile.at[rows],
+                                     s_smem.at[rows], g=g, draw0=draw0(i, j, p),
+                                     plain=False, mode=mode)
+
+        plgpu.emit_pipeline(
+            step, grid=(1,),
+            in_specs=[plgpu.BlockSpec((4 * rq, g, 8), lambda _: (i, j, 0))],
+            out_specs=[plgpu.BlockSpec((4 * rq, g // 2, 16), lambda _: (i, j, 0)),
+                       plgpu.BlockSpec((4 * rq, g), lambda _: (i, j))],
+            max_concurrent_steps=1,
+        )(x_gmem, q_gmem, s_gmem)
+
+    q, s = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((r, c // 32, 16), jnp.uint8),
+                  jax.ShapeDtypeStruct((r, nbr), jnp.uint8)),
+        grid=(r // (4 * rq), nbr // g), grid_names=("rows", "cols"),
+        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
+    )(sc, kw, xw)
+    return q.reshape(r, c // 2), s
+
+
+def quantize_nvfp4_1x16_sr(x: jax.Array, key: jax.Array, *, interpret=False, amax=None,
+                           **kw) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Global amax (XLA, or ``amax`` if known) + the stochastic-rounding 1x16 kernel.
+
+    x: (R, C) bfloat16 (``supported_sr``); key: a threefry ``jax.random`` key (typed or
+    raw). Returns (packed uint8 (R, C//2), scale_bits uint8 (R, C//16), dec float32),
+    bit-identical to ``fp4jax.quantize(x, NVFP4, axis=-1, rounding="stochastic",
+    key=key)`` (see ``quantize_nvfp4_1x16_sr_scaled``)."""
+    fq = _fq()
+    enc, dec = global_scales(x, amax)
+    packed, s = quantize_nvfp4_1x16_sr_scaled(x, enc, dec, fq.key_words(key),
+                                              interpret=interpret, **kw)
+    return packed, s, dec
