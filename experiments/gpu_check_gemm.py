@@ -167,9 +167,40 @@ def dot(m=8192, k=8192, n=8192):
         print(json.dumps(row), flush=True)
 
 
+SWEEP = ((16384, 512, 256), (16384, 512, 512), (16384, 512, 2048), (16384, 2048, 512),
+         (8192, 2048, 2048), (4096, 4096, 4096))  # the `small` preset's GEMMs, mid sizes
+
+
+def sweep(shapes=SWEEP):
+    """gemm_alpha (default tiles) vs XLA's f32 dot times a runtime alpha (the kernel path's
+    alternative) per layout, at the `small` training preset's GEMM shapes (16384 tokens,
+    d_model 512, d_ff 2048, kv 256) and two mid sizes: where does the Pallas GEMM win?"""
+    for (m, k, n) in shapes:
+        for name, (ta, tb) in LAYOUTS.items():
+            a, b, al = operands(m, k, n, ta, tb)
+
+            def xla_alpha(a, b, al, ta=ta, tb=tb):
+                acc = jnp.dot(a.T if ta else a, b.T if tb else b,
+                              preferred_element_type=jnp.float32)
+                return (acc * al).astype(jnp.bfloat16)
+
+            row = {"layout": name, "shape": [m, k, n]}
+            try:
+                tx = time_fn(jax.jit(xla_alpha), a, b, al, iterations=20)["median_us"]
+                tg = time_fn(jax.jit(lambda a, b, al, ta=ta, tb=tb: ga.gemm_alpha(
+                    a, b, al, trans_a=ta, trans_b=tb)), a, b, al, iterations=20)["median_us"]
+                row.update(xla_alpha_us=round(tx, 1), gemm_alpha_us=round(tg, 1),
+                           ratio=round(tg / tx, 4))
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            RES.setdefault("sweep", []).append(row)
+            print(json.dumps(row), flush=True)
+            dump()
+
+
 if __name__ == "__main__":
     which = sys.argv[1:] or ["check", "speed", "dot"]
-    for w in ("check", "speed", "dot"):
+    for w in ("check", "speed", "dot", "sweep"):
         if w in which:
             globals()[w]()
     RES["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
