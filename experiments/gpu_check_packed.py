@@ -23,11 +23,11 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fp4jax  # noqa: E402
+from experiments.gpu_check_fakequant import data  # noqa: E402  (inputs incl. NaN/Inf/-0)
 from experiments.kernel_timing import time_fn  # noqa: E402
 from fp4jax.hadamard import default_signs, random_hadamard_transform  # noqa: E402
 from pallas_kernels import fakequant_nvfp4_sm90 as fq  # noqa: E402
@@ -46,16 +46,6 @@ u8 = jnp.uint8
 def dump():
     with open(os.path.join(os.environ.get("OUT", "."), "gpu_check_packed.json"), "w") as f:
         json.dump(RES, f, indent=1)
-
-
-def data(shape, seed, wild):
-    x = jax.random.normal(jax.random.key(seed), shape, jnp.float32)
-    if wild:
-        rng = np.random.default_rng(seed)
-        x = x * jnp.exp(jnp.asarray(rng.uniform(-8, 8, (shape[0], 1)), jnp.float32))
-        x = x.at[0, :32].set(-0.0).at[3, 7].set(jnp.nan).at[9, 100].set(jnp.inf)
-        x = x.at[17, 5].set(-jnp.inf)
-    return x.astype(jnp.bfloat16)
 
 
 def differ(a, b):
