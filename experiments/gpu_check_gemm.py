@@ -167,8 +167,8 @@ def dot(m=8192, k=8192, n=8192):
         print(json.dumps(row), flush=True)
 
 
-SWEEP = ((16384, 512, 256), (16384, 512, 512), (16384, 512, 2048), (16384, 2048, 512),
-         (8192, 2048, 2048), (4096, 4096, 4096))  # the `small` preset's GEMMs, mid sizes
+SWEEP = ((16384, 512, 256), (16384, 512, 2048), (16384, 2048, 512), (8192, 2048, 2048),
+         (4096, 4096, 4096))  # the `small` preset's GEMMs (d_model 512, d_ff 2048), mid sizes
 
 
 def sweep(shapes=SWEEP):

@@ -144,5 +144,7 @@ if __name__ == "__main__":
         speed()
     if "check" in which:
         check()
+    if "check2" in which:  # one call's worth: the wild small shape and 8192^2
+        check((((2048, 1024), True), ((8192, 8192), False)))
     RES["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     dump()
