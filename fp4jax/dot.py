@@ -315,7 +315,9 @@ def _gemm_kernel_path(subscripts: str, av: jax.Array, bv: jax.Array, sa: Any, sb
     """One GEMM of the kernel path: ``(sa * sb * einsum(av, bv)).astype(out_dtype)`` on the
     Pallas ``gemm_alpha`` kernel (alpha in the epilogue, one rounding) when ``gemm ==
     "pallas"``, on an sm_90 GPU (``kmode == "on"``), for unbatched bf16 operands, a bf16
-    output and tile-aligned sizes; else ``_einsum_scaled`` (XLA, the XLA path's bits)."""
+    output and tile-aligned sizes of at least ``gemm_alpha_sm90.MIN_MKN`` (4096^3: below
+    it XLA's GEMM was as fast or faster, and faster in training); else ``_einsum_scaled``
+    (XLA, the XLA path's bits)."""
     from pallas_kernels import gemm_alpha_sm90 as ga
 
     trans_a, trans_b = _GEMM_LAYOUTS[subscripts]
@@ -324,7 +326,7 @@ def _gemm_kernel_path(subscripts: str, av: jax.Array, bv: jax.Array, sa: Any, sb
     n = b.shape[0] if trans_b else b.shape[1]
     if (gemm == "pallas" and kmode == "on" and av.shape[0] == 1 and sa is not None
             and sb is not None and jnp.dtype(out_dtype) == jnp.bfloat16
-            and ga.supported(m, k, n)):
+            and ga.preferred(m, k, n)):
         return ga.gemm_alpha(a, b, sa * sb, trans_a=trans_a, trans_b=trans_b)[None]
     return _einsum_scaled(subscripts, av, bv, sa, sb,
                           jax.lax.Precision.HIGHEST).astype(out_dtype)

@@ -90,16 +90,26 @@ def _key_reason(key) -> str | None:
     return None
 
 
+COLS_KERNEL_IN_AUTO = False
+"""Whether ``backend="auto"`` routes 16x1 quantization along axis 0 to the packed kernel
+(``quantize_cols_nvfp4_sm90``). Off: it is bit-exact in interpret mode and lowers for CUDA
+with JAX 0.10.2, but on the H200 with JAX 0.11.2 it did not lower (Mosaic GPU layout
+inference: "We cannot apply swizzle to non-contiguous refs", runs 29-30), so it has never
+run on a GPU. ``backend="pallas"`` still calls it."""
+
+
 def quantize_unsupported_reason(shape, dtype, *, fmt=None, axis=-1, block_2d=False,
                                 rounding="nearest", rht: bool = False,
-                                key=None) -> str | None:
+                                key=None, explicit: bool = False) -> str | None:
     """None when a quantize kernel handles these arguments, else the reason.
 
     Kernels: 1x16 blocks along the last axis, round-to-nearest (``quantize_nvfp4_1x16``)
     or stochastic (``quantize_nvfp4_1x16_sr``); 16x16 tiles, round-to-nearest; 16x1
     blocks along axis 0 of a 2D (tokens, features) tensor, optionally after the RHT
     (``rht``), either rounding (``quantize_cols_nvfp4_sm90``). Stochastic rounding needs
-    a threefry ``key`` (checked when given)."""
+    a threefry ``key`` (checked when given). ``explicit``: the caller asked for the kernel
+    (``backend="pallas"``), which also admits kernels kept out of ``auto``
+    (``COLS_KERNEL_IN_AUTO``)."""
     from pallas_kernels import quantize_cols_nvfp4_sm90 as qc
     from pallas_kernels import quantize_nvfp4_sm90 as qk
 
@@ -128,6 +138,10 @@ def quantize_unsupported_reason(shape, dtype, *, fmt=None, axis=-1, block_2d=Fal
         reason = qc.unsupported_reason(shape, dtype)
         if reason is not None:
             return f"16x1 (axis=0) kernel: {reason}"
+        if not (explicit or COLS_KERNEL_IN_AUTO):
+            return ("16x1 (axis=0) packed kernel is kept out of backend='auto' (it did not "
+                    "lower with JAX 0.11.2 on the GPU; see COLS_KERNEL_IN_AUTO): pass "
+                    "backend='pallas' to use it")
         return None if on_sm90() else "no sm_90 GPU"
     if axis % len(shape) != len(shape) - 1:
         return ("kernels block along the last axis, or along axis 0 of a 2D (tokens, "
@@ -233,7 +247,8 @@ def quantize_cols_packed(x: jax.Array, *, signs=None, key=None, backend: str = "
     rounding = "stochastic" if key is not None else "nearest"
     backend = _resolve(backend)
     reason = quantize_unsupported_reason(x.shape, x.dtype, axis=0, rounding=rounding,
-                                         rht=signs is not None, key=key)
+                                         rht=signs is not None, key=key,
+                                         explicit=backend == "pallas")
     if backend == "pallas" and reason is not None:
         raise ValueError(f"pallas quantize kernel unavailable: {reason}")
     if backend == "xla" or reason is not None:
@@ -262,7 +277,8 @@ def quantize(x: jax.Array, fmt=None, *, axis: int = -1, block_2d: bool = False,
     _check_sr_key(rounding, key)
     backend = _resolve(backend)
     reason = quantize_unsupported_reason(x.shape, x.dtype, fmt=fmt, axis=axis,
-                                         block_2d=block_2d, rounding=rounding, key=key)
+                                         block_2d=block_2d, rounding=rounding, key=key,
+                                         explicit=backend == "pallas")
     if backend == "pallas" and reason is not None:
         raise ValueError(f"pallas quantize kernel unavailable: {reason}")
     if backend == "xla" or reason is not None:

@@ -308,12 +308,13 @@ def _epilogue(acc, dec_a, dec_b, out_dtype):
 
 def _gemm_decoded(a16, bt16, dec_a, dec_b, out_dtype, pallas: bool = False):
     """``a16 @ bt16.T`` in f32 times ``dec_a * dec_b``; with ``pallas`` (a GPU, bf16 out,
-    tile-aligned sizes) on ``gemm_alpha_sm90.gemm_alpha`` (the scale in its epilogue, so
-    the f32 product never goes to memory), else XLA's dot and the epilogue."""
+    sizes that ``gemm_alpha_sm90.preferred`` takes) on ``gemm_alpha_sm90.gemm_alpha`` (the
+    scale in its epilogue, so the f32 product never goes to memory), else XLA's dot and
+    the epilogue."""
     from pallas_kernels import gemm_alpha_sm90 as ga
 
     (m, k), n = a16.shape, bt16.shape[0]
-    if pallas and jnp.dtype(out_dtype) == jnp.bfloat16 and ga.supported(m, k, n):
+    if pallas and jnp.dtype(out_dtype) == jnp.bfloat16 and ga.preferred(m, k, n):
         alpha = dec_a.astype(jnp.float32) * dec_b.astype(jnp.float32)
         return ga.gemm_alpha(a16, bt16, alpha, trans_b=True)
     acc = lax.dot_general(a16, bt16, (((1,), (1,)), ((), ())),

@@ -66,8 +66,8 @@ def test_reference_is_alpha_times_the_f32_product():
 
 def test_kernel_path_gemm_routing(monkeypatch):
     """The kernel path's GEMM takes gemm_alpha only on the GPU ("on"), with FP4JAX_KERNEL_GEMM
-    at its default, bf16 output and tile-aligned sizes; the XLA einsum otherwise (the same
-    values here on the CPU)."""
+    at its default, bf16 output and tile-aligned sizes of at least MIN_MKN; the XLA einsum
+    otherwise (the same values here on the CPU)."""
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((1, 256, 128)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((1, 128, 256)), jnp.bfloat16)
@@ -84,14 +84,16 @@ def test_kernel_path_gemm_routing(monkeypatch):
 
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
-    assert "mosaic_gpu" in lowered("bmk,bkn->bmn", sd((1, 256, 128), bf), sd((1, 128, 256), bf))
-    assert "mosaic_gpu" in lowered("bmn,bkn->bmk", sd((1, 256, 512), bf), sd((1, 256, 512), bf))
-    assert "mosaic_gpu" in lowered("bmk,bmn->bkn", sd((1, 128, 256), bf), sd((1, 128, 512), bf))
-    # an f32 output, or N not a multiple of 256: XLA
+    big = sd((1, 4096, 4096), bf)  # M*K*N = 2^36 = ga.MIN_MKN
+    assert "mosaic_gpu" in lowered("bmk,bkn->bmn", big, big)
+    assert "mosaic_gpu" in lowered("bmn,bkn->bmk", big, big)
+    assert "mosaic_gpu" in lowered("bmk,bmn->bkn", big, big)
+    # an f32 output, N not a multiple of 256, or below MIN_MKN: XLA
+    assert "mosaic_gpu" not in lowered("bmk,bkn->bmn", big, big, jnp.float32)
+    assert "mosaic_gpu" not in lowered("bmk,bkn->bmn", big, sd((1, 4096, 4224), bf))
+    assert ga.supported(256, 128, 256) and not ga.preferred(256, 128, 256)
     assert "mosaic_gpu" not in lowered("bmk,bkn->bmn", sd((1, 256, 128), bf),
-                                       sd((1, 128, 256), bf), jnp.float32)
-    assert "mosaic_gpu" not in lowered("bmk,bkn->bmn", sd((1, 256, 128), bf),
-                                       sd((1, 128, 384), bf))
+                                       sd((1, 128, 256), bf))
     monkeypatch.setenv("FP4JAX_KERNEL_GEMM", "cublas")
     with pytest.raises(ValueError, match="FP4JAX_KERNEL_GEMM"):
         dot_mod._kernel_gemm_env()

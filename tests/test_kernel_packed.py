@@ -159,10 +159,13 @@ def test_supported_shapes_and_reasons():
     assert "axis" in r((4, 256, 256), bf, axis=0)
     rbg = jax.random.key(0, impl="rbg")
     assert "threefry" in r((4, 1024), bf, rounding="stochastic", key=rbg)
+    # the axis-0 kernel is kept out of backend="auto" (COLS_KERNEL_IN_AUTO) until it runs on
+    # the GPU's JAX: only an explicit request (backend="pallas") gets it
+    assert "backend='pallas'" in r((256, 1024), bf, axis=0)
     if not dispatch.on_sm90():
         for kw in ({"rounding": "stochastic"}, {"axis": 0}, {"axis": -2, "rht": True},
                    {"axis": 0, "rounding": "stochastic", "key": jax.random.key(1)}):
-            assert r((256, 1024), bf, **kw) == "no sm_90 GPU"
+            assert r((256, 1024), bf, explicit=True, **kw) == "no sm_90 GPU"
 
 
 def test_dispatch_argument_errors_and_xla_fallback(monkeypatch):
