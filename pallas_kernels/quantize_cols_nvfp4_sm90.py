@@ -46,7 +46,9 @@ Those stores are 4-byte scalar stores with a stride (the register layout has vec
 length 1, so Mosaic GPU accepts a strided destination): the transposition happens
 there. The scale bytes go to a (w, 2, ns) uint8 tile the same way. Both tiles are
 TMA-stored once per CTA (the pipeline over the ns strips keeps them resident): ns = 16
-makes the scale box 16 bytes wide, TMA's minimum.
+makes the scale box 16 bytes wide, TMA's minimum. The kernel is lowered with Lane semantics
+(named explicitly: JAX >= 0.11 defaults to Warpgroup semantics, whose layout inference
+refuses SMEM refs with a minor stride other than 1, i.e. these strided stores).
 """
 
 from __future__ import annotations
@@ -246,7 +248,12 @@ def quantize_cols_nvfp4_scaled(x: jax.Array, sc: jax.Array, kw: jax.Array, *,
 
     o, s = plgpu.kernel(
         body, out_type=out_type, grid=(r // (16 * NS), nw // w), grid_names=("rows", "cols"),
-        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
+        # Lane semantics explicitly: the default became Warpgroup in JAX 0.11, whose layout
+        # inference rejects the strided SMEM views of the transposing stores above
+        # (_is_valid_smem_layout_assignment: "We cannot apply swizzle to non-contiguous
+        # refs" for any SMEM ref whose minor stride is not 1, swizzled or not).
+        compiler_params=plgpu.CompilerParams(
+            unsafe_no_auto_barriers=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
     )(sc, kw, xw)
     return result(o, s)
 
