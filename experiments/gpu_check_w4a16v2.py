@@ -1,0 +1,146 @@
+"""GPU exactness and speed of the W4A16 decode kernel ``pallas_kernels/w4a16_sm90.py``.
+
+* exactness: the kernel (f32 out) against ``x @ dequantize(W)`` in f32 (HIGHEST) on fresh
+  inputs of several shapes, 1x16 and 16x16 weights, weights spanning 6 decades (E4M3
+  subnormal block scales), a NaN row in x; relative error (f32 accumulation order only:
+  < 1e-5) and max abs difference;
+* speed (CUPTI device time of every kernel of the call, medians, same run): bf16
+  ``jnp.dot`` on the dequantized weight, the earlier W4A16 kernel (``fp4_matmul_sm90``),
+  the new kernel with its defaults and a sweep of split_k / tile_k / stages at M = 16.
+
+    PYTHONPATH=$PWD python3 experiments/gpu_check_w4a16v2.py [check] [speed] [sweep]
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fp4jax  # noqa: E402
+from experiments.kernel_timing import time_fn  # noqa: E402
+from pallas_kernels import fp4_matmul_sm90 as mm  # noqa: E402
+from pallas_kernels import w4a16_sm90 as wk  # noqa: E402
+
+RES = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+       "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+       "command": "PYTHONPATH=$PWD python3 experiments/gpu_check_w4a16v2.py "
+                  + " ".join(sys.argv[1:]),
+       "check": [], "speed": []}
+
+
+def dump():
+    with open(os.path.join(os.environ.get("OUT", "."), "gpu_check_w4a16v2.json"), "w") as f:
+        json.dump(RES, f, indent=1)
+
+
+def rec(kind, **row):
+    RES[kind].append(row)
+    print(json.dumps(row), flush=True)
+    dump()
+
+
+def make(m, k, n, block_2d, seed, wide=True):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(kw, (k, n), jnp.float32) * 0.02
+    if wide:
+        w = w * jnp.logspace(-6, 0, n, dtype=jnp.float32)[None, :]
+    q = jax.jit(lambda w: fp4jax.quantize(w, fp4jax.NVFP4, block_2d=block_2d, axis=0))(w)
+    return x, q
+
+
+def check():
+    shapes = [(16, 8192, 8192, False), (16, 8192, 8192, True), (1, 8192, 8192, False),
+              (64, 8192, 8192, True), (16, 4096, 14336, False), (16, 14336, 4096, True),
+              (3, 1024, 320, False), (200, 2048, 512, False), (33, 512, 128, True)]
+    for i, (m, k, n, b2) in enumerate(shapes):
+        row = {"m": m, "k": k, "n": n, "block_2d": b2}
+        try:
+            x, q = make(m, k, n, b2, 100 + i)
+            if m >= 3:
+                x = x.at[1].set(jnp.nan)
+            wp, ws, dec = jax.jit(wk.prepare_weight)(q)
+            y = wk.w4a16_matmul(x, wp, ws, dec, out_dtype=jnp.float32)
+            ref = jnp.dot(x.astype(jnp.float32), fp4jax.dequantize(q, jnp.float32),
+                          precision=jax.lax.Precision.HIGHEST)
+            ok_rows = jnp.ones((m,), bool)
+            if m >= 3:
+                row["nan_row_all_nan"] = bool(jnp.all(jnp.isnan(y[1])))
+                ok_rows = ok_rows.at[1].set(False)
+            yv, rv = y[ok_rows], ref[ok_rows]
+            row["finite"] = bool(jnp.all(jnp.isfinite(yv)))
+            row["rel_err"] = float(jnp.linalg.norm(yv - rv) / jnp.linalg.norm(rv))
+            row["max_abs_diff"] = float(jnp.max(jnp.abs(yv - rv)))
+            row["max_abs_ref"] = float(jnp.max(jnp.abs(rv)))
+            ybf = wk.w4a16_matmul(x, wp, ws, dec)
+            row["bf16_out_equals_f32_out_rounded"] = bool(
+                jnp.array_equal(ybf[ok_rows], yv.astype(jnp.bfloat16)))
+            row["ok"] = (row["rel_err"] < 1e-5 and row["finite"]
+                         and row.get("nan_row_all_nan", True))
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+            row["tb"] = traceback.format_exc()[-2500:]
+        rec("check", **row)
+
+
+def timed(name, f, *args, **extra):
+    try:
+        t = time_fn(jax.jit(f), *args, iterations=100, warmup=3)
+        rec("speed", name=name, us=t["median_us"], min_us=t["min_us"], method=t["method"],
+            **extra)
+        return t["median_us"]
+    except Exception as e:  # noqa: BLE001
+        rec("speed", name=name, error=f"{type(e).__name__}: {str(e)[:800]}", **extra)
+        return None
+
+
+def speed(sweep=False):
+    for m, k, n in ((16, 8192, 8192), (1, 8192, 8192), (64, 8192, 8192),
+                    (16, 4096, 14336), (16, 14336, 4096)):
+        g = {"m": m, "k": k, "n": n}
+        x, q = make(m, k, n, True, 7, wide=False)
+        wb = fp4jax.dequantize(q, jnp.bfloat16)
+        wp, ws, dec = jax.jit(wk.prepare_weight)(q)
+        t_bf = timed("bf16 jnp.dot", jnp.dot, x, wb, **g)
+        t_old = None
+        if k % 256 == 0:
+            owq, ows, odec = jax.jit(mm.prepare_weight)(q)
+            t_old = timed("w4a16 fp4_matmul_sm90 (previous)", mm.w4a16_matmul,
+                          x, owq, ows, odec, **g)
+        t_new = timed("w4a16 w4a16_sm90 default", wk.w4a16_matmul, x, wp, ws, dec, **g)
+        wbytes = k * n * (0.5 + 2 / 16)
+        rec("speed", name="summary", bf16_us=t_bf, previous_us=t_old, new_us=t_new,
+            speedup_vs_bf16=(t_bf / t_new) if t_bf and t_new else None,
+            weight_gbps=(wbytes / t_new / 1e3) if t_new else None, **g)
+        if sweep and m == 16 and k == n == 8192:
+            best = (t_new, "default")
+            for tile_k in (256, 512):
+                for split in (1, 2, 4, 8, 16):
+                    for stages in (2, 3, 4):
+                        f = functools.partial(wk.w4a16_matmul, tile_k=tile_k, split_k=split,
+                                              stages=stages)
+                        t = timed(f"sweep tile_k={tile_k} split_k={split} stages={stages}",
+                                  f, x, wp, ws, dec, **g)
+                        if t and (best[0] is None or t < best[0]):
+                            best = (t, f"tile_k={tile_k} split_k={split} stages={stages}")
+            rec("speed", name="sweep best", us=best[0], cfg=best[1], bf16_us=t_bf,
+                speedup_vs_bf16=(t_bf / best[0]) if t_bf and best[0] else None, **g)
+
+
+if __name__ == "__main__":
+    which = sys.argv[1:] or ["check", "speed"]
+    if "check" in which:
+        check()
+    if "speed" in which or "sweep" in which:
+        speed(sweep="sweep" in which)
+    RES["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    dump()

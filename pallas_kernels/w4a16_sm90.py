@@ -1,0 +1,288 @@
+"""W4A16 GEMM for decode and small batches on Hopper (sm_90), Pallas Mosaic GPU.
+
+``y = x @ W``: ``x`` (M, K) bfloat16 with M <= 256, ``W`` (K, N) NVFP4 (E2M1 codes, one
+E4M3 scale per 16 consecutive k, an FP32 tensor decode scale). At decode sizes the
+kernel is bound by how many instructions it spends per weight, so the weight is stored
+in a kernel layout (made once, :func:`prepare_weight`) that makes the decode cheap:
+
+* **Codes** ``wp`` (N, K/8) uint32. Each 32-bit word holds 8 codes whose bits sit where
+  four masks-and-shifts turn them into four bf16x2 registers of wgmma's A fragment
+  (:func:`decode_words`, 11 integer operations per 8 weights): code bits ``s e1 e0 m``
+  land on bf16 bits 15 and 8..6, which is the code's value times 2^-126 (code 0.5 is
+  the bf16 subnormal 2^-127, kept by the bf16 multiply that follows; checked on the GPU).
+  Word ``8c + 2q + v`` of row n carries, for slot i = 0..3 and half t = 0..1, the code of
+  ``k = 64c + 16i + 8v + 2q + t``: exactly the (row n, columns ``8v + 2q + t``) elements
+  that thread ``q`` of a quad holds in the WGMMA register layout of the 64x16 A tile of
+  the k-block ``4c + i`` (:func:`word_layout` is the single place this is defined).
+* **Scales** ``ws`` (K/16, N) bfloat16: the E4M3 block scales times 2^117 (exact in
+  bf16), so the kernel needs one bf16 multiply per two weights and no E4M3 decode;
+  ``(q * 2^-126) * (s * 2^117) = q * s * 2^-9`` is exact in bf16 (2 x 4 significant
+  bits, normal for every E4M3 scale), and the epilogue multiplies the f32 accumulator by
+  ``2^9 * dec``. The results equal ``x @ dequantize(W)`` up to f32 accumulation order.
+
+The kernel computes ``y^T = W^T x^T``: the weights are wgmma's register operand A (rows =
+n, 64 per warpgroup), the activations its shared-memory operand B = ``x^T`` (K, Mp).
+Grid: one CTA per 64 rows of ``W^T`` and per K split (split-K, partial f32 results
+summed by XLA), each pipelining its K range through shared memory (TMA).
+
+Sources: the NVFP4 format and scale rule are the NVIDIA paper's Appendix B (see
+``fp4jax.numerics``); the idea of an offline weight permutation into the tensor-core
+register fragment order so that a few 32-bit integer operations decode several weights
+is Marlin's (Frantar et al., 2024, "MARLIN: Mixed-Precision Auto-Regressive Parallel
+Inference on Large Language Models"), applied here to E2M1 codes and wgmma.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+TILE_N = 64  # rows of W^T per warpgroup (wgmma M)
+SCALE_SHIFT = 117  # block scales are stored times 2^117; codes decode to value * 2^-126
+MASK = 0x81C081C0  # bf16x2 bits 15, 8..6 of both halves
+
+# Bit position of (s, e1, e0, m) of the code in slot i (0..3), half t (0..1) of a word.
+# Slots 0..2 are the decoded positions shifted right by 0, 3, 6 (decoded by one shift
+# and one mask); slot 3 takes the 8 remaining bits (three shifts, three masks).
+_SLOT_BITS = tuple(
+    tuple((15 - 3 * i + 16 * t, 8 - 3 * i + 16 * t, 7 - 3 * i + 16 * t, 6 - 3 * i + 16 * t)
+          for t in range(2)) for i in range(3)
+) + (tuple((14 + 16 * t, 13 + 16 * t, 11 + 16 * t, 10 + 16 * t) for t in range(2)),)
+
+
+def word_layout(k: int) -> np.ndarray:
+    """Index map of the packed words: ``(K/8, 8)`` array of k indices.
+
+    Row ``w`` of the result lists the k of the 8 codes of word ``w`` of a weight row, in
+    (slot i, half t) order ``(0,0), (0,1), (1,0), ..., (3,1)``: word ``8c + 2q + v``
+    holds ``k = 64c + 16i + 8v + 2q + t``. This is wgmma's m64nNk16 A-fragment layout
+    (PTX ISA, "Register Fragments" of ``wgmma.mma_async`` for .bf16: thread ``q = lane % 4``
+    of a quad holds columns ``2q, 2q+1, 8+2q, 8+2q+1`` of a row), with four k-blocks of 16
+    sharing each word so that one 32-bit load feeds four wgmma steps.
+    """
+    if k % 64:
+        raise ValueError(f"K must be a multiple of 64, got {k}")
+    c, q, v, i, t = np.meshgrid(np.arange(k // 64), np.arange(4), np.arange(2),
+                                np.arange(4), np.arange(2), indexing="ij")
+    return (64 * c + 16 * i + 8 * v + 2 * q + t).reshape(k // 8, 8)
+
+
+def pack_codes(codes_nk: jax.Array) -> jax.Array:
+    """(N, K) E2M1 codes (uint8, 0..15) -> (N, K/8) uint32 words of the kernel layout."""
+    n, k = codes_nk.shape
+    idx = word_layout(k)  # (K/8, 8)
+    c = codes_nk.astype(jnp.uint32)[:, idx]  # (N, K/8, 8)
+    word = jnp.zeros((n, k // 8), jnp.uint32)
+    for slot in range(8):
+        i, t = divmod(slot, 2)
+        for bit, pos in zip((3, 2, 1, 0), _SLOT_BITS[i][t], strict=True):
+            word = word | (((c[:, :, slot] >> bit) & 1) << pos)
+    return word
+
+
+def decode_words(w):
+    """uint32 words -> the four bf16x2 bit patterns (uint32) of slots 0..3.
+
+    The kernel's decode, written once: it runs on register arrays in the kernel and on
+    plain arrays in the tests. Each result holds two bf16 values (low half: t = 0), each
+    the code's value times 2^-126.
+    """
+    u = jnp.uint32
+    return (
+        w & u(MASK),
+        (w << u(3)) & u(MASK),
+        (w << u(6)) & u(MASK),
+        ((w >> u(4)) & u(0x00C000C0)) | ((w >> u(5)) & u(0x01000100))
+        | ((w << u(1)) & u(0x80008000)),
+    )
+
+
+def prepare_weight(q):
+    """Kernel layout of an NVFP4 ``fp4jax.QuantizedArray`` W (K, N) scaled along K.
+
+    Accepts 1x16 blocks along axis 0 (scale (K/16, N)) or 16x16 tiles (scale (K/16,
+    N/16)). Returns ``(wp, ws, dec)``: (N, K/8) uint32, (K/16, N) bfloat16, f32 scalar.
+    """
+    from fp4jax.quantize import e2m1_codes
+
+    if q.fmt.block_size != 16 or not q.fmt.tensor_scale or q.data.ndim != 2:
+        raise ValueError("prepare_weight expects a 2-D NVFP4 QuantizedArray (K, N)")
+    if not q.block_2d and q.axis % q.ndim != 0:
+        raise ValueError("W must be quantized along its contraction axis (axis=0) or 16x16")
+    k, n = q.data.shape
+    if k % 64:
+        raise ValueError(f"K must be a multiple of 64, got {k}")
+    s = q.scale.astype(jnp.float32)
+    if q.block_2d:
+        s = jnp.repeat(s, 16, axis=1)[:, :n]
+    ws = (s * jnp.float32(2.0**SCALE_SHIFT)).astype(jnp.bfloat16)
+    return pack_codes(e2m1_codes(q.data).T), ws, q.global_scale
+
+
+def _as_bf16_fragment(words):
+    """(64, 8) uint32 WGMMA-layout array -> (64, 16) bf16 WGMMA-layout array, same bits.
+
+    Register ``v`` (0, 1) of a thread's vector<2 x i32> becomes its bf16x2 register of
+    column group ``v``: element (r, 2q + v) of the words holds A columns 8v + 2q + (0, 1).
+    """
+    from jax._src.lib.mlir import ir
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    layout = plgpu.Layout.WGMMA
+
+    @plgpu.inline_mgpu(
+        arg_types=(layout,),
+        return_type=plgpu.ShapeDtypeStruct((TILE_N, 16), jnp.bfloat16, layout=layout),
+    )
+    def reinterpret(_, arr):
+        regs = arr.registers
+        out = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TILE_N, 16)), dtype=object)
+        v4 = ir.VectorType.get((4,), ir.BF16Type.get())
+        for idx in np.ndindex(regs.shape):
+            quad = mgpu_utils.bitcast(regs[idx], v4)
+            for v in range(2):
+                o = list(idx)
+                o[1] = 2 * idx[1] + v
+                out[tuple(o)] = mgpu_utils.vector_slice(quad, slice(2 * v, 2 * v + 2))
+        return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT,
+                                    _is_signed=None)
+
+    return reinterpret(words)
+
+
+def fragment_reference(words: np.ndarray) -> np.ndarray:
+    """NumPy model of :func:`_as_bf16_fragment`: (R, 8) uint32 -> (R, 16) uint16 bits."""
+    w = np.asarray(words, np.uint32).reshape(-1, 4, 2)  # (R, q, v)
+    halves = np.stack([w & 0xFFFF, w >> 16], axis=-1).astype(np.uint16)  # (R, q, v, t)
+    return halves.transpose(0, 2, 1, 3).reshape(-1, 16)  # column 8v + 2q + t
+
+
+@functools.partial(jax.jit, static_argnames=("tile_k", "split_k", "stages", "out_dtype"))
+def w4a16_matmul(
+    x: jax.Array,
+    wp: jax.Array,
+    ws: jax.Array,
+    dec: jax.Array,
+    *,
+    tile_k: int = 256,
+    split_k: int | None = None,
+    stages: int | None = None,
+    out_dtype=jnp.bfloat16,
+) -> jax.Array:
+    """``x (M, K) bf16 @ W`` with W in the kernel layout (:func:`prepare_weight`) -> (M, N).
+
+    ``tile_k`` (multiple of 64) k per pipeline step; ``split_k`` CTAs along K (default:
+    enough for >= 512 CTAs); ``stages`` pipeline depth.
+    """
+    m, k = x.shape
+    n = wp.shape[0]
+    if wp.shape != (n, k // 8) or wp.dtype != jnp.uint32:
+        raise ValueError(f"wp must be (N, K/8) uint32 for x {x.shape}, got {wp.shape} "
+                         f"{wp.dtype} (make it with prepare_weight)")
+    if ws.shape != (k // 16, n) or ws.dtype != jnp.bfloat16:
+        raise ValueError(f"ws must be (K/16, N) bfloat16, got {ws.shape} {ws.dtype}")
+    if tile_k % 64:
+        raise ValueError(f"tile_k must be a multiple of 64, got {tile_k}")
+    if n % TILE_N or k % tile_k:
+        raise ValueError(f"N must be a multiple of {TILE_N} and K of tile_k={tile_k}: "
+                         f"N={n}, K={k}")
+    if not 1 <= m <= 256:
+        raise ValueError(f"M must be in 1..256 for the W4A16 kernel, got {m}")
+    mp = next(p for p in (16, 32, 64, 128, 256) if p >= m)
+    k_iters = k // tile_k
+    n_tiles = n // TILE_N
+    if split_k is None:
+        split_k = next((s for s in (1, 2, 4, 8, 16) if n_tiles * s >= 512), 16)
+        while k_iters % split_k:
+            split_k //= 2
+    if k_iters % split_k:
+        raise ValueError(f"split_k={split_k} must divide K / tile_k = {k_iters}")
+    ks = k_iters // split_k
+    stage_bytes = tile_k * mp * 2 + TILE_N * tile_k // 2 + (tile_k // 16) * TILE_N * 2
+    if stages is None:
+        stages = max(1, min(2 if split_k > 1 else 4, (160 * 1024) // stage_bytes))
+    xt = jnp.pad(x.astype(jnp.bfloat16), ((0, mp - m), (0, 0))).T  # (K, Mp)
+    sc = jnp.pad(jnp.reshape(dec.astype(jnp.float32) * jnp.float32(2.0**9), (1,)), (0, 3))
+    x_tf = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+    wrow = tile_k // 8 * 4  # bytes of one row of a codes tile
+    swz = plgpu.find_swizzle(wrow * 8)
+    w_tf = (plgpu.TilingTransform((8, swz // 4)), plgpu.SwizzleTransform(swz))
+    nblk = tile_k // 16
+
+    def body(sc_gmem, xt_gmem, wp_gmem, ws_gmem, out_gmem, out_smem):
+        ni = lax.axis_index("n")
+        si = lax.axis_index("split")
+
+        @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_N, mp), jnp.float32))
+        def _(acc):
+            def step(_, xt_smem, wp_smem, ws_smem):
+                words = plgpu.load(wp_smem, (), layout=plgpu.Layout.WGMMA)
+                for c in range(tile_k // 64):
+                    parts = decode_words(words[:, 8 * c: 8 * c + 8])
+                    for i, part in enumerate(parts):
+                        b = 4 * c + i
+                        s = plgpu.load(ws_smem, (b, slice(None)),
+                                       layout=plgpu.Layout.WGMMA.reduce(1))
+                        a = _as_bf16_fragment(part) * lax.broadcast_in_dim(
+                            s, (TILE_N, 16), (0,))
+                        plgpu.wgmma(acc, a, xt_smem.at[pl.ds(16 * b, 16), :])
+                plgpu.wgmma_wait(0)
+
+            plgpu.emit_pipeline(
+                step,
+                grid=(ks,),
+                in_specs=[
+                    plgpu.BlockSpec((tile_k, mp), lambda j: (si * ks + j, 0), transforms=x_tf),
+                    plgpu.BlockSpec((TILE_N, tile_k // 8), lambda j: (ni, si * ks + j),
+                                    transforms=w_tf),
+                    plgpu.BlockSpec((nblk, TILE_N), lambda j: (si * ks + j, ni)),
+                ],
+                max_concurrent_steps=min(stages, ks),
+            )(xt_gmem, wp_gmem, ws_gmem)
+            out_smem[...] = acc[...] * sc_gmem[0]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(ni * TILE_N, TILE_N)])
+            plgpu.wait_smem_to_gmem(0)
+
+    out = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((split_k, n, mp), jnp.float32),
+        grid=(n_tiles, split_k),
+        grid_names=("n", "split"),
+        scratch_types=dict(out_smem=plgpu.SMEM((TILE_N, mp), jnp.float32)),
+        # Lane semantics explicitly (the register-level reinterpretation in
+        # _as_bf16_fragment is written for it; JAX 0.11 defaults to Warpgroup)
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+    )(sc, xt, wp, ws)
+    y = out.sum(0) if split_k > 1 else out[0]
+    return y[:, :m].T.astype(out_dtype)
+
+
+def reference_w4a16(x: jax.Array, wp: jax.Array, ws: jax.Array, dec: jax.Array) -> jax.Array:
+    """NumPy-free XLA reference on the kernel layout: ``x @ ((q * s) * dec)`` in float32.
+
+    Unpacks the words with :func:`word_layout` and ``_SLOT_BITS`` (not with
+    :func:`decode_words`), so it checks the packing independently of the kernel decode.
+    """
+    n, kw = wp.shape
+    k = kw * 8
+    idx = word_layout(k)
+    codes = jnp.zeros((n, k), jnp.int32)
+    for slot in range(8):
+        i, t = divmod(slot, 2)
+        c = jnp.zeros((n, kw), jnp.int32)
+        for bit, pos in zip((3, 2, 1, 0), _SLOT_BITS[i][t], strict=True):
+            c = c | (((wp >> pos) & 1).astype(jnp.int32) << bit)
+        codes = codes.at[:, idx[:, slot]].set(c)
+    lut = jnp.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6],
+                    jnp.float32)
+    s = ws.astype(jnp.float32).T * jnp.float32(2.0**-SCALE_SHIFT)  # (N, K/16)
+    w = (lut[codes] * jnp.repeat(s, 16, axis=1)) * dec
+    return jnp.dot(x.astype(jnp.float32), w.T, precision=lax.Precision.HIGHEST)
