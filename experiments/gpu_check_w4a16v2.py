@@ -136,8 +136,109 @@ def speed(sweep=False):
                 speedup_vs_bf16=(t_bf / best[0]) if t_bf and best[0] else None, **g)
 
 
+def breakdown(name, f, *args, iterations=50, **extra):
+    """Per-kernel CUPTI medians of one call (which launches what, and how long)."""
+    import statistics
+
+    from jax.experimental.mosaic.gpu import profiler
+
+    try:
+        jf = jax.jit(f)
+        jax.block_until_ready(jf(*args))
+        _, t = profiler.measure(jf, aggregate=False, iterations=iterations)(*args)
+        per = {}
+        for it in t:
+            for kname, ms in it:
+                per.setdefault(kname, []).append(ms * 1e3)
+        rec("speed", name=name, kernels={k: statistics.median(v) for k, v in per.items()},
+            **extra)
+    except Exception as e:  # noqa: BLE001
+        rec("speed", name=name, error=f"{type(e).__name__}: {str(e)[:800]}", **extra)
+
+
+def diag():
+    """Where the time goes at M=16, K=N=8192: per-kernel split, decode / scale removed
+    (wrong results, timing only), x read through a transposed view, and its sweep."""
+    m, k, n = 16, 8192, 8192
+    g = {"m": m, "k": k, "n": n}
+    x, q = make(m, k, n, True, 7, wide=False)
+    wp, ws, dec = jax.jit(wk.prepare_weight)(q)
+    wb = fp4jax.dequantize(q, jnp.bfloat16)
+    breakdown("breakdown bf16 jnp.dot", jnp.dot, x, wb, **g)
+    breakdown("breakdown default", wk.w4a16_matmul, x, wp, ws, dec, **g)
+    breakdown("breakdown x_direct", functools.partial(wk.w4a16_matmul, x_direct=True),
+              x, wp, ws, dec, **g)
+    for cfg in (dict(), dict(tile_k=512, split_k=2, stages=3)):
+        for mode in ("full", "noscale", "nodecode"):
+            for xd in (False, True):
+                f = functools.partial(wk.w4a16_matmul, _mode=mode, x_direct=xd, **cfg)
+                timed(f"diag mode={mode} x_direct={xd} {cfg}", f, x, wp, ws, dec, **g)
+    for tile_k in (256, 512):
+        for split in (1, 2, 4, 8):
+            for stages in (2, 3, 4):
+                f = functools.partial(wk.w4a16_matmul, tile_k=tile_k, split_k=split,
+                                      stages=stages, x_direct=True)
+                timed(f"sweep x_direct tile_k={tile_k} split_k={split} stages={stages}",
+                      f, x, wp, ws, dec, **g)
+    for m2, k2, n2, b2 in ((16, 8192, 8192, False), (3, 1024, 320, True), (64, 2048, 512, False)):
+        x2, q2 = make(m2, k2, n2, b2, 300 + m2)
+        p2 = jax.jit(wk.prepare_weight)(q2)
+        y = wk.w4a16_matmul(x2, *p2, out_dtype=jnp.float32, x_direct=True)
+        ref = jnp.dot(x2.astype(jnp.float32), fp4jax.dequantize(q2, jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+        rel = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+        rec("check", m=m2, k=k2, n=n2, block_2d=b2, x_direct=True, rel_err=rel, ok=rel < 1e-5)
+
+
+def ws():
+    """Warp-specialized variants (compute_wgs >= 1): exactness on 3 shapes, then a sweep."""
+    for cw in (1, 2, 4):
+        for m2, k2, n2, b2 in ((16, 8192, 8192, False), (3, 1024, 512, True),
+                               (64, 2048, 1024, False)):
+            row = {"m": m2, "k": k2, "n": n2, "block_2d": b2, "compute_wgs": cw,
+                   "x_direct": True}
+            try:
+                x2, q2 = make(m2, k2, n2, b2, 400 + m2 + cw)
+                p2 = jax.jit(wk.prepare_weight)(q2)
+                y = wk.w4a16_matmul(x2, *p2, out_dtype=jnp.float32, x_direct=True,
+                                    compute_wgs=cw)
+                ref = jnp.dot(x2.astype(jnp.float32), fp4jax.dequantize(q2, jnp.float32),
+                              precision=jax.lax.Precision.HIGHEST)
+                row["rel_err"] = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+                row["ok"] = row["rel_err"] < 1e-5
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+            rec("check", **row)
+    m, k, n = 16, 8192, 8192
+    g = {"m": m, "k": k, "n": n}
+    x, q = make(m, k, n, True, 7, wide=False)
+    wp, ws_, dec = jax.jit(wk.prepare_weight)(q)
+    wb = fp4jax.dequantize(q, jnp.bfloat16)
+    t_bf = timed("bf16 jnp.dot", jnp.dot, x, wb, **g)
+    best = (None, None)
+    for cw in (1, 2, 4):
+        for tile_k in (256, 512):
+            for split in (1, 2, 4, 8):
+                for stages in (2, 3, 4):
+                    cfg = dict(tile_k=tile_k, split_k=split, stages=stages, compute_wgs=cw,
+                               x_direct=True)
+                    t = timed(f"ws {cfg}", functools.partial(wk.w4a16_matmul, **cfg),
+                              x, wp, ws_, dec, **g)
+                    if t and (best[0] is None or t < best[0]):
+                        best = (t, cfg)
+    rec("speed", name="ws best", us=best[0], cfg=best[1], bf16_us=t_bf,
+        speedup_vs_bf16=(t_bf / best[0]) if t_bf and best[0] else None, **g)
+    if best[1]:
+        breakdown("breakdown ws best", functools.partial(wk.w4a16_matmul, **best[1]),
+                  x, wp, ws_, dec, **g)
+
+
 if __name__ == "__main__":
     which = sys.argv[1:] or ["check", "speed"]
+    if "ws" in which:
+        ws()
+    if "diag" in which:
+        diag()
     if "check" in which:
         check()
     if "speed" in which or "sweep" in which:

@@ -164,7 +164,8 @@ def fragment_reference(words: np.ndarray) -> np.ndarray:
     return halves.transpose(0, 2, 1, 3).reshape(-1, 16)  # column 8v + 2q + t
 
 
-@functools.partial(jax.jit, static_argnames=("tile_k", "split_k", "stages", "out_dtype"))
+@functools.partial(jax.jit, static_argnames=("tile_k", "split_k", "stages", "out_dtype",
+                                             "x_direct", "compute_wgs", "_mode"))
 def w4a16_matmul(
     x: jax.Array,
     wp: jax.Array,
@@ -175,11 +176,20 @@ def w4a16_matmul(
     split_k: int | None = None,
     stages: int | None = None,
     out_dtype=jnp.bfloat16,
+    x_direct: bool = False,
+    compute_wgs: int = 0,
+    _mode: str = "full",
 ) -> jax.Array:
     """``x (M, K) bf16 @ W`` with W in the kernel layout (:func:`prepare_weight`) -> (M, N).
 
     ``tile_k`` (multiple of 64) k per pipeline step; ``split_k`` CTAs along K (default:
-    enough for >= 512 CTAs); ``stages`` pipeline depth.
+    enough for >= 512 CTAs); ``stages`` pipeline depth; ``x_direct``: wgmma reads B
+    from tiles of x through a transposed view (no XLA transpose of x before the kernel);
+    ``compute_wgs``: 0 runs one warpgroup per CTA that both loads and computes; n >= 1
+    runs a warp-specialized CTA (one memory warpgroup issuing the TMA loads, n compute
+    warpgroups of 64 rows each sharing the tile of x).
+    ``_mode`` (diagnostics only, wrong results): "nodecode" feeds the raw words to wgmma,
+    "noscale" skips the block-scale multiply.
     """
     m, k = x.shape
     n = wp.shape[0]
@@ -208,58 +218,104 @@ def w4a16_matmul(
     stage_bytes = tile_k * mp * 2 + TILE_N * tile_k // 2 + (tile_k // 16) * TILE_N * 2
     if stages is None:
         stages = max(1, min(2 if split_k > 1 else 4, (160 * 1024) // stage_bytes))
-    xt = jnp.pad(x.astype(jnp.bfloat16), ((0, mp - m), (0, 0))).T  # (K, Mp)
-    sc = jnp.pad(jnp.reshape(dec.astype(jnp.float32) * jnp.float32(2.0**9), (1,)), (0, 3))
+    xp = x.astype(jnp.bfloat16)
+    if mp != m:
+        xp = jnp.pad(xp, ((0, mp - m), (0, 0)))
+    xt = xp if x_direct else xp.T  # (Mp, K) or (K, Mp)
+    sc = jnp.reshape(dec.astype(jnp.float32), (1,))
     x_tf = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
     wrow = tile_k // 8 * 4  # bytes of one row of a codes tile
     swz = plgpu.find_swizzle(wrow * 8)
     w_tf = (plgpu.TilingTransform((8, swz // 4)), plgpu.SwizzleTransform(swz))
     nblk = tile_k // 16
+    wgs = max(compute_wgs, 1)  # warpgroups computing, 64 rows of W^T each
+    cta_n = TILE_N * wgs
+    if n % cta_n:
+        raise ValueError(f"N must be a multiple of {cta_n} for compute_wgs={compute_wgs}")
+
+    def mma_step(wp_smem, ws_smem, xt_smem, acc, rows):
+        """One pipeline step of one warpgroup: decode its 64 rows, 4 wgmma per word column."""
+        words = plgpu.load(wp_smem.at[rows], (), layout=plgpu.Layout.WGMMA)
+        for c in range(tile_k // 64):
+            parts = decode_words(words[:, 8 * c: 8 * c + 8])
+            for i, part in enumerate(parts):
+                b = 4 * c + i
+                if _mode == "nodecode":
+                    part = words[:, 8 * c: 8 * c + 8]
+                elif _mode not in ("full", "noscale"):
+                    raise ValueError(f"unknown _mode {_mode!r}")
+                a = _as_bf16_fragment(part)
+                if _mode == "full":
+                    s = plgpu.load(ws_smem.at[:, rows], (b, slice(None)),
+                                   layout=plgpu.Layout.WGMMA.reduce(1))
+                    a = a * lax.broadcast_in_dim(s, (TILE_N, 16), (0,))
+                if x_direct:
+                    xb = plgpu.transpose_ref(xt_smem.at[:, pl.ds(16 * b, 16)], (1, 0))
+                else:
+                    xb = xt_smem.at[pl.ds(16 * b, 16), :]
+                plgpu.wgmma(acc, a, xb)
+        plgpu.wgmma_wait(0)
+
+    def specs(ni, si):
+        return [
+            plgpu.BlockSpec((mp, tile_k), lambda j: (0, si * ks + j), transforms=x_tf)
+            if x_direct else
+            plgpu.BlockSpec((tile_k, mp), lambda j: (si * ks + j, 0), transforms=x_tf),
+            plgpu.BlockSpec((cta_n, tile_k // 8), lambda j: (ni, si * ks + j), transforms=w_tf),
+            plgpu.BlockSpec((nblk, cta_n), lambda j: (si * ks + j, ni)),
+        ]
+
+    def epilogue(acc, sc_gmem, out_smem, out_gmem, ni, si, wg):
+        out_smem[...] = acc[...] * (sc_gmem[0] * jnp.float32(2.0**9))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(ni * cta_n + wg * TILE_N,
+                                                                TILE_N)])
+        plgpu.wait_smem_to_gmem(0)
 
     def body(sc_gmem, xt_gmem, wp_gmem, ws_gmem, out_gmem, out_smem):
         ni = lax.axis_index("n")
         si = lax.axis_index("split")
+        if not compute_wgs:
+            @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_N, mp), jnp.float32))
+            def _(acc):
+                def step(_, xt_smem, wp_smem, ws_smem):
+                    mma_step(wp_smem, ws_smem, xt_smem, acc, slice(None))
 
-        @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_N, mp), jnp.float32))
-        def _(acc):
-            def step(_, xt_smem, wp_smem, ws_smem):
-                words = plgpu.load(wp_smem, (), layout=plgpu.Layout.WGMMA)
-                for c in range(tile_k // 64):
-                    parts = decode_words(words[:, 8 * c: 8 * c + 8])
-                    for i, part in enumerate(parts):
-                        b = 4 * c + i
-                        s = plgpu.load(ws_smem, (b, slice(None)),
-                                       layout=plgpu.Layout.WGMMA.reduce(1))
-                        a = _as_bf16_fragment(part) * lax.broadcast_in_dim(
-                            s, (TILE_N, 16), (0,))
-                        plgpu.wgmma(acc, a, xt_smem.at[pl.ds(16 * b, 16), :])
-                plgpu.wgmma_wait(0)
+                plgpu.emit_pipeline(step, grid=(ks,), in_specs=specs(ni, si),
+                                    max_concurrent_steps=min(stages, ks),
+                                    )(xt_gmem, wp_gmem, ws_gmem)
+                epilogue(acc, sc_gmem, out_smem.at[0], out_gmem, ni, si, 0)
+            return
+        wg = lax.axis_index("wg")
+        rows = pl.ds(wg * TILE_N, TILE_N)
 
-            plgpu.emit_pipeline(
-                step,
-                grid=(ks,),
-                in_specs=[
-                    plgpu.BlockSpec((tile_k, mp), lambda j: (si * ks + j, 0), transforms=x_tf),
-                    plgpu.BlockSpec((TILE_N, tile_k // 8), lambda j: (ni, si * ks + j),
-                                    transforms=w_tf),
-                    plgpu.BlockSpec((nblk, TILE_N), lambda j: (si * ks + j, ni)),
-                ],
-                max_concurrent_steps=min(stages, ks),
-            )(xt_gmem, wp_gmem, ws_gmem)
-            out_smem[...] = acc[...] * sc_gmem[0]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(ni * TILE_N, TILE_N)])
-            plgpu.wait_smem_to_gmem(0)
+        def step(_, xt_smem, wp_smem, ws_smem, acc):
+            mma_step(wp_smem, ws_smem, xt_smem, acc, rows)
+            return acc
 
+        def context(run):
+            @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_N, mp), jnp.float32))
+            def _(acc):
+                acc = run(acc)
+                epilogue(acc, sc_gmem, out_smem.at[wg], out_gmem, ni, si, wg)
+
+        plgpu.emit_pipeline_warp_specialized(
+            step, grid=(ks,), memory_registers=40, in_specs=specs(ni, si), wg_axis="wg",
+            num_compute_wgs=compute_wgs, max_concurrent_steps=min(stages, ks),
+            compute_context=context,
+        )(xt_gmem, wp_gmem, ws_gmem)
+
+    threads = dict(num_threads=compute_wgs + 1, thread_name="wg") if compute_wgs else {}
     out = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((split_k, n, mp), jnp.float32),
-        grid=(n_tiles, split_k),
+        grid=(n // cta_n, split_k),
         grid_names=("n", "split"),
-        scratch_types=dict(out_smem=plgpu.SMEM((TILE_N, mp), jnp.float32)),
+        scratch_types=dict(out_smem=plgpu.SMEM((wgs, TILE_N, mp), jnp.float32)),
         # Lane semantics explicitly (the register-level reinterpretation in
         # _as_bf16_fragment is written for it; JAX 0.11 defaults to Warpgroup)
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        **threads,
     )(sc, xt, wp, ws)
     y = out.sum(0) if split_k > 1 else out[0]
     return y[:, :m].T.astype(out_dtype)
