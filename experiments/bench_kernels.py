@@ -33,6 +33,7 @@ import fp4jax  # noqa: E402
 from experiments.kernel_timing import time_fn  # noqa: E402
 from pallas_kernels import fp4_matmul_sm90 as mm  # noqa: E402
 from pallas_kernels import quantize_nvfp4_sm90 as qk  # noqa: E402
+from pallas_kernels import w4a16_sm90 as wk  # noqa: E402
 
 OUT = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command":
@@ -352,16 +353,17 @@ def bench_fakequant(copy_gbps, shapes=((8192, 8192), (16384, 4096))):
 
 
 def bench_decode():
+    """W4A16 at decode sizes: bf16 dot, XLA dequantize + dot, the kernel
+    (``w4a16_sm90``, default configuration) and the previous kernel (``fp4_matmul_sm90``)."""
     for m in (1, 16, 64):
         k = n = 8192
         g = f"decode M={m} K={k} N={n}"
         x = rand((m, k), 4)
         w = rand((k, n), 5, dtype=jnp.float32, scale=0.02)
         q = jax.jit(lambda w: fp4jax.quantize(w, fp4jax.NVFP4, block_2d=True))(w)
-        wq, ws, dec = jax.jit(mm.prepare_weight)(q)
+        wp, ws, dec = jax.jit(wk.prepare_weight)(q)
         wb = fp4jax.dequantize(q, jnp.bfloat16)
-        y = jax.jit(mm.w4a16_matmul, static_argnames="out_dtype")(x, wq, ws, dec,
-                                                                   out_dtype=jnp.float32)
+        y = wk.w4a16_matmul(x, wp, ws, dec, out_dtype=jnp.float32)
         ref = jnp.dot(x.astype(jnp.float32), fp4jax.dequantize(q, jnp.float32),
                       precision=jax.lax.Precision.HIGHEST)
         rel = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
@@ -370,21 +372,17 @@ def bench_decode():
         t_x = timed(g, "xla dot(x, dequantize(W)) (pre-quantized W)",
                     lambda x, q: jnp.dot(x, fp4jax.dequantize(q, jnp.bfloat16)), x, q,
                     iterations=50)
-        t_k = timed(g, "pallas w4a16 kernel", mm.w4a16_matmul, x, wq, ws, dec, iterations=50)
-        t_s = timed(g, "pallas w4a16 kernel (safe_subnormal decode)",
-                    functools.partial(mm.w4a16_matmul, safe_subnormal=True), x, wq, ws, dec,
-                    iterations=50)
-        wbytes = k * n * (0.5 + 1 / 16)
-        for name, t in (("bf16 jnp.dot", t_bf), ("xla dequant+dot", t_x),
-                        ("pallas w4a16 kernel", t_k), ("pallas w4a16 safe", t_s)):
+        t_k = timed(g, "pallas w4a16 kernel (w4a16_sm90)", wk.w4a16_matmul, x, wp, ws, dec,
+                    iterations=50, config=str(wk.default_config(m, k, n)))
+        owq, ows, odec = jax.jit(mm.prepare_weight)(q)
+        t_o = timed(g, "previous pallas w4a16 kernel (fp4_matmul_sm90)", mm.w4a16_matmul,
+                    x, owq, ows, odec, iterations=50)
+        for name, t, per_w in (("bf16 jnp.dot", t_bf, 2.0), ("xla dequant+dot", t_x, 2.0),
+                               ("pallas w4a16 kernel", t_k, 0.5 + 2 / 16),
+                               ("previous pallas w4a16 kernel", t_o, 0.5 + 1 / 16)):
             if t and t_bf:
                 rec(g, name + " [rate]", speedup_vs_bf16=t_bf / t,
-                    weight_gbps=(wbytes if "pallas" in name else k * n * 2) / t / 1e3)
-        if m == 16:
-            for split in (2, 4, 8):
-                timed(g, f"sweep w4a16 split_k={split}",
-                      functools.partial(mm.w4a16_matmul, split_k=split), x, wq, ws, dec,
-                      iterations=50)
+                    weight_gbps=k * n * per_w / t / 1e3)
 
 
 def bench_w4a4(shapes=((8192, 8192, 8192), (4096, 4096, 4096), (16384, 4096, 14336)),

@@ -104,8 +104,8 @@ def timed(name, f, *args, **extra):
 
 
 def speed(sweep=False):
-    for m, k, n in ((16, 8192, 8192), (1, 8192, 8192), (64, 8192, 8192),
-                    (16, 4096, 14336), (16, 14336, 4096)):
+    for m, k, n in ((16, 8192, 8192), (1, 8192, 8192), (32, 8192, 8192), (64, 8192, 8192),
+                    (128, 8192, 8192), (16, 4096, 14336), (16, 14336, 4096)):
         g = {"m": m, "k": k, "n": n}
         x, q = make(m, k, n, True, 7, wide=False)
         wb = fp4jax.dequantize(q, jnp.bfloat16)
@@ -116,18 +116,21 @@ def speed(sweep=False):
             owq, ows, odec = jax.jit(mm.prepare_weight)(q)
             t_old = timed("w4a16 fp4_matmul_sm90 (previous)", mm.w4a16_matmul,
                           x, owq, ows, odec, **g)
-        t_new = timed("w4a16 w4a16_sm90 default", wk.w4a16_matmul, x, wp, ws, dec, **g)
+        t_new = timed("w4a16 w4a16_sm90 default", wk.w4a16_matmul, x, wp, ws, dec,
+                      config=str(wk.default_config(m, k, n)), **g)
         wbytes = k * n * (0.5 + 2 / 16)
         rec("speed", name="summary", bf16_us=t_bf, previous_us=t_old, new_us=t_new,
             speedup_vs_bf16=(t_bf / t_new) if t_bf and t_new else None,
             weight_gbps=(wbytes / t_new / 1e3) if t_new else None, **g)
         if sweep and m == 16 and k == n == 8192:
             best = (t_new, "default")
+            timed("default, nodecode (timing only)",
+                  functools.partial(wk.w4a16_matmul, _mode="nodecode"), x, wp, ws, dec, **g)
             for tile_k in (256, 512):
-                for split in (1, 2, 4, 8, 16):
-                    for stages in (2, 3, 4):
+                for split in (1, 2, 4):
+                    for stages in (2, 3):
                         f = functools.partial(wk.w4a16_matmul, tile_k=tile_k, split_k=split,
-                                              stages=stages)
+                                              stages=stages, compute_wgs=2)
                         t = timed(f"sweep tile_k={tile_k} split_k={split} stages={stages}",
                                   f, x, wp, ws, dec, **g)
                         if t and (best[0] is None or t < best[0]):
@@ -190,9 +193,12 @@ def diag():
         rec("check", m=m2, k=k2, n=n2, block_2d=b2, x_direct=True, rel_err=rel, ok=rel < 1e-5)
 
 
-def ws():
-    """Warp-specialized variants (compute_wgs >= 1): exactness on 3 shapes, then a sweep."""
-    for cw in (1, 2, 4):
+def ws(checks=True, wgs=(1, 2), splits=(1, 2, 4, 8)):
+    """Warp-specialized variants (compute_wgs >= 1): exactness on 3 shapes, then a sweep.
+
+    compute_wgs=4 hung on the H200 (run 33: no result within 400 s), so it is not swept.
+    """
+    for cw in wgs if checks else ():
         for m2, k2, n2, b2 in ((16, 8192, 8192, False), (3, 1024, 512, True),
                                (64, 2048, 1024, False)):
             row = {"m": m2, "k": k2, "n": n2, "block_2d": b2, "compute_wgs": cw,
@@ -216,9 +222,9 @@ def ws():
     wb = fp4jax.dequantize(q, jnp.bfloat16)
     t_bf = timed("bf16 jnp.dot", jnp.dot, x, wb, **g)
     best = (None, None)
-    for cw in (1, 2, 4):
+    for cw in wgs:
         for tile_k in (256, 512):
-            for split in (1, 2, 4, 8):
+            for split in splits:
                 for stages in (2, 3, 4):
                     cfg = dict(tile_k=tile_k, split_k=split, stages=stages, compute_wgs=cw,
                                x_direct=True)
@@ -233,10 +239,42 @@ def ws():
                   x, wp, ws_, dec, **g)
 
 
+def accs():
+    """Several accumulators per warpgroup (nacc) and one wgmma in four (timing only)."""
+    m, k, n = 16, 8192, 8192
+    g = {"m": m, "k": k, "n": n}
+    x, q = make(m, k, n, True, 7, wide=False)
+    wp, ws_, dec = jax.jit(wk.prepare_weight)(q)
+    wb = fp4jax.dequantize(q, jnp.bfloat16)
+    timed("bf16 jnp.dot", jnp.dot, x, wb, **g)
+    base_ws = dict(tile_k=512, split_k=2, stages=3, compute_wgs=2, x_direct=True)
+    base_1 = dict(tile_k=256, split_k=4, stages=2, x_direct=True)
+    for base in (base_ws, base_1):
+        for nacc in (1, 2, 4):
+            for mode in ("full", "mma1of4", "nodecode"):
+                cfg = dict(base, nacc=nacc, _mode=mode)
+                timed(f"acc {cfg}", functools.partial(wk.w4a16_matmul, **cfg), x, wp, ws_,
+                      dec, **g)
+    for m2, k2, n2, b2 in ((16, 8192, 8192, False), (5, 1024, 512, True)):
+        x2, q2 = make(m2, k2, n2, b2, 500 + m2)
+        p2 = jax.jit(wk.prepare_weight)(q2)
+        ref = jnp.dot(x2.astype(jnp.float32), fp4jax.dequantize(q2, jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+        for cfg in (dict(base_ws, nacc=4), dict(base_1, nacc=2)):
+            y = wk.w4a16_matmul(x2, *p2, out_dtype=jnp.float32,
+                                **dict(cfg, tile_k=256, split_k=1))
+            rel = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+            rec("check", m=m2, k=k2, n=n2, cfg=str(cfg), rel_err=rel, ok=rel < 1e-5)
+
+
 if __name__ == "__main__":
     which = sys.argv[1:] or ["check", "speed"]
+    if "accs" in which:
+        accs()
     if "ws" in which:
         ws()
+    if "ws2" in which:  # sweep only
+        ws(checks=False, splits=(1, 2, 4))
     if "diag" in which:
         diag()
     if "check" in which:

@@ -19,8 +19,9 @@ What the kernels cover (everything else goes to XLA under ``"auto"``):
   256 == 0; codes written transposed, (C, R/2)). Bit-identical to ``fp4jax.quantize``
   (codes, E4M3 scale bits, tensor scale).
 * ``w4a16_matmul``: ``x (M, K) bf16 @ W`` with W an NVFP4 ``QuantizedArray`` (K, N)
-  scaled along K (1x16 along axis 0, or 16x16 tiles); M <= 256, K % 256 == 0,
-  N % 64 == 0. Equal to ``x @ dequantize(W)`` up to float32 accumulation order.
+  scaled along K (1x16 along axis 0, or 16x16 tiles); M <= 256, K % 64 == 0,
+  N % 64 == 0 (`pallas_kernels/w4a16_sm90.py`). Equal to ``x @ dequantize(W)`` up to
+  float32 accumulation order.
 * ``w4a4_matmul``: NVFP4 or MXFP4 A (M, K) @ NVFP4 or MXFP4 B (K, N), both scaled along
   K; two-pass (decode kernel + XLA bf16 GEMM: M % 64, N % 64, K % 256 == 0; both formats)
   or fused (NVFP4 only; M % 64, N % 128, K % 128 == 0). Equal to
@@ -313,31 +314,32 @@ def w4a16_unsupported_reason(m: int, k: int, n: int, q=None) -> str | None:
             return "W must be scaled along K (axis=0 or 16x16 tiles)"
     if m > 256:
         return f"M <= 256 only (decode / small batches), got {m}"
-    if k % 256 or n % 64:
-        return f"K % 256 == 0 and N % 64 == 0 needed, got K={k}, N={n}"
+    if k % 64 or n % 64:
+        return f"K % 64 == 0 and N % 64 == 0 needed, got K={k}, N={n}"
     if not on_sm90():
         return "no sm_90 GPU"
     return None
 
 
 def prepare_weight(q):
-    """Kernel layout of an NVFP4 weight ``QuantizedArray`` (K, N): ``(wq, ws, dec)``.
+    """Kernel layout of an NVFP4 weight ``QuantizedArray`` (K, N): ``(wp, ws, dec)``.
 
-    Do this once per weight (it is an XLA relayout of the codes and scales)."""
-    from pallas_kernels import fp4_matmul_sm90 as mm
+    Do this once per weight (an XLA relayout of the codes and scales; see
+    ``pallas_kernels/w4a16_sm90.py``)."""
+    from pallas_kernels import w4a16_sm90 as wk
 
-    return mm.prepare_weight(q)
+    return wk.prepare_weight(q)
 
 
 def w4a16_matmul(x: jax.Array, q, *, prepared=None, out_dtype=None, backend: str = "auto"):
     """``x (..., K) @ dequantize(q)`` for an NVFP4 weight ``q`` (K, N).
 
-    ``prepared``: the ``(wq, ws, dec)`` of ``prepare_weight(q)`` if already made.
+    ``prepared``: the ``(wp, ws, dec)`` of ``prepare_weight(q)`` if already made.
     ``out_dtype`` defaults to ``x.dtype``. The XLA path computes
     ``dot(x, dequantize(q, float32))`` in float32.
     """
     import fp4jax
-    from pallas_kernels import fp4_matmul_sm90 as mm
+    from pallas_kernels import w4a16_sm90 as wk
 
     backend = _resolve(backend)
     out_dtype = x.dtype if out_dtype is None else out_dtype
@@ -355,8 +357,8 @@ def w4a16_matmul(x: jax.Array, q, *, prepared=None, out_dtype=None, backend: str
         w = fp4jax.dequantize(q, jnp.float32)
         y = jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
         return y.astype(out_dtype)
-    wq, ws, dec = prepared if prepared is not None else mm.prepare_weight(q)
-    y = mm.w4a16_matmul(x.reshape(m, k), wq, ws, dec, out_dtype=out_dtype)
+    wp, ws, dec = prepared if prepared is not None else wk.prepare_weight(q)
+    y = wk.w4a16_matmul(x.reshape(m, k), wp, ws, dec, out_dtype=out_dtype)
     return y.reshape(*lead, n)
 
 

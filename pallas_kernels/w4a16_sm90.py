@@ -6,8 +6,8 @@ kernel is bound by how many instructions it spends per weight, so the weight is 
 in a kernel layout (made once, :func:`prepare_weight`) that makes the decode cheap:
 
 * **Codes** ``wp`` (N, K/8) uint32. Each 32-bit word holds 8 codes whose bits sit where
-  four masks-and-shifts turn them into four bf16x2 registers of wgmma's A fragment
-  (:func:`decode_words`, 11 integer operations per 8 weights): code bits ``s e1 e0 m``
+  rotates and masks turn them into four bf16x2 registers of wgmma's A fragment
+  (:func:`decode_words`, 9 integer operations per 8 weights): code bits ``s e1 e0 m``
   land on bf16 bits 15 and 8..6, which is the code's value times 2^-126 (code 0.5 is
   the bf16 subnormal 2^-127, kept by the bf16 multiply that follows; checked on the GPU).
   Word ``8c + 2q + v`` of row n carries, for slot i = 0..3 and half t = 0..1, the code of
@@ -47,13 +47,20 @@ TILE_N = 64  # rows of W^T per warpgroup (wgmma M)
 SCALE_SHIFT = 117  # block scales are stored times 2^117; codes decode to value * 2^-126
 MASK = 0x81C081C0  # bf16x2 bits 15, 8..6 of both halves
 
-# Bit position of (s, e1, e0, m) of the code in slot i (0..3), half t (0..1) of a word.
-# Slots 0..2 are the decoded positions shifted right by 0, 3, 6 (decoded by one shift
-# and one mask); slot 3 takes the 8 remaining bits (three shifts, three masks).
+# Where the code bits (s, e1, e0, m) of slot i (0..3), half t (0..1) sit in a word.
+# Decoded, they must land on bf16x2 bits (15, 8, 7, 6) + 16 t. Slots 0..2 are those
+# positions rotated right by 0, 4, 10 (decoded by one rotate and one mask); slot 3 takes
+# the 8 remaining bits, decoded by two rotates (6 and 14) and two masks. Three
+# translates of the decoded positions cannot tile 32 bits with a fourth (checked
+# exhaustively), so 9 operations per word is the floor of this scheme.
+_ROT = (0, 4, 10)
+_DECODED = ((15, 8, 7, 6), (31, 24, 23, 22))
+_SLOT3 = ((9, 26, 1, 0), (25, 10, 17, 16))  # rotl 6 brings s, e0, m home; rotl 14 e1
 _SLOT_BITS = tuple(
-    tuple((15 - 3 * i + 16 * t, 8 - 3 * i + 16 * t, 7 - 3 * i + 16 * t, 6 - 3 * i + 16 * t)
-          for t in range(2)) for i in range(3)
-) + (tuple((14 + 16 * t, 13 + 16 * t, 11 + 16 * t, 10 + 16 * t) for t in range(2)),)
+    tuple(tuple((p - r) % 32 for p in _DECODED[t]) for t in range(2)) for r in _ROT
+) + (_SLOT3,)
+_SLOT3_MASK6 = 0x80C080C0  # bits 15, 7, 6 of both halves
+_SLOT3_MASK14 = 0x01000100  # bit 8 of both halves
 
 
 def word_layout(k: int) -> np.ndarray:
@@ -86,21 +93,24 @@ def pack_codes(codes_nk: jax.Array) -> jax.Array:
     return word
 
 
+def _rotl(w, r: int):
+    """Rotate uint32 left by r (one funnel shift, SHF.L.W, on the GPU)."""
+    if r == 0:
+        return w
+    u = jnp.uint32
+    return (w << u(r)) | (w >> u(32 - r))
+
+
 def decode_words(w):
     """uint32 words -> the four bf16x2 bit patterns (uint32) of slots 0..3.
 
     The kernel's decode, written once: it runs on register arrays in the kernel and on
     plain arrays in the tests. Each result holds two bf16 values (low half: t = 0), each
-    the code's value times 2^-126.
+    the code's value times 2^-126. 9 integer operations per 8 codes.
     """
     u = jnp.uint32
-    return (
-        w & u(MASK),
-        (w << u(3)) & u(MASK),
-        (w << u(6)) & u(MASK),
-        ((w >> u(4)) & u(0x00C000C0)) | ((w >> u(5)) & u(0x01000100))
-        | ((w << u(1)) & u(0x80008000)),
-    )
+    return tuple(_rotl(w, r) & u(MASK) for r in _ROT) + (
+        (_rotl(w, 6) & u(_SLOT3_MASK6)) | (_rotl(w, 14) & u(_SLOT3_MASK14)),)
 
 
 def prepare_weight(q):
@@ -164,32 +174,70 @@ def fragment_reference(words: np.ndarray) -> np.ndarray:
     return halves.transpose(0, 2, 1, 3).reshape(-1, 16)  # column 8v + 2q + t
 
 
+SMEM_BUDGET = 200 * 1024  # bytes of pipeline buffers per CTA
+
+
+def _stage_bytes(mp: int, tile_k: int, cta_n: int) -> int:
+    return tile_k * mp * 2 + cta_n * tile_k // 2 + (tile_k // 16) * cta_n * 2
+
+
+def default_config(m: int, k: int, n: int, *, compute_wgs: int | None = None,
+                   tile_k: int | None = None) -> dict:
+    """Kernel configuration for x (m, k) @ W (k, n): compute_wgs, tile_k, split_k, stages.
+
+    Two compute warpgroups when N allows (run 34: 17.6 µs vs 19.1 µs for one warpgroup
+    per CTA at M=16, K=N=8192); the largest k tile (<= 512) whose two pipeline stages
+    fit in shared memory; split-K so that the CTAs make about one wave on 132 SMs (the
+    kernel is decode-bound, run 35; more, smaller CTAs were slower); three stages if
+    they fit.
+    """
+    mp = next(p for p in (16, 32, 64, 128, 256) if p >= m)
+    if compute_wgs is None:
+        compute_wgs = 2 if n % (2 * TILE_N) == 0 else 1
+    cta_n = TILE_N * max(compute_wgs, 1)
+    if tile_k is None:
+        tile_k = next((t for t in (512, 256, 128, 64)
+                       if k % t == 0 and 2 * _stage_bytes(mp, t, cta_n) <= SMEM_BUDGET), 64)
+    k_iters = k // tile_k
+    ctas = n // cta_n
+    split_k = 1
+    for s in (2, 4, 8, 16):
+        if ctas * s <= 140 and k_iters % s == 0 and k_iters // s >= 2:
+            split_k = s
+    stages = max(1, min(3, SMEM_BUDGET // _stage_bytes(mp, tile_k, cta_n), k_iters // split_k))
+    return dict(compute_wgs=compute_wgs, tile_k=tile_k, split_k=split_k, stages=stages)
+
+
 @functools.partial(jax.jit, static_argnames=("tile_k", "split_k", "stages", "out_dtype",
-                                             "x_direct", "compute_wgs", "_mode"))
+                                             "x_direct", "compute_wgs", "nacc", "_mode"))
 def w4a16_matmul(
     x: jax.Array,
     wp: jax.Array,
     ws: jax.Array,
     dec: jax.Array,
     *,
-    tile_k: int = 256,
+    tile_k: int | None = None,
     split_k: int | None = None,
     stages: int | None = None,
     out_dtype=jnp.bfloat16,
-    x_direct: bool = False,
-    compute_wgs: int = 0,
+    x_direct: bool = True,
+    compute_wgs: int | None = None,
+    nacc: int = 1,
     _mode: str = "full",
 ) -> jax.Array:
     """``x (M, K) bf16 @ W`` with W in the kernel layout (:func:`prepare_weight`) -> (M, N).
 
-    ``tile_k`` (multiple of 64) k per pipeline step; ``split_k`` CTAs along K (default:
-    enough for >= 512 CTAs); ``stages`` pipeline depth; ``x_direct``: wgmma reads B
+    Defaults (:func:`default_config`, from the H200 sweeps of runs 31-35): two compute
+    warpgroups, the largest k tile that fits, split-K to about one wave of CTAs.
+    ``tile_k`` (multiple of 64) k per pipeline step; ``split_k`` CTAs along K;
+    ``stages`` pipeline depth; ``x_direct``: wgmma reads B
     from tiles of x through a transposed view (no XLA transpose of x before the kernel);
     ``compute_wgs``: 0 runs one warpgroup per CTA that both loads and computes; n >= 1
     runs a warp-specialized CTA (one memory warpgroup issuing the TMA loads, n compute
-    warpgroups of 64 rows each sharing the tile of x).
+    warpgroups of 64 rows each sharing the tile of x); ``nacc`` f32 accumulators per
+    warpgroup, used in turn by consecutive k-blocks and summed in the epilogue.
     ``_mode`` (diagnostics only, wrong results): "nodecode" feeds the raw words to wgmma,
-    "noscale" skips the block-scale multiply.
+    "noscale" skips the block-scale multiply, "mma1of4" issues one wgmma in four.
     """
     m, k = x.shape
     n = wp.shape[0]
@@ -198,26 +246,22 @@ def w4a16_matmul(
                          f"{wp.dtype} (make it with prepare_weight)")
     if ws.shape != (k // 16, n) or ws.dtype != jnp.bfloat16:
         raise ValueError(f"ws must be (K/16, N) bfloat16, got {ws.shape} {ws.dtype}")
-    if tile_k % 64:
-        raise ValueError(f"tile_k must be a multiple of 64, got {tile_k}")
-    if n % TILE_N or k % tile_k:
-        raise ValueError(f"N must be a multiple of {TILE_N} and K of tile_k={tile_k}: "
-                         f"N={n}, K={k}")
     if not 1 <= m <= 256:
         raise ValueError(f"M must be in 1..256 for the W4A16 kernel, got {m}")
+    if n % TILE_N or k % 64:
+        raise ValueError(f"N must be a multiple of {TILE_N} and K of 64: N={n}, K={k}")
     mp = next(p for p in (16, 32, 64, 128, 256) if p >= m)
+    cfg = default_config(m, k, n, compute_wgs=compute_wgs, tile_k=tile_k)
+    compute_wgs = cfg["compute_wgs"] if compute_wgs is None else compute_wgs
+    tile_k = cfg["tile_k"] if tile_k is None else tile_k
+    if tile_k % 64 or k % tile_k:
+        raise ValueError(f"tile_k must be a multiple of 64 dividing K={k}, got {tile_k}")
     k_iters = k // tile_k
-    n_tiles = n // TILE_N
-    if split_k is None:
-        split_k = next((s for s in (1, 2, 4, 8, 16) if n_tiles * s >= 512), 16)
-        while k_iters % split_k:
-            split_k //= 2
+    split_k = cfg["split_k"] if split_k is None else split_k
     if k_iters % split_k:
         raise ValueError(f"split_k={split_k} must divide K / tile_k = {k_iters}")
     ks = k_iters // split_k
-    stage_bytes = tile_k * mp * 2 + TILE_N * tile_k // 2 + (tile_k // 16) * TILE_N * 2
-    if stages is None:
-        stages = max(1, min(2 if split_k > 1 else 4, (160 * 1024) // stage_bytes))
+    stages = cfg["stages"] if stages is None else stages
     xp = x.astype(jnp.bfloat16)
     if mp != m:
         xp = jnp.pad(xp, ((0, mp - m), (0, 0)))
@@ -233,7 +277,7 @@ def w4a16_matmul(
     if n % cta_n:
         raise ValueError(f"N must be a multiple of {cta_n} for compute_wgs={compute_wgs}")
 
-    def mma_step(wp_smem, ws_smem, xt_smem, acc, rows):
+    def mma_step(wp_smem, ws_smem, xt_smem, accs, rows):
         """One pipeline step of one warpgroup: decode its 64 rows, 4 wgmma per word column."""
         words = plgpu.load(wp_smem.at[rows], (), layout=plgpu.Layout.WGMMA)
         for c in range(tile_k // 64):
@@ -242,7 +286,7 @@ def w4a16_matmul(
                 b = 4 * c + i
                 if _mode == "nodecode":
                     part = words[:, 8 * c: 8 * c + 8]
-                elif _mode not in ("full", "noscale"):
+                elif _mode not in ("full", "noscale", "mma1of4"):
                     raise ValueError(f"unknown _mode {_mode!r}")
                 a = _as_bf16_fragment(part)
                 if _mode == "full":
@@ -253,7 +297,9 @@ def w4a16_matmul(
                     xb = plgpu.transpose_ref(xt_smem.at[:, pl.ds(16 * b, 16)], (1, 0))
                 else:
                     xb = xt_smem.at[pl.ds(16 * b, 16), :]
-                plgpu.wgmma(acc, a, xb)
+                if _mode == "mma1of4" and i:  # timing only: one wgmma in four
+                    continue
+                plgpu.wgmma(accs[b % nacc], a, xb)
         plgpu.wgmma_wait(0)
 
     def specs(ni, si):
@@ -265,8 +311,11 @@ def w4a16_matmul(
             plgpu.BlockSpec((nblk, cta_n), lambda j: (si * ks + j, ni)),
         ]
 
-    def epilogue(acc, sc_gmem, out_smem, out_gmem, ni, si, wg):
-        out_smem[...] = acc[...] * (sc_gmem[0] * jnp.float32(2.0**9))
+    def epilogue(accs, sc_gmem, out_smem, out_gmem, ni, si, wg):
+        total = accs[0][...]
+        for extra in accs[1:]:
+            total = total + extra[...]
+        out_smem[...] = total * (sc_gmem[0] * jnp.float32(2.0**9))
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(ni * cta_n + wg * TILE_N,
                                                                 TILE_N)])
@@ -276,28 +325,28 @@ def w4a16_matmul(
         ni = lax.axis_index("n")
         si = lax.axis_index("split")
         if not compute_wgs:
-            @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_N, mp), jnp.float32))
-            def _(acc):
+            @functools.partial(pl.run_scoped, accs=[plgpu.ACC((TILE_N, mp), jnp.float32)] * nacc)
+            def _(accs):
                 def step(_, xt_smem, wp_smem, ws_smem):
-                    mma_step(wp_smem, ws_smem, xt_smem, acc, slice(None))
+                    mma_step(wp_smem, ws_smem, xt_smem, accs, slice(None))
 
                 plgpu.emit_pipeline(step, grid=(ks,), in_specs=specs(ni, si),
                                     max_concurrent_steps=min(stages, ks),
                                     )(xt_gmem, wp_gmem, ws_gmem)
-                epilogue(acc, sc_gmem, out_smem.at[0], out_gmem, ni, si, 0)
+                epilogue(accs, sc_gmem, out_smem.at[0], out_gmem, ni, si, 0)
             return
         wg = lax.axis_index("wg")
         rows = pl.ds(wg * TILE_N, TILE_N)
 
-        def step(_, xt_smem, wp_smem, ws_smem, acc):
-            mma_step(wp_smem, ws_smem, xt_smem, acc, rows)
-            return acc
+        def step(_, xt_smem, wp_smem, ws_smem, accs):
+            mma_step(wp_smem, ws_smem, xt_smem, accs, rows)
+            return accs
 
         def context(run):
-            @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_N, mp), jnp.float32))
-            def _(acc):
-                acc = run(acc)
-                epilogue(acc, sc_gmem, out_smem.at[wg], out_gmem, ni, si, wg)
+            @functools.partial(pl.run_scoped, accs=[plgpu.ACC((TILE_N, mp), jnp.float32)] * nacc)
+            def _(accs):
+                accs = run(accs)
+                epilogue(accs, sc_gmem, out_smem.at[wg], out_gmem, ni, si, wg)
 
         plgpu.emit_pipeline_warp_specialized(
             step, grid=(ks,), memory_registers=40, in_specs=specs(ni, si), wg_axis="wg",

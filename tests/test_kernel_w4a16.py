@@ -128,11 +128,45 @@ def test_kernel_rejects_bad_layout():
         wk.w4a16_matmul(jnp.zeros((300, 256), jnp.bfloat16), wp, ws, 1.0)
 
 
-@pytest.mark.parametrize("m,k,n", [(16, 2048, 256), (1, 256, 64), (200, 512, 128)])
-def test_w4a16_kernel_lowers_for_cuda(m, k, n):
+@pytest.mark.parametrize("m,k,n,kw", [
+    (16, 2048, 256, {}),  # defaults: two compute warpgroups, split-K
+    (1, 256, 64, {}),  # one compute warpgroup (N = 64)
+    (200, 512, 128, {"compute_wgs": 0, "x_direct": False}),  # one warpgroup, x^T by XLA
+])
+def test_w4a16_kernel_lowers_for_cuda(m, k, n, kw):
     args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
             jax.ShapeDtypeStruct((n, k // 8), jnp.uint32),
             jax.ShapeDtypeStruct((k // 16, n), jnp.bfloat16),
             jax.ShapeDtypeStruct((), jnp.float32))
-    exp = jax.export.export(jax.jit(lambda *a: wk.w4a16_matmul(*a)), platforms=["cuda"])(*args)
+    exp = jax.export.export(jax.jit(lambda *a: wk.w4a16_matmul(*a, **kw)),
+                            platforms=["cuda"])(*args)
     assert "mosaic_gpu" in exp.mlir_module()
+
+
+def test_default_config_fits_and_divides():
+    for m in (1, 16, 64, 256):
+        for k, n in ((8192, 8192), (4096, 14336), (14336, 4096), (1024, 320), (512, 128)):
+            cfg = wk.default_config(m, k, n)
+            mp = next(p for p in (16, 32, 64, 128, 256) if p >= m)
+            cta_n = wk.TILE_N * max(cfg["compute_wgs"], 1)
+            assert n % cta_n == 0 and k % cfg["tile_k"] == 0
+            assert (k // cfg["tile_k"]) % cfg["split_k"] == 0
+            smem = cfg["stages"] * wk._stage_bytes(mp, cfg["tile_k"], cta_n)
+            assert smem <= wk.SMEM_BUDGET or cfg["stages"] == 1
+
+
+def test_dispatch_w4a16_matches_xla_on_cpu():
+    fp4jax = pytest.importorskip("fp4jax")
+    from pallas_kernels import dispatch
+
+    kx, kw = jax.random.split(jax.random.key(9))
+    x = jax.random.normal(kx, (2, 3, 256)).astype(jnp.bfloat16)
+    q = fp4jax.quantize(jax.random.normal(kw, (256, 128)), fp4jax.NVFP4, axis=0)
+    y = dispatch.w4a16_matmul(x, q, out_dtype=jnp.float32)
+    assert y.shape == (2, 3, 128)
+    ref = jnp.dot(x.astype(jnp.float32), fp4jax.dequantize(q, jnp.float32),
+                  precision=jax.lax.Precision.HIGHEST)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(ref))
+    if not dispatch.on_sm90():
+        with pytest.raises(ValueError, match="pallas W4A16 kernel unavailable"):
+            dispatch.w4a16_matmul(x, q, backend="pallas")
