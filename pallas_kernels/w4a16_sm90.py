@@ -174,11 +174,18 @@ def fragment_reference(words: np.ndarray) -> np.ndarray:
     return halves.transpose(0, 2, 1, 3).reshape(-1, 16)  # column 8v + 2q + t
 
 
-SMEM_BUDGET = 200 * 1024  # bytes of pipeline buffers per CTA
+SMEM_BUDGET = 220 * 1024  # bytes of shared memory per CTA (227 KiB on sm_90, less slack)
 
 
 def _stage_bytes(mp: int, tile_k: int, cta_n: int) -> int:
+    """Shared memory of one pipeline stage: x tile, codes tile, scales tile."""
     return tile_k * mp * 2 + cta_n * tile_k // 2 + (tile_k // 16) * cta_n * 2
+
+
+def _smem_bytes(mp: int, tile_k: int, compute_wgs: int, stages: int) -> int:
+    """Pipeline stages plus the f32 epilogue buffer (one (64, Mp) tile per warpgroup)."""
+    wgs = max(compute_wgs, 1)
+    return stages * _stage_bytes(mp, tile_k, TILE_N * wgs) + wgs * TILE_N * mp * 4
 
 
 def default_config(m: int, k: int, n: int, *, compute_wgs: int | None = None,
@@ -186,25 +193,31 @@ def default_config(m: int, k: int, n: int, *, compute_wgs: int | None = None,
     """Kernel configuration for x (m, k) @ W (k, n): compute_wgs, tile_k, split_k, stages.
 
     Two compute warpgroups when N allows (run 34: 17.6 µs vs 19.1 µs for one warpgroup
-    per CTA at M=16, K=N=8192); the largest k tile (<= 512) whose two pipeline stages
-    fit in shared memory; split-K so that the CTAs make about one wave on 132 SMs (the
-    kernel is decode-bound, run 35; more, smaller CTAs were slower); three stages if
-    they fit.
+    per CTA at M=16, K=N=8192); the largest k tile (<= 512) for which two pipeline
+    stages and the epilogue buffer fit in shared memory (else one compute warpgroup);
+    split-K so that the CTAs make about one wave on 132 SMs (run 35: split 2 17.4 µs,
+    split 4 19.4 µs, split 1 29.6 µs at M=16, K=N=8192); three stages if they fit.
     """
     mp = next(p for p in (16, 32, 64, 128, 256) if p >= m)
     if compute_wgs is None:
-        compute_wgs = 2 if n % (2 * TILE_N) == 0 else 1
+        options = (2, 1) if n % (2 * TILE_N) == 0 else (1,)
+    else:
+        options = (compute_wgs,)
+    tiles = (512, 256, 128, 64) if tile_k is None else (tile_k,)
+    fits = [(cw, t) for cw in options for t in tiles
+            if k % t == 0 and _smem_bytes(mp, t, cw, 2) <= SMEM_BUDGET]
+    compute_wgs, tile_k = fits[0] if fits else (options[-1], tiles[-1])
     cta_n = TILE_N * max(compute_wgs, 1)
-    if tile_k is None:
-        tile_k = next((t for t in (512, 256, 128, 64)
-                       if k % t == 0 and 2 * _stage_bytes(mp, t, cta_n) <= SMEM_BUDGET), 64)
     k_iters = k // tile_k
     ctas = n // cta_n
     split_k = 1
     for s in (2, 4, 8, 16):
         if ctas * s <= 140 and k_iters % s == 0 and k_iters // s >= 2:
             split_k = s
-    stages = max(1, min(3, SMEM_BUDGET // _stage_bytes(mp, tile_k, cta_n), k_iters // split_k))
+    stages = 2 if fits else 1
+    if _smem_bytes(mp, tile_k, compute_wgs, 3) <= SMEM_BUDGET:
+        stages = 3
+    stages = max(1, min(stages, k_iters // split_k))
     return dict(compute_wgs=compute_wgs, tile_k=tile_k, split_k=split_k, stages=stages)
 
 
