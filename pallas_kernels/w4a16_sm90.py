@@ -50,17 +50,19 @@ MASK = 0x81C081C0  # bf16x2 bits 15, 8..6 of both halves
 # Where the code bits (s, e1, e0, m) of slot i (0..3), half t (0..1) sit in a word.
 # Decoded, they must land on bf16x2 bits (15, 8, 7, 6) + 16 t. Slots 0..2 are those
 # positions rotated right by 0, 4, 10 (decoded by one rotate and one mask); slot 3 takes
-# the 8 remaining bits, decoded by two rotates (6 and 14) and two masks. Three
-# translates of the decoded positions cannot tile 32 bits with a fourth (checked
-# exhaustively), so 9 operations per word is the floor of this scheme.
+# the 8 remaining bits, decoded by a left shift by 6 and a right shift by 2 and two
+# masks. Three translates of the decoded positions cannot tile 32 bits with a fourth
+# (checked exhaustively), so 9 operations per word is the floor of this scheme. (Slot 3
+# uses plain shifts: a rotate whose mask needs both of its halves became shl + shr + or
+# in the PTX of run 35.)
 _ROT = (0, 4, 10)
 _DECODED = ((15, 8, 7, 6), (31, 24, 23, 22))
-_SLOT3 = ((9, 26, 1, 0), (25, 10, 17, 16))  # rotl 6 brings s, e0, m home; rotl 14 e1
+_SLOT3 = ((9, 10, 1, 0), (25, 26, 17, 16))  # << 6 brings s, e0, m home; >> 2 brings e1
 _SLOT_BITS = tuple(
     tuple(tuple((p - r) % 32 for p in _DECODED[t]) for t in range(2)) for r in _ROT
 ) + (_SLOT3,)
 _SLOT3_MASK6 = 0x80C080C0  # bits 15, 7, 6 of both halves
-_SLOT3_MASK14 = 0x01000100  # bit 8 of both halves
+_SLOT3_MASK2 = 0x01000100  # bit 8 of both halves
 
 
 def word_layout(k: int) -> np.ndarray:
@@ -110,7 +112,7 @@ def decode_words(w):
     """
     u = jnp.uint32
     return tuple(_rotl(w, r) & u(MASK) for r in _ROT) + (
-        (_rotl(w, 6) & u(_SLOT3_MASK6)) | (_rotl(w, 14) & u(_SLOT3_MASK14)),)
+        ((w << u(6)) & u(_SLOT3_MASK6)) | ((w >> u(2)) & u(_SLOT3_MASK2)),)
 
 
 def prepare_weight(q):
