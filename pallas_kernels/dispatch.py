@@ -94,9 +94,9 @@ def _key_reason(key) -> str | None:
 COLS_KERNEL_IN_AUTO = False
 """Whether ``backend="auto"`` routes 16x1 quantization along axis 0 to the packed kernel
 (``quantize_cols_nvfp4_sm90``). Off: it is bit-exact in interpret mode and lowers for CUDA
-with JAX 0.10.2, but on the H200 with JAX 0.11.2 it did not lower (Mosaic GPU layout
-inference: "We cannot apply swizzle to non-contiguous refs", runs 29-30), so it has never
-run on a GPU. ``backend="pallas"`` still calls it."""
+with JAX 0.10.2 and (since commit 69289fa) 0.11.2, but on the H200 its codes and scales
+differ from ``fp4jax.quantize`` in about half the bytes (run 31), so on a GPU even
+``backend="pallas"`` refuses it unless ``FP4JAX_UNSAFE_COLS_KERNEL=1`` (for debugging)."""
 
 
 def quantize_unsupported_reason(shape, dtype, *, fmt=None, axis=-1, block_2d=False,
@@ -140,10 +140,15 @@ def quantize_unsupported_reason(shape, dtype, *, fmt=None, axis=-1, block_2d=Fal
         if reason is not None:
             return f"16x1 (axis=0) kernel: {reason}"
         if not (explicit or COLS_KERNEL_IN_AUTO):
-            return ("16x1 (axis=0) packed kernel is kept out of backend='auto' (it did not "
-                    "lower with JAX 0.11.2 on the GPU; see COLS_KERNEL_IN_AUTO): pass "
-                    "backend='pallas' to use it")
-        return None if on_sm90() else "no sm_90 GPU"
+            return ("16x1 (axis=0) packed kernel is kept out of backend='auto' (wrong "
+                    "results on the H200, see COLS_KERNEL_IN_AUTO); the XLA path is exact")
+        if not on_sm90():
+            return "no sm_90 GPU"
+        if os.environ.get("FP4JAX_UNSAFE_COLS_KERNEL") != "1":
+            return ("16x1 (axis=0) packed kernel gives wrong codes on the H200 (GPU run 31) "
+                    "and is disabled; use backend='xla' (exact), or set "
+                    "FP4JAX_UNSAFE_COLS_KERNEL=1 to debug it")
+        return None
     if axis % len(shape) != len(shape) - 1:
         return ("kernels block along the last axis, or along axis 0 of a 2D (tokens, "
                 "features) tensor")
