@@ -159,14 +159,18 @@ def breakdown(name, f, *args, iterations=50, **extra):
         rec("speed", name=name, error=f"{type(e).__name__}: {str(e)[:800]}", **extra)
 
 
+def _m16():
+    """The M=16, K=N=8192 case of the sweeps: labels, x, prepared W, bf16 W."""
+    m, k, n = 16, 8192, 8192
+    x, q = make(m, k, n, True, 7, wide=False)
+    return ({"m": m, "k": k, "n": n}, x, jax.jit(wk.prepare_weight)(q),
+            fp4jax.dequantize(q, jnp.bfloat16))
+
+
 def diag():
     """Where the time goes at M=16, K=N=8192: per-kernel split, decode / scale removed
     (wrong results, timing only), x read through a transposed view, and its sweep."""
-    m, k, n = 16, 8192, 8192
-    g = {"m": m, "k": k, "n": n}
-    x, q = make(m, k, n, True, 7, wide=False)
-    wp, ws, dec = jax.jit(wk.prepare_weight)(q)
-    wb = fp4jax.dequantize(q, jnp.bfloat16)
+    g, x, (wp, ws, dec), wb = _m16()
     breakdown("breakdown bf16 jnp.dot", jnp.dot, x, wb, **g)
     breakdown("breakdown default", wk.w4a16_matmul, x, wp, ws, dec, **g)
     breakdown("breakdown x_direct", functools.partial(wk.w4a16_matmul, x_direct=True),
@@ -215,11 +219,7 @@ def ws(checks=True, wgs=(1, 2), splits=(1, 2, 4, 8)):
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
             rec("check", **row)
-    m, k, n = 16, 8192, 8192
-    g = {"m": m, "k": k, "n": n}
-    x, q = make(m, k, n, True, 7, wide=False)
-    wp, ws_, dec = jax.jit(wk.prepare_weight)(q)
-    wb = fp4jax.dequantize(q, jnp.bfloat16)
+    g, x, (wp, ws_, dec), wb = _m16()
     t_bf = timed("bf16 jnp.dot", jnp.dot, x, wb, **g)
     best = (None, None)
     for cw in wgs:
@@ -241,11 +241,7 @@ def ws(checks=True, wgs=(1, 2), splits=(1, 2, 4, 8)):
 
 def accs():
     """Several accumulators per warpgroup (nacc) and one wgmma in four (timing only)."""
-    m, k, n = 16, 8192, 8192
-    g = {"m": m, "k": k, "n": n}
-    x, q = make(m, k, n, True, 7, wide=False)
-    wp, ws_, dec = jax.jit(wk.prepare_weight)(q)
-    wb = fp4jax.dequantize(q, jnp.bfloat16)
+    g, x, (wp, ws_, dec), wb = _m16()
     timed("bf16 jnp.dot", jnp.dot, x, wb, **g)
     base_ws = dict(tile_k=512, split_k=2, stages=3, compute_wgs=2, x_direct=True)
     base_1 = dict(tile_k=256, split_k=4, stages=2, x_direct=True)
