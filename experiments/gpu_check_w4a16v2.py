@@ -263,8 +263,37 @@ def accs():
             rec("check", m=m2, k=k2, n=n2, cfg=str(cfg), rel_err=rel, ok=rel < 1e-5)
 
 
+def cw3():
+    """Three compute warpgroups (12 compute warps per SM instead of 8): N = 8256 = 43 x 192
+    (the weight padded by 64 zero rows), against two warpgroups on N = 8192 and 8256."""
+    m, k = 16, 8192
+    for n in (8256, 8192):
+        g = {"m": m, "k": k, "n": n}
+        x, q = make(m, k, n, True, 7, wide=False)
+        wp, ws_, dec = jax.jit(wk.prepare_weight)(q)
+        wb = fp4jax.dequantize(q, jnp.bfloat16)
+        ref = jnp.dot(x.astype(jnp.float32), fp4jax.dequantize(q, jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+        timed("bf16 jnp.dot", jnp.dot, x, wb, **g)
+        cfgs = [dict(compute_wgs=2, tile_k=512, split_k=2, stages=3)]
+        if n % 192 == 0:
+            cfgs = [dict(compute_wgs=3, tile_k=t, split_k=s, stages=st)
+                    for t, st in ((256, 2), (256, 3), (512, 2)) for s in (1, 2, 4)] + cfgs
+        for cfg in cfgs:
+            try:
+                y = wk.w4a16_matmul(x, wp, ws_, dec, out_dtype=jnp.float32, **cfg)
+                rel = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+                rec("check", cfg=str(cfg), rel_err=rel, ok=rel < 1e-5, **g)
+            except Exception as e:  # noqa: BLE001
+                rec("check", cfg=str(cfg), error=f"{type(e).__name__}: {str(e)[:800]}", **g)
+                continue
+            timed(f"cw3 {cfg}", functools.partial(wk.w4a16_matmul, **cfg), x, wp, ws_, dec, **g)
+
+
 if __name__ == "__main__":
     which = sys.argv[1:] or ["check", "speed"]
+    if "cw3" in which:
+        cw3()
     if "accs" in which:
         accs()
     if "ws" in which:
