@@ -290,8 +290,61 @@ def cw3():
             timed(f"cw3 {cfg}", functools.partial(wk.w4a16_matmul, **cfg), x, wp, ws_, dec, **g)
 
 
+def kwgs(wgs=(2, 3)):
+    """Compute warpgroups splitting the k range of one 64-row tile (``k_wgs``): more compute
+    warps per SM with 128 CTAs. Exactness on 4 shapes, then M=16, K=N=8192 timings against
+    bf16 and the default two-warpgroup kernel in the same process."""
+    for cw in wgs:
+        for m2, k2, n2, b2 in ((16, 8192, 8192, False), (3, 1024, 320, True),
+                               (64, 2048, 1024, False), (16, 4096, 14336, True)):
+            row = {"m": m2, "k": k2, "n": n2, "block_2d": b2, "k_wgs": cw}
+            try:
+                x2, q2 = make(m2, k2, n2, b2, 600 + m2 + cw)
+                if m2 >= 3:
+                    x2 = x2.at[1].set(jnp.nan)
+                p2 = jax.jit(wk.prepare_weight)(q2)
+                y = wk.w4a16_matmul(x2, *p2, out_dtype=jnp.float32, k_wgs=cw)
+                ref = jnp.dot(x2.astype(jnp.float32), fp4jax.dequantize(q2, jnp.float32),
+                              precision=jax.lax.Precision.HIGHEST)
+                ok = jnp.arange(m2) != 1
+                row["nan_row_all_nan"] = bool(jnp.all(jnp.isnan(y[1])))
+                yv, rv = y[ok], ref[ok]
+                row["finite"] = bool(jnp.all(jnp.isfinite(yv)))
+                row["rel_err"] = float(jnp.linalg.norm(yv - rv) / jnp.linalg.norm(rv))
+                row["ok"] = row["rel_err"] < 1e-5 and row["finite"] and row["nan_row_all_nan"]
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+            rec("check", **row)
+    g, x, (wp, ws_, dec), wb = _m16()
+    t_bf = timed("bf16 jnp.dot", jnp.dot, x, wb, **g)
+    t_def = timed("w4a16 default", wk.w4a16_matmul, x, wp, ws_, dec, **g)
+    best = (None, None)
+    for cw in wgs:
+        for tile_k in (512, 256):
+            for split in (1, 2):
+                cfg = dict(k_wgs=cw, tile_k=tile_k, split_k=split)
+                t = timed(f"kwgs {cfg}", functools.partial(wk.w4a16_matmul, **cfg),
+                          x, wp, ws_, dec, **g)
+                if t and (best[0] is None or t < best[0]):
+                    best = (t, cfg)
+    if best[1]:
+        timed(f"kwgs best nodecode {best[1]}",
+              functools.partial(wk.w4a16_matmul, _mode="nodecode", **best[1]),
+              x, wp, ws_, dec, **g)
+        breakdown("breakdown kwgs best", functools.partial(wk.w4a16_matmul, **best[1]),
+                  x, wp, ws_, dec, **g)
+    t_bf2 = timed("bf16 jnp.dot (again)", jnp.dot, x, wb, **g)
+    rec("speed", name="kwgs best", us=best[0], cfg=best[1], bf16_us=t_bf, bf16_again_us=t_bf2,
+        default_us=t_def, speedup_vs_bf16=(t_bf / best[0]) if t_bf and best[0] else None,
+        default_speedup=(t_bf / t_def) if t_bf and t_def else None, **g)
+
+
 if __name__ == "__main__":
     which = sys.argv[1:] or ["check", "speed"]
+    if "kwgs" in which:
+        kwgs()
+    if "kwgs4" in which:  # four warpgroups (the row-split variant hung in run 33)
+        kwgs(wgs=(4,))
     if "cw3" in which:
         cw3()
     if "accs" in which:

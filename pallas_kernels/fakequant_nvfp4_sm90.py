@@ -163,13 +163,15 @@ def _scaled_words(w, e, s_val, finite, n: int, plain: bool, u_lo=None, u_hi=None
 # ---------------------------------------------------------------------------
 
 
-def _fq_tile(sc_ref, kw_ref, x_ref, o_ref, *, nb: int, plain: bool, mode: str):
+def _fq_tile(sc_ref, kw_ref, x_ref, o_ref, *, nb: int, plain: bool, mode: str,
+             chunk: int = SUB):
     """Round-to-nearest: ``nb`` blocks, x_ref (nb, 8) uint32 words in, o_ref (nb, 8)
-    uint32 words of bf16 ``data * scale`` out (stochastic rounding: ``_fq_quad_tile``)."""
+    uint32 words of bf16 ``data * scale`` out, ``chunk`` blocks (a multiple of 64) per
+    register tile (stochastic rounding: ``_fq_quad_tile``)."""
     del kw_ref
-    for a in range(0, nb, SUB):
-        rows = pl.ds(a, SUB) if nb > SUB else slice(None)
-        n = min(nb, SUB)
+    for a in range(0, nb, chunk):
+        rows = pl.ds(a, chunk) if nb > chunk else slice(None)
+        n = min(nb, chunk)
         w = _load_words(x_ref, rows, plain)
         s_val, _, e, finite = _word_scales(sc_ref, w, mode)
         word = _scaled_words(w, e, s_val, finite, n, plain)
@@ -209,14 +211,19 @@ def supported_rows(shape, dtype, sr: bool = False) -> bool:
     return ok and (not sr or (r % 4 == 0 and c % (16 * GR[-1]) == 0))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr", "g", "rq"))
+@functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr", "g", "rq", "kt",
+                                             "chunk", "steps"))
 def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = None,
-                   sr: bool = False, g: int | None = None, rq: int | None = None):
+                   sr: bool = False, g: int | None = None, rq: int | None = None,
+                   kt: int | None = None, chunk: int = SUB, steps: int = 1):
     """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec)``, ``kw = key_words(key)``.
     Returns the bf16 (R, C) ``data * scale`` of 1x16 NVFP4 blocks along the last axis.
     ``g``, ``rq`` (SR only): blocks per row and row quads of a CTA tile (defaults: the
     GPU's choice; in interpret mode whole rows, one quad, unless given, so CPU tests can
-    run the GPU tiling's draw offsets)."""
+    run the GPU tiling's draw offsets). Round-to-nearest tiling on the GPU (tuning only,
+    same results): ``kt`` tiles of 256 blocks per pipeline step, ``chunk`` blocks per
+    register tile (64, 128 or 256), ``steps`` pipeline steps per CTA (double-buffered
+    when > 1); by default (``kt=None``) one tile per step and up to 4 steps per CTA."""
     if not supported_rows(x.shape, x.dtype, sr):
         raise ValueError(f"fq_rows needs bf16 (R, C), C % 16 == 0, R*C % {16 * SUB} == 0 "
                          f"(with a key also R % 4 == 0 and C % {16 * GR[-1]} == 0), got "
@@ -240,7 +247,18 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
         return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
 
     ns = nbt // SUB
-    kt = _pick_block(ns, (2, 1))
+    # Defaults from the H200 sweep of run 40 (experiments/results/gpu_run40_tune_rows/):
+    # one 256-block tile per step and 4 double-buffered steps per CTA, "auto" reciprocal:
+    # 140.6 us with the amax pass at 8192^2 (86.8% of copy bandwidth) against 159.2 us for
+    # two tiles per step and one step per CTA, where the "auto" branch doubles a body of
+    # two tiles (rn alone: 148.1 us, table alone: 140.9 us but exact only for safe dec).
+    if kt is None:
+        kt = 1
+        if steps == 1:
+            steps = _pick_block(ns, (4, 2, 1))
+    if ns % (kt * steps) or chunk not in (64, 128, 256):
+        raise ValueError(f"fq_rows tiling: kt={kt} x steps={steps} must divide {ns} tiles "
+                         f"of {SUB} blocks, chunk={chunk} must be 64, 128 or 256")
 
     def body(sc_gmem, kw_gmem, x_gmem, o_gmem):
         cta = lax.axis_index("ctas")
@@ -249,20 +267,20 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
             def tiles(md):
                 for i in range(kt):
                     _fq_tile(sc_gmem, kw_gmem, x_smem.at[i], o_smem.at[i], nb=SUB,
-                             plain=False, mode=md)
+                             plain=False, mode=md, chunk=chunk)
 
             _by_mode(sc_gmem, mode, tiles)
 
         plgpu.emit_pipeline(
-            step, grid=(1,),
-            in_specs=[plgpu.BlockSpec((kt, SUB, 8), lambda j: (cta, 0, 0))],
-            out_specs=[plgpu.BlockSpec((kt, SUB, 8), lambda j: (cta, 0, 0))],
-            max_concurrent_steps=1,
+            step, grid=(steps,),
+            in_specs=[plgpu.BlockSpec((kt, SUB, 8), lambda j: (cta * steps + j, 0, 0))],
+            out_specs=[plgpu.BlockSpec((kt, SUB, 8), lambda j: (cta * steps + j, 0, 0))],
+            max_concurrent_steps=min(steps, 2),
         )(x_gmem, o_gmem)
 
     o = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((ns, SUB, 8), jnp.uint32),
-        grid=(ns // kt,), grid_names=("ctas",),
+        grid=(ns // (kt * steps),), grid_names=("ctas",),
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
     )(sc, kw, xw.reshape(ns, SUB, 8))
     return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
@@ -438,11 +456,13 @@ def supported_2d(shape, dtype) -> bool:
     return r % 16 == 0 and c % (16 * G2D[-1]) == 0
 
 
-def _strip_call(x, sc, kw, strip, *, g: int, interpret: bool, name: str, out_rows: int = 16):
+def _strip_call(x, sc, kw, strip, *, g: int, interpret: bool, name: str, out_rows: int = 16,
+                steps: int = 1):
     """Run ``strip(sc_ref, kw_ref, x_ref, o_ref, g, row0, col0, plain)`` over all strips of
     16 rows x 16g columns of x (R, C) bf16. With ``out_rows == 16`` returns the bf16 (R, C)
     output; else the raw (R/16, out_rows, C/16, 8) uint32 output (``o_ref`` of a strip is
-    (out_rows, g, 8))."""
+    (out_rows, g, 8)). On the GPU a CTA takes ``steps`` neighbouring strips of a row of
+    strips, double-buffered when ``steps > 1`` (tuning only)."""
     r, c = x.shape
     nr, nc = r // 16, c // 16
     xw = lax.bitcast_convert_type(x.reshape(nr, 16, nc, 8, 2), jnp.uint32)
@@ -465,34 +485,37 @@ def _strip_call(x, sc, kw, strip, *, g: int, interpret: bool, name: str, out_row
             interp_body, out_shape=out_type,
             interpret=interpret, compiler_params=plgpu.CompilerParams())(sc, kw, xw)
         return result(o)
-    if nc % g:
-        raise ValueError(f"{name}: g={g} must divide C/16={nc}")
+    if nc % (g * steps):
+        raise ValueError(f"{name}: g={g} x steps={steps} must divide C/16={nc}")
 
     def body(sc_gmem, kw_gmem, x_gmem, o_gmem):
         i = lax.axis_index("rows")
         j = lax.axis_index("cols")
 
-        def step(_, x_smem, o_smem):
-            strip(sc_gmem, kw_gmem, x_smem.at[0], o_smem.at[0], g, 16 * i, 16 * g * j, False)
+        def step(idx, x_smem, o_smem):
+            jj = j * steps + (idx[0] if isinstance(idx, (tuple, list)) else idx)
+            strip(sc_gmem, kw_gmem, x_smem.at[0], o_smem.at[0], g, 16 * i, 16 * g * jj, False)
 
         plgpu.emit_pipeline(
-            step, grid=(1,),
-            in_specs=[plgpu.BlockSpec((1, 16, g, 8), lambda _: (i, 0, j, 0))],
-            out_specs=[plgpu.BlockSpec((1, out_rows, g, 8), lambda _: (i, 0, j, 0))],
-            max_concurrent_steps=1,
+            step, grid=(steps,),
+            in_specs=[plgpu.BlockSpec((1, 16, g, 8), lambda t: (i, 0, j * steps + t, 0))],
+            out_specs=[plgpu.BlockSpec((1, out_rows, g, 8),
+                                       lambda t: (i, 0, j * steps + t, 0))],
+            max_concurrent_steps=min(steps, 2),
         )(x_gmem, o_gmem)
 
     o = plgpu.kernel(
         body, out_type=out_type,
-        grid=(nr, nc // g), grid_names=("rows", "cols"),
+        grid=(nr, nc // (g * steps)), grid_names=("rows", "cols"),
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
     )(sc, kw, xw)
     return result(o)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr", "rht", "g"))
+@functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr", "rht", "g", "steps"))
 def fq_cols_scaled(x, sc, kw, *, interpret: bool = False, recip: str = "rn",
-                   sr: bool = False, rht: bool = False, g: int | None = None):
+                   sr: bool = False, rht: bool = False, g: int | None = None,
+                   steps: int = 1):
     """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec, signs)``, ``kw =
     key_words(key)``. Returns bf16 (R, C): ``data * scale`` of 16x1 NVFP4 blocks along
     the rows of ``rht16(x)`` (rows rotated in tiles of 16 when ``rht``) or of ``x``."""
@@ -508,7 +531,8 @@ def fq_cols_scaled(x, sc, kw, *, interpret: bool = False, recip: str = "rn",
             sc_ref, kw_ref, x_ref, o_ref, g=g_, row0=row0, col0=col0, n_cols=n_cols,
             plain=plain, mode=md, sr=sr, rht=rht))
 
-    return _strip_call(x, sc, kw, strip, g=g, interpret=interpret, name="fq_cols")
+    return _strip_call(x, sc, kw, strip, g=g, interpret=interpret, name="fq_cols",
+                       steps=steps)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "recip", "g"))

@@ -224,7 +224,8 @@ def default_config(m: int, k: int, n: int, *, compute_wgs: int | None = None,
 
 
 @functools.partial(jax.jit, static_argnames=("tile_k", "split_k", "stages", "out_dtype",
-                                             "x_direct", "compute_wgs", "nacc", "_mode"))
+                                             "x_direct", "compute_wgs", "nacc", "k_wgs",
+                                             "_mode"))
 def w4a16_matmul(
     x: jax.Array,
     wp: jax.Array,
@@ -238,6 +239,7 @@ def w4a16_matmul(
     x_direct: bool = True,
     compute_wgs: int | None = None,
     nacc: int = 1,
+    k_wgs: int = 0,
     _mode: str = "full",
 ) -> jax.Array:
     """``x (M, K) bf16 @ W`` with W in the kernel layout (:func:`prepare_weight`) -> (M, N).
@@ -251,6 +253,12 @@ def w4a16_matmul(
     runs a warp-specialized CTA (one memory warpgroup issuing the TMA loads, n compute
     warpgroups of 64 rows each sharing the tile of x); ``nacc`` f32 accumulators per
     warpgroup, used in turn by consecutive k-blocks and summed in the epilogue.
+    ``k_wgs`` (>= 2; overrides ``compute_wgs``): a warp-specialized CTA of one 64-row tile
+    whose ``k_wgs`` compute warpgroups split the k range of every pipeline step (64-k word
+    columns dealt round-robin, rotating from step to step so that each warpgroup gets the
+    same share over the CTA), each with its own accumulator; the partial results are
+    summed with the split-K ones. More compute warps per SM for the same rows (the decode
+    is latency-bound at 8 warps per SM, runs 32-37).
     ``_mode`` (diagnostics only, wrong results): "nodecode" feeds the raw words to wgmma,
     "noscale" skips the block-scale multiply, "mma1of4" issues one wgmma in four.
     """
@@ -266,7 +274,17 @@ def w4a16_matmul(
     if n % TILE_N or k % 64:
         raise ValueError(f"N must be a multiple of {TILE_N} and K of 64: N={n}, K={k}")
     mp = next(p for p in (16, 32, 64, 128, 256) if p >= m)
-    cfg = default_config(m, k, n, compute_wgs=compute_wgs, tile_k=tile_k)
+    if k_wgs == 1 or k_wgs < 0:
+        raise ValueError(f"k_wgs must be 0 (off) or >= 2, got {k_wgs}")
+    if k_wgs:
+        cfg = default_config(m, k, n, compute_wgs=1, tile_k=tile_k)
+        if stages is None:  # as many stages (<= 4) as fit beside the k_wgs epilogue tiles
+            st_b = _stage_bytes(mp, cfg["tile_k"], TILE_N)
+            cfg["stages"] = max(1, min(4, (SMEM_BUDGET - k_wgs * TILE_N * mp * 4) // st_b,
+                                       k // cfg["tile_k"] // (split_k or cfg["split_k"])))
+        compute_wgs = k_wgs
+    else:
+        cfg = default_config(m, k, n, compute_wgs=compute_wgs, tile_k=tile_k)
     compute_wgs = cfg["compute_wgs"] if compute_wgs is None else compute_wgs
     tile_k = cfg["tile_k"] if tile_k is None else tile_k
     if tile_k % 64 or k % tile_k:
@@ -287,15 +305,17 @@ def w4a16_matmul(
     swz = plgpu.find_swizzle(wrow * 8)
     w_tf = (plgpu.TilingTransform((8, swz // 4)), plgpu.SwizzleTransform(swz))
     nblk = tile_k // 16
-    wgs = max(compute_wgs, 1)  # warpgroups computing, 64 rows of W^T each
-    cta_n = TILE_N * wgs
+    wgs = max(compute_wgs, 1)  # warpgroups computing, 64 rows of W^T each (k_wgs: all 64)
+    cta_n = TILE_N * (1 if k_wgs else wgs)
+    ncols = tile_k // 64  # word columns (64 k each) of a pipeline step
     if n % cta_n:
         raise ValueError(f"N must be a multiple of {cta_n} for compute_wgs={compute_wgs}")
 
-    def mma_step(wp_smem, ws_smem, xt_smem, accs, rows):
-        """One pipeline step of one warpgroup: decode its 64 rows, 4 wgmma per word column."""
+    def mma_step(wp_smem, ws_smem, xt_smem, accs, rows, cols=None):
+        """One pipeline step of one warpgroup: decode its 64 rows, 4 wgmma per word column
+        (all word columns of the step, or those in ``cols``)."""
         words = plgpu.load(wp_smem.at[rows], (), layout=plgpu.Layout.WGMMA)
-        for c in range(tile_k // 64):
+        for c in range(ncols) if cols is None else cols:
             parts = decode_words(words[:, 8 * c: 8 * c + 8])
             for i, part in enumerate(parts):
                 b = 4 * c + i
@@ -332,8 +352,11 @@ def w4a16_matmul(
             total = total + extra[...]
         out_smem[...] = total * (sc_gmem[0] * jnp.float32(2.0**9))
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(ni * cta_n + wg * TILE_N,
-                                                                TILE_N)])
+        if k_wgs:  # partial sums of the same rows: one output slice per warpgroup
+            dst = out_gmem.at[si * k_wgs + wg, pl.ds(ni * cta_n, TILE_N)]
+        else:
+            dst = out_gmem.at[si, pl.ds(ni * cta_n + wg * TILE_N, TILE_N)]
+        plgpu.copy_smem_to_gmem(out_smem, dst)
         plgpu.wait_smem_to_gmem(0)
 
     def body(sc_gmem, xt_gmem, wp_gmem, ws_gmem, out_gmem, out_smem):
@@ -351,10 +374,20 @@ def w4a16_matmul(
                 epilogue(accs, sc_gmem, out_smem.at[0], out_gmem, ni, si, 0)
             return
         wg = lax.axis_index("wg")
-        rows = pl.ds(wg * TILE_N, TILE_N)
+        rows = slice(None) if k_wgs else pl.ds(wg * TILE_N, TILE_N)
 
-        def step(_, xt_smem, wp_smem, ws_smem, accs):
-            mma_step(wp_smem, ws_smem, xt_smem, accs, rows)
+        def step(idx, xt_smem, wp_smem, ws_smem, accs):
+            if not k_wgs:
+                mma_step(wp_smem, ws_smem, xt_smem, accs, rows)
+                return accs
+            # word column c of step j goes to warpgroup (ncols * j + c) % k_wgs, i.e. this
+            # warpgroup takes the columns c = r, r + k_wgs, ... with r as below
+            j = idx[0] if isinstance(idx, (tuple, list)) else idx
+            r = lax.rem(wg + (k_wgs - ncols % k_wgs) * j, k_wgs)
+            for rr in range(k_wgs):
+                @pl.when(r == rr)
+                def _(cols=range(rr, ncols, k_wgs)):
+                    mma_step(wp_smem, ws_smem, xt_smem, accs, rows, cols=cols)
             return accs
 
         def context(run):
@@ -372,7 +405,7 @@ def w4a16_matmul(
     threads = dict(num_threads=compute_wgs + 1, thread_name="wg") if compute_wgs else {}
     out = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((split_k, n, mp), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((split_k * max(k_wgs, 1), n, mp), jnp.float32),
         grid=(n // cta_n, split_k),
         grid_names=("n", "split"),
         scratch_types=dict(out_smem=plgpu.SMEM((wgs, TILE_N, mp), jnp.float32)),
@@ -381,7 +414,7 @@ def w4a16_matmul(
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         **threads,
     )(sc, xt, wp, ws)
-    y = out.sum(0) if split_k > 1 else out[0]
+    y = out.sum(0) if out.shape[0] > 1 else out[0]
     return y[:, :m].T.astype(out_dtype)
 
 

@@ -222,11 +222,14 @@ def test_supported_shapes():
 
 
 @pytest.mark.parametrize("variant", ["rows", "rows_sr", "cols", "cols_rht_sr", "2d", "amax",
-                                     "amax2", "rows_sr_c1024"])
+                                     "amax2", "rows_sr_c1024", "rows_tiled", "cols_steps"])
 def test_kernels_lower_for_cuda(variant):
     key = jax.random.key(0)
     f = {
         "rows": lambda x: fq.fq_rows(x),
+        # the tuning knobs (run 40): two tiles a step, 128-block register tiles, 2 steps
+        "rows_tiled": lambda x: fq.fq_rows(x, kt=2, chunk=128, steps=2, recip="rn"),
+        "cols_steps": lambda x: fq.fq_cols(x, signs=jnp.asarray(SIGNS), steps=2),
         "rows_sr": lambda x: fq.fq_rows(x, key),
         "cols": lambda x: fq.fq_cols(x),
         "cols_rht_sr": lambda x: fq.fq_cols(x, key, signs=jnp.asarray(SIGNS)),
@@ -238,6 +241,16 @@ def test_kernels_lower_for_cuda(variant):
     exp = jax.export.export(jax.jit(f), platforms=["cuda"])(
         jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16))
     assert "mosaic_gpu" in exp.mlir_module()
+
+
+def test_rows_tiling_rejects_bad_knobs():
+    x = jnp.zeros((256, 2048), jnp.bfloat16)  # 128 tiles of 256 blocks
+    with pytest.raises(ValueError, match="chunk=96"):
+        fq.fq_rows(x, chunk=96)
+    with pytest.raises(ValueError, match="kt=3"):
+        fq.fq_rows(x, kt=3)
+    with pytest.raises(ValueError, match="g=64 x steps=3"):
+        fq.fq_cols(x, steps=3)
 
 
 def _dot_fwd_bwd(m, recipe="nvfp4"):

@@ -132,6 +132,7 @@ def test_kernel_rejects_bad_layout():
     (16, 2048, 256, {}),  # defaults: two compute warpgroups, split-K
     (1, 256, 64, {}),  # one compute warpgroup (N = 64)
     (200, 512, 128, {"compute_wgs": 0, "x_direct": False}),  # one warpgroup, x^T by XLA
+    (16, 2048, 256, {"k_wgs": 3}),  # three warpgroups splitting k (run 38: exact, slower)
 ])
 def test_w4a16_kernel_lowers_for_cuda(m, k, n, kw):
     args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
@@ -141,6 +142,13 @@ def test_w4a16_kernel_lowers_for_cuda(m, k, n, kw):
     exp = jax.export.export(jax.jit(lambda *a: wk.w4a16_matmul(*a, **kw)),
                             platforms=["cuda"])(*args)
     assert "mosaic_gpu" in exp.mlir_module()
+
+
+def test_kernel_rejects_bad_k_wgs():
+    x = jnp.zeros((16, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="k_wgs must be"):
+        wk.w4a16_matmul(x, jnp.zeros((64, 32), jnp.uint32), jnp.zeros((16, 64), jnp.bfloat16),
+                        1.0, k_wgs=1)
 
 
 def test_default_config_fits_and_divides():
