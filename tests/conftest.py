@@ -8,7 +8,35 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Tests compare float32 matmuls against NumPy: on GPUs the default precision is
 # reduced (TF32-like), so ask for full float32 everywhere (no effect on CPU).
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_compile_cache(tmp_path_factory):
+    """One persistent XLA compilation cache for the session, shared by the xdist workers
+    (the same jitted functions and eager ops recur across test files and workers): compiled
+    executables are reused, numerics are unaffected. Fresh for every run (under pytest's
+    temporary directory), so nothing carries over between runs."""
+    try:
+        from jax._src import compilation_cache as cc
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    old = {n: getattr(jax.config, n) for n in names}
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xla_cache_session"
+    path.mkdir(exist_ok=True)
+    jax.config.update(names[0], str(path))
+    jax.config.update(names[1], float(os.environ.get("FP4JAX_TEST_CACHE_MIN_S", "0")))
+    jax.config.update(names[2], 0)
+    cc.reset_cache()
+    yield
+    for n, v in old.items():
+        jax.config.update(n, v)
+    cc.reset_cache()
