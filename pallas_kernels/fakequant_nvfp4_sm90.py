@@ -215,7 +215,7 @@ def supported_rows(shape, dtype, sr: bool = False) -> bool:
                                              "chunk", "steps"))
 def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = None,
                    sr: bool = False, g: int | None = None, rq: int | None = None,
-                   kt: int | None = None, chunk: int = SUB, steps: int = 1):
+                   kt: int | None = None, chunk: int = SUB, steps: int | None = None):
     """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec)``, ``kw = key_words(key)``.
     Returns the bf16 (R, C) ``data * scale`` of 1x16 NVFP4 blocks along the last axis.
     ``g``, ``rq`` (SR only): blocks per row and row quads of a CTA tile (defaults: the
@@ -223,7 +223,8 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
     run the GPU tiling's draw offsets). Round-to-nearest tiling on the GPU (tuning only,
     same results): ``kt`` tiles of 256 blocks per pipeline step, ``chunk`` blocks per
     register tile (64, 128 or 256), ``steps`` pipeline steps per CTA (double-buffered
-    when > 1); by default (``kt=None``) one tile per step and up to 4 steps per CTA."""
+    when > 1); by default one tile per step and up to 4 steps per CTA (one step per CTA
+    when only ``kt`` is given)."""
     if not supported_rows(x.shape, x.dtype, sr):
         raise ValueError(f"fq_rows needs bf16 (R, C), C % 16 == 0, R*C % {16 * SUB} == 0 "
                          f"(with a key also R % 4 == 0 and C % {16 * GR[-1]} == 0), got "
@@ -252,10 +253,9 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
     # 140.6 us with the amax pass at 8192^2 (86.8% of copy bandwidth) against 159.2 us for
     # two tiles per step and one step per CTA, where the "auto" branch doubles a body of
     # two tiles (rn alone: 148.1 us, table alone: 140.9 us but exact only for safe dec).
-    if kt is None:
-        kt = 1
-        if steps == 1:
-            steps = _pick_block(ns, (4, 2, 1))
+    if steps is None:
+        steps = _pick_block(ns, (4, 2, 1)) if kt is None else 1
+    kt = 1 if kt is None else kt
     if ns % (kt * steps) or chunk not in (64, 128, 256):
         raise ValueError(f"fq_rows tiling: kt={kt} x steps={steps} must divide {ns} tiles "
                          f"of {SUB} blocks, chunk={chunk} must be 64, 128 or 256")
