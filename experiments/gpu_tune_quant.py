@@ -108,12 +108,19 @@ def main() -> None:
     signs = jnp.asarray(default_signs(16))
     checks = hard_inputs()
 
-    def xla(axis, rht=False):
+    key = jax.random.key(5)
+
+    def xla(axis, rht=False, sr=False, block_2d=False):
+        """The XLA path's bf16 ``data * scale`` (the reference every kernel is held to)."""
         def f(a):
             xin = random_hadamard_transform(a, axis=0, size=16, signs=signs) if rht else a
-            return qz.scaled_data(qz._quantize_impl(xin, None, NVFP4, axis, False, "nearest"),
-                                  jnp.bfloat16)
+            q = qz._quantize_impl(xin, key if sr else None, NVFP4, axis, block_2d,
+                                  "stochastic" if sr else "nearest")
+            return qz.scaled_data(q, jnp.bfloat16)
         return f
+
+    def rows_kernel(a, **kw):
+        return fq.fq_rows(a, **kw)[0]
 
     def xla_packed(a):
         p, s, _ = dispatch.quantize_packed(a, backend="xla")
@@ -126,10 +133,9 @@ def main() -> None:
                      for st in (2, 4)]
         variants += [dict(recip="rn", kt=1, chunk=128, steps=st) for st in (2, 4)]
         variants += [dict(recip="rn", kt=2, chunk=128), dict(recip="rn", kt=1, steps=8)]
-        groups.append(("1x16 rows RtN", xla(-1), lambda a, **kw: fq.fq_rows(a, **kw)[0],
-                       variants, 6.0))
+        groups.append(("1x16 rows RtN", xla(-1), rows_kernel, variants, 6.0))
     if "rows2" in which:  # the default against the previous default (run 28's 159.7 us)
-        groups.append(("1x16 rows RtN", xla(-1), lambda a, **kw: fq.fq_rows(a, **kw)[0],
+        groups.append(("1x16 rows RtN", xla(-1), rows_kernel,
                        [dict(), dict(kt=2, steps=1), dict(kt=1, steps=4, recip="rn")], 6.0))
     if "packed" in which:
         variants = [dict()] + [dict(recip=rc, block=kt, steps_per_cta=st)
@@ -142,25 +148,12 @@ def main() -> None:
         groups.append(("16x1 cols RHT RtN", xla(0, rht=True),
                        lambda a, **kw: fq.fq_cols(a, signs=signs, **kw)[0], variants, 6.0))
     if "exact" in which:  # every operand kernel of dot, default configuration
-        key = jax.random.key(5)
-
-        def xla_sr(axis, rht=False):
-            def f(a):
-                xin = random_hadamard_transform(a, axis=0, size=16, signs=signs) if rht else a
-                return qz.scaled_data(qz._quantize_impl(xin, key, NVFP4, axis, False,
-                                                        "stochastic"), jnp.bfloat16)
-            return f
-
-        def xla_2d(a):
-            return qz.scaled_data(qz._quantize_impl(a, None, NVFP4, -1, True, "nearest"),
-                                  jnp.bfloat16)
-
         cases = [("rows RtN", xla(-1), lambda a: fq.fq_rows(a)[0]),
-                 ("rows SR", xla_sr(-1), lambda a: fq.fq_rows(a, key)[0]),
-                 ("2d RtN", xla_2d, lambda a: fq.fq_2d(a)[0]),
+                 ("rows SR", xla(-1, sr=True), lambda a: fq.fq_rows(a, key)[0]),
+                 ("2d RtN", xla(-1, block_2d=True), lambda a: fq.fq_2d(a)[0]),
                  ("cols RtN", xla(0), lambda a: fq.fq_cols(a)[0]),
                  ("cols RHT RtN", xla(0, rht=True), lambda a: fq.fq_cols(a, signs=signs)[0]),
-                 ("cols RHT SR", xla_sr(0, rht=True),
+                 ("cols RHT SR", xla(0, rht=True, sr=True),
                   lambda a: fq.fq_cols(a, key, signs=signs)[0])]
         for name, fx, fk in cases:
             for i, a in enumerate(checks + [x]):
