@@ -21,7 +21,6 @@ use float32 with ``Precision.HIGHEST``.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import jax
@@ -32,6 +31,7 @@ from fp4jax import quantize as qz
 from fp4jax.formats import NVFP4
 from fp4jax.hadamard import random_hadamard_transform, resolve_signs
 from fp4jax.recipes import GemmSpec, QuantSpec, Recipe, nvfp4
+from pallas_kernels import dispatch
 
 __all__ = ["dot", "dot_general"]
 
@@ -50,93 +50,18 @@ def _subkey(key: jax.Array, gemm: str, which: str) -> jax.Array:
     return jax.random.fold_in(key, _KEY_IDX[(gemm, which)])
 
 
-def _on_sm90() -> bool:
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:
-        return False
-    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
-
-
-KERNEL_AUTO_MIN_MKN = 2**31
-"""``FP4JAX_KERNELS=auto`` uses the kernels only for GEMMs with ``M*K*N`` at least this
-(16384 x 512 x 256). Measured on an H200 (``experiments/results/KERNELS.md``, runs 17-22):
-the kernel path's forward + backward was faster than the XLA path at every size measured
-alone, 2048^3 (218 vs 349 us), 16384x512x2048 (603 vs 1,222 us), 16384x2048x512,
-8192x2048x2048 and 8192^3 (5,135 vs 7,634 us); and training the ``small`` preset with every
-GEMM on the kernels (``FP4JAX_KERNELS=on``; its smallest GEMMs are 16384 x 512 x 256) ran
-at 477k tokens/s vs 383k on the XLA path (run 22). Smaller GEMMs are not measured and
-stay on XLA."""
-
-
-_ENV_OFF = ("off", "0", "xla")  # FP4JAX_KERNELS spellings that force XLA
-_ENV_ON = ("on", "1", "pallas")  # ... that force the kernels
-
-
-def _kernels_env() -> str:
-    return os.environ.get("FP4JAX_KERNELS", "auto").lower()
-
-
-def _kernel_gemm_env() -> str:
-    """``FP4JAX_KERNEL_GEMM``: the kernel path's GEMMs on the Pallas ``gemm_alpha``
-    kernel (``pallas``, the default) or on XLA's ``dot_general`` followed by the alpha
-    multiply (``xla``: bit-identical to the XLA path)."""
-    env = os.environ.get("FP4JAX_KERNEL_GEMM", "pallas").lower()
-    if env not in ("pallas", "xla"):
-        raise ValueError(f"FP4JAX_KERNEL_GEMM={env!r}: use pallas or xla")
-    return env
-
-
-def kernel_mode(mkn: int | None = None) -> str:
-    """How ``dot`` runs NVFP4 quantization: ``"on"`` (Pallas Mosaic GPU kernels,
-    ``pallas_kernels/``), ``"off"`` (XLA) or ``"interpret"`` (the kernels in Mosaic GPU
-    interpret mode: for CPU tests only).
-
-    The environment variable ``FP4JAX_KERNELS`` decides: ``off``/``0``/``xla`` force XLA;
-    ``on``/``1``/``pallas`` use the kernels whenever the default device is an sm_90
-    (Hopper) GPU; unset or ``auto`` (the default) use them on an sm_90 GPU when this
-    JAX sees a single device (``jax.device_count() == 1``: a Pallas call inside a
-    multi-device, sharded ``jit`` is not partitioned by XLA, so data-parallel runs keep
-    the XLA path unless forced) and the GEMM is large: ``mkn`` (``M*K*N`` of an unbatched
-    call; ``dot_general`` passes 0 for batched ones, which the kernels do not cover) at
-    least ``KERNEL_AUTO_MIN_MKN``. Under ``jax.vmap`` the operands take the XLA path.
-    Either way the results are the same bits (the kernels are
-    tested against the XLA path). The setting is part of the trace cache key: a change
-    takes effect on the next call of ``dot``.
-    """
-    env = _kernels_env()
-    if env in _ENV_OFF:
-        return "off"
-    if env == "interpret":
-        return "interpret"
-    if env in _ENV_ON:
-        return "on" if _on_sm90() else "off"
-    if env not in ("", "auto"):
-        raise ValueError(f"FP4JAX_KERNELS={env!r}: use auto, on or off")
-    big = mkn is None or mkn >= KERNEL_AUTO_MIN_MKN
-    return "on" if big and _on_sm90() and jax.device_count() == 1 else "off"
-
-
-def kernels_enabled() -> bool:
-    """Whether ``dot`` may use the Pallas kernels (``kernel_mode() != "off"``, i.e. for
-    GEMMs of any size; ``auto`` still skips the small ones)."""
-    return kernel_mode() != "off"
-
-
 def _quant(x: jax.Array, spec: QuantSpec, axis: int, key: jax.Array,
            use_kernels: bool = False) -> Operand:
     """Quantize one operand per its spec (or pass it through when unquantized).
 
-    With ``use_kernels`` (see ``kernels_enabled``) the fused NVFP4 quantize kernels take
-    the cases they cover (round-to-nearest bf16; 1x16 blocks along the last axis, or
-    16x16 tiles); everything else runs the XLA reference.
+    With ``use_kernels`` the dispatcher's packed NVFP4 quantize kernels take the cases
+    they cover (round-to-nearest bf16; 1x16 blocks along the last axis, or 16x16 tiles);
+    everything else runs the XLA reference.
     """
     if not spec.quantized:
         return x
     if (spec.fmt == NVFP4 and spec.rounding == "nearest" and use_kernels
             and (spec.block_2d or axis % x.ndim == x.ndim - 1)):
-        from pallas_kernels import dispatch
-
         if dispatch.is_supported("quantize", x.shape, x.dtype, fmt=spec.fmt, axis=-1,
                                  block_2d=spec.block_2d):
             return dispatch.quantize(x, spec.fmt, axis=-1, block_2d=spec.block_2d,
@@ -217,22 +142,10 @@ def _scaled_path_applies(recipe: Recipe) -> bool:
 
 
 def _kernel_for(x: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: jax.Array):
-    """Which fused kernel makes this operand (``"rows"``, ``"cols"``, ``"2d"``) or None
-    (the XLA path). ``x`` is canonical (B, R, C); ``axis`` 1 or 2 is the blocked axis."""
-    from pallas_kernels import fakequant_nvfp4_sm90 as fq
-
-    if x.shape[0] != 1 or x.dtype != jnp.bfloat16:
-        return None
-    if spec.stochastic and "threefry" not in str(jax.random.key_impl(key)).lower():
-        return None  # the kernels compute threefry draws (numerics.draws_from_key)
-    mat = x.shape[1:]
-    if spec.block_2d:
-        ok = not g.hadamard and not spec.stochastic and fq.supported_2d(mat, x.dtype)
-        return "2d" if ok else None
-    if axis == 2:
-        ok = not g.hadamard and fq.supported_rows(mat, x.dtype, spec.stochastic)
-        return "rows" if ok else None
-    return "cols" if g.hadamard in (0, 16) and fq.supported_cols(mat, x.dtype) else None
+    """The dispatcher's fused kernel for this operand (``"rows"``, ``"cols"``, ``"2d"``) or
+    None (the XLA path). ``x`` is canonical (B, R, C); ``axis`` 1 or 2 is the blocked axis."""
+    return dispatch.operand_kernel(x, block_2d=spec.block_2d, axis=axis,
+                                   stochastic=spec.stochastic, rht=g.hadamard, key=key)
 
 
 def _scaled_operands(x: jax.Array, ops: tuple, key: jax.Array, kmode: str
@@ -277,32 +190,11 @@ def _scaled_operands(x: jax.Array, ops: tuple, key: jax.Array, kmode: str
 
 
 def _kernel_operands(x, ops, kinds, key, kmode):
-    from pallas_kernels import fakequant_nvfp4_sm90 as fq
-
-    kw = {}
-    if kmode == "interpret":  # CPU tests: Mosaic GPU's interpret mode (JAX >= 0.10)
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-        kw["interpret"] = InterpretGPUParams()
-    m = x[0]
+    sr_keys = [_subkey(key, gemm, which) if spec.stochastic else None
+               for (_, spec, _, gemm, which) in ops]
     signs = [_rht_signs(op[0], key, op[3]) if kind == "cols" and op[0].hadamard else None
              for op, kind in zip(ops, kinds, strict=True)]
-    amax = rht_amax = None
-    rot = [i for i, sg in enumerate(signs) if sg is not None]
-    if kinds.count("rows") == 1 and len(rot) == 1:  # x (fprop, wgrad) or dy (dgrad, wgrad)
-        amax, rht_amax = fq.cols_amaxes(m, signs[rot[0]], **kw)
-    res = []
-    for (_, spec, _, gemm, which), kind, sg in zip(ops, kinds, signs, strict=True):
-        sr_key = _subkey(key, gemm, which) if spec.stochastic else None
-        if kind == "2d":
-            o, dec = fq.fq_2d(m, **kw)
-        elif kind == "rows":
-            o, dec = fq.fq_rows(m, sr_key, amax=amax, **kw)
-        else:
-            o, dec = fq.fq_cols(m, sr_key, signs=sg, amax=rht_amax if sg is not None else None,
-                                **kw)
-        res.append((o[None], dec))
-    return res
+    return dispatch.make_operands(x, kinds, sr_keys, signs, kmode)
 
 
 _GEMM_LAYOUTS = {"bmk,bkn->bmn": (False, False),  # fprop: x @ w
@@ -312,22 +204,16 @@ _GEMM_LAYOUTS = {"bmk,bkn->bmn": (False, False),  # fprop: x @ w
 
 def _gemm_kernel_path(subscripts: str, av: jax.Array, bv: jax.Array, sa: Any, sb: Any,
                       out_dtype: Any, kmode: str, gemm: str) -> jax.Array:
-    """One GEMM of the kernel path: ``(sa * sb * einsum(av, bv)).astype(out_dtype)`` on the
-    Pallas ``gemm_alpha`` kernel (alpha in the epilogue, one rounding) when ``gemm ==
-    "pallas"``, on an sm_90 GPU (``kmode == "on"``), for unbatched bf16 operands, a bf16
-    output and tile-aligned sizes of at least ``gemm_alpha_sm90.MIN_MKN`` (4096^3: below
-    it XLA's GEMM was as fast or faster, and faster in training); else ``_einsum_scaled``
-    (XLA, the XLA path's bits)."""
-    from pallas_kernels import gemm_alpha_sm90 as ga
-
+    """One GEMM of the kernel path: ``(sa * sb * einsum(av, bv)).astype(out_dtype)``, on
+    the dispatcher's scaled GEMM kernel where it takes it (``dispatch.scaled_gemm``:
+    unbatched bf16 operands, both tensor scales), else ``_einsum_scaled`` (XLA, the XLA
+    path's bits)."""
     trans_a, trans_b = _GEMM_LAYOUTS[subscripts]
-    a, b = av[0], bv[0]
-    m, k = a.shape[::-1] if trans_a else a.shape
-    n = b.shape[0] if trans_b else b.shape[1]
-    if (gemm == "pallas" and kmode == "on" and av.shape[0] == 1 and sa is not None
-            and sb is not None and jnp.dtype(out_dtype) == jnp.bfloat16
-            and ga.preferred(m, k, n)):
-        return ga.gemm_alpha(a, b, sa * sb, trans_a=trans_a, trans_b=trans_b)[None]
+    if av.shape[0] == 1 and sa is not None and sb is not None:
+        y = dispatch.scaled_gemm(av[0], bv[0], sa * sb, trans_a=trans_a, trans_b=trans_b,
+                                 out_dtype=out_dtype, mode=kmode, gemm=gemm)
+        if y is not None:
+            return y[None]
     return _einsum_scaled(subscripts, av, bv, sa, sb,
                           jax.lax.Precision.HIGHEST).astype(out_dtype)
 
@@ -511,8 +397,8 @@ def dot_general(
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
     fn = _make_dot3(recipe, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype),
                     _hashable_precision(precision),
-                    kernel_mode(M * K * N if B == 1 else 0),  # the kernels need B == 1
-                    _kernels_env() in _ENV_ON, _kernel_gemm_env())
+                    dispatch.kernel_mode(M * K * N if B == 1 else 0),  # kernels need B == 1
+                    dispatch.kernels_forced(), dispatch.gemm_backend())
     y3 = fn(x3, w3, key)
     return y3.reshape(*bshape, *lfshape, *rfshape)
 

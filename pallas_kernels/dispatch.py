@@ -1,39 +1,52 @@
-"""Entry points that fp4jax calls: the Pallas Mosaic GPU kernels where they apply,
-the XLA reference path everywhere else.
+"""The one dispatcher between fp4jax and its Pallas Mosaic GPU kernels.
 
-Every function takes ``backend``: ``"auto"`` (kernels on an sm_90 GPU when the shape,
-dtype and options are supported, else XLA), ``"pallas"`` (kernels or a ValueError that
-says why not) or ``"xla"`` (always the reference). The environment variable
-``FP4JAX_KERNELS=off`` turns ``"auto"`` into ``"xla"`` (``=on`` turns it into
-``"pallas"``); it is read at call (trace) time, nothing is cached.
+Every kernel-backed operation has one entry here, whose meaning is a core XLA function
+(the reference it is tested against) and whose Hopper (sm_90) kernels live beside it,
+grouped by operation: ``pallas_kernels/quantize/`` (``operand_sm90``: the bf16
+``data * scale`` GEMM operands of ``fp4jax.dot``; ``packed_sm90``: packed codes and
+scales; ``common_sm90``: their shared numerics) and ``pallas_kernels/gemm/``
+(``alpha_sm90``: the GEMM with the tensor scales in its epilogue; ``w4a16_sm90``;
+``w4a4_sm90``). This module is the only place that reads the environment variables
+``FP4JAX_KERNELS`` and ``FP4JAX_KERNEL_GEMM`` and decides which backend runs.
 
-What the kernels cover (everything else goes to XLA under ``"auto"``):
+Operations (reference in parentheses):
 
-* ``quantize``: NVFP4, bfloat16 input; 1x16 blocks along the last axis, round-to-nearest
-  (element count / 16 a multiple of 256, last axis a multiple of 16) or stochastic
-  (rows % 4 == 0, last axis % 1024 == 0, a threefry key), or 16x16 tiles over the last
-  two axes (``block_2d=True``, round-to-nearest: rows a multiple of 16, last axis a
-  multiple of 1024; leading axes are stacked matrices), or 16x1 blocks along axis 0 of a
-  2D (tokens, features) tensor, round-to-nearest or stochastic, optionally after the
-  16-point RHT along the tokens (``quantize_cols_packed``: tokens % 256 == 0, features %
-  256 == 0; codes written transposed, (C, R/2)). Bit-identical to ``fp4jax.quantize``
-  (codes, E4M3 scale bits, tensor scale).
-* ``w4a16_matmul``: ``x (M, K) bf16 @ W`` with W an NVFP4 ``QuantizedArray`` (K, N)
-  scaled along K (1x16 along axis 0, or 16x16 tiles); M <= 256, K % 64 == 0,
-  N % 64 == 0 (`pallas_kernels/w4a16_sm90.py`). Equal to ``x @ dequantize(W)`` up to
-  float32 accumulation order.
-* ``w4a4_matmul``: NVFP4 or MXFP4 A (M, K) @ NVFP4 or MXFP4 B (K, N), both scaled along
-  K; two-pass (decode kernel + XLA bf16 GEMM: M % 64, N % 64, K % 256 == 0; both formats)
-  or fused (NVFP4 only; M % 64, N % 128, K % 128 == 0). Equal to
-  ``dequantize(A) @ dequantize(B)`` up to float32 accumulation order.
+* ``fp4jax.dot``'s operands and GEMMs (``fp4jax.dot``'s XLA path):
+  ``kernel_mode`` (whether a ``dot`` call uses kernels), ``operand_kernel`` (which fused
+  kernel makes one operand, or None), ``make_operands`` (run them), ``scaled_gemm``
+  (the GEMM with ``alpha = dec_a * dec_b`` in its epilogue, or None for XLA's);
+* ``quantize`` / ``quantize_packed`` (``fp4jax.quantize``): NVFP4, bfloat16 input; 1x16
+  blocks along the last axis, round-to-nearest (element count / 16 a multiple of 256,
+  last axis a multiple of 16) or stochastic (rows % 4 == 0, last axis % 1024 == 0, a
+  threefry key), or 16x16 tiles over the last two axes (``block_2d=True``,
+  round-to-nearest: rows a multiple of 16, last axis a multiple of 1024; leading axes
+  are stacked matrices). Bit-identical to ``fp4jax.quantize`` (codes, E4M3 scale bits,
+  tensor scale);
+* ``w4a16_matmul`` (``x @ dequantize(W)``): W an NVFP4 ``QuantizedArray`` (K, N) scaled
+  along K (1x16 along axis 0, or 16x16 tiles); M <= 256, K % 64 == 0, N % 64 == 0.
+  Equal up to float32 accumulation order;
+* ``w4a4_matmul`` (``dequantize(A) @ dequantize(B)``): NVFP4 or MXFP4 operands scaled
+  along K; decode kernel + bf16 GEMM (M % 64, N % 64, K % 256 == 0). Equal up to float32
+  accumulation order.
+
+The packed-output functions take ``backend``: ``"auto"`` (kernels on an sm_90 GPU when
+the shape, dtype and options are supported, else XLA), ``"pallas"`` (kernels or a
+ValueError that says why not) or ``"xla"`` (always the reference). ``FP4JAX_KERNELS=off``
+turns ``"auto"`` into ``"xla"`` (``=on`` into ``"pallas"``); it is read at call (trace)
+time, nothing is cached. Kernel modules are imported on first use (they load Pallas).
+This module imports core modules of ``fp4jax`` only, never the package root.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from fp4jax import quantize as qz
+from fp4jax.formats import NVFP4, get_format
 
 BACKENDS = ("auto", "pallas", "xla")
 
@@ -50,25 +63,187 @@ def on_sm90() -> bool:
     return cc.startswith("9")
 
 
+# ---------------------------------------------------------------------------
+# The environment: FP4JAX_KERNELS and FP4JAX_KERNEL_GEMM (read here only).
+# ---------------------------------------------------------------------------
+
+_ENV_OFF = ("off", "0", "xla")  # FP4JAX_KERNELS spellings that force XLA
+_ENV_ON = ("on", "1", "pallas")  # ... that force the kernels
+
+
+def _kernels_env() -> str:
+    return os.environ.get("FP4JAX_KERNELS", "auto").lower()
+
+
+def kernels_forced() -> bool:
+    """Whether ``FP4JAX_KERNELS`` forces the kernels (``on``/``1``/``pallas``)."""
+    return _kernels_env() in _ENV_ON
+
+
+def gemm_backend() -> str:
+    """``FP4JAX_KERNEL_GEMM``: the kernel path's GEMMs on the Pallas ``gemm_alpha``
+    kernel (``pallas``, the default) or on XLA's ``dot_general`` followed by the alpha
+    multiply (``xla``: bit-identical to the XLA path)."""
+    env = os.environ.get("FP4JAX_KERNEL_GEMM", "pallas").lower()
+    if env not in ("pallas", "xla"):
+        raise ValueError(f"FP4JAX_KERNEL_GEMM={env!r}: use pallas or xla")
+    return env
+
+
 def _resolve(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     env = os.environ.get("FP4JAX_KERNELS", "").lower()
-    if backend == "auto" and env in ("off", "0", "xla"):
+    if backend == "auto" and env in _ENV_OFF:
         return "xla"
-    if backend == "auto" and env in ("on", "1", "pallas"):
+    if backend == "auto" and env in _ENV_ON:
         return "pallas"
     return backend
 
 
 def _nvfp4(fmt) -> bool:
-    import fp4jax
+    return fmt == NVFP4 or fmt == "nvfp4"
 
-    return fmt == fp4jax.NVFP4 or fmt == "nvfp4"
+
+def _interpret_kw(mode: str) -> dict:
+    """Kernel keyword arguments for ``mode``: Mosaic GPU's interpret mode for
+    ``"interpret"`` (CPU tests, JAX >= 0.10), nothing otherwise."""
+    if mode != "interpret":
+        return {}
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return {"interpret": InterpretGPUParams()}
+
+
+def _is_threefry(key) -> bool:
+    return "threefry" in str(jax.random.key_impl(key)).lower()
 
 
 # ---------------------------------------------------------------------------
-# Quantize.
+# fp4jax.dot: the GEMM operands (bf16 data * scale) and the scaled GEMM.
+# Reference: fp4jax.dot's XLA path (fp4jax.quantize + scaled_data, einsum * alpha).
+# Kernels: quantize/operand_sm90.py, gemm/alpha_sm90.py.
+# ---------------------------------------------------------------------------
+
+KERNEL_AUTO_MIN_MKN = 2**31
+"""``FP4JAX_KERNELS=auto`` uses the kernels only for GEMMs with ``M*K*N`` at least this
+(16384 x 512 x 256). Measured on an H200 (``experiments/results/kernels/KERNELS.md``,
+runs 17-22): the kernel path's forward + backward was faster than the XLA path at every
+size measured alone, 2048^3 (218 vs 349 us), 16384x512x2048 (603 vs 1,222 us),
+16384x2048x512, 8192x2048x2048 and 8192^3 (5,135 vs 7,634 us); and training the
+``small`` preset with every GEMM on the kernels (``FP4JAX_KERNELS=on``; its smallest GEMMs
+are 16384 x 512 x 256) ran at 477k tokens/s vs 383k on the XLA path (run 22). Smaller
+GEMMs are not measured and stay on XLA."""
+
+
+def kernel_mode(mkn: int | None = None) -> str:
+    """How ``fp4jax.dot`` runs NVFP4 quantization: ``"on"`` (the Pallas kernels),
+    ``"off"`` (XLA) or ``"interpret"`` (the kernels in Mosaic GPU interpret mode: for CPU
+    tests only).
+
+    ``FP4JAX_KERNELS`` decides: ``off``/``0``/``xla`` force XLA; ``on``/``1``/``pallas``
+    use the kernels whenever the default device is an sm_90 (Hopper) GPU; unset or
+    ``auto`` (the default) use them on an sm_90 GPU when this JAX sees a single device
+    (``jax.device_count() == 1``: a Pallas call inside a multi-device, sharded ``jit`` is
+    not partitioned by XLA, so data-parallel runs keep the XLA path unless forced) and
+    the GEMM is large: ``mkn`` (``M*K*N`` of an unbatched call; ``dot_general`` passes 0
+    for batched ones, which the kernels do not cover) at least ``KERNEL_AUTO_MIN_MKN``.
+    Under ``jax.vmap`` the operands take the XLA path. Either way the results are the
+    same bits (the kernels are tested against the XLA path). The setting is part of
+    ``dot``'s trace cache key: a change takes effect on the next call of ``dot``.
+    """
+    env = _kernels_env()
+    if env in _ENV_OFF:
+        return "off"
+    if env == "interpret":
+        return "interpret"
+    if env in _ENV_ON:
+        return "on" if on_sm90() else "off"
+    if env not in ("", "auto"):
+        raise ValueError(f"FP4JAX_KERNELS={env!r}: use auto, on or off")
+    big = mkn is None or mkn >= KERNEL_AUTO_MIN_MKN
+    return "on" if big and on_sm90() and jax.device_count() == 1 else "off"
+
+
+def operand_kernel(x: jax.Array, *, block_2d: bool, axis: int, stochastic: bool,
+                   rht: int, key: jax.Array) -> str | None:
+    """Which fused kernel of ``quantize/operand_sm90`` makes the NVFP4 GEMM operand
+    ``scaled_data(quantize(RHT(x)), bfloat16)``: ``"rows"`` (1x16 along the last axis),
+    ``"cols"`` (16x1 along the token axis, with the 16-point RHT if ``rht``), ``"2d"``
+    (16x16 tiles), or None (the XLA path).
+
+    ``x`` is ``fp4jax.dot``'s canonical (B, R, C) operand; ``axis`` (1 or 2) its blocked
+    axis; ``rht`` the RHT size (0: none) along ``axis``; ``key`` the call's key (SR
+    kernels compute Threefry draws, so other key implementations take the XLA path)."""
+    from pallas_kernels.quantize import operand_sm90 as fq
+
+    if x.shape[0] != 1 or x.dtype != jnp.bfloat16:
+        return None
+    if stochastic and not _is_threefry(key):
+        return None  # the kernels compute threefry draws (numerics.draws_from_key)
+    mat = x.shape[1:]
+    if block_2d:
+        ok = not rht and not stochastic and fq.supported_2d(mat, x.dtype)
+        return "2d" if ok else None
+    if axis == 2:
+        ok = not rht and fq.supported_rows(mat, x.dtype, stochastic)
+        return "rows" if ok else None
+    return "cols" if rht in (0, 16) and fq.supported_cols(mat, x.dtype) else None
+
+
+def make_operands(x: jax.Array, kinds: list[str], sr_keys: list[Any], signs: list[Any],
+                  mode: str) -> list[tuple[jax.Array, jax.Array]]:
+    """Run the fused operand kernels on one tensor ``x`` (1, R, C) bfloat16.
+
+    ``kinds[i]`` is ``operand_kernel``'s answer for operand ``i``, ``sr_keys[i]`` its
+    stochastic-rounding key (None: round to nearest), ``signs[i]`` its RHT sign vector
+    (``"cols"`` only; None: no RHT). Returns ``(scaled_data in bf16 (1, R, C), tensor
+    decode scale)`` per operand. A rows operand and one RHT'd cols operand of the same
+    tensor take both tensor amaxes from one read (``cols_amaxes``)."""
+    from pallas_kernels.quantize import operand_sm90 as fq
+
+    kw = _interpret_kw(mode)
+    m = x[0]
+    amax = rht_amax = None
+    rot = [i for i, sg in enumerate(signs) if sg is not None]
+    if kinds.count("rows") == 1 and len(rot) == 1:  # x (fprop, wgrad) or dy (dgrad, wgrad)
+        amax, rht_amax = fq.cols_amaxes(m, signs[rot[0]], **kw)
+    res = []
+    for kind, sr_key, sg in zip(kinds, sr_keys, signs, strict=True):
+        if kind == "2d":
+            o, dec = fq.fq_2d(m, **kw)
+        elif kind == "rows":
+            o, dec = fq.fq_rows(m, sr_key, amax=amax, **kw)
+        else:
+            o, dec = fq.fq_cols(m, sr_key, signs=sg, amax=rht_amax if sg is not None else None,
+                                **kw)
+        res.append((o[None], dec))
+    return res
+
+
+def scaled_gemm(a: jax.Array, b: jax.Array, alpha: jax.Array, *, trans_a: bool,
+                trans_b: bool, out_dtype: Any, mode: str, gemm: str | None = None
+                ) -> jax.Array | None:
+    """``(alpha * op(a) @ op(b)).astype(out_dtype)`` on the Pallas ``gemm_alpha`` kernel
+    (``gemm/alpha_sm90``: alpha in the epilogue, one rounding), or None where XLA's GEMM
+    runs instead: unless ``gemm`` (default: ``gemm_backend()``, i.e.
+    ``FP4JAX_KERNEL_GEMM``) is ``pallas`` (the default), ``mode`` is
+    ``"on"`` (an sm_90 GPU), the output bf16 and the sizes tile-aligned and at least
+    ``alpha_sm90.MIN_MKN`` (below it XLA's GEMM was as fast or faster, and faster in
+    training). ``a``, ``b``: 2D bf16, ``op`` the transpose where asked."""
+    from pallas_kernels.gemm import alpha_sm90 as ga
+
+    m, k = a.shape[::-1] if trans_a else a.shape
+    n = b.shape[0] if trans_b else b.shape[1]
+    gemm = gemm_backend() if gemm is None else gemm
+    if (gemm == "pallas" and mode == "on"
+            and jnp.dtype(out_dtype) == jnp.bfloat16 and ga.preferred(m, k, n)):
+        return ga.gemm_alpha(a, b, alpha, trans_a=trans_a, trans_b=trans_b)
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Quantize to packed NVFP4. Reference: fp4jax.quantize. Kernels: quantize/packed_sm90.py.
 # ---------------------------------------------------------------------------
 
 
@@ -91,28 +266,15 @@ def _key_reason(key) -> str | None:
     return None
 
 
-COLS_KERNEL_IN_AUTO = False
-"""Whether ``backend="auto"`` routes 16x1 quantization along axis 0 to the packed kernel
-(``quantize_cols_nvfp4_sm90``). Off: it is bit-exact in interpret mode and lowers for CUDA
-with JAX 0.10.2 and (since commit 69289fa) 0.11.2, but on the H200 its codes and scales
-differ from ``fp4jax.quantize`` in about half the bytes (run 31), so on a GPU even
-``backend="pallas"`` refuses it unless ``FP4JAX_UNSAFE_COLS_KERNEL=1`` (for debugging)."""
-
-
 def quantize_unsupported_reason(shape, dtype, *, fmt=None, axis=-1, block_2d=False,
-                                rounding="nearest", rht: bool = False,
-                                key=None, explicit: bool = False) -> str | None:
+                                rounding="nearest", key=None) -> str | None:
     """None when a quantize kernel handles these arguments, else the reason.
 
     Kernels: 1x16 blocks along the last axis, round-to-nearest (``quantize_nvfp4_1x16``)
-    or stochastic (``quantize_nvfp4_1x16_sr``); 16x16 tiles, round-to-nearest; 16x1
-    blocks along axis 0 of a 2D (tokens, features) tensor, optionally after the RHT
-    (``rht``), either rounding (``quantize_cols_nvfp4_sm90``). Stochastic rounding needs
-    a threefry ``key`` (checked when given). ``explicit``: the caller asked for the kernel
-    (``backend="pallas"``), which also admits kernels kept out of ``auto``
-    (``COLS_KERNEL_IN_AUTO``)."""
-    from pallas_kernels import quantize_cols_nvfp4_sm90 as qc
-    from pallas_kernels import quantize_nvfp4_sm90 as qk
+    or stochastic (``quantize_nvfp4_1x16_sr``); 16x16 tiles, round-to-nearest.
+    Stochastic rounding needs a threefry ``key`` (checked when given). Blocks along
+    another axis (e.g. 16x1 along the token axis) take the XLA path."""
+    from pallas_kernels.quantize import packed_sm90 as qk
 
     if fmt is not None and not _nvfp4(fmt):
         return "kernel implements NVFP4 only"
@@ -125,8 +287,6 @@ def quantize_unsupported_reason(shape, dtype, *, fmt=None, axis=-1, block_2d=Fal
     if block_2d:
         if sr:
             return "16x16 kernel implements round-to-nearest only (no stochastic rounding)"
-        if rht:
-            return "16x16 kernel has no RHT (the RHT runs along the token axis, axis=0)"
         if len(shape) < 2:
             return "16x16 tiles need >= 2 dims"
         if shape[-2] % 16 or not qk.supported_2d((_rows(shape), shape[-1]), dtype):
@@ -135,25 +295,9 @@ def quantize_unsupported_reason(shape, dtype, *, fmt=None, axis=-1, block_2d=Fal
         return None if on_sm90() else "no sm_90 GPU"
     if len(shape) < 1 or not -len(shape) <= axis < len(shape):
         return f"axis={axis} out of range for shape {tuple(shape)}"
-    if len(shape) == 2 and axis % 2 == 0:  # 16x1 along the token axis
-        reason = qc.unsupported_reason(shape, dtype)
-        if reason is not None:
-            return f"16x1 (axis=0) kernel: {reason}"
-        if not (explicit or COLS_KERNEL_IN_AUTO):
-            return ("16x1 (axis=0) packed kernel is kept out of backend='auto' (wrong "
-                    "results on the H200, see COLS_KERNEL_IN_AUTO); the XLA path is exact")
-        if not on_sm90():
-            return "no sm_90 GPU"
-        if os.environ.get("FP4JAX_UNSAFE_COLS_KERNEL") != "1":
-            return ("16x1 (axis=0) packed kernel gives wrong codes on the H200 (GPU run 31) "
-                    "and is disabled; use backend='xla' (exact), or set "
-                    "FP4JAX_UNSAFE_COLS_KERNEL=1 to debug it")
-        return None
     if axis % len(shape) != len(shape) - 1:
-        return ("kernels block along the last axis, or along axis 0 of a 2D (tokens, "
-                "features) tensor")
-    if rht:
-        return "the RHT kernel rotates the token axis: axis=0 of a 2D tensor only"
+        return ("the packed kernels block along the last axis (or 16x16 tiles); other "
+                "axes take the XLA path")
     c, r = shape[-1], _rows(shape)
     if sr:
         if not qk.supported_sr((r, c), dtype):
@@ -168,15 +312,16 @@ def quantize_unsupported_reason(shape, dtype, *, fmt=None, axis=-1, block_2d=Fal
 
 
 def is_supported(op: str, *args, **kwargs) -> bool:
-    """``is_supported("quantize", shape, dtype, fmt=, axis=, block_2d=, rounding=)`` or
-    ``is_supported("w4a16_matmul", m, k, n, q=None)``: True only on an sm_90 GPU."""
+    """``is_supported("quantize", shape, dtype, fmt=, axis=, block_2d=, rounding=)``,
+    ``is_supported("w4a16_matmul", m, k, n, q=None)`` or ``is_supported("w4a4_matmul",
+    m, k, n, qa=None, qb=None)``: True only on an sm_90 GPU."""
     if op == "quantize":
         return quantize_unsupported_reason(*args, **kwargs) is None
     if op == "w4a16_matmul":
         return w4a16_unsupported_reason(*args, **kwargs) is None
     if op == "w4a4_matmul":
         return w4a4_unsupported_reason(*args, **kwargs) is None
-    raise ValueError(f"unknown op {op!r}")
+    raise ValueError(f"unknown op {op!r}: use quantize, w4a16_matmul or w4a4_matmul")
 
 
 def _check_sr_key(rounding: str, key) -> None:
@@ -197,10 +342,9 @@ def quantize_packed(x: jax.Array, *, block_2d: bool = False, rounding: str = "ne
     ``fp4jax.pack_e2m1(q.data)``, ``scale_bits`` the bits of ``q.scale`` (uint8
     (..., C/16), or (..., R/16, C/16) for 16x16) and ``dec`` is ``q.global_scale`` of
     ``q = fp4jax.quantize(x, fp4jax.NVFP4, block_2d=block_2d, rounding=rounding,
-    key=key)``. For 16x1 blocks along the token axis see ``quantize_cols_packed``.
+    key=key)``.
     """
-    import fp4jax
-    from pallas_kernels import quantize_nvfp4_sm90 as qk
+    from pallas_kernels.quantize import packed_sm90 as qk
 
     _check_sr_key(rounding, key)
     backend = _resolve(backend)
@@ -209,8 +353,8 @@ def quantize_packed(x: jax.Array, *, block_2d: bool = False, rounding: str = "ne
     if backend == "pallas" and reason is not None:
         raise ValueError(f"pallas quantize kernel unavailable: {reason}")
     if backend == "xla" or reason is not None:
-        q = fp4jax.quantize(x, fp4jax.NVFP4, block_2d=block_2d, rounding=rounding, key=key)
-        return (fp4jax.pack_e2m1(q.data), jax.lax.bitcast_convert_type(q.scale, jnp.uint8),
+        q = qz.quantize(x, NVFP4, block_2d=block_2d, rounding=rounding, key=key)
+        return (qz.pack_e2m1(q.data), jax.lax.bitcast_convert_type(q.scale, jnp.uint8),
                 q.global_scale)
     c = x.shape[-1]
     if block_2d:
@@ -227,82 +371,31 @@ def quantize_packed(x: jax.Array, *, block_2d: bool = False, rounding: str = "ne
     return (packed.reshape(*x.shape[:-1], c // 2), sbits.reshape(*x.shape[:-1], c // 16), dec)
 
 
-def quantize_cols_packed(x: jax.Array, *, signs=None, key=None, backend: str = "auto"):
-    """NVFP4 16x1 blocks along the token axis (axis 0) of x (R tokens, C features),
-    optionally after the 16-point random Hadamard transform along it (``signs``: the 16
-    +-1 signs, e.g. ``fp4jax.hadamard.default_signs(16)``), stochastic rounding with
-    ``key`` (else round-to-nearest); packed in the transposed (K-major) layout of
-    ``quantize_cols_nvfp4_sm90``.
-
-    Returns ``(codes uint8 (C, R/2), scale_bits uint8 (C, R/16), dec float32)``:
-    ``pack_e2m1(q.data.T)``, ``bitcast(q.scale.T, uint8)``, ``q.global_scale`` of ``q =
-    fp4jax.quantize(xin, NVFP4, axis=0, rounding=..., key=key)`` with ``xin =
-    random_hadamard_transform(x, axis=0, size=16, signs=signs)`` (or ``x``).
-    """
-    import fp4jax
-    from fp4jax.hadamard import random_hadamard_transform
-    from pallas_kernels import quantize_cols_nvfp4_sm90 as qc
-
-    if not hasattr(x, "shape") or len(x.shape) != 2:
-        raise ValueError(f"x must be 2D (tokens, features), got shape "
-                         f"{tuple(getattr(x, 'shape', ()))}")
-    if signs is not None:
-        signs = jnp.asarray(signs, jnp.float32)
-        if signs.shape != (16,):
-            raise ValueError(f"signs must hold 16 values (+-1), got shape {signs.shape}")
-    rounding = "stochastic" if key is not None else "nearest"
-    backend = _resolve(backend)
-    reason = quantize_unsupported_reason(x.shape, x.dtype, axis=0, rounding=rounding,
-                                         rht=signs is not None, key=key,
-                                         explicit=backend == "pallas")
-    if backend == "pallas" and reason is not None:
-        raise ValueError(f"pallas quantize kernel unavailable: {reason}")
-    if backend == "xla" or reason is not None:
-        xin = x if signs is None else random_hadamard_transform(x, axis=0, size=16,
-                                                                signs=signs)
-        q = fp4jax.quantize(xin, fp4jax.NVFP4, axis=0, rounding=rounding, key=key)
-        return (fp4jax.pack_e2m1(q.data.T),
-                jax.lax.bitcast_convert_type(q.scale.T, jnp.uint8), q.global_scale)
-    return qc.quantize_cols_nvfp4(x, key, signs=signs)
-
-
 def quantize(x: jax.Array, fmt=None, *, axis: int = -1, block_2d: bool = False,
              rounding: str = "nearest", key=None, backend: str = "auto"):
     """Drop-in for ``fp4jax.quantize`` that uses a kernel when one applies (1x16 along the
-    last axis with either rounding, 16x16 round-to-nearest, 16x1 along axis 0 of a 2D
-    tensor with either rounding).
+    last axis with either rounding, 16x16 round-to-nearest).
 
     The kernel result is unpacked into a ``QuantizedArray`` (one extra XLA pass over the
-    packed bytes); callers that can consume packed data should use ``quantize_packed`` /
-    ``quantize_cols_packed``.
+    packed bytes); callers that can consume packed data should use ``quantize_packed``.
     """
-    import fp4jax
-    from fp4jax.quantize import QuantizedArray
-
-    fmt = fp4jax.NVFP4 if fmt is None else fmt
+    fmt = NVFP4 if fmt is None else fmt
     _check_sr_key(rounding, key)
     backend = _resolve(backend)
     reason = quantize_unsupported_reason(x.shape, x.dtype, fmt=fmt, axis=axis,
-                                         block_2d=block_2d, rounding=rounding, key=key,
-                                         explicit=backend == "pallas")
+                                         block_2d=block_2d, rounding=rounding, key=key)
     if backend == "pallas" and reason is not None:
         raise ValueError(f"pallas quantize kernel unavailable: {reason}")
     if backend == "xla" or reason is not None:
-        return fp4jax.quantize(x, fmt, axis=axis, block_2d=block_2d, rounding=rounding, key=key)
-    fmt = fp4jax.get_format(fmt)
-    if not block_2d and x.ndim == 2 and axis % 2 == 0:
-        codes, sbits, dec = quantize_cols_packed(x, key=key if rounding == "stochastic"
-                                                 else None, backend="pallas")
-        data = fp4jax.unpack_e2m1(codes, x.shape[0], axis=-1).T
-        scale = jax.lax.bitcast_convert_type(sbits, jnp.float8_e4m3fn).T
-        return QuantizedArray(data, scale, dec, fmt, -2, False)
+        return qz.quantize(x, fmt, axis=axis, block_2d=block_2d, rounding=rounding, key=key)
+    fmt = get_format(fmt)
     packed, sbits, dec = quantize_packed(x, block_2d=block_2d, rounding=rounding, key=key,
                                          backend="pallas")
-    data = fp4jax.unpack_e2m1(packed, x.shape[-1], axis=-1)
+    data = qz.unpack_e2m1(packed, x.shape[-1], axis=-1)
     scale = jax.lax.bitcast_convert_type(sbits, jnp.float8_e4m3fn)
     if block_2d:
-        return QuantizedArray(data, scale, dec, fmt, None, True)
-    return QuantizedArray(data, scale, dec, fmt, -1, False)
+        return qz.QuantizedArray(data, scale, dec, fmt, None, True)
+    return qz.QuantizedArray(data, scale, dec, fmt, -1, False)
 
 
 # ---------------------------------------------------------------------------
@@ -330,8 +423,8 @@ def prepare_weight(q):
     """Kernel layout of an NVFP4 weight ``QuantizedArray`` (K, N): ``(wp, ws, dec)``.
 
     Do this once per weight (an XLA relayout of the codes and scales; see
-    ``pallas_kernels/w4a16_sm90.py``)."""
-    from pallas_kernels import w4a16_sm90 as wk
+    ``pallas_kernels/gemm/w4a16_sm90.py``)."""
+    from pallas_kernels.gemm import w4a16_sm90 as wk
 
     return wk.prepare_weight(q)
 
@@ -343,8 +436,7 @@ def w4a16_matmul(x: jax.Array, q, *, prepared=None, out_dtype=None, backend: str
     ``out_dtype`` defaults to ``x.dtype``. The XLA path computes
     ``dot(x, dequantize(q, float32))`` in float32.
     """
-    import fp4jax
-    from pallas_kernels import w4a16_sm90 as wk
+    from pallas_kernels.gemm import w4a16_sm90 as wk
 
     backend = _resolve(backend)
     out_dtype = x.dtype if out_dtype is None else out_dtype
@@ -359,7 +451,7 @@ def w4a16_matmul(x: jax.Array, q, *, prepared=None, out_dtype=None, backend: str
     if backend == "pallas" and reason is not None:
         raise ValueError(f"pallas W4A16 kernel unavailable: {reason}")
     if backend == "xla" or reason is not None:
-        w = fp4jax.dequantize(q, jnp.float32)
+        w = qz.dequantize(q, jnp.float32)
         y = jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
         return y.astype(out_dtype)
     wp, ws, dec = prepared if prepared is not None else wk.prepare_weight(q)
@@ -371,19 +463,10 @@ def w4a16_matmul(x: jax.Array, q, *, prepared=None, out_dtype=None, backend: str
 # W4A4 GEMM (packed NVFP4 / MXFP4 x packed NVFP4 / MXFP4).
 # ---------------------------------------------------------------------------
 
-W4A4_IMPLS = ("two_pass", "fused")
-
-
-def w4a4_unsupported_reason(m: int, k: int, n: int, qa=None, qb=None,
-                            impl: str = "two_pass") -> str | None:
-    """None when ``w4a4_matmul`` runs a kernel for A (m, k) @ B (k, n), else why not.
-
-    ``two_pass`` (decode kernel + XLA bf16 GEMM) needs M % 64, N % 64 and K % 256 == 0;
-    ``fused`` needs M % 64, N % 128 and K % 128 == 0.
-    """
-    if impl not in W4A4_IMPLS:
-        raise ValueError(f"impl must be one of {W4A4_IMPLS}, got {impl!r}")
-    from pallas_kernels.fp4_gemm_w4a4_sm90 import operand_unsupported_reason, scale_format
+def w4a4_unsupported_reason(m: int, k: int, n: int, qa=None, qb=None) -> str | None:
+    """None when ``w4a4_matmul`` runs the kernel for A (m, k) @ B (k, n), else why not
+    (the decode kernel + bf16 GEMM needs M % 64, N % 64 and K % 256 == 0)."""
+    from pallas_kernels.gemm.w4a4_sm90 import operand_unsupported_reason
 
     for name, q, ax in (("A", qa, 1), ("B", qb, 0)):
         if q is None:
@@ -391,12 +474,8 @@ def w4a4_unsupported_reason(m: int, k: int, n: int, qa=None, qb=None,
         reason = operand_unsupported_reason(q, ax)
         if reason is not None:
             return f"{reason} ({name})"
-        if impl == "fused" and scale_format(q.fmt) != "e4m3":
-            return f"fused kernel implements NVFP4 operands only ({name}: {q.fmt.name})"
-    kq, nq = (256, 64) if impl == "two_pass" else (128, 128)
-    if m % 64 or n % nq or k % kq:
-        return (f"{impl}: M % 64 == 0, N % {nq} == 0 and K % {kq} == 0 needed,"
-                f" got M={m}, K={k}, N={n}")
+    if m % 64 or n % 64 or k % 256:
+        return f"M % 64 == 0, N % 64 == 0 and K % 256 == 0 needed, got M={m}, K={k}, N={n}"
     if not on_sm90():
         return "no sm_90 GPU"
     return None
@@ -404,41 +483,39 @@ def w4a4_unsupported_reason(m: int, k: int, n: int, qa=None, qb=None,
 
 def prepare_w4a4(qa, qb):
     """Kernel layouts of NVFP4 or MXFP4 A (M, K) and B (K, N): ``((aq, as, dec_a), (bq, bs,
-    dec_b))`` (see ``fp4_gemm_w4a4_sm90``). Do this once per weight."""
-    from pallas_kernels import fp4_gemm_w4a4_sm90 as w4
+    dec_b))`` (see ``gemm/w4a4_sm90``). Do this once per weight."""
+    from pallas_kernels.gemm import w4a4_sm90 as w4
 
     return w4.prepare_a(qa), w4.prepare_b(qb)
 
 
 def w4a4_matmul(qa, qb, *, prepared_a=None, prepared_b=None, out_dtype=jnp.bfloat16,
-                impl: str = "two_pass", backend: str = "auto"):
-    """``dequantize(qa) @ dequantize(qb)`` for NVFP4 or MXFP4 (``impl="two_pass"``; the fused
-    kernel: NVFP4) ``qa`` (M, K) and ``qb`` (K, N), both scaled along K. Returns (M, N)
-    ``out_dtype`` (bfloat16 or float32).
+                backend: str = "auto"):
+    """``dequantize(qa) @ dequantize(qb)`` for NVFP4 or MXFP4 (mixed allowed) ``qa`` (M, K)
+    and ``qb`` (K, N), both scaled along K. Returns (M, N) ``out_dtype`` (bfloat16 or
+    float32).
 
     ``prepared_a`` / ``prepared_b``: the kernel layouts (``prepare_w4a4``) if already
-    made. ``impl``: ``"two_pass"`` (decode kernel + XLA bf16 GEMM) or ``"fused"``.
-    The XLA path computes ``dot(dequantize(qa), dequantize(qb))`` in float32 (HIGHEST).
-    Kernel results equal it up to float32 accumulation order.
+    made. The kernel decodes each operand to exact bf16 ``q * s`` and runs a bf16 GEMM
+    with the tensor scales in its epilogue. The XLA path computes
+    ``dot(dequantize(qa), dequantize(qb))`` in float32 (HIGHEST). Kernel results equal it
+    up to float32 accumulation order.
     """
-    import fp4jax
-    from pallas_kernels import fp4_gemm_w4a4_sm90 as w4
+    from pallas_kernels.gemm import w4a4_sm90 as w4
 
     backend = _resolve(backend)
     if qa.ndim != 2 or qb.ndim != 2 or qa.shape[1] != qb.shape[0]:
         raise ValueError(f"need A (M, K) and B (K, N), got {qa.shape} and {qb.shape}")
     (m, k), n = qa.shape, qb.shape[1]
-    reason = w4a4_unsupported_reason(m, k, n, qa, qb, impl)
+    reason = w4a4_unsupported_reason(m, k, n, qa, qb)
     if backend == "pallas" and reason is not None:
         raise ValueError(f"pallas W4A4 kernel unavailable: {reason}")
     if backend == "xla" or reason is not None:
-        y = jnp.dot(fp4jax.dequantize(qa, jnp.float32), fp4jax.dequantize(qb, jnp.float32),
+        y = jnp.dot(qz.dequantize(qa, jnp.float32), qz.dequantize(qb, jnp.float32),
                     precision=jax.lax.Precision.HIGHEST)
         return y.astype(out_dtype)
     pa = prepared_a if prepared_a is not None else w4.prepare_a(qa)
     pb = prepared_b if prepared_b is not None else w4.prepare_b(qb)
-    if impl == "fused":
-        return w4.w4a4_matmul_fused(*pa, *pb, out_dtype=out_dtype)
     return w4.w4a4_matmul_two_pass(*pa, *pb, out_dtype=out_dtype,
                                    scale_a=w4.scale_format(qa.fmt),
                                    scale_b=w4.scale_format(qb.fmt))

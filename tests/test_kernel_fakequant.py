@@ -27,8 +27,9 @@ fp4jax = pytest.importorskip("fp4jax")
 
 from fp4jax.formats import NVFP4  # noqa: E402
 from fp4jax.hadamard import default_signs, random_hadamard_transform  # noqa: E402
-from pallas_kernels import fakequant_nvfp4_sm90 as fq  # noqa: E402
 from pallas_kernels import reference as npref  # noqa: E402
+from pallas_kernels.quantize import common_sm90 as cm  # noqa: E402
+from pallas_kernels.quantize import operand_sm90 as fq  # noqa: E402
 from tests import reference as ref  # noqa: E402
 from tests.interpret import InterpretGPUParams, needs_interpret  # noqa: E402
 
@@ -98,7 +99,7 @@ def test_kernel_element_rounding_is_the_core_rule():
     v = jnp.asarray(_rounding_inputs())
     finite = np.isfinite(np.asarray(v))
     want = jnp.sign(v) * nm.round_to_grid(jnp.abs(v), nm.E2M1, "nearest")
-    got = jax.jit(lambda a: fq._e2m1_value(a, None, True))(v)
+    got = jax.jit(lambda a: cm._e2m1_value(a, None, True))(v)
     np.testing.assert_array_equal(np.abs(np.asarray(got))[finite],
                                   np.abs(np.asarray(want))[finite])
     np.testing.assert_array_equal(np.signbit(np.asarray(got)), np.signbit(np.asarray(v)))
@@ -109,10 +110,10 @@ def test_kernel_element_rounding_is_the_core_rule():
         word = (b << (8 * i)) | jnp.asarray(rng.integers(0, 2**31, v.shape) & ~(
             0xFF << (8 * i)), jnp.int32) if i < 3 else (b << 24) | jnp.asarray(
             rng.integers(0, 2**24, v.shape), jnp.int32)
-        u = jax.jit(lambda w, i=i: fq._sr_uniform(w, i))(word)
+        u = jax.jit(lambda w, i=i: cm._sr_uniform(w, i))(word)
         np.testing.assert_array_equal(np.asarray(u), (np.asarray(b) + 0.5) / 256)
         want = jnp.sign(v) * nm.stochastic_round_to_grid(jnp.abs(v), nm.E2M1, u)
-        got = jax.jit(lambda a, uu: fq._e2m1_value(a, uu, True))(v, u)
+        got = jax.jit(lambda a, uu: cm._e2m1_value(a, uu, True))(v, u)
         np.testing.assert_array_equal(np.asarray(got)[finite], np.asarray(want)[finite])
 
 
@@ -161,15 +162,15 @@ def test_sr_kernels_with_the_gpu_tiling_match_xla():
     tiles), cols SR (with RHT) in strips of 64 column blocks."""
     key = jax.random.key(21)
     x = _data((16, 2048), 6)
-    enc, dec = fq.global_scales(x)
-    got = fq.fq_rows_scaled(x, fq.scalars(enc, dec), fq.key_words(key), sr=True, g=64, rq=2,
+    enc, dec = cm.global_scales(x)
+    got = fq.fq_rows_scaled(x, cm.scalars(enc, dec), cm.key_words(key), sr=True, g=64, rq=2,
                             interpret=IP)
     assert _same(got, _xla_scaled(x, -1, key=key)[0]) == 0
     x = _data((16, 2048), 7)
     got, _ = fq.fq_cols(x, key, signs=jnp.asarray(SIGNS), interpret=IP, g=64)
     assert _same(got, _xla_scaled(x, 0, key=key, rht=True)[0]) == 0
     with pytest.raises(ValueError, match="tiling"):
-        fq.fq_rows_scaled(x, fq.scalars(enc, dec), fq.key_words(key), sr=True, g=48,
+        fq.fq_rows_scaled(x, cm.scalars(enc, dec), cm.key_words(key), sr=True, g=48,
                           interpret=IP)
 
 
@@ -217,8 +218,8 @@ def test_supported_shapes():
     assert not fq.supported_cols((16, 512), bf)
     assert fq.supported_2d((32, 2048), bf) and not fq.supported_2d((8, 1024), bf)
     with pytest.raises(ValueError, match="fq_cols needs"):
-        fq.fq_cols_scaled(jnp.zeros((24, 1024), bf), fq.scalars(jnp.float32(1), jnp.float32(1)),
-                          fq.key_words(None))
+        fq.fq_cols_scaled(jnp.zeros((24, 1024), bf), cm.scalars(jnp.float32(1), jnp.float32(1)),
+                          cm.key_words(None))
 
 
 @pytest.mark.parametrize("variant", ["rows", "rows_sr", "cols", "cols_rht_sr", "2d", "amax",
@@ -302,9 +303,9 @@ def test_dot_kernel_path_under_vmap_equals_xla_path(monkeypatch):
 
 
 def test_auto_mode_size_threshold_and_devices(monkeypatch):
-    dot = importlib.import_module("fp4jax.dot")
+    dot = importlib.import_module("pallas_kernels.dispatch")
     monkeypatch.setenv("FP4JAX_KERNELS", "auto")
-    monkeypatch.setattr(dot, "_on_sm90", lambda: True)
+    monkeypatch.setattr(dot, "on_sm90", lambda: True)
     big = dot.KERNEL_AUTO_MIN_MKN
     want = "on" if jax.device_count() == 1 else "off"
     assert dot.kernel_mode(big) == want
@@ -312,12 +313,12 @@ def test_auto_mode_size_threshold_and_devices(monkeypatch):
     assert dot.kernel_mode(0) == "off"  # batched dot_general
     monkeypatch.setenv("FP4JAX_KERNELS", "on")
     assert dot.kernel_mode(1) == "on"
-    monkeypatch.setattr(dot, "_on_sm90", lambda: False)
+    monkeypatch.setattr(dot, "on_sm90", lambda: False)
     assert dot.kernel_mode(big) == "off"
 
 
 def test_kernel_mode_setting(monkeypatch):
-    dot = importlib.import_module("fp4jax.dot")
+    dot = importlib.import_module("pallas_kernels.dispatch")
     for v, want in (("off", "off"), ("0", "off"), ("interpret", "interpret"), ("", "off"),
                     ("auto", "off"), ("on", "off")):  # "on"/"auto" need an sm_90 GPU
         monkeypatch.setenv("FP4JAX_KERNELS", v)

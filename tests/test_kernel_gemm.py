@@ -18,7 +18,7 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
-from pallas_kernels import gemm_alpha_sm90 as ga  # noqa: E402
+from pallas_kernels.gemm import alpha_sm90 as ga  # noqa: E402
 
 dot_mod = importlib.import_module("fp4jax.dot")
 
@@ -96,4 +96,4 @@ def test_kernel_path_gemm_routing(monkeypatch):
                                        sd((1, 128, 256), bf))
     monkeypatch.setenv("FP4JAX_KERNEL_GEMM", "cublas")
     with pytest.raises(ValueError, match="FP4JAX_KERNEL_GEMM"):
-        dot_mod._kernel_gemm_env()
+        importlib.import_module("pallas_kernels.dispatch").gemm_backend()

@@ -1,7 +1,5 @@
-"""CPU tests of the packed NVFP4 quantize kernels with stochastic rounding and along the
-token axis: ``quantize_nvfp4_sm90.quantize_nvfp4_1x16_sr`` (1x16 rows, SR) and
-``quantize_cols_nvfp4_sm90.quantize_cols_nvfp4`` (16x1 along axis 0, optionally after the
-RHT, round-to-nearest or SR, codes written transposed), and their ``dispatch`` wiring.
+"""CPU tests of the packed NVFP4 quantize kernel with stochastic rounding,
+``quantize.packed_sm90.quantize_nvfp4_1x16_sr`` (1x16 rows, SR), and its ``dispatch`` wiring.
 
 * The kernels run in Mosaic GPU interpret mode and are compared bit for bit (codes of
   every block, NaN/Inf blocks included, E4M3 scale bits, tensor scale) with
@@ -10,7 +8,7 @@ RHT, round-to-nearest or SR, codes written transposed), and their ``dispatch`` w
 * The real kernels are lowered for CUDA on this machine (``jax.export``).
 * ``dispatch``: reasons, argument errors, the XLA fallback off the GPU and the kernel
   wiring (pretending to be on sm_90, kernels in interpret mode).
-GPU exactness and speed: run on the GPU (see ``quantize_cols_nvfp4_sm90``'s docstring).
+GPU exactness: ``experiments/gpu_check.py packed_sr``.
 """
 
 from __future__ import annotations
@@ -25,14 +23,11 @@ jnp = jax.numpy
 fp4jax = pytest.importorskip("fp4jax")
 
 from fp4jax.formats import NVFP4  # noqa: E402
-from fp4jax.hadamard import default_signs, random_hadamard_transform  # noqa: E402
 from pallas_kernels import dispatch  # noqa: E402
-from pallas_kernels import quantize_cols_nvfp4_sm90 as qc  # noqa: E402
-from pallas_kernels import quantize_nvfp4_sm90 as qk  # noqa: E402
+from pallas_kernels.quantize import packed_sm90 as qk  # noqa: E402
 from tests.interpret import InterpretGPUParams, needs_interpret  # noqa: E402
 
 IP = InterpretGPUParams() if InterpretGPUParams is not None else None
-SIGNS = np.asarray(default_signs(16), np.float32)
 
 
 def _data(shape, seed):
@@ -69,13 +64,6 @@ def _assert_same(got, want):
     assert np.float32(d).view(np.uint32) == wd.view(np.uint32)
 
 
-def _xla_cols(x, key=None, rht=False):
-    xin = random_hadamard_transform(x, axis=0, size=16, signs=SIGNS) if rht else x
-    q = fp4jax.quantize(xin, NVFP4, axis=0, key=key,
-                        rounding="stochastic" if key is not None else "nearest")
-    return _bits(q, transpose=True)
-
-
 def test_e2m1_code_of_value():
     vals = np.array([0, .5, 1, 1.5, 2, 3, 4, 6], np.float32)
     v = jnp.asarray(np.concatenate([vals, -vals]))
@@ -100,44 +88,12 @@ def test_sr_rows_kernel_matches_xla(tiling):
         assert (np.asarray(got[0]) != np.asarray(other[0])).sum() > 1000
 
 
-@needs_interpret
-@pytest.mark.parametrize("sr", [False, True])
-@pytest.mark.parametrize("rht", [False, True])
-def test_cols_kernel_matches_xla(sr, rht):
-    x = _data((256, 256), 1)
-    key = jax.random.key(5) if sr else None
-    signs = jnp.asarray(SIGNS) if rht else None
-    got = qc.quantize_cols_nvfp4(x, key, signs=signs, interpret=IP)
-    assert got[0].shape == (256, 128) and got[1].shape == (256, 16)
-    _assert_same(got, _xla_cols(x, key, rht))
-    if sr:
-        assert (np.asarray(got[0]) != _xla_cols(x, None, rht)[0]).sum() > 1000
-
-
-@needs_interpret
-def test_cols_kernel_with_the_gpu_tiling_matches_xla():
-    """RHT + SR with 256-word column tiles (2 per row of strips: the GPU's draw offsets),
-    C % 1024 == 0 so the tensor amax comes from the Pallas pass ``rht_cols_amax``."""
-    x = _data((256, 1024), 7)
-    key = jax.random.key(8)
-    got = qc.quantize_cols_nvfp4(x, key, signs=jnp.asarray(SIGNS), interpret=IP, w=256)
-    _assert_same(got, _xla_cols(x, key, rht=True))
-    with pytest.raises(ValueError, match="tiling"):
-        qc.quantize_cols_nvfp4(x, key, interpret=IP, w=192)
-
-
-@pytest.mark.parametrize("variant", ["rows_sr", "rows_sr_c1024", "cols", "cols_sr",
-                                     "cols_rht", "cols_rht_sr_w256"])
+@pytest.mark.parametrize("variant", ["rows_sr", "rows_sr_c1024"])
 def test_kernels_lower_for_cuda(variant):
     key = jax.random.key(0)
-    s = jnp.asarray(SIGNS)
     f = {
         "rows_sr": lambda x: qk.quantize_nvfp4_1x16_sr(x, key),
         "rows_sr_c1024": lambda x: qk.quantize_nvfp4_1x16_sr(x.reshape(1024, 1024), key),
-        "cols": lambda x: qc.quantize_cols_nvfp4(x),
-        "cols_sr": lambda x: qc.quantize_cols_nvfp4(x, key),
-        "cols_rht": lambda x: qc.quantize_cols_nvfp4(x, signs=s),
-        "cols_rht_sr_w256": lambda x: qc.quantize_cols_nvfp4(x, key, signs=s, w=256),
     }[variant]
     exp = jax.export.export(jax.jit(f), platforms=["cuda"])(
         jax.ShapeDtypeStruct((512, 2048), jnp.bfloat16))
@@ -148,24 +104,17 @@ def test_supported_shapes_and_reasons():
     bf = jnp.bfloat16
     assert qk.supported_sr((4, 1024), bf) and not qk.supported_sr((6, 1024), bf)
     assert not qk.supported_sr((4, 512), bf) and not qk.supported_sr((4, 1024), jnp.float32)
-    assert qc.supported_cols((256, 256), bf) and not qc.supported_cols((128, 256), bf)
-    assert not qc.supported_cols((256, 128), bf) and not qc.supported_cols((256, 256), "f4")
     r = dispatch.quantize_unsupported_reason
-    assert "bfloat16" in r((256, 256), jnp.float32, axis=0)
-    assert "R % 256" in r((240, 256), bf, axis=0, rounding="stochastic", rht=True)
     assert "stochastic" in r((6, 1024), bf, rounding="stochastic")
-    assert "RHT" in r((256, 1024), bf, rht=True) and "RHT" in r((32, 1024), bf,
-                                                                block_2d=True, rht=True)
-    assert "axis" in r((4, 256, 256), bf, axis=0)
+    assert "stochastic" in r((32, 1024), bf, block_2d=True, rounding="stochastic")
+    # blocks along another axis than the last (16x1 along the tokens): the XLA path
+    assert "axis" in r((256, 1024), bf, axis=0) and "axis" in r((4, 256, 256), bf, axis=0)
     rbg = jax.random.key(0, impl="rbg")
     assert "threefry" in r((4, 1024), bf, rounding="stochastic", key=rbg)
-    # the axis-0 kernel is kept out of backend="auto" (COLS_KERNEL_IN_AUTO: wrong on the
-    # H200, run 31); an explicit request reaches the GPU check only
-    assert "backend='auto'" in r((256, 1024), bf, axis=0)
     if not dispatch.on_sm90():
-        for kw in ({"rounding": "stochastic"}, {"axis": 0}, {"axis": -2, "rht": True},
-                   {"axis": 0, "rounding": "stochastic", "key": jax.random.key(1)}):
-            assert r((256, 1024), bf, explicit=True, **kw) == "no sm_90 GPU"
+        for kw in ({"rounding": "stochastic"}, {"rounding": "stochastic",
+                                                "key": jax.random.key(1)}):
+            assert r((256, 1024), bf, **kw) == "no sm_90 GPU"
 
 
 def test_dispatch_argument_errors_and_xla_fallback(monkeypatch):
@@ -179,14 +128,10 @@ def test_dispatch_argument_errors_and_xla_fallback(monkeypatch):
         dispatch.quantize(x, rounding="stochastic")
     with pytest.raises(ValueError, match="rounding"):
         dispatch.quantize_packed(x, rounding="up")
-    with pytest.raises(ValueError, match="x must be 2D"):
-        dispatch.quantize_cols_packed(x.reshape(4, 64, 1024))
-    with pytest.raises(ValueError, match="signs"):
-        dispatch.quantize_cols_packed(x, signs=jnp.ones(8))
     with pytest.raises(ValueError, match="no sm_90 GPU"):
-        dispatch.quantize_cols_packed(x, backend="pallas")
+        dispatch.quantize_packed(x, backend="pallas")
     with pytest.raises(ValueError, match="bfloat16"):
-        dispatch.quantize_cols_packed(x.astype(jnp.float32), backend="pallas")
+        dispatch.quantize_packed(x.astype(jnp.float32), backend="pallas")
     monkeypatch.setenv("FP4JAX_KERNELS", "on")
     with pytest.raises(ValueError, match="unavailable"):
         dispatch.quantize_packed(x, rounding="stochastic", key=key)
@@ -194,34 +139,30 @@ def test_dispatch_argument_errors_and_xla_fallback(monkeypatch):
     # off the GPU: the XLA path, in the same layouts
     got = dispatch.quantize_packed(x, rounding="stochastic", key=key)
     _assert_same(got, _bits(fp4jax.quantize(x, NVFP4, rounding="stochastic", key=key)))
-    got = dispatch.quantize_cols_packed(x, signs=SIGNS, key=key)
-    _assert_same(got, _xla_cols(x, key, rht=True))
+    q = dispatch.quantize(x, axis=0, rounding="stochastic", key=key)
+    _assert_same(_bits(q), _bits(fp4jax.quantize(x, NVFP4, axis=0, rounding="stochastic",
+                                                 key=key)))
 
 
 @needs_interpret
 def test_dispatch_kernel_path_wiring(monkeypatch):
     """Pretend to be on sm_90 with the kernels in interpret mode: dispatch's packed
-    results and QuantizedArrays equal fp4jax.quantize's (SR rows of a stacked tensor, 16x1
-    along axis 0 with either rounding, with the RHT)."""
+    results and QuantizedArrays equal fp4jax.quantize's (SR rows of a stacked tensor; 16x1
+    along axis 0 falls back to XLA)."""
     monkeypatch.setattr(dispatch, "on_sm90", lambda: True)
-    r = dispatch.quantize_unsupported_reason
-    assert "wrong codes" in r((256, 1024), jnp.bfloat16, axis=0, explicit=True)
-    monkeypatch.setenv("FP4JAX_UNSAFE_COLS_KERNEL", "1")  # the wiring, in interpret mode
     monkeypatch.setattr(qk, "quantize_nvfp4_1x16_sr", functools.partial(
         qk.quantize_nvfp4_1x16_sr, interpret=IP))
-    monkeypatch.setattr(qc, "quantize_cols_nvfp4", functools.partial(
-        qc.quantize_cols_nvfp4, interpret=IP))
     key = jax.random.key(6)
     x = _data((256, 256), 9)
     x3 = _data((8, 1024), 10).reshape(2, 4, 1024)
     got = dispatch.quantize_packed(x3, rounding="stochastic", key=key, backend="pallas")
     want = fp4jax.quantize(x3, NVFP4, rounding="stochastic", key=key)
     _assert_same(got, _bits(want))
-    got = dispatch.quantize_cols_packed(x, signs=SIGNS, key=key, backend="pallas")
-    _assert_same(got, _xla_cols(x, key, rht=True))
+    with pytest.raises(ValueError, match="axis"):
+        dispatch.quantize(x, axis=0, backend="pallas")
     for k in (None, key):
         rounding = "nearest" if k is None else "stochastic"
-        q = dispatch.quantize(x, axis=0, rounding=rounding, key=k, backend="pallas")
+        q = dispatch.quantize(x, axis=0, rounding=rounding, key=k)
         want = fp4jax.quantize(x, NVFP4, axis=0, rounding=rounding, key=k)
         assert (q.axis, q.block_2d, q.data.shape, q.scale.shape) == (
             want.axis, want.block_2d, want.data.shape, want.scale.shape)

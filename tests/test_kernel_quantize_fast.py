@@ -25,8 +25,9 @@ jnp = jax.numpy
 fp4jax = pytest.importorskip("fp4jax")
 
 from pallas_kernels import dispatch  # noqa: E402
-from pallas_kernels import quantize_nvfp4_sm90 as qk  # noqa: E402
 from pallas_kernels import reference as npref  # noqa: E402
+from pallas_kernels.quantize import common_sm90 as cm  # noqa: E402
+from pallas_kernels.quantize import packed_sm90 as qk  # noqa: E402
 from tests.interpret import InterpretGPUParams, needs_interpret  # noqa: E402
 
 F32_MAX = np.finfo(np.float32).max
@@ -44,8 +45,8 @@ def _ieee_elem_scale(dec):
 
 def _table_elem_scale(dec):
     def one(d):
-        safe, table = qk.recip_table(d)
-        return safe, qk.table_recip(jnp.arange(127, dtype=jnp.int32), list(table))
+        safe, table = cm.recip_table(d)
+        return safe, cm.table_recip(jnp.arange(127, dtype=jnp.int32), list(table))
 
     safe, e = jax.jit(jax.vmap(one))(jnp.asarray(dec))
     return np.asarray(safe), np.asarray(e).T
@@ -79,11 +80,11 @@ def test_recip_table_safe_for_all_but_tiny_tensors():
     # fp4jax's dec = 1/enc with enc in [2688/FLT_MAX, 2^126]: the largest dec is safe;
     # the table is refused only for tensors with amax below 2688 * 2^-117
     def dec_of(amax):
-        return qk.global_scales(jnp.full((16,), amax, jnp.float32))[1]
+        return cm.global_scales(jnp.full((16,), amax, jnp.float32))[1]
 
     for amax, want in ((F32_MAX, True), (1.0, True), (1e-30, True), (1e-33, False),
                        (1e-37, False), (0.0, True)):
-        safe, _ = qk.recip_table(dec_of(amax))
+        safe, _ = cm.recip_table(dec_of(amax))
         assert bool(safe) == want, amax
 
 
@@ -187,8 +188,8 @@ def test_unsafe_dec_takes_recip_rn_path(block_2d):
     x = jnp.where(jnp.isfinite(x), x, 1.0)
     amax = float(jnp.max(jnp.abs(x.astype(jnp.float32))))
     x = x * jnp.bfloat16(2.0 ** (-110 - int(np.ceil(np.log2(amax)))))  # exact, amax <= 2^-110
-    _, dec = qk.global_scales(x)
-    assert not bool(qk.recip_table(dec)[0])
+    _, dec = cm.global_scales(x)
+    assert not bool(cm.recip_table(dec)[0])
     f = qk.quantize_nvfp4_2d if block_2d else qk.quantize_nvfp4_1x16
     auto = f(x, interpret=InterpretGPUParams(), recip="auto")
     rn = f(x, interpret=InterpretGPUParams(), recip="rn")

@@ -1,17 +1,14 @@
-"""CPU tests of the W4A4 packed-NVFP4 GEMM (pallas_kernels/fp4_gemm_w4a4_sm90.py).
+"""CPU tests of the W4A4 packed-NVFP4/MXFP4 GEMM (pallas_kernels/gemm/w4a4_sm90.py).
 
-* The decode kernel (two-pass implementation (a)) runs in Mosaic GPU interpret mode
+* The decode kernel runs in Mosaic GPU interpret mode
   and its bf16 output is compared bit for bit with an independent NumPy decode
   (ml_dtypes casts, ``pallas_kernels.reference``) of the ``QuantizedArray``.
-* (a) end to end in interpret mode, and the XLA-decode variant, against the float32
-  NumPy ``dequantize(A) @ dequantize(B)``.
-* The fused kernel (b) cannot run in interpret mode (``plgpu.load`` with a layout and
-  wgmma from registers have no interpreter rules in JAX 0.10.2). Its tile logic is run
-  as plain JAX (the same ``_decode_tile`` and block/transpose indexing on arrays) and
-  compared with the reference; the kernel itself and the decode kernel are lowered for
-  CUDA on this CPU machine (``jax.export``), which runs the whole Mosaic GPU lowering.
-GPU exactness and timing: experiments/gpu_check_matmul.py (``w4a4``) and
-experiments/bench_kernels.py (``w4a4``).
+* The two-pass GEMM end to end in interpret mode, and the XLA-decode variant, against
+  the float32 NumPy ``dequantize(A) @ dequantize(B)``.
+* The decode kernel is lowered for CUDA on this CPU machine (``jax.export``), which runs
+  the whole Mosaic GPU lowering.
+GPU exactness and timing: experiments/gpu_check.py (``w4a4``) and
+experiments/bench_kernels.py (``w4a4two``).
 """
 
 from __future__ import annotations
@@ -25,8 +22,8 @@ jnp = jax.numpy
 fp4jax = pytest.importorskip("fp4jax")
 
 from pallas_kernels import dispatch  # noqa: E402
-from pallas_kernels import fp4_gemm_w4a4_sm90 as w4  # noqa: E402
 from pallas_kernels import reference as npref  # noqa: E402
+from pallas_kernels.gemm import w4a4_sm90 as w4  # noqa: E402
 from tests.interpret import InterpretGPUParams, needs_interpret  # noqa: E402
 
 
@@ -187,8 +184,6 @@ def test_two_pass_mxfp4_interpret_matches_reference(mixed):
 def test_mxfp4_prepare_and_dispatch_rules():
     qa, qb = _mx_operands(64, 256, 64, 9)
     assert dispatch.w4a4_unsupported_reason(64, 256, 64, qa, qb) in (None, "no sm_90 GPU")
-    assert "NVFP4 operands only" in dispatch.w4a4_unsupported_reason(
-        64, 256, 128, qa, qb, impl="fused")
     q8 = fp4jax.quantize(jnp.ones((64, 256)), fp4jax.BlockFormat(
         "b8", block_size=8, scale_exp_bits=4, scale_man_bits=3, tensor_scale=True), axis=1)
     assert "NVFP4 and MXFP4" in dispatch.w4a4_unsupported_reason(64, 256, 64, qa=q8)
@@ -201,49 +196,6 @@ def test_mxfp4_prepare_and_dispatch_rules():
     _close(dispatch.w4a4_matmul(qa, qb, out_dtype=jnp.float32, backend="xla"),
            np.asarray(fp4jax.dequantize(qa), np.float64) @ np.asarray(fp4jax.dequantize(qb),
                                                                         np.float64))
-
-
-def _blocks(q, s, nblk):
-    """{g: decoded (rows, 16) bf16 block g} of a packed (rows, 8 * nblk) tile q and its
-    (nblk, rows) scale bits s, through the kernels' ``_decode_tile``."""
-    out = {}
-    w4._decode_tile(q, nblk, lambda g: s[g], out.__setitem__)
-    return out
-
-
-def _fused_emulated(aq, as_, dec_a, bq, bs, dec_b, tile_n, tile_k):
-    """The fused kernel's per-tile algorithm on plain arrays (no Pallas): B decoded 64
-    rows at a time into (nblk, tile_n, 16) sub-tiles, A per 16-k block, a float32 dot
-    of A's block with the transposed B sub-tile, epilogue dec_a * dec_b."""
-    m, n = aq.shape[0], bq.shape[0]
-    nblk = tile_k // 16
-    out = np.zeros((m, n), np.float32)
-    for mi in range(m // w4.ROWS):
-        r_a = slice(mi * w4.ROWS, (mi + 1) * w4.ROWS)
-        for ni in range(n // tile_n):
-            acc = jnp.zeros((w4.ROWS, tile_n), jnp.float32)
-            for j in range(aq.shape[1] * 2 // tile_k):
-                kc = slice(j * tile_k // 2, (j + 1) * tile_k // 2)
-                ksb = slice(j * nblk, (j + 1) * nblk)
-                b_t = bq[ni * tile_n:(ni + 1) * tile_n, kc]
-                bs_t = bs[ksb, ni * tile_n:(ni + 1) * tile_n]
-                b16 = [_blocks(b_t[w4.ROWS * i:w4.ROWS * (i + 1)],
-                               bs_t[:, w4.ROWS * i:w4.ROWS * (i + 1)], nblk)
-                       for i in range(tile_n // w4.ROWS)]  # 64 rows at a time
-                parts = _blocks(aq[r_a, kc], as_[ksb, r_a], nblk).items()
-                for g, v in parts:
-                    bt = jnp.concatenate([d[g] for d in b16], axis=0)  # (tile_n, 16)
-                    acc += jnp.dot(v.astype(jnp.float32), bt.astype(jnp.float32).T,
-                                   precision=jax.lax.Precision.HIGHEST)
-            out[r_a, ni * tile_n:(ni + 1) * tile_n] = acc * (dec_a * dec_b)
-    return out
-
-
-@pytest.mark.parametrize("tile_n,tile_k", [(128, 128), (64, 256)])
-def test_fused_tile_logic_matches_reference(tile_n, tile_k):
-    qa, qb = _operands(64, 256, 128, 4)
-    pa, pb = w4.prepare_a(qa), w4.prepare_b(qb)
-    _close(_fused_emulated(*pa, *pb, tile_n, tile_k), _np_reference(qa, qb))
 
 
 def _export_cuda(f, *avals):
@@ -262,25 +214,7 @@ def test_decode_kernel_lowers_for_cuda(tile_k, out_swizzle):
     assert "mosaic_gpu" in exp.mlir_module()
 
 
-@pytest.mark.parametrize("tile_n,tile_k,out_dtype", [(128, 128, jnp.bfloat16),
-                                                     (256, 128, jnp.float32),
-                                                     (64, 256, jnp.bfloat16)])
-def test_fused_kernel_lowers_for_cuda(tile_n, tile_k, out_dtype):
-    m, k, n = 128, 512, 256
-    f32 = jax.ShapeDtypeStruct((), jnp.float32)
-    exp = _export_cuda(lambda *a: w4.w4a4_matmul_fused(*a, tile_n=tile_n, tile_k=tile_k,
-                                                       out_dtype=out_dtype),
-                       _u8(m, k // 2), _u8(k // 16, m), f32, _u8(n, k // 2), _u8(k // 16, n),
-                       f32)
-    assert "mosaic_gpu" in exp.mlir_module()
-
-
 def test_kernels_reject_bad_shapes():
-    f32 = jnp.float32(1)
-    with pytest.raises(ValueError, match="M % 64"):
-        w4.w4a4_matmul_fused(jnp.zeros((48, 64), jnp.uint8), jnp.zeros((8, 48), jnp.uint8),
-                             f32, jnp.zeros((128, 64), jnp.uint8),
-                             jnp.zeros((8, 128), jnp.uint8), f32)
     with pytest.raises(ValueError, match="layout mismatch"):
         w4.decode_operand(jnp.zeros((64, 64), jnp.uint8), jnp.zeros((4, 64), jnp.uint8))
     with pytest.raises(ValueError, match="K % 256"):
@@ -292,10 +226,8 @@ def test_dispatch_w4a4(monkeypatch):
     ref = _np_reference(qa, qb)
     _close(dispatch.w4a4_matmul(qa, qb, out_dtype=jnp.float32, backend="xla"), ref)
     assert not dispatch.is_supported("w4a4_matmul", 48, 256, 64)
-    assert dispatch.w4a4_unsupported_reason(48, 256, 64).startswith("two_pass: M % 64")
-    assert "N % 128" in dispatch.w4a4_unsupported_reason(64, 256, 64, impl="fused")
-    with pytest.raises(ValueError, match="impl"):
-        dispatch.w4a4_unsupported_reason(64, 256, 64, impl="triton")
+    assert dispatch.w4a4_unsupported_reason(48, 256, 64).startswith("M % 64")
+    assert "K % 256" in dispatch.w4a4_unsupported_reason(64, 128, 64)
     qx = fp4jax.quantize(jnp.ones((64, 256)), fp4jax.NVFP4, axis=0)
     assert "scaled along K" in dispatch.w4a4_unsupported_reason(64, 256, 64, qa=qx)
     if dispatch.on_sm90():

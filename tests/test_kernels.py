@@ -3,15 +3,12 @@
 * The quantize kernel body runs in Mosaic GPU interpret mode
   (``InterpretGPUParams``) and is compared bit for bit with an independent NumPy
   reference (ml_dtypes casts) and with ``fp4jax.quantize``.
-* Both kernels are lowered for CUDA on this CPU machine (``jax.export`` with
+* The kernels are lowered for CUDA on this CPU machine (``jax.export`` with
   ``platforms=["cuda"]``), which runs the whole Pallas -> Mosaic GPU lowering and
   catches unsupported ops, layouts and shapes without a GPU.
-* The W4A16 kernel cannot run in interpret mode (the JAX 0.10.2 GPU interpreter
-  has no rule for ``plgpu.load`` with a layout, nor for ``wgmma`` from registers),
-  so its pure-JAX parts are tested: the in-register decoders, the kernel weight
-  layout and its reference product against ``fp4jax``.
-Exactness on the GPU itself: experiments/gpu_check_kernels.py (results in
-experiments/results/).
+* The W4A16 and W4A4 kernels: tests/test_kernel_w4a16.py, tests/test_kernel_w4a4.py.
+Exactness on the GPU itself: experiments/gpu_check.py (results in
+experiments/results/kernels/).
 """
 
 from __future__ import annotations
@@ -24,9 +21,9 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 from pallas_kernels import dispatch  # noqa: E402
-from pallas_kernels import fp4_matmul_sm90 as mm  # noqa: E402
-from pallas_kernels import quantize_nvfp4_sm90 as qk  # noqa: E402
 from pallas_kernels import reference as npref  # noqa: E402
+from pallas_kernels.quantize import common_sm90 as cm  # noqa: E402
+from pallas_kernels.quantize import packed_sm90 as qk  # noqa: E402
 
 try:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -126,12 +123,12 @@ def test_recip_rn_corrects_one_ulp_errors():
         np.asarray(jax.jit(lambda v: numerics.div_rn(jnp.float32(1), v))(pj)), want)
     m = (p.view(np.int32) & 0x7FFFFF | 0x3F800000).view(np.float32)
     y = (1.0 / m.astype(np.float64)).astype(np.float32)
-    f = jax.jit(qk.recip_rn)
+    f = jax.jit(cm.recip_rn)
     for d in (-1, 0, 1):
         res, ok = f(pj, jnp.asarray((y.view(np.int32) + d).view(np.float32)))
         assert np.asarray(ok).all()
         np.testing.assert_array_equal(np.asarray(res), want)
-    res, ok = jax.jit(qk.recip_rn)(pj)  # the hardware quotient itself
+    res, ok = jax.jit(cm.recip_rn)(pj)  # the hardware quotient itself
     np.testing.assert_array_equal(np.asarray(res), want)
 
 
@@ -145,7 +142,7 @@ def test_e4m3_round_matches_ml_dtypes():
     v = np.concatenate([grid, mids, rand, np.nextafter(mids, 0), np.nextafter(mids, 1000)])
     v = np.minimum(v, np.float32(448))
     v = v[(v == 0) | (v >= np.finfo(np.float32).tiny)]
-    val, byte = jax.jit(qk.e4m3_round)(jnp.asarray(v))
+    val, byte = jax.jit(cm.e4m3_round)(jnp.asarray(v))
     expect = v.astype(ml_dtypes.float8_e4m3fn)
     np.testing.assert_array_equal(np.asarray(byte).astype(np.uint8), expect.view(np.uint8))
     np.testing.assert_array_equal(np.asarray(val), expect.astype(np.float32))
@@ -156,7 +153,7 @@ def test_e2m1_code_matches_ml_dtypes():
                     np.float32)
     v = np.concatenate([mags, -mags, np.nextafter(mags, 0), np.nextafter(mags, 10),
                         np.random.default_rng(1).uniform(-8, 8, 3000).astype(np.float32)])
-    got = np.asarray(jax.jit(qk.e2m1_code)(jnp.asarray(v)))
+    got = np.asarray(jax.jit(cm.e2m1_code)(jnp.asarray(v)))
     np.testing.assert_array_equal(got.astype(np.uint8), npref.e2m1_codes(v))
 
 
@@ -176,53 +173,6 @@ def test_quantize_kernel_lowers_for_cuda():
     s = jax.ShapeDtypeStruct((), jnp.float32)
     exp = _export_cuda(lambda x, e, d: qk.quantize_nvfp4_1x16_scaled(x, e, d), x, s, s)
     assert "mosaic_gpu" in exp.mlir_module()
-
-
-@pytest.mark.parametrize("m,k,n", [(16, 2048, 256), (1, 256, 64), (200, 512, 128)])
-def test_w4a16_kernel_lowers_for_cuda(m, k, n):
-    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
-            jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
-            jax.ShapeDtypeStruct((k // 16, n), jnp.uint8),
-            jax.ShapeDtypeStruct((), jnp.float32))
-    exp = _export_cuda(lambda *a: mm.w4a16_matmul(*a), *args)
-    assert "mosaic_gpu" in exp.mlir_module()
-
-
-def test_w4a16_decoders_exact():
-    b = jnp.arange(256, dtype=jnp.int16)
-    bb = np.arange(256)
-    # compare through ml_dtypes: XLA on CPU flushes bf16 subnormals in converts
-    lo = np.asarray(mm._decode_e2m1(b)).astype(np.float32) * np.float32(2.0**126)
-    hi = np.asarray(mm._decode_e2m1_hi(b)).astype(np.float32) * np.float32(2.0**126)
-    np.testing.assert_array_equal(lo, LUT[bb & 15])
-    np.testing.assert_array_equal(hi, LUT[bb >> 4])
-    sb = jnp.arange(127, dtype=jnp.uint8)
-    np.testing.assert_array_equal(
-        np.asarray(mm._decode_e4m3(sb)),
-        np.arange(127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32))
-
-
-@pytest.mark.parametrize("block_2d", [False, True])
-def test_w4a16_layout_and_reference(block_2d):
-    fp4jax = pytest.importorskip("fp4jax")
-    kx, kw = jax.random.split(jax.random.key(3))
-    x = jax.random.normal(kx, (5, 512)).astype(jnp.bfloat16)
-    w = jax.random.normal(kw, (512, 192)) * 0.05
-    q = (fp4jax.quantize(w, fp4jax.NVFP4, block_2d=True) if block_2d
-         else fp4jax.quantize(w, fp4jax.NVFP4, axis=0))
-    wq, ws, dec = mm.prepare_weight(q)
-    assert wq.shape == (192, 256) and ws.shape == (32, 192)
-    # undo the kernel layout by hand and compare with the logical codes
-    from fp4jax.quantize import e2m1_codes
-
-    codes = np.asarray(e2m1_codes(q.data))  # (K, N)
-    wq_np = np.asarray(wq).reshape(192, 16, 16)
-    rebuilt = np.stack([wq_np & 15, wq_np >> 4], axis=2).reshape(192, 512).T
-    np.testing.assert_array_equal(rebuilt, codes)
-    y = mm.reference_w4a16(x, wq, ws, dec)
-    expect = jnp.dot(x.astype(jnp.float32), fp4jax.dequantize(q, jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)
-    np.testing.assert_allclose(np.asarray(y), np.asarray(expect), rtol=1e-5, atol=1e-6)
 
 
 def test_dispatch_falls_back_to_xla_on_cpu(monkeypatch):

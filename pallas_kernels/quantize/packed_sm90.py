@@ -1,4 +1,4 @@
-"""Fused NVFP4 1x16 quantization for Hopper (sm_90), Pallas Mosaic GPU.
+"""Packed NVFP4 quantization (1x16 and 16x16 blocks) for Hopper (sm_90), Pallas Mosaic GPU.
 
 One pass over ``x`` (bf16 or f32, shape (R, C), C % 16 == 0) that writes
 
@@ -10,22 +10,10 @@ One pass over ``x`` (bf16 or f32, shape (R, C), C % 16 == 0) that writes
 given the tensor encode scale ``enc`` and decode scale ``dec`` (computed from the
 global amax by a separate XLA reduction, see :func:`global_scales`).
 
-Numerics (Transformer Engine, ``core_nvfp4.cuh``; evaluated in float32 exactly as
-the fp4jax reference does):
-
-* ``s = e4m3_rne_satfinite(amax_block * (enc * f32(1/6)))``; NaN if the block holds NaN/Inf;
-* ``e = min(1 / (f32(s) * dec), FLT_MAX)``, ``e = 0`` when ``s == 0``;
-* ``q = e2m1_rne_satfinite(x * e)``.
-
-Mosaic GPU on Hopper cannot convert to float4/float8 in registers, so both roundings
-are done with float32 comparisons and integer bit operations:
-
-* E4M3 (scales, always >= 0): normal range by adding ``0x7FFFF + lsb`` to the float32
-  bits and clearing the 20 low mantissa bits; subnormals (< 2^-6) by the
-  ``(v * 2^9 + 2^23) - 2^23`` round-to-nearest-even trick.
-* E2M1: the magnitude code is the number of round-to-nearest-even decision thresholds
-  (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) that ``|v|`` passes, with ``>`` where the tie
-  goes down to the even code and ``>=`` where it goes up; saturation at 6 is automatic.
+Numerics: the rules of ``common_sm90`` (Transformer Engine ``core_nvfp4.cuh`` in
+float32, as ``fp4jax.quantize``); this module owns the packed output layouts and the
+kernels that write them: 1x16 round-to-nearest (``quantize_nvfp4_1x16``) or stochastic
+(``quantize_nvfp4_1x16_sr``) and 16x16 tiles (``quantize_nvfp4_2d``).
 
 Kernel layout: ``x`` is viewed as (R, C/16, 16) (a free reshape). Each grid step moves
 a (block_rows, block_groups, 16) tile into shared memory with TMA; the kernel reads
@@ -42,7 +30,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -52,289 +39,29 @@ try:  # JAX 0.11 registers pallas_call's Mosaic GPU lowering only when this is i
 except ImportError:  # pragma: no cover
     pass
 
-FLT_MAX = float(np.finfo(np.float32).max)
-
-
-def global_scales(x: jax.Array | None, amax: jax.Array | None = None
-                  ) -> tuple[jax.Array, jax.Array]:
-    """NVFP4 tensor scales (enc, dec) from the finite amax of ``x`` (an XLA reduction), or
-    from ``amax`` when given (the finite amax computed elsewhere, e.g. ``cols_amaxes``).
-
-    Exactly the core's: ``fp4jax.quantize.global_encode_scale`` and ``dec =
-    numerics.div_rn(1, enc)`` (correctly rounded divisions, also on the GPU).
-    """
-    from fp4jax.formats import NVFP4
-    from fp4jax.numerics import div_rn
-    from fp4jax.quantize import global_encode_scale
-
-    if amax is None:
-        a = jnp.abs(x.astype(jnp.float32))
-        amax = jnp.max(jnp.where(jnp.isfinite(a), a, 0.0))
-    enc = global_encode_scale(amax, NVFP4)
-    dec = div_rn(jnp.float32(1.0), enc)
-    return enc, dec
-
-
-def _i32(v):
-    return lax.bitcast_convert_type(v, jnp.int32)
-
-
-def _f32(v):
-    return lax.bitcast_convert_type(v, jnp.float32)
-
-
-def e4m3_round(s_f):
-    """RNE-to-E4M3 of a float32 array (>= 0, <= 448 after the caller's clamp).
-
-    Returns (value as float32, E4M3 bit pattern as int32).
-    """
-    bits = _i32(s_f)
-    lsb = lax.shift_right_logical(bits, 20) & 1
-    rn = (bits + 0x7FFFF + lsb) & -0x100000  # clear the 20 mantissa bits E4M3 lacks
-    byte_norm = ((lax.shift_right_logical(rn, 23) - 120) << 3) | (
-        lax.shift_right_logical(rn, 20) & 7
-    )
-    # round(s * 2^9) to an integer, ties to even; the barrier stops XLA (interpret mode)
-    # from folding (v + 2^23) - 2^23 into v.
-    sub = lax.optimization_barrier(s_f * 512.0 + 8388608.0) - 8388608.0
-    is_sub = s_f < 0.015625  # 2^-6, smallest normal E4M3
-    val = jnp.where(is_sub, sub * (1.0 / 512.0), _f32(rn))
-    byte = jnp.where(is_sub, sub.astype(jnp.int32), byte_norm)
-    return val, byte
-
-
-def e2m1_code(v):
-    """RNE, saturating E2M1 code (int32, 0..15) of a float32 array, integer ops.
-
-    ``|v| >= 1``: round the float32 to one mantissa bit (add ``0x1FFFFF + lsb`` to the
-    bits), then code = biased exponent/mantissa - 252, saturated at 7 (6.0).
-    ``|v| < 1``: code = round-half-even(2|v|) in {0, 1, 2}, read from the low bits of
-    ``2|v| + 2^23``. Sign: bit 31 -> code bit 3 (so -0 and small negatives give 8, as
-    a float4 cast does).
-    """
-    bits = _i32(v)
-    ab = bits & 0x7FFFFFFF
-    r = ab + 0x1FFFFF + (lax.shift_right_logical(ab, 22) & 1)
-    c_hi = jnp.minimum(lax.shift_right_logical(r, 22) - 252, 7)
-    a = _f32(ab)
-    # the barrier stops XLA (interpret mode) from simplifying the magic-number add
-    c_lo = _i32(lax.optimization_barrier(a * 2.0 + 8388608.0)) & 3
-    code = jnp.where(a < 1.0, c_lo, c_hi)
-    return code | (lax.shift_right_logical(bits, 28) & 8)
-
-
-_HI12 = -0x1000  # float32 bits mask keeping sign, exponent and the top 12 significand bits
-
-
-def recip_rn(p, y0=None):
-    """Correctly rounded float32 ``1 / p`` for normal ``p > 0`` with a normal quotient.
-
-    XLA's (and LLVM's default) float32 division on NVIDIA GPUs may be one ulp off
-    (``experiments/results/gpu_numpy_diff.json``); this rounds like
-    ``fp4jax.numerics.div_rn(1, p)`` and costs ~30 scalar operations per block.
-
-    ``p = m * 2^k`` with ``m`` in [1, 2) (exponent bits replaced); ``y = 1 / m`` from the
-    hardware division (``y0``, a test hook, replaces it; must be within one ulp of
-    ``1/m``), then the exact residual ``r = 1 - m*y`` from a Dekker product whose
-    splits are integer masks (12 + 12 significand bits): every partial product is
-    exact, so FMA contraction cannot change it, and each subtraction is exact (the
-    first by Sterbenz, the others because the partial sums fit in 24 bits). ``y`` moves
-    one ulp up when ``r > m*(y_up - y)/2`` (1/m is above the midpoint to the next float),
-    down when ``r < -m*(y - y_dn)/2`` (no ties: 1/m is never a midpoint). The result's
-    exponent is then lowered by ``k``. Returns (result, ok) where ``ok`` is False for
-    zero, subnormal, Inf/NaN ``p`` or a quotient outside the normal range (the caller
-    falls back to ``1 / p`` there, as ``div_rn`` does).
-    """
-    bits = _i32(p)
-    ep = lax.shift_right_logical(bits, 23) & 0xFF
-    m = _f32((bits & 0x7FFFFF) | 0x3F800000)
-    y = 1.0 / m if y0 is None else y0
-    yb = _i32(y)
-    mh = _f32(_i32(m) & _HI12)
-    ml = m - mh
-    yh = _f32(yb & _HI12)
-    yl = y - yh
-    r = (((1.0 - mh * yh) - mh * yl) - ml * yh) - ml * yl
-    y_up = _f32(yb + 1)
-    y_dn = _f32(yb - 1)
-    up = r > m * ((y_up - y) * 0.5)
-    dn = r < -(m * ((y - y_dn) * 0.5))
-    yb = jnp.where(up, yb + 1, jnp.where(dn, yb - 1, yb))
-    e_out = (lax.shift_right_logical(yb, 23) & 0xFF) - (ep - 127)
-    res = _f32(yb - ((ep - 127) << 23))
-    ok = (ep > 0) & (ep < 255) & (e_out > 0) & (e_out < 255)
-    return res, ok
-
-
-# Safe range of the tensor decode scale for the table reciprocal (see recip_table).
-TABLE_DEC_MIN = 2.0**-117
-TABLE_DEC_MAX = 2.0**117
-N_SC = 32  # float32 words of the kernels' scalar input (see kernel_scalars)
-_SC_TABLE = 3  # index of the first of the 16 table entries in that input
-
-
-def recip_table(dec: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-tensor table of the element encode scales ``1 / (f32(s) * dec)`` (XLA, outside
-    the kernel). Returns ``(safe, table)``: a bool scalar and 16 float32 entries.
-
-    Rule (Transformer Engine ``core_nvfp4.cuh``, fp4jax ``quantize.element_encode_scale``):
-    ``e(s) = min(div_rn(1, f32(s) * dec), FLT_MAX)``, ``e = 0`` when ``s == 0``, for the
-    127 finite non-negative E4M3 scales ``s``. ``table_recip`` returns it for a scale
-    byte ``b = (ef << 3) | m`` as::
-
-        ef >= 1 (normal,    s = 2^(ef-7) * (1 + m/8)):  e = 2^(7-ef) * table[m]
-        ef == 0 (subnormal, s = m * 2^-9):              e = table[8 + m]
-
-    with ``table[m] = div_rn(1, f32(1 + m/8) * dec)`` (m = 0..7),
-    ``table[8 + m] = 2^9 * div_rn(1, f32(m) * dec)`` (m = 1..7) and ``table[8] = 0``.
-
-    Exact (bit-identical to the rule) when ``2^-117 <= dec < 2^117`` (``safe``): write
-    ``s = 2^E * M`` (M = 1 + m/8 with E = ef - 7, or M = m with E = -9). Then the real
-    products ``M*dec`` lie in [2^-117, 2^120) and ``s*dec`` in [2^-126, 448 * 2^117 <
-    2^126), both in the float32 normal range, and round-to-nearest commutes with scaling
-    by 2^E inside it: ``f32(s*dec) = 2^E * f32(M*dec)``. Likewise ``1/f32(M*dec)`` lies
-    in (2^-120, 2^117] and ``1/f32(s*dec)`` in (2^-126, 2^126]: normal again, so
-    ``div_rn(1, f32(s*dec)) = 2^-E * div_rn(1, f32(M*dec))``, exactly, and the FLT_MAX
-    clamp is never active. The kernel applies 2^(7-ef) as an integer add to the exponent
-    field (exact: the result stays normal). fp4jax's decode scale is ``1/enc`` with
-    ``enc <= 2^126`` and ``enc >= 2688/FLT_MAX``, i.e. ``dec`` in [2^-126, 1.3e35 <
-    2^117): only tensors with amax below ``2688 * 2^-117`` (~1.6e-32) are unsafe, and
-    get the ``recip_rn`` path. Checked exhaustively against IEEE float32 (NumPy) by
-    ``tests/test_kernel_quantize_fast.py`` (all E4M3 scales x thousands of ``dec``,
-    including both range ends).
-    """
-    from fp4jax.numerics import div_rn
-
-    dec = jnp.asarray(dec, jnp.float32)
-    mant = jnp.asarray(np.arange(8, dtype=np.float32) / 8 + 1)  # 1 + m/8, exact
-    sub = jnp.asarray(np.arange(8, dtype=np.float32))  # m
-    t_norm = div_rn(jnp.float32(1.0), mant * dec)
-    t_sub = div_rn(jnp.float32(1.0), sub[1:] * dec) * jnp.float32(512.0)
-    table = jnp.concatenate([t_norm, jnp.zeros((1,), jnp.float32), t_sub])
-    safe = (dec >= jnp.float32(TABLE_DEC_MIN)) & (dec < jnp.float32(TABLE_DEC_MAX))
-    return safe, table
-
-
-def table_recip(s_byte, table):
-    """``e = 1 / (f32(s) * dec)`` from the E4M3 bit pattern ``s_byte`` (int32 array,
-    0..126) and the 16 entries of ``recip_table`` (scalars): a 4-level select tree on
-    the index ``(ef == 0) << 3 | m`` and an exponent add of ``7 - ef`` (0 for
-    subnormal scales). The rule and its exactness range: ``recip_table``.
-    """
-    m = s_byte & 7
-    ef = lax.shift_right_logical(s_byte, 3) & 15
-    is_sub = ef == 0
-    b0 = (m & 1) != 0
-    b1 = (m & 2) != 0
-    b2 = (m & 4) != 0
-    t = list(table)
-    lvl = [jnp.where(b0, t[i + 1], t[i]) for i in range(0, 16, 2)]
-    lvl = [jnp.where(b1, lvl[i + 1], lvl[i]) for i in range(0, 8, 2)]
-    lvl = [jnp.where(b2, lvl[i + 1], lvl[i]) for i in range(0, 4, 2)]
-    v = jnp.where(is_sub, lvl[1], lvl[0])
-    shift = jnp.where(is_sub, 0, 7 - ef)
-    return _f32(_i32(v) + (shift << 23))
-
-
-def kernel_scalars(enc: jax.Array, dec: jax.Array) -> jax.Array:
-    """The kernels' scalar input (float32[N_SC], computed by XLA): ``enc * f32(1/6)``,
-    ``dec``, the table flag (1.0 when ``recip_table`` is exact for ``dec``), the 16
-    table entries, zero padding."""
-    safe, table = recip_table(dec)
-    sc = jnp.concatenate([
-        jnp.stack([enc.astype(jnp.float32) * jnp.float32(1.0 / 6.0), dec.astype(jnp.float32),
-                   safe.astype(jnp.float32)]),
-        table])
-    return jnp.pad(sc, (0, N_SC - sc.shape[0]))
-
-
-RECIP_MODES = ("auto", "table", "rn", "hw")
-
-
-def _elem_scale(sc_ref, s_val, s_byte, mode: str):
-    """Element encode scale ``min(1/(f32(s)*dec), FLT_MAX)`` (0 when s == 0) of a vector of
-    block scales, by ``mode``: ``"table"`` (``table_recip``; exact only for a safe dec),
-    ``"rn"`` (``recip_rn``, exact for every dec), ``"hw"`` (the hardware quotient, may
-    be one ulp off on the GPU: timing only). Rule: ``fp4jax.quantize.element_encode_scale``.
-    """
-    if mode == "table":
-        return table_recip(s_byte, [sc_ref[_SC_TABLE + i] for i in range(16)])
-    p = s_val * sc_ref[1]
-    if mode == "rn":
-        e_rn, ok = recip_rn(p)
-        e = jnp.where(ok, e_rn, 1.0 / p)  # div_rn's fallback (p or 1/p not normal)
-    else:
-        e = 1.0 / p
-    e = jnp.where(e > FLT_MAX, FLT_MAX, e)
-    return jnp.where(s_val == 0.0, 0.0, e)
-
-
-def _by_mode(sc_ref, mode: str, body):
-    """Run ``body(mode)`` with a concrete reciprocal mode: ``"auto"`` branches (uniformly,
-    on the scalar table flag) between ``"table"`` and ``"rn"``."""
-    if mode != "auto":
-        body(mode)
-        return
-
-    def run_table():
-        body("table")
-
-    def run_rn():
-        body("rn")
-
-    lax.cond(sc_ref[2] != 0.0, run_table, run_rn)
-
-
-SUB = 256  # blocks per register sub-tile: (256, 8) words, 16 words per thread
-
-
-def _load_words(x_ref, rows, plain: bool):
-    """A (rows, 8) tile of uint32 words (bf16 pairs) as int32, in the WGMMA register
-    layout (a block = a row spread over a quad of lanes) unless ``plain`` (interpret)."""
-    if plain:
-        w = x_ref[rows, :]
-    else:
-        w = plgpu.load(x_ref, (rows, slice(None)), layout=plgpu.Layout.WGMMA)
-    return lax.bitcast_convert_type(w, jnp.int32)
-
-
-def _block_amax_bits(w):
-    """Per-row (block) max of |x| as float32 bits (int32; integer order == float order
-    for >= 0, NaN/Inf compare above every finite value). Rule: the block amax of
-    ``fp4jax.quantize._quantize_impl`` (``max |x|`` over the block, NaN/Inf poison it)."""
-    return jnp.max(jnp.maximum((w << 16) & 0x7FFFFFFF, w & 0x7FFF0000), axis=1)
-
-
-def _block_scale(amax_bits, enc6):
-    """Block decode scale from the block amax bits: ``(s_val, s_byte, finite)``.
-
-    Rule (``fp4jax.quantize.block_decode_scale``, TE ``core_nvfp4.cuh``):
-    ``s = e4m3_rne_satfinite(amax_block * (enc * f32(1/6)))``; a NaN/Inf block gets the
-    NaN byte 0x7F (``s_val``/``s_byte`` are meaningless there: the caller masks them)."""
-    finite = amax_bits < 0x7F800000
-    s_f = _f32(amax_bits) * enc6
-    s_f = jnp.where(s_f > 448.0, 448.0, s_f)
-    s_val, s_byte = e4m3_round(s_f)
-    return s_val, s_byte, finite
-
-
-def _word_scales(sc_ref, w, mode: str):
-    """Block scales of a (n, 8) word tile (a block = a row): ``(s_val, s_byte, e, finite)``
-    with ``e`` the element encode scale (``_block_scale``, ``_elem_scale``)."""
-    s_val, s_byte, finite = _block_scale(_block_amax_bits(w), sc_ref[0])
-    return s_val, s_byte, _elem_scale(sc_ref, s_val, s_byte, mode), finite
-
-
-def _strip_2d_scales(sc_ref, x_ref, plain: bool, mode: str):
-    """Tile scales of a strip of 16x16 tiles, x_ref (16, g, 8) words: the tile amax is the
-    elementwise max of the 16 rows' block amaxes. Returns ``(s_val, s_byte, e, finite)``,
-    one per tile. Rule: ``fp4jax.quantize._quantize_impl`` with ``block_2d=True``."""
-    amax = None
-    for k in range(16):
-        a = _block_amax_bits(_load_words(x_ref.at[k], slice(None), plain))
-        amax = a if amax is None else jnp.maximum(amax, a)
-    s_val, s_byte, finite = _block_scale(amax, sc_ref[0])
-    return s_val, s_byte, _elem_scale(sc_ref, s_val, s_byte, mode), finite
+from fp4jax.numerics import threefry2x32
+from pallas_kernels.quantize.common_sm90 import (
+    G2D,
+    GR,
+    QUAD_BLOCKS,
+    SUB,
+    _by_mode,
+    _e2m1_value,
+    _f32,
+    _i32,
+    _iota,
+    _load_words,
+    _mode,
+    _pick_block,
+    _sr_uniform,
+    _strip_2d_scales,
+    _word_scales,
+    e2m1_code,
+    global_scales,
+    kernel_scalars,
+    key_words,
+    supported_rows,
+)
 
 
 def _encode_words(w, e, finite, n: int):
@@ -386,13 +113,6 @@ def _quant_strip_2d(sc_ref, x_ref, q_ref, s_ref, *, g: int, plain: bool = False,
         q_ref[k] = _encode_words(w, e, finite, g).astype(jnp.uint8)
 
 
-def _pick_block(n: int, candidates) -> int | None:
-    for c in candidates:
-        if n % c == 0:
-            return c
-    return None
-
-
 def supported(shape, dtype) -> bool:
     """Whether the kernel handles x of this shape/dtype (else use the XLA path)."""
     if len(shape) != 2 or jnp.dtype(dtype) != jnp.bfloat16:
@@ -401,23 +121,12 @@ def supported(shape, dtype) -> bool:
     return c % 16 == 0 and (r * c // 16) % SUB == 0
 
 
-G2D = (64,)  # tiles per 2D strip (default): (16, 64, 8) words = 32 KiB; g=128 also works
-
-
 def supported_2d(shape, dtype) -> bool:
     """Whether the 16x16 kernel handles x (R, C) (bf16, R % 16 == 0, C % 1024 == 0)."""
     if len(shape) != 2 or jnp.dtype(dtype) != jnp.bfloat16:
         return False
     r, c = shape
     return r % 16 == 0 and c % 16 == 0 and (c // 16) % G2D[-1] == 0
-
-
-def _mode(recip: str, exact_recip: bool | None) -> str:
-    if exact_recip is False:  # the old flag: hardware quotient
-        return "hw"
-    if recip not in RECIP_MODES:
-        raise ValueError(f"recip must be one of {RECIP_MODES}, got {recip!r}")
-    return recip
 
 
 @functools.partial(
@@ -632,16 +341,9 @@ def quantize_nvfp4_2d(x: jax.Array, *, interpret: bool = False, **kw):
 # ---------------------------------------------------------------------------
 
 
-def _fq():
-    """``pallas_kernels.fakequant_nvfp4_sm90`` (imported late: it imports this module)."""
-    from pallas_kernels import fakequant_nvfp4_sm90
-
-    return fakequant_nvfp4_sm90
-
-
 def e2m1_code_of_value(v):
     """E2M1 code (int32, 0..15, bits ``s e1 e0 m``) of a float32 ``v`` that is exactly an
-    E2M1 value (what ``fakequant_nvfp4_sm90._e2m1_value`` returns), integer ops only:
+    E2M1 value (what ``common_sm90._e2m1_value`` returns), integer ops only:
     ``|v| >= 1`` has one mantissa bit, so ``(bits >> 22) - 252`` is the code (1.0 -> 2 ..
     6.0 -> 7); below 1 the values are 0 and 0.5 (code 0, 1: bit 24 of the bits). The
     sign bit moves to code bit 3 (-0 -> 8, as ``fp4jax.quantize.e2m1_codes``)."""
@@ -659,7 +361,7 @@ def _sr_packed_quad_tile(sc_ref, kw_ref, x_ref, q_ref, s_ref, *, g: int, draw0,
     block: codes of elements 2k (low nibble) and 2k+1) and s_ref (4, g) uint8 E4M3 scale
     bits out.
 
-    The same steps as ``fakequant_nvfp4_sm90._fq_quad_tile`` (whose bf16 words these
+    The same steps as ``operand_sm90._fq_quad_tile`` (whose bf16 words these
     codes times their scales are): block scales ``_word_scales`` (TE ``core_nvfp4.cuh``),
     the 64-bit draw ``draw0 + 8 i + j`` for word (i, j) of the four rows
     (``numerics.uniform_from_key`` on x's stored (R, C) order: rows 4m, 4m+1 take word
@@ -670,17 +372,16 @@ def _sr_packed_quad_tile(sc_ref, kw_ref, x_ref, q_ref, s_ref, *, g: int, draw0,
     codes ``fp4jax.quantize`` gives there (its elements become NaN times the NaN encode
     scale, which round to +0 for a positive NaN; the round-to-nearest packed kernel
     writes 0x88 instead)."""
-    fq = _fq()
-    d = draw0 + (fq._iota((g, 8), 0, plain) << 3) + fq._iota((g, 8), 1, plain)
-    words = fq.threefry2x32(kw_ref[0], kw_ref[1], d - d, d)
+    d = draw0 + (_iota((g, 8), 0, plain) << 3) + _iota((g, 8), 1, plain)
+    words = threefry2x32(kw_ref[0], kw_ref[1], d - d, d)
     for r in range(4):
         w = _load_words(x_ref.at[r], slice(None), plain)
         _, s_byte, e, finite = _word_scales(sc_ref, w, mode)
         bits = words[r // 2]
         eb = lax.broadcast_in_dim(e, (g, 8), (0,))
         fin = lax.broadcast_in_dim(finite.astype(jnp.int32), (g, 8), (0,))
-        lo = fq._e2m1_value(_f32(w << 16) * eb, fq._sr_uniform(bits, 2 * (r % 2)), plain)
-        hi = fq._e2m1_value(_f32(w & -0x10000) * eb, fq._sr_uniform(bits, 2 * (r % 2) + 1),
+        lo = _e2m1_value(_f32(w << 16) * eb, _sr_uniform(bits, 2 * (r % 2)), plain)
+        hi = _e2m1_value(_f32(w & -0x10000) * eb, _sr_uniform(bits, 2 * (r % 2) + 1),
                             plain)
         byte = e2m1_code_of_value(lo) | (e2m1_code_of_value(hi) << 4)
         q_ref[r] = jnp.where(fin != 0, byte, 0).astype(jnp.uint8)
@@ -689,8 +390,8 @@ def _sr_packed_quad_tile(sc_ref, kw_ref, x_ref, q_ref, s_ref, *, g: int, draw0,
 
 def supported_sr(shape, dtype) -> bool:
     """Whether the stochastic-rounding 1x16 kernel handles x (R, C): bf16, R % 4 == 0,
-    C % 1024 == 0, R*C < 2^31 (``fakequant_nvfp4_sm90.supported_rows`` with ``sr``)."""
-    return _fq().supported_rows(shape, dtype, sr=True)
+    C % 1024 == 0, R*C < 2^31 (``common_sm90.supported_rows`` with ``sr``)."""
+    return supported_rows(shape, dtype, sr=True)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "g", "rq"))
@@ -702,9 +403,9 @@ def quantize_nvfp4_1x16_sr_scaled(x: jax.Array, enc: jax.Array, dec: jax.Array,
     Args:
       x: (R, C) bfloat16, see ``supported_sr``.
       enc, dec: float32 tensor scales (``global_scales``).
-      kw: int32[2], the Threefry key words (``fakequant_nvfp4_sm90.key_words(key)``).
+      kw: int32[2], the Threefry key words (``common_sm90.key_words(key)``).
       g, rq: blocks per row and row quads of a CTA tile (defaults: the GPU's choice,
-        ``fakequant_nvfp4_sm90.GR`` / ``QUAD_BLOCKS``, as ``fq_rows``' SR kernel; in
+        ``common_sm90.GR`` / ``QUAD_BLOCKS``, as ``fq_rows``' SR kernel; in
         interpret mode whole rows, one quad, unless given, so CPU tests can run the GPU
         tiling's draw offsets).
     Returns:
@@ -720,10 +421,9 @@ def quantize_nvfp4_1x16_sr_scaled(x: jax.Array, enc: jax.Array, dec: jax.Array,
     ``fq_rows``' SR kernel: no table branch, whose second copy of the body would double
     an already long kernel).
     """
-    fq = _fq()
     if not supported_sr(x.shape, x.dtype):
         raise ValueError(f"stochastic-rounding quantize kernel needs bfloat16 (R, C) with "
-                         f"R % 4 == 0, C % {16 * fq.GR[-1]} == 0 and R*C < 2^31, got "
+                         f"R % 4 == 0, C % {16 * GR[-1]} == 0 and R*C < 2^31, got "
                          f"{x.dtype} {x.shape}")
     mode = "rn"
     r, c = x.shape
@@ -734,8 +434,8 @@ def quantize_nvfp4_1x16_sr_scaled(x: jax.Array, enc: jax.Array, dec: jax.Array,
         g = g or nbr
         rq = rq or 1
     else:
-        g = g or _pick_block(nbr, fq.GR)
-        rq = rq or max(1, fq.QUAD_BLOCKS // (4 * g))
+        g = g or _pick_block(nbr, GR)
+        rq = rq or max(1, QUAD_BLOCKS // (4 * g))
         while (r // 4) % rq:
             rq //= 2
     if nbr % g or (r // 4) % rq or (not interpret and g % 64):
@@ -802,8 +502,7 @@ def quantize_nvfp4_1x16_sr(x: jax.Array, key: jax.Array, *, interpret=False, ama
     raw). Returns (packed uint8 (R, C//2), scale_bits uint8 (R, C//16), dec float32),
     bit-identical to ``fp4jax.quantize(x, NVFP4, axis=-1, rounding="stochastic",
     key=key)`` (see ``quantize_nvfp4_1x16_sr_scaled``)."""
-    fq = _fq()
     enc, dec = global_scales(x, amax)
-    packed, s = quantize_nvfp4_1x16_sr_scaled(x, enc, dec, fq.key_words(key),
+    packed, s = quantize_nvfp4_1x16_sr_scaled(x, enc, dec, key_words(key),
                                               interpret=interpret, **kw)
     return packed, s, dec

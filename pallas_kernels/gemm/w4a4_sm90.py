@@ -15,7 +15,6 @@ is viewed as R rows of K contraction elements (A: R = M; B: R = N, i.e. B^T):
 * ``codes`` (R, K/2) uint8: for each pair of 16-blocks (g0, g1) of a row, 16 bytes
   whose byte j holds the E2M1 code of element j of g0 (low nibble) and of g1 (high
   nibble); so the low (high) nibbles of a 16-byte group are one whole scale block.
-  This is the W4A16 weight layout of ``fp4_matmul_sm90`` (``native_from_codes``).
 * ``sbits`` (K/16, R) uint8: E4M3 block-scale bits, one row per k-block (contiguous
   along R), so that a 16-k block's scales of a tile's rows are one row of SMEM.
 * ``dec`` float32 scalar: the tensor decode scale (``QuantizedArray.global_scale``).
@@ -27,18 +26,13 @@ float32 and multiplies by ``dec_a * dec_b`` (one float32 product) in the epilogu
 the result equals ``dequantize(A) @ dequantize(B)`` (float32) up to float32
 accumulation order and the one rounding of ``dec_a * dec_b``.
 
-Two implementations:
-
-* (a) :func:`w4a4_matmul_two_pass`: a Mosaic GPU decode kernel (:func:`decode_operand`)
-  writes each operand as exact bf16 ``q * s`` to HBM, then the bf16 GEMM with float32
-  accumulation and ``dec_a * dec_b`` in its epilogue (``gemm_alpha_sm90.gemm_alpha``;
-  XLA's ``dot_general`` and a separate epilogue where its tiles do not fit).
-  :func:`w4a4_matmul_xla` is the same with the decode and the GEMM in XLA.
-* (b) :func:`w4a4_matmul_fused`: one kernel; per K step it TMA-loads the packed A and
-  B tiles (4x fewer bytes than bf16), decodes B's tile into a bf16 SMEM tile (one
-  (TN, 16) sub-tile per 16-k block) and each 16-k block of A into registers (wgmma's
-  register operand, as the W4A16 kernel does), and issues wgmma m64 nTN k16 with the
-  decoded B (transposed view) as the SMEM operand.
+Implementation (:func:`w4a4_matmul_two_pass`): a Mosaic GPU decode kernel
+(:func:`decode_operand`) writes each operand as exact bf16 ``q * s`` to HBM, then the
+bf16 GEMM with float32 accumulation and ``dec_a * dec_b`` in its epilogue
+(``gemm.alpha_sm90.gemm_alpha``; XLA's ``dot_general`` and a separate epilogue where its
+tiles do not fit). :func:`w4a4_matmul_xla` is the same with the decode and the GEMM in
+XLA. (A fused single-kernel variant that decoded in registers reached only 0.15x bf16,
+CUDA-core bound, and was removed; git history keeps it.)
 """
 
 from __future__ import annotations
@@ -135,7 +129,7 @@ def prepare_a(q):
 def prepare_b(q):
     """Kernel layout of an NVFP4 or MXFP4 ``QuantizedArray`` B (K, N) scaled along K
     (axis=0 / -2, or NVFP4 16x16 tiles). Returns (codes (N, K/2) uint8, sbits (K/16, N)
-    uint8, dec f32) (the W4A16 weight layout: ``fp4_matmul_sm90.prepare_weight``); MXFP4
+    uint8, dec f32) ; MXFP4
     as ``prepare_a`` (scale repeated per 16-half, dec = 1, ``scale_fmt="ue8m0"``)."""
     return _prepare(q, 0)
 
@@ -308,10 +302,10 @@ def _epilogue(acc, dec_a, dec_b, out_dtype):
 
 def _gemm_decoded(a16, bt16, dec_a, dec_b, out_dtype, pallas: bool = False):
     """``a16 @ bt16.T`` in f32 times ``dec_a * dec_b``; with ``pallas`` (a GPU, bf16 out,
-    sizes that ``gemm_alpha_sm90.preferred`` takes) on ``gemm_alpha_sm90.gemm_alpha`` (the
+    sizes that ``alpha_sm90.preferred`` takes) on ``alpha_sm90.gemm_alpha`` (the
     scale in its epilogue, so the f32 product never goes to memory), else XLA's dot and
     the epilogue."""
-    from pallas_kernels import gemm_alpha_sm90 as ga
+    from pallas_kernels.gemm import alpha_sm90 as ga
 
     (m, k), n = a16.shape, bt16.shape[0]
     if pallas and jnp.dtype(out_dtype) == jnp.bfloat16 and ga.preferred(m, k, n):
@@ -350,104 +344,6 @@ def w4a4_matmul_xla(aq, as_, dec_a, bq, bs, dec_b, *, out_dtype=jnp.bfloat16,
     a16 = decode_operand_xla(aq, as_, scale_a)
     b16 = decode_operand_xla(bq, bs, scale_b)
     return _gemm_decoded(a16, b16, dec_a, dec_b, out_dtype)
-
-
-# ---------------------------------------------------------------------------
-# (b) Fused kernel.
-# ---------------------------------------------------------------------------
-
-
-@functools.partial(jax.jit, static_argnames=("tile_n", "tile_k", "stages", "out_dtype"))
-def w4a4_matmul_fused(aq, as_, dec_a, bq, bs, dec_b, *, tile_n: int = 128, tile_k: int = 128,
-                      stages: int = 3, out_dtype=jnp.bfloat16):
-    """(b): one kernel decoding both packed operands inside the GEMM.
-
-    aq (M, K/2), as_ (K/16, M), bq (N, K/2), bs (K/16, N) uint8 (kernel layout);
-    dec_a, dec_b float32 scalars. Returns (M, N) ``out_dtype``.
-
-    One CTA (one warpgroup) per (64, tile_n) output tile, pipelining K in steps of
-    tile_k through SMEM (TMA, ``stages`` deep). Per step: B's packed (tile_n,
-    tile_k/2) tile is decoded 64 rows at a time into a bf16 SMEM tile (tile_k/16,
-    tile_n, 16) (one 16-k block per sub-tile, 32-byte swizzle), fenced
-    (``commit_smem``); then each 16-k block of A is decoded in registers and issued as
-    wgmma m64 n``tile_n`` k16 with the transposed B sub-tile. The epilogue multiplies by
-    ``dec_a * dec_b``. Needs M % 64 == 0, N % tile_n == 0, K % tile_k == 0.
-    """
-    m, kh = aq.shape
-    n = bq.shape[0]
-    k = 2 * kh
-    if (as_.shape != (k // 16, m) or bq.shape != (n, kh) or bs.shape != (k // 16, n)):
-        raise ValueError(f"layout mismatch: aq {aq.shape}, as {as_.shape}, bq {bq.shape},"
-                         f" bs {bs.shape}")
-    if tile_n % ROWS or tile_n > 256 or tile_k % 32:
-        raise ValueError(f"tile_n must be 64, 128, 192 or 256 and tile_k % 32 == 0,"
-                         f" got {tile_n}, {tile_k}")
-    if m % ROWS or n % tile_n or k % tile_k:
-        raise ValueError(f"fused W4A4 kernel needs M % {ROWS} == 0, N % {tile_n} == 0,"
-                         f" K % {tile_k} == 0; got M={m}, N={n}, K={k}")
-    ks = k // tile_k
-    nblk = tile_k // 16
-    sc = jnp.pad(jnp.reshape(dec_a.astype(jnp.float32) * dec_b.astype(jnp.float32), (1,)),
-                 (0, 3))
-    q_tf = _swizzle_transforms(tile_k // 2, 1)
-    b16_tf = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
-    red = plgpu.Layout.WGMMA.reduce(1)
-
-    def body(sc_gmem, aq_gmem, as_gmem, bq_gmem, bs_gmem, out_gmem, out_smem, b16_smem):
-        mi = lax.axis_index("m")
-        ni = lax.axis_index("n")
-
-        @functools.partial(pl.run_scoped, acc=plgpu.ACC((ROWS, tile_n), jnp.float32))
-        def _(acc):
-            def step(_, aq_smem, as_smem, bq_smem, bs_smem):
-                for i in range(tile_n // ROWS):  # decode B, 64 rows at a time
-                    rows = pl.ds(ROWS * i, ROWS)
-
-                    def load_b_scale(g, rows=rows):
-                        return plgpu.load(bs_smem, (g, rows), layout=red)
-
-                    def emit_b(g, v, rows=rows):
-                        b16_smem.at[g, rows][...] = v
-
-                    _decode_tile(bq_smem.at[rows], nblk, load_b_scale, emit_b)
-                plgpu.commit_smem()
-
-                def load_a_scale(g):
-                    return plgpu.load(as_smem, (g, slice(None)), layout=red)
-
-                def emit_a(g, v):
-                    plgpu.wgmma(acc, v, plgpu.transpose_ref(b16_smem.at[g], (1, 0)))
-
-                _decode_tile(aq_smem, nblk, load_a_scale, emit_a)
-                plgpu.wgmma_wait(0)
-
-            plgpu.emit_pipeline(
-                step,
-                grid=(ks,),
-                in_specs=[
-                    plgpu.BlockSpec((ROWS, tile_k // 2), lambda j: (mi, j), transforms=q_tf),
-                    plgpu.BlockSpec((nblk, ROWS), lambda j: (j, mi)),
-                    plgpu.BlockSpec((tile_n, tile_k // 2), lambda j: (ni, j), transforms=q_tf),
-                    plgpu.BlockSpec((nblk, tile_n), lambda j: (j, ni)),
-                ],
-                max_concurrent_steps=min(stages, ks),
-            )(aq_gmem, as_gmem, bq_gmem, bs_gmem)
-            out_smem[...] = (acc[...] * sc_gmem[0]).astype(out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                out_smem, out_gmem.at[pl.ds(mi * ROWS, ROWS), pl.ds(ni * tile_n, tile_n)])
-            plgpu.wait_smem_to_gmem(0)
-
-    return plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(m // ROWS, n // tile_n),
-        grid_names=("m", "n"),
-        scratch_types=dict(
-            out_smem=plgpu.SMEM((ROWS, tile_n), out_dtype),
-            b16_smem=plgpu.SMEM((nblk, tile_n, 16), jnp.bfloat16, transforms=b16_tf),
-        ),
-    )(sc, aq, as_, bq, bs)
 
 
 def reference_w4a4(aq, as_, dec_a, bq, bs, dec_b):

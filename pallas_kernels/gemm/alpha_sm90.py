@@ -5,7 +5,7 @@ Mosaic GPU.
 operands, float32 accumulation (``wgmma``), and the product with ``alpha`` (a float32
 scalar in device memory) taken in float32 on the accumulator before the one rounding to
 the output type. This is the GEMM of ``fp4jax.dot``'s kernel path: its operands are the
-exact bf16 ``data * scale`` of NVFP4 tensors (``fakequant_nvfp4_sm90``) and ``alpha`` is
+exact bf16 ``data * scale`` of NVFP4 tensors (``quantize.operand_sm90``) and ``alpha`` is
 the product of the two tensor decode scales (NVFP4 paper Eq. 5; cuBLAS' alpha in
 Transformer Engine's NVFP4 GEMM). XLA applies a runtime scalar only after the GEMM (cuBLAS
 fuses constant alphas alone): the f32 result goes to memory and a separate pass scales and

@@ -26,7 +26,7 @@ four neighbouring rows: ``fq_rows`` takes its rows in quads, ``fq_cols`` loops o
 quads. Kernels and XLA path produce the same bits with no random array in memory.
 
 Numerics (each rule is the core's, cited where it is used): block amax, E4M3 block
-scale and element encode scale from ``quantize_nvfp4_sm90`` (TE ``core_nvfp4.cuh``);
+scale and element encode scale from ``common_sm90`` (TE ``core_nvfp4.cuh``);
 element rounding ``_e2m1_value`` (``fp4jax.numerics.round_to_grid`` /
 ``stochastic_round_to_grid`` on E2M1). A block holding NaN/Inf gives NaN for all 16
 (or 256) outputs, as ``scaled_data`` of its NaN scale does.
@@ -50,95 +50,35 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fp4jax.numerics import threefry2x32
-from pallas_kernels.quantize_nvfp4_sm90 import (
+from pallas_kernels.quantize.common_sm90 import (
+    _SC_SIGNS,
     G2D,
+    GR,
+    QUAD_BLOCKS,
     SUB,
     _block_scale,
     _by_mode,
+    _e2m1_value,
     _elem_scale,
     _f32,
     _i32,
+    _iota,
     _load_words,
     _mode,
     _pick_block,
+    _sr_uniform,
     _strip_2d_scales,
     _word_scales,
     global_scales,
-    kernel_scalars,
+    key_words,
+    scalars,
+    supported_rows,
 )
 
 __all__ = ["fq_rows", "fq_cols", "fq_2d", "rht_cols_amax", "cols_amaxes", "supported_rows",
            "supported_cols", "supported_2d", "scalars"]
 
-_SC_SIGNS = 32  # f32 scalars: kernel_scalars (32 words) then the 16 RHT signs
 _NAN2 = 0x7FC07FC0  # two bf16 quiet NaNs
-
-
-def scalars(enc: jax.Array, dec: jax.Array, signs: jax.Array | None = None) -> jax.Array:
-    """The kernels' float32 scalar input: ``kernel_scalars(enc, dec)`` then 16 RHT signs."""
-    s = jnp.ones((16,), jnp.float32) if signs is None else jnp.asarray(signs, jnp.float32)
-    return jnp.concatenate([kernel_scalars(enc, dec), s.reshape(16)])
-
-
-def key_words(key: jax.Array | None) -> jax.Array:
-    """int32[2]: the two Threefry key words of ``key`` (zeros without a key)."""
-    if key is None:
-        return jnp.zeros((2,), jnp.int32)
-    return lax.bitcast_convert_type(jax.random.key_data(key).reshape(2), jnp.int32)
-
-
-def _barrier(v, plain: bool):
-    # stops XLA (interpret mode) from folding (v + 2^23) - 2^23 into v
-    return lax.optimization_barrier(v) if plain else v
-
-
-def _e2m1_value(v, u, plain: bool):
-    """E2M1 value (float32, sign of ``v`` kept) of a scaled element ``v`` (finite).
-
-    Rule: ``fp4jax.quantize._round_elements``: ``numerics.round_to_grid(|v|, E2M1,
-    "nearest")`` (``u`` None) or ``numerics.stochastic_round_to_grid(|v|, E2M1, u)``
-    (``u`` float32 from ``_sr_uniform``), then the sign; the same values, computed with
-    full-rate operations only (no int <-> float conversions, which run at a quarter of
-    the integer rate and bounded the stochastic-rounding kernels):
-
-    * nearest: below 1 the grid step is 1/2, so ``(|v| + 1.5 * 2^22) - 1.5 * 2^22``
-      rounds half to even onto it; from 1 up E2M1 keeps one mantissa bit, so adding
-      ``0x1FFFFF`` plus the kept bit to the float32 bits and clearing the 22 lower bits
-      rounds half to even (a carry moves to the next binade); then ``min(., 6)``.
-    * stochastic: ``t = |v| / q`` (``q = 2^(clip(floor_log2|v|, 0, 2) - 1)``, exact),
-      ``floor(t)`` as ``RNE(t)`` (the 2^23 trick) minus one where that exceeds ``t``,
-      round up where ``u < t - floor(t)``, then ``min(r * q, 6)``.
-    """
-    bits = _i32(v)
-    ab = bits & 0x7FFFFFFF
-    if u is None:
-        small = _barrier(_f32(ab) + 6291456.0, plain) - 6291456.0
-        big = _f32((ab + 0x1FFFFF + (lax.shift_right_logical(ab, 22) & 1)) & -0x400000)
-        out = jnp.minimum(jnp.where(ab < 0x3F800000, small, big), 6.0)
-    else:
-        ex = jnp.minimum(jnp.maximum(lax.shift_right_logical(ab, 23) - 127, 0), 2) - 1
-        t = _f32(ab) * _f32((127 - ex) << 23)
-        r0 = _barrier(t + 8388608.0, plain) - 8388608.0
-        lo = jnp.where(r0 > t, r0 - 1.0, r0)
-        r = jnp.where(u < t - lo, lo + 1.0, lo)
-        out = jnp.minimum(r * _f32((127 + ex) << 23), 6.0)
-    return _f32(_i32(out) | (bits & -0x80000000))
-
-
-def _sr_uniform(bits, i: int):
-    """``u = (b + 1/2) / 256`` (float32, exact) for byte ``i`` (0 = bits 0..7) ``b`` of
-    int32 ``bits`` (``numerics.uniform_from_key``): the float ``1 + u`` is built from its
-    bits (``b`` as mantissa bits 22..15, the half as bit 14), then 1 is subtracted."""
-    sh = 15 - 8 * i
-    b = (bits << sh) if sh >= 0 else lax.shift_right_logical(bits, -sh)
-    return _f32((b & 0x7F8000) | 0x3F804000) - 1.0
-
-
-def _iota(shape, dim, plain: bool):
-    if plain:
-        return lax.broadcasted_iota(jnp.int32, shape, dim)
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-
 
 def _bf16_hi(v):
     """bf16 bits of an exactly representable float32, in the high half of an int32."""
@@ -194,21 +134,6 @@ def _fq_quad_tile(sc_ref, kw_ref, x_ref, o_ref, *, g: int, draw0, plain: bool, m
         word = _scaled_words(w, e, s_val, finite, g, plain, _sr_uniform(bits, 2 * (r % 2)),
                              _sr_uniform(bits, 2 * (r % 2) + 1))
         o_ref[r] = lax.bitcast_convert_type(word, jnp.uint32)
-
-
-GR = (128, 64)  # blocks per row of an SR quad tile (fq_rows with a key)
-QUAD_BLOCKS = 512  # blocks per CTA of the SR rows kernel (as kt * SUB of the RtN one)
-
-
-def supported_rows(shape, dtype, sr: bool = False) -> bool:
-    """bf16 (R, C), C % 16 == 0, R*C/16 a multiple of 256, R*C < 2^31; with stochastic
-    rounding (``sr``) also R % 4 == 0 and C % 1024 == 0 (rows are taken in quads, 64
-    blocks of each at least)."""
-    if len(shape) != 2 or jnp.dtype(dtype) != jnp.bfloat16:
-        return False
-    r, c = shape
-    ok = c % 16 == 0 and (r * c // 16) % SUB == 0 and r * c < 2**31
-    return ok and (not sr or (r % 4 == 0 and c % (16 * GR[-1]) == 0))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr", "g", "rq", "kt",

@@ -1,0 +1,431 @@
+"""Shared internals of the NVFP4 quantize kernels for Hopper (sm_90), Pallas Mosaic GPU.
+
+Both quantize kernel families import this module (and nothing else of each other):
+``packed_sm90`` (E2M1 codes two a byte + E4M3 scale bits, for storage and packed GEMMs)
+and ``operand_sm90`` (the bf16 ``data * scale`` GEMM operands ``fp4jax.dot`` uses on
+Hopper). It owns the in-register numerics they share, each a transcription of one rule
+of the core (cited where defined): the tensor scales (``global_scales``, from
+``fp4jax.quantize.global_encode_scale``), E4M3 block-scale rounding (``e4m3_round``,
+``_block_scale``), the correctly rounded reciprocal of the element encode scale
+(``recip_rn``, ``recip_table``; ``fp4jax.numerics.div_rn``), E2M1 element rounding to the
+nearest or stochastically (``e2m1_code``, ``_e2m1_value``; ``fp4jax.numerics``), the
+stochastic-rounding bits (``key_words``, ``_sr_uniform``; ``numerics.uniform_from_key``),
+the kernels' scalar input (``kernel_scalars``, ``scalars``) and the word layout of bf16
+pairs in the WGMMA register layout (``_load_words``). Tiling defaults shared by both
+(``SUB``, ``G2D``, ``GR``, ``QUAD_BLOCKS``) live here too.
+
+Numerics (Transformer Engine, ``core_nvfp4.cuh``; evaluated in float32 exactly as
+the fp4jax reference does):
+
+* ``s = e4m3_rne_satfinite(amax_block * (enc * f32(1/6)))``; NaN if the block holds NaN/Inf;
+* ``e = min(1 / (f32(s) * dec), FLT_MAX)``, ``e = 0`` when ``s == 0``;
+* ``q = e2m1_rne_satfinite(x * e)``.
+
+Mosaic GPU on Hopper cannot convert to float4/float8 in registers, so both roundings
+are done with float32 comparisons and integer bit operations:
+
+* E4M3 (scales, always >= 0): normal range by adding ``0x7FFFF + lsb`` to the float32
+  bits and clearing the 20 low mantissa bits; subnormals (< 2^-6) by the
+  ``(v * 2^9 + 2^23) - 2^23`` round-to-nearest-even trick.
+* E2M1: the magnitude code is the number of round-to-nearest-even decision thresholds
+  (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) that ``|v|`` passes, with ``>`` where the tie
+  goes down to the even code and ``>=`` where it goes up; saturation at 6 is automatic.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+try:  # JAX 0.11 registers pallas_call's Mosaic GPU lowering only when this is imported.
+    from jax._src.pallas.mosaic_gpu import pallas_call_registration as _  # noqa: F401
+except ImportError:  # pragma: no cover
+    pass
+
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+def global_scales(x: jax.Array | None, amax: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
+    """NVFP4 tensor scales (enc, dec) from the finite amax of ``x`` (an XLA reduction), or
+    from ``amax`` when given (the finite amax computed elsewhere, e.g. ``cols_amaxes``).
+
+    Exactly the core's: ``fp4jax.quantize.global_encode_scale`` and ``dec =
+    numerics.div_rn(1, enc)`` (correctly rounded divisions, also on the GPU).
+    """
+    from fp4jax.formats import NVFP4
+    from fp4jax.numerics import div_rn
+    from fp4jax.quantize import global_encode_scale
+
+    if amax is None:
+        a = jnp.abs(x.astype(jnp.float32))
+        amax = jnp.max(jnp.where(jnp.isfinite(a), a, 0.0))
+    enc = global_encode_scale(amax, NVFP4)
+    dec = div_rn(jnp.float32(1.0), enc)
+    return enc, dec
+
+
+def _i32(v):
+    return lax.bitcast_convert_type(v, jnp.int32)
+
+
+def _f32(v):
+    return lax.bitcast_convert_type(v, jnp.float32)
+
+
+def e4m3_round(s_f):
+    """RNE-to-E4M3 of a float32 array (>= 0, <= 448 after the caller's clamp).
+
+    Returns (value as float32, E4M3 bit pattern as int32).
+    """
+    bits = _i32(s_f)
+    lsb = lax.shift_right_logical(bits, 20) & 1
+    rn = (bits + 0x7FFFF + lsb) & -0x100000  # clear the 20 mantissa bits E4M3 lacks
+    byte_norm = ((lax.shift_right_logical(rn, 23) - 120) << 3) | (
+        lax.shift_right_logical(rn, 20) & 7
+    )
+    # round(s * 2^9) to an integer, ties to even; the barrier stops XLA (interpret mode)
+    # from folding (v + 2^23) - 2^23 into v.
+    sub = lax.optimization_barrier(s_f * 512.0 + 8388608.0) - 8388608.0
+    is_sub = s_f < 0.015625  # 2^-6, smallest normal E4M3
+    val = jnp.where(is_sub, sub * (1.0 / 512.0), _f32(rn))
+    byte = jnp.where(is_sub, sub.astype(jnp.int32), byte_norm)
+    return val, byte
+
+
+def e2m1_code(v):
+    """RNE, saturating E2M1 code (int32, 0..15) of a float32 array, integer ops.
+
+    ``|v| >= 1``: round the float32 to one mantissa bit (add ``0x1FFFFF + lsb`` to the
+    bits), then code = biased exponent/mantissa - 252, saturated at 7 (6.0).
+    ``|v| < 1``: code = round-half-even(2|v|) in {0, 1, 2}, read from the low bits of
+    ``2|v| + 2^23``. Sign: bit 31 -> code bit 3 (so -0 and small negatives give 8, as
+    a float4 cast does).
+    """
+    bits = _i32(v)
+    ab = bits & 0x7FFFFFFF
+    r = ab + 0x1FFFFF + (lax.shift_right_logical(ab, 22) & 1)
+    c_hi = jnp.minimum(lax.shift_right_logical(r, 22) - 252, 7)
+    a = _f32(ab)
+    # the barrier stops XLA (interpret mode) from simplifying the magic-number add
+    c_lo = _i32(lax.optimization_barrier(a * 2.0 + 8388608.0)) & 3
+    code = jnp.where(a < 1.0, c_lo, c_hi)
+    return code | (lax.shift_right_logical(bits, 28) & 8)
+
+
+_HI12 = -0x1000  # float32 bits mask keeping sign, exponent and the top 12 significand bits
+
+
+def recip_rn(p, y0=None):
+    """Correctly rounded float32 ``1 / p`` for normal ``p > 0`` with a normal quotient.
+
+    XLA's (and LLVM's default) float32 division on NVIDIA GPUs may be one ulp off
+    (``experiments/results/gpu_numpy_diff.json``); this rounds like
+    ``fp4jax.numerics.div_rn(1, p)`` and costs ~30 scalar operations per block.
+
+    ``p = m * 2^k`` with ``m`` in [1, 2) (exponent bits replaced); ``y = 1 / m`` from the
+    hardware division (``y0``, a test hook, replaces it; must be within one ulp of
+    ``1/m``), then the exact residual ``r = 1 - m*y`` from a Dekker product whose
+    splits are integer masks (12 + 12 significand bits): every partial product is
+    exact, so FMA contraction cannot change it, and each subtraction is exact (the
+    first by Sterbenz, the others because the partial sums fit in 24 bits). ``y`` moves
+    one ulp up when ``r > m*(y_up - y)/2`` (1/m is above the midpoint to the next float),
+    down when ``r < -m*(y - y_dn)/2`` (no ties: 1/m is never a midpoint). The result's
+    exponent is then lowered by ``k``. Returns (result, ok) where ``ok`` is False for
+    zero, subnormal, Inf/NaN ``p`` or a quotient outside the normal range (the caller
+    falls back to ``1 / p`` there, as ``div_rn`` does).
+    """
+    bits = _i32(p)
+    ep = lax.shift_right_logical(bits, 23) & 0xFF
+    m = _f32((bits & 0x7FFFFF) | 0x3F800000)
+    y = 1.0 / m if y0 is None else y0
+    yb = _i32(y)
+    mh = _f32(_i32(m) & _HI12)
+    ml = m - mh
+    yh = _f32(yb & _HI12)
+    yl = y - yh
+    r = (((1.0 - mh * yh) - mh * yl) - ml * yh) - ml * yl
+    y_up = _f32(yb + 1)
+    y_dn = _f32(yb - 1)
+    up = r > m * ((y_up - y) * 0.5)
+    dn = r < -(m * ((y - y_dn) * 0.5))
+    yb = jnp.where(up, yb + 1, jnp.where(dn, yb - 1, yb))
+    e_out = (lax.shift_right_logical(yb, 23) & 0xFF) - (ep - 127)
+    res = _f32(yb - ((ep - 127) << 23))
+    ok = (ep > 0) & (ep < 255) & (e_out > 0) & (e_out < 255)
+    return res, ok
+
+
+# Safe range of the tensor decode scale for the table reciprocal (see recip_table).
+TABLE_DEC_MIN = 2.0**-117
+TABLE_DEC_MAX = 2.0**117
+N_SC = 32  # float32 words of the kernels' scalar input (see kernel_scalars)
+_SC_TABLE = 3  # index of the first of the 16 table entries in that input
+
+
+def recip_table(dec: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-tensor table of the element encode scales ``1 / (f32(s) * dec)`` (XLA, outside
+    the kernel). Returns ``(safe, table)``: a bool scalar and 16 float32 entries.
+
+    Rule (Transformer Engine ``core_nvfp4.cuh``, fp4jax ``quantize.element_encode_scale``):
+    ``e(s) = min(div_rn(1, f32(s) * dec), FLT_MAX)``, ``e = 0`` when ``s == 0``, for the
+    127 finite non-negative E4M3 scales ``s``. ``table_recip`` returns it for a scale
+    byte ``b = (ef << 3) | m`` as::
+
+        ef >= 1 (normal,    s = 2^(ef-7) * (1 + m/8)):  e = 2^(7-ef) * table[m]
+        ef == 0 (subnormal, s = m * 2^-9):              e = table[8 + m]
+
+    with ``table[m] = div_rn(1, f32(1 + m/8) * dec)`` (m = 0..7),
+    ``table[8 + m] = 2^9 * div_rn(1, f32(m) * dec)`` (m = 1..7) and ``table[8] = 0``.
+
+    Exact (bit-identical to the rule) when ``2^-117 <= dec < 2^117`` (``safe``): write
+    ``s = 2^E * M`` (M = 1 + m/8 with E = ef - 7, or M = m with E = -9). Then the real
+    products ``M*dec`` lie in [2^-117, 2^120) and ``s*dec`` in [2^-126, 448 * 2^117 <
+    2^126), both in the float32 normal range, and round-to-nearest commutes with scaling
+    by 2^E inside it: ``f32(s*dec) = 2^E * f32(M*dec)``. Likewise ``1/f32(M*dec)`` lies
+    in (2^-120, 2^117] and ``1/f32(s*dec)`` in (2^-126, 2^126]: normal again, so
+    ``div_rn(1, f32(s*dec)) = 2^-E * div_rn(1, f32(M*dec))``, exactly, and the FLT_MAX
+    clamp is never active. The kernel applies 2^(7-ef) as an integer add to the exponent
+    field (exact: the result stays normal). fp4jax's decode scale is ``1/enc`` with
+    ``enc <= 2^126`` and ``enc >= 2688/FLT_MAX``, i.e. ``dec`` in [2^-126, 1.3e35 <
+    2^117): only tensors with amax below ``2688 * 2^-117`` (~1.6e-32) are unsafe, and
+    get the ``recip_rn`` path. Checked exhaustively against IEEE float32 (NumPy) by
+    ``tests/test_kernel_quantize_fast.py`` (all E4M3 scales x thousands of ``dec``,
+    including both range ends).
+    """
+    from fp4jax.numerics import div_rn
+
+    dec = jnp.asarray(dec, jnp.float32)
+    mant = jnp.asarray(np.arange(8, dtype=np.float32) / 8 + 1)  # 1 + m/8, exact
+    sub = jnp.asarray(np.arange(8, dtype=np.float32))  # m
+    t_norm = div_rn(jnp.float32(1.0), mant * dec)
+    t_sub = div_rn(jnp.float32(1.0), sub[1:] * dec) * jnp.float32(512.0)
+    table = jnp.concatenate([t_norm, jnp.zeros((1,), jnp.float32), t_sub])
+    safe = (dec >= jnp.float32(TABLE_DEC_MIN)) & (dec < jnp.float32(TABLE_DEC_MAX))
+    return safe, table
+
+
+def table_recip(s_byte, table):
+    """``e = 1 / (f32(s) * dec)`` from the E4M3 bit pattern ``s_byte`` (int32 array,
+    0..126) and the 16 entries of ``recip_table`` (scalars): a 4-level select tree on
+    the index ``(ef == 0) << 3 | m`` and an exponent add of ``7 - ef`` (0 for
+    subnormal scales). The rule and its exactness range: ``recip_table``.
+    """
+    m = s_byte & 7
+    ef = lax.shift_right_logical(s_byte, 3) & 15
+    is_sub = ef == 0
+    b0 = (m & 1) != 0
+    b1 = (m & 2) != 0
+    b2 = (m & 4) != 0
+    t = list(table)
+    lvl = [jnp.where(b0, t[i + 1], t[i]) for i in range(0, 16, 2)]
+    lvl = [jnp.where(b1, lvl[i + 1], lvl[i]) for i in range(0, 8, 2)]
+    lvl = [jnp.where(b2, lvl[i + 1], lvl[i]) for i in range(0, 4, 2)]
+    v = jnp.where(is_sub, lvl[1], lvl[0])
+    shift = jnp.where(is_sub, 0, 7 - ef)
+    return _f32(_i32(v) + (shift << 23))
+
+
+def kernel_scalars(enc: jax.Array, dec: jax.Array) -> jax.Array:
+    """The kernels' scalar input (float32[N_SC], computed by XLA): ``enc * f32(1/6)``,
+    ``dec``, the table flag (1.0 when ``recip_table`` is exact for ``dec``), the 16
+    table entries, zero padding."""
+    safe, table = recip_table(dec)
+    sc = jnp.concatenate([
+        jnp.stack([enc.astype(jnp.float32) * jnp.float32(1.0 / 6.0), dec.astype(jnp.float32),
+                   safe.astype(jnp.float32)]),
+        table])
+    return jnp.pad(sc, (0, N_SC - sc.shape[0]))
+
+
+RECIP_MODES = ("auto", "table", "rn", "hw")
+
+
+def _elem_scale(sc_ref, s_val, s_byte, mode: str):
+    """Element encode scale ``min(1/(f32(s)*dec), FLT_MAX)`` (0 when s == 0) of a vector of
+    block scales, by ``mode``: ``"table"`` (``table_recip``; exact only for a safe dec),
+    ``"rn"`` (``recip_rn``, exact for every dec), ``"hw"`` (the hardware quotient, may
+    be one ulp off on the GPU: timing only). Rule: ``fp4jax.quantize.element_encode_scale``.
+    """
+    if mode == "table":
+        return table_recip(s_byte, [sc_ref[_SC_TABLE + i] for i in range(16)])
+    p = s_val * sc_ref[1]
+    if mode == "rn":
+        e_rn, ok = recip_rn(p)
+        e = jnp.where(ok, e_rn, 1.0 / p)  # div_rn's fallback (p or 1/p not normal)
+    else:
+        e = 1.0 / p
+    e = jnp.where(e > FLT_MAX, FLT_MAX, e)
+    return jnp.where(s_val == 0.0, 0.0, e)
+
+
+def _by_mode(sc_ref, mode: str, body):
+    """Run ``body(mode)`` with a concrete reciprocal mode: ``"auto"`` branches (uniformly,
+    on the scalar table flag) between ``"table"`` and ``"rn"``."""
+    if mode != "auto":
+        body(mode)
+        return
+
+    def run_table():
+        body("table")
+
+    def run_rn():
+        body("rn")
+
+    lax.cond(sc_ref[2] != 0.0, run_table, run_rn)
+
+
+SUB = 256  # blocks per register sub-tile: (256, 8) words, 16 words per thread
+
+
+def _load_words(x_ref, rows, plain: bool):
+    """A (rows, 8) tile of uint32 words (bf16 pairs) as int32, in the WGMMA register
+    layout (a block = a row spread over a quad of lanes) unless ``plain`` (interpret)."""
+    if plain:
+        w = x_ref[rows, :]
+    else:
+        w = plgpu.load(x_ref, (rows, slice(None)), layout=plgpu.Layout.WGMMA)
+    return lax.bitcast_convert_type(w, jnp.int32)
+
+
+def _block_amax_bits(w):
+    """Per-row (block) max of |x| as float32 bits (int32; integer order == float order
+    for >= 0, NaN/Inf compare above every finite value). Rule: the block amax of
+    ``fp4jax.quantize._quantize_impl`` (``max |x|`` over the block, NaN/Inf poison it)."""
+    return jnp.max(jnp.maximum((w << 16) & 0x7FFFFFFF, w & 0x7FFF0000), axis=1)
+
+
+def _block_scale(amax_bits, enc6):
+    """Block decode scale from the block amax bits: ``(s_val, s_byte, finite)``.
+
+    Rule (``fp4jax.quantize.block_decode_scale``, TE ``core_nvfp4.cuh``):
+    ``s = e4m3_rne_satfinite(amax_block * (enc * f32(1/6)))``; a NaN/Inf block gets the
+    NaN byte 0x7F (``s_val``/``s_byte`` are meaningless there: the caller masks them)."""
+    finite = amax_bits < 0x7F800000
+    s_f = _f32(amax_bits) * enc6
+    s_f = jnp.where(s_f > 448.0, 448.0, s_f)
+    s_val, s_byte = e4m3_round(s_f)
+    return s_val, s_byte, finite
+
+
+def _word_scales(sc_ref, w, mode: str):
+    """Block scales of a (n, 8) word tile (a block = a row): ``(s_val, s_byte, e, finite)``
+    with ``e`` the element encode scale (``_block_scale``, ``_elem_scale``)."""
+    s_val, s_byte, finite = _block_scale(_block_amax_bits(w), sc_ref[0])
+    return s_val, s_byte, _elem_scale(sc_ref, s_val, s_byte, mode), finite
+
+
+def _strip_2d_scales(sc_ref, x_ref, plain: bool, mode: str):
+    """Tile scales of a strip of 16x16 tiles, x_ref (16, g, 8) words: the tile amax is the
+    elementwise max of the 16 rows' block amaxes. Returns ``(s_val, s_byte, e, finite)``,
+    one per tile. Rule: ``fp4jax.quantize._quantize_impl`` with ``block_2d=True``."""
+    amax = None
+    for k in range(16):
+        a = _block_amax_bits(_load_words(x_ref.at[k], slice(None), plain))
+        amax = a if amax is None else jnp.maximum(amax, a)
+    s_val, s_byte, finite = _block_scale(amax, sc_ref[0])
+    return s_val, s_byte, _elem_scale(sc_ref, s_val, s_byte, mode), finite
+
+
+def _pick_block(n: int, candidates) -> int | None:
+    for c in candidates:
+        if n % c == 0:
+            return c
+    return None
+
+
+G2D = (64,)  # tiles per 2D strip (default): (16, 64, 8) words = 32 KiB; g=128 also works
+
+
+def _mode(recip: str, exact_recip: bool | None) -> str:
+    if exact_recip is False:  # the old flag: hardware quotient
+        return "hw"
+    if recip not in RECIP_MODES:
+        raise ValueError(f"recip must be one of {RECIP_MODES}, got {recip!r}")
+    return recip
+
+
+_SC_SIGNS = 32  # f32 scalars: kernel_scalars (32 words) then the 16 RHT signs
+
+def scalars(enc: jax.Array, dec: jax.Array, signs: jax.Array | None = None) -> jax.Array:
+    """The kernels' float32 scalar input: ``kernel_scalars(enc, dec)`` then 16 RHT signs."""
+    s = jnp.ones((16,), jnp.float32) if signs is None else jnp.asarray(signs, jnp.float32)
+    return jnp.concatenate([kernel_scalars(enc, dec), s.reshape(16)])
+
+
+def key_words(key: jax.Array | None) -> jax.Array:
+    """int32[2]: the two Threefry key words of ``key`` (zeros without a key)."""
+    if key is None:
+        return jnp.zeros((2,), jnp.int32)
+    return lax.bitcast_convert_type(jax.random.key_data(key).reshape(2), jnp.int32)
+
+
+def _barrier(v, plain: bool):
+    # stops XLA (interpret mode) from folding (v + 2^23) - 2^23 into v
+    return lax.optimization_barrier(v) if plain else v
+
+
+def _e2m1_value(v, u, plain: bool):
+    """E2M1 value (float32, sign of ``v`` kept) of a scaled element ``v`` (finite).
+
+    Rule: ``fp4jax.quantize._round_elements``: ``numerics.round_to_grid(|v|, E2M1,
+    "nearest")`` (``u`` None) or ``numerics.stochastic_round_to_grid(|v|, E2M1, u)``
+    (``u`` float32 from ``_sr_uniform``), then the sign; the same values, computed with
+    full-rate operations only (no int <-> float conversions, which run at a quarter of
+    the integer rate and bounded the stochastic-rounding kernels):
+
+    * nearest: below 1 the grid step is 1/2, so ``(|v| + 1.5 * 2^22) - 1.5 * 2^22``
+      rounds half to even onto it; from 1 up E2M1 keeps one mantissa bit, so adding
+      ``0x1FFFFF`` plus the kept bit to the float32 bits and clearing the 22 lower bits
+      rounds half to even (a carry moves to the next binade); then ``min(., 6)``.
+    * stochastic: ``t = |v| / q`` (``q = 2^(clip(floor_log2|v|, 0, 2) - 1)``, exact),
+      ``floor(t)`` as ``RNE(t)`` (the 2^23 trick) minus one where that exceeds ``t``,
+      round up where ``u < t - floor(t)``, then ``min(r * q, 6)``.
+    """
+    bits = _i32(v)
+    ab = bits & 0x7FFFFFFF
+    if u is None:
+        small = _barrier(_f32(ab) + 6291456.0, plain) - 6291456.0
+        big = _f32((ab + 0x1FFFFF + (lax.shift_right_logical(ab, 22) & 1)) & -0x400000)
+        out = jnp.minimum(jnp.where(ab < 0x3F800000, small, big), 6.0)
+    else:
+        ex = jnp.minimum(jnp.maximum(lax.shift_right_logical(ab, 23) - 127, 0), 2) - 1
+        t = _f32(ab) * _f32((127 - ex) << 23)
+        r0 = _barrier(t + 8388608.0, plain) - 8388608.0
+        lo = jnp.where(r0 > t, r0 - 1.0, r0)
+        r = jnp.where(u < t - lo, lo + 1.0, lo)
+        out = jnp.minimum(r * _f32((127 + ex) << 23), 6.0)
+    return _f32(_i32(out) | (bits & -0x80000000))
+
+
+def _sr_uniform(bits, i: int):
+    """``u = (b + 1/2) / 256`` (float32, exact) for byte ``i`` (0 = bits 0..7) ``b`` of
+    int32 ``bits`` (``numerics.uniform_from_key``): the float ``1 + u`` is built from its
+    bits (``b`` as mantissa bits 22..15, the half as bit 14), then 1 is subtracted."""
+    sh = 15 - 8 * i
+    b = (bits << sh) if sh >= 0 else lax.shift_right_logical(bits, -sh)
+    return _f32((b & 0x7F8000) | 0x3F804000) - 1.0
+
+
+def _iota(shape, dim, plain: bool):
+    if plain:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+GR = (128, 64)  # blocks per row of an SR quad tile (fq_rows with a key)
+QUAD_BLOCKS = 512  # blocks per CTA of the SR rows kernel (as kt * SUB of the RtN one)
+
+
+def supported_rows(shape, dtype, sr: bool = False) -> bool:
+    """bf16 (R, C), C % 16 == 0, R*C/16 a multiple of 256, R*C < 2^31; with stochastic
+    rounding (``sr``) also R % 4 == 0 and C % 1024 == 0 (rows are taken in quads, 64
+    blocks of each at least)."""
+    if len(shape) != 2 or jnp.dtype(dtype) != jnp.bfloat16:
+        return False
+    r, c = shape
+    ok = c % 16 == 0 and (r * c // 16) % SUB == 0 and r * c < 2**31
+    return ok and (not sr or (r % 4 == 0 and c % (16 * GR[-1]) == 0))
