@@ -10,6 +10,8 @@ Public API (see ``README.md``):
   Flax      ``fp4jax.nn`` (linen/NNX layers, ``PrecisionPolicy``), ``fp4jax.models`` (Llama),
             ``fp4jax.data`` (byte-level corpora): imported on first use, so the core
             does not load Flax.
+  Training  ``fp4jax.train`` (the ``fp4jax-train`` harness: ``TrainConfig``, ``train``,
+            ``compare``), also imported on first use.
 """
 
 import importlib
@@ -29,7 +31,7 @@ from fp4jax.recipes import GemmSpec, QuantSpec, Recipe
 
 __version__ = "0.1.0"
 
-_LAZY_SUBMODULES = ("nn", "models", "data")
+_LAZY_SUBMODULES = ("nn", "models", "data", "train")
 
 
 def __getattr__(name: str):
@@ -59,5 +61,6 @@ __all__ = [
     "quantize",
     "random_hadamard_transform",
     "recipes",
+    "train",
     "unpack_e2m1",
 ]

@@ -1,4 +1,4 @@
-"""Tests of the training harness (experiments/train.py) on the micro preset, on CPU."""
+"""Tests of the training harness (fp4jax.train) on the micro preset, on CPU."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import fp4jax
-from experiments import train as T
+from fp4jax import train as T
+from fp4jax.train import loop
 from tests.textdata import write_text
 
 # One optimizer schedule for every test, so that runs share compiled step functions.
@@ -182,7 +183,7 @@ def test_nan_stops_and_keeps_last_good_checkpoint(text, tmp_path, monkeypatch, c
 
     # the poison stands for parameters that went bad at checkpoint 4: the loss of step s comes
     # from the parameters of checkpoint s, so checkpoint 4 is not good and must not be kept
-    monkeypatch.setattr(T, "make_train_step", poisoned)
+    monkeypatch.setattr(loop, "make_train_step", poisoned)  # where train() looks it up
     cfg = _cfg(text, tmp_path, recipe="bf16", checkpoint_every=2, eval_every=0)
     msg = (r"at step 4 \(0-based\).*Last good checkpoint: 2 \(the state before step 2\).*"
            r"deleted checkpoint 4.*resuming unchanged repeats.*--resume-override lr")
@@ -241,7 +242,7 @@ def test_cli_persistent_compile_cache(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("to be or not to be, that is the question. " * 400)
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    cmd = [sys.executable, "-m", "experiments.train", "--preset", "micro", "--data", str(text),
+    cmd = [sys.executable, "-m", "fp4jax.train", "--preset", "micro", "--data", str(text),
            "--recipe", "bf16", "--steps", "2", "--batch-size", "4", "--seq-len", "32",
            "--eval-every", "0", "--no-progress", "--out", str(tmp_path / "run"),
            "--compile-cache", str(tmp_path / "xla")]
@@ -279,3 +280,18 @@ def test_comparison_table_and_plot_handle_missing_values(tmp_path):
     assert f"| nvfp4 | 4.5900 {early} | +2.00% | n/a | n/a |" in table[3]
     assert "| mxfp4 | n/a | n/a | n/a | n/a |" in table[4]
     assert T.plot_losses(results, tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_import_fp4jax_stays_light():
+    """``import fp4jax`` loads neither Flax nor Optax nor the harness; ``fp4jax.train`` is
+    imported on first use (in a subprocess: this one has loaded them all)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fp4jax; heavy = [m for m in ('flax', 'optax', 'fp4jax.train') "
+            "if m in sys.modules]; assert not heavy, heavy; "
+            "assert fp4jax.train.TrainConfig is fp4jax.train.config.TrainConfig; "
+            "assert 'optax' in sys.modules")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr[-2000:]
