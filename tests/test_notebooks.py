@@ -1,8 +1,10 @@
 """Execute every notebook in notebooks/ top to bottom (nbclient, kernel python3); fail on any error.
 
-Each notebook runs in its own fresh kernel with notebooks/ as the working directory, as a reader
-would run it. The kernel does not inherit the test session's forced 4 CPU devices (conftest.py),
-so the notebooks see the same single CPU device a user has.
+Each notebook runs in its own fresh kernel with an empty temporary directory (not notebooks/) as
+the working directory: they import only the installed library and find their data through it
+(e.g. ``fp4jax.data.sonnets_path()``), so they run from anywhere. The kernel does not inherit
+the test session's forced 4 CPU devices (conftest.py), so the notebooks see the same single CPU
+device a user has.
 """
 
 from __future__ import annotations
@@ -37,14 +39,14 @@ def test_all_five_notebooks_present():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path: Path):
+def test_notebook_runs(path: Path, tmp_path: Path):
     nb = nbformat.read(path, as_version=4)
     stored = [c for c in nb.cells if c.cell_type == "code" and (c.get("outputs") or
                                                                 c.get("execution_count"))]
     assert not stored, f"{path.name} is stored with outputs: strip them before committing"
     client = nbclient.NotebookClient(
         nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-        resources={"metadata": {"path": str(NOTEBOOKS_DIR)}},
+        resources={"metadata": {"path": str(tmp_path)}},  # the kernel's working directory
     )
     # Raises nbclient.exceptions.CellExecutionError (with the cell and traceback) on any error.
     client.execute(env=_kernel_env())
