@@ -140,7 +140,7 @@ def test_e2m1_cast_agrees_with_ml_dtypes():
 
 def test_float32_subnormal_inputs_stay_finite():
     """XLA on CPU flushes float32 subnormals (< 2**-126) to zero, so a tensor of them
-    quantizes to zeros there (documented in README 'Numerics'); never to NaN/Inf."""
+    quantizes to zeros there (documented in docs/numerics.md); never to NaN/Inf."""
     x = jnp.asarray(1e-40 * RNG.standard_normal((2, 32)), jnp.float32)
     d = np.asarray(fp4jax.dequantize(fp4jax.quantize(x)))
     assert np.isfinite(d).all() and np.all(np.abs(d) <= 1e-38)
