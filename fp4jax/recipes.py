@@ -14,12 +14,14 @@ the product is preserved. Named recipes compose these pieces, as
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
-from fp4jax.formats import MXFP4, NVFP4, BlockFormat, get_format
+from fp4jax.formats import FORMATS, MXFP4, NVFP4, BlockFormat, get_format
 
 __all__ = [
     "QuantSpec",
@@ -32,6 +34,8 @@ __all__ = [
     "nvfp4_fwd_only",
     "get",
     "names",
+    "parse",
+    "spec",
     "HIGH_PRECISION",
 ]
 
@@ -234,6 +238,32 @@ class Recipe:
             lines.append(f"  {gname}: lhs {one(g.lhs)}; rhs {one(g.rhs)}{rht}")
         return "\n".join(lines)
 
+    def __str__(self) -> str:
+        """One line: per GEMM, each operand's format, block shape, scale format and
+        rounding, and the RHT, e.g. ``nvfp4: fprop x nvfp4 1x16 e4m3 RtN, w nvfp4 16x16
+        e4m3 RtN | dgrad dy ... | wgrad RHT16 x ..., dy ...``."""
+        parts = []
+        for gname, g in self.gemms.items():
+            a, b = _OPERAND_NAMES[gname]
+            rht = f"RHT{g.hadamard} " if g.hadamard else ""
+            if g.hadamard and g.hadamard_signs is not None:
+                rht = f"RHT{g.hadamard}(signs={g.hadamard_signs!r}) "
+            parts.append(f"{gname} {rht}{a} {_operand_str(g.lhs)}, {b} {_operand_str(g.rhs)}")
+        return f"{self.name}: " + " | ".join(parts)
+
+
+_OPERAND_NAMES = {"fprop": ("x", "w"), "dgrad": ("dy", "w"), "wgrad": ("x", "dy")}
+
+
+def _operand_str(q: QuantSpec) -> str:
+    if not q.quantized:
+        return "bf16"
+    f = q.fmt
+    shape = f"{f.block_size}x{f.block_size}" if q.block_2d else f"1x{f.block_size}"
+    scale = f"e{f.scale_exp_bits}m{f.scale_man_bits}"
+    rnd = "SR" if q.stochastic else "RtN"
+    return f"{f.name} {shape} {scale} {rnd}"
+
 
 def _set_fmt(fmt: BlockFormat, q: QuantSpec) -> QuantSpec:
     return q.replace(fmt=fmt) if q.quantized else q
@@ -323,3 +353,207 @@ def get(name: str | Recipe) -> Recipe:
     if key not in _NAMED:
         raise ValueError(f"unknown recipe {name!r}; valid names: {names()}")
     return _NAMED[key]()
+
+
+# ---------------------------------------------------------------------------
+# Recipe spec strings: "nvfp4(sr=False, dgrad.lhs.rounding=nearest)".
+# ---------------------------------------------------------------------------
+
+_SPEC_KNOBS = ("sr", "rht", "block_2d", "fmt", "name")
+_GEMM_KEYS = ("hadamard", "hadamard_signs")
+_QUANT_KEYS = ("fmt", "rounding", "block_2d")
+_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*$")
+_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def _valid_keys() -> list[str]:
+    keys = list(_SPEC_KNOBS)
+    for g in ("fprop", "dgrad", "wgrad"):
+        keys += [f"{g}.{k}" for k in _GEMM_KEYS]
+        keys += [f"{g}.{o}.{k}" for o in ("lhs", "rhs") for k in _QUANT_KEYS]
+    return keys
+
+
+def _split_top(text: str, spec: str) -> list[str]:
+    """Split ``text`` at commas outside parentheses, brackets and quotes."""
+    parts, depth, quote, cur = [], 0, None, []
+    for ch in text:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"recipe spec {spec!r}: unbalanced ')'")
+        elif ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+            continue
+        cur.append(ch)
+    if quote or depth:
+        raise ValueError(f"recipe spec {spec!r}: unclosed quote or parenthesis")
+    parts.append("".join(cur))
+    return [p.strip() for p in parts]
+
+
+def _block_format(node: ast.Call, spec: str) -> BlockFormat:
+    """``BlockFormat(...)`` of a spec: the constructor's arguments as literals; ``scale="e4m3"``
+    may stand for ``scale_exp_bits=4, scale_man_bits=3``; the name defaults to one made of
+    the scale format and block size (e.g. ``e4m3-b32``)."""
+    try:
+        args = [ast.literal_eval(a) for a in node.args]
+        kw = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+    except ValueError as e:
+        raise ValueError(f"recipe spec {spec!r}: BlockFormat(...) takes literal arguments") from e
+    scale = kw.pop("scale", None)
+    if scale is not None:
+        m = re.fullmatch(r"[eE](\d)[mM](\d)", str(scale))
+        if not m:
+            raise ValueError(f"recipe spec {spec!r}: scale={scale!r}: use 'eXmY', e.g. 'e4m3'")
+        kw["scale_exp_bits"], kw["scale_man_bits"] = int(m[1]), int(m[2])
+    if not args and "name" not in kw:
+        e, mb = kw.get("scale_exp_bits", 4), kw.get("scale_man_bits", 3)
+        kw["name"] = f"e{e}m{mb}-b{kw.get('block_size', 16)}"
+    fields = [f.name for f in dataclasses.fields(BlockFormat)]
+    bad = [k for k in kw if k not in fields]
+    if bad:
+        raise ValueError(f"recipe spec {spec!r}: BlockFormat has no argument {bad[0]!r}; "
+                         f"valid: {fields} and scale='eXmY'")
+    return BlockFormat(*args, **kw)
+
+
+def _value(key: str, text: str, spec: str) -> Any:
+    """A spec value: a Python literal, ``BlockFormat(...)``, or a bare word (a format name
+    for ``fmt`` keys, else the word as a string: ``nearest``, ``stochastic``, ``random``)."""
+    if not text:
+        raise ValueError(f"recipe spec {spec!r}: {key}= has no value")
+    try:
+        node = ast.parse(text, mode="eval").body
+    except SyntaxError as e:
+        raise ValueError(f"recipe spec {spec!r}: cannot read the value of {key}: {text!r}") from e
+    leaf = key.rsplit(".", 1)[-1]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and (
+            node.func.id == "BlockFormat"):
+        return _block_format(node, spec)
+    if isinstance(node, ast.Name):
+        word = node.id
+        if word in ("True", "False", "None"):
+            return ast.literal_eval(word)
+        if leaf == "fmt":
+            try:
+                return get_format(word)
+            except ValueError as e:
+                raise ValueError(f"recipe spec {spec!r}: {key}={word}: {e}") from None
+        return word
+    try:
+        return ast.literal_eval(node)
+    except ValueError as e:
+        raise ValueError(f"recipe spec {spec!r}: {key}={text!r} is not a literal, a format "
+                         "name or BlockFormat(...)") from e
+
+
+def parse(spec: str | Recipe) -> Recipe:
+    """A recipe from a spec string: a recipe name, optionally followed by overrides.
+
+    ``parse("nvfp4(sr=False, rht=0)") == nvfp4().replace(sr=False, rht=0)``. The keys are
+    those of ``Recipe.replace``: ``sr``, ``rht``, ``block_2d``, ``fmt``, ``name`` and
+    dotted paths to one GEMM (``wgrad.hadamard``, ``wgrad.hadamard_signs``) or one
+    quantization point (``dgrad.lhs.rounding``, ``fprop.rhs.block_2d``,
+    ``wgrad.rhs.fmt``). Values are Python literals (``False``, ``0``, ``'random'``),
+    format names (``fmt=mxfp4``), ``BlockFormat(...)`` (its arguments, with
+    ``scale='e4m3'`` as a shorthand for the scale bits) or bare words (``nearest``,
+    ``stochastic``). Overrides apply left to right. A ``Recipe`` is returned unchanged.
+
+    Examples:
+      >>> parse("nvfp4")
+      >>> parse("nvfp4(fmt=BlockFormat(block_size=32, scale='e4m3'))")
+      >>> parse("nvfp4(dgrad.lhs.rounding=nearest, wgrad.lhs.rounding=stochastic)")
+
+    Raises:
+      ValueError naming the bad name, key or value and listing the valid ones.
+    """
+    if isinstance(spec, Recipe):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"recipe spec must be a string or a Recipe, got {type(spec).__name__}")
+    text = spec.strip()
+    m = re.fullmatch(r"([^()\s]+)\s*(?:\((.*)\))?", text, flags=re.S)
+    if not m:
+        raise ValueError(f"recipe spec {spec!r}: use NAME or NAME(key=value, ...), e.g. "
+                         "'nvfp4(sr=False, rht=0)'")
+    name, body = m[1], m[2]
+    if name.lower().replace("-", "_") not in _NAMED:
+        raise ValueError(f"recipe spec {spec!r}: unknown recipe {name!r}; valid names: {names()}")
+    recipe = get(name)
+    if body is None or not body.strip():
+        return recipe
+    valid = _valid_keys()
+    for item in _split_top(body, spec):
+        key, eq, text = item.partition("=")
+        key = key.strip()
+        if not eq or not _KEY_RE.match(key):
+            raise ValueError(f"recipe spec {spec!r}: {item!r} is not key=value")
+        if key not in valid:
+            raise ValueError(f"recipe spec {spec!r}: unknown key {key!r}; valid keys: {valid}")
+        value = _value(key, text.strip(), spec)
+        try:
+            recipe = recipe.replace(**{key: value})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"recipe spec {spec!r}: {key}={text.strip()}: {e}") from None
+    return recipe
+
+
+def _format_spec(fmt: BlockFormat | None) -> str:
+    if fmt is None:
+        return "None"
+    if fmt.name in FORMATS and FORMATS[fmt.name] == fmt:
+        return fmt.name
+    args = ", ".join(f"{f.name}={getattr(fmt, f.name)!r}" for f in dataclasses.fields(fmt))
+    return f"BlockFormat({args})"
+
+
+def _value_spec(key: str, value: Any) -> str:
+    if key.endswith("fmt"):
+        return _format_spec(value)
+    if isinstance(value, str) and _NAME_RE.match(value) and value not in (
+            "True", "False", "None"):
+        return value
+    return repr(value)
+
+
+def spec(recipe: Recipe | str) -> str:
+    """The spec string of a recipe, the inverse of ``parse``: its base name (its own name
+    when that is a named recipe, else ``bf16``) and the dotted overrides where it differs,
+    so ``parse(spec(r)) == r`` for every recipe. ``spec(nvfp4().replace(sr=False))`` is
+    ``"nvfp4(dgrad.lhs.rounding=nearest, wgrad.rhs.rounding=nearest)"``."""
+    r = parse(recipe)
+    base_name = r.name if r.name in _NAMED else "bf16"
+    base = get(base_name)
+    items = []
+    # one format for every quantized operand, where the base quantizes the same ones: fmt=
+    quant = [q for g in r.gemms.values() for q in (g.lhs, g.rhs) if q.quantized]
+    fmts = {q.fmt for q in quant}
+    same_set = [q.quantized for g in r.gemms.values() for q in (g.lhs, g.rhs)] == [
+        q.quantized for g in base.gemms.values() for q in (g.lhs, g.rhs)]
+    if len(fmts) == 1 and same_set and quant:
+        fmt = fmts.pop()
+        if any(q.fmt != fmt for g in base.gemms.values() for q in (g.lhs, g.rhs)
+               if q.quantized):
+            base = base.replace(fmt=fmt)
+            items.append(f"fmt={_format_spec(fmt)}")
+    if r.name != base.name:
+        items.append(f"name={r.name!r}")
+    for gname in ("fprop", "dgrad", "wgrad"):
+        g, bg = getattr(r, gname), getattr(base, gname)
+        for k in _GEMM_KEYS:
+            if getattr(g, k) != getattr(bg, k):
+                items.append(f"{gname}.{k}={_value_spec(k, getattr(g, k))}")
+        for o in ("lhs", "rhs"):
+            q, bq = getattr(g, o), getattr(bg, o)
+            for k in _QUANT_KEYS:
+                if getattr(q, k) != getattr(bq, k):
+                    items.append(f"{gname}.{o}.{k}={_value_spec(k, getattr(q, k))}")
+    return base_name + (f"({', '.join(items)})" if items else "")

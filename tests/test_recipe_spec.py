@@ -1,0 +1,99 @@
+"""Recipe spec strings (``fp4jax.recipes.parse`` / ``spec``) and the one-line ``str()``:
+the grammar against the Python expressions it abbreviates, round trips, every key, every
+error."""
+
+from __future__ import annotations
+
+import pytest
+
+import fp4jax
+from fp4jax import recipes as R
+
+
+@pytest.mark.parametrize("text,expr", [
+    ("nvfp4", lambda: R.nvfp4()),
+    (" nvfp4 ( ) ", lambda: R.nvfp4()),
+    ("nvfp4(sr=False)", lambda: R.nvfp4().replace(sr=False)),
+    ("nvfp4(rht=0, block_2d=False)", lambda: R.nvfp4().replace(rht=0, block_2d=False)),
+    ("nvfp4(fmt=mxfp4)", lambda: R.nvfp4().replace(fmt=fp4jax.MXFP4)),
+    ("nvfp4(fmt=BlockFormat(block_size=32, scale='e4m3'))",
+     lambda: R.nvfp4().replace(fmt=fp4jax.BlockFormat("e4m3-b32", block_size=32))),
+    ("nvfp4(fmt=BlockFormat('b8', 8, scale_exp_bits=8, scale_man_bits=0))",
+     lambda: R.nvfp4().replace(fmt=fp4jax.BlockFormat("b8", 8, 8, 0))),
+    ("nvfp4(dgrad.lhs.rounding=nearest, wgrad.lhs.rounding=stochastic)",
+     lambda: R.nvfp4().replace(**{"dgrad.lhs.rounding": "nearest",
+                                  "wgrad.lhs.rounding": "stochastic"})),
+    ("nvfp4(wgrad.hadamard=128, wgrad.hadamard_signs=random)",
+     lambda: R.nvfp4().replace(**{"wgrad.hadamard": 128, "wgrad.hadamard_signs": "random"})),
+    ("nvfp4(wgrad.hadamard_signs=7, fprop.rhs.block_2d=False, dgrad.rhs.fmt=None)",
+     lambda: R.nvfp4().replace(**{"wgrad.hadamard_signs": 7, "fprop.rhs.block_2d": False,
+                                  "dgrad.rhs.fmt": None})),
+    ("fp4_all_the_way(name='fp4-rtn', sr=False)",
+     lambda: R.fp4_all_the_way().replace(name="fp4-rtn", sr=False)),
+    ("bf16(fprop.lhs.fmt=nvfp4)", lambda: R.bf16().replace(**{"fprop.lhs.fmt": "nvfp4"})),
+    ("MXFP4", lambda: R.mxfp4()),
+])
+def test_parse_equals_the_expression(text, expr):
+    assert R.parse(text) == expr()
+
+
+def _variants():
+    out = [R.get(n) for n in R.names()]
+    n = R.nvfp4()
+    out += [n.replace(sr=False), n.replace(rht=0), n.replace(block_2d=False),
+            n.replace(fmt=fp4jax.MXFP4), n.replace(fmt=fp4jax.BlockFormat("e8m0-b16", 16, 8, 0)),
+            n.replace(name="custom", **{"wgrad.hadamard_signs": "random"}),
+            n.replace(**{"fprop.lhs.fmt": fp4jax.MXFP4_OCP, "wgrad.hadamard_signs": (1.0,) * 16}),
+            R.bf16().replace(name="my recipe", **{"fprop.lhs.fmt": "nvfp4"})]
+    return out
+
+
+@pytest.mark.parametrize("recipe", _variants(), ids=lambda r: r.name)
+def test_spec_round_trip(recipe):
+    text = R.spec(recipe)
+    assert R.parse(text) == recipe, text
+    assert R.spec(R.parse(text)) == text
+
+
+def test_spec_is_short_for_common_ablations():
+    assert R.spec(R.nvfp4()) == "nvfp4"
+    assert R.spec(R.nvfp4().replace(rht=0)) == "nvfp4(wgrad.hadamard=0)"
+    assert R.spec(R.nvfp4().replace(fmt=fp4jax.MXFP4)) == "nvfp4(fmt=mxfp4)"
+
+
+def test_str_is_one_readable_line():
+    s = str(R.nvfp4())
+    assert "\n" not in s and s.startswith("nvfp4: ")
+    assert "fprop x nvfp4 1x16 e4m3 RtN, w nvfp4 16x16 e4m3 RtN" in s
+    assert "dgrad dy nvfp4 1x16 e4m3 SR" in s and "wgrad RHT16" in s
+    assert "mxfp4 1x32 e8m0" in str(R.mxfp4()) and "bf16, w bf16" in str(R.bf16())
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("nvfp5", r"unknown recipe 'nvfp5'; valid names: \['bf16'"),
+    ("nvfp4(sr=False", "NAME or NAME"),
+    ("nvfp4(fmt=BlockFormat(block_size=32)", "unclosed"),
+    ("nvfp4(foo=1)", r"unknown key 'foo'; valid keys: \['sr', 'rht'"),
+    ("nvfp4(dgrad.lhs.round=nearest)", "unknown key 'dgrad.lhs.round'"),
+    ("nvfp4(fmt=nvfp9)", "unknown format 'nvfp9'; valid names"),
+    ("nvfp4(rht=17)", "rht=17: Hadamard size"),
+    ("nvfp4(dgrad.lhs.rounding=up)", "dgrad.lhs.rounding=up: .*'nearest', 'stochastic'"),
+    ("nvfp4(sr=True)", "sr=True"),
+    ("nvfp4(x)", "'x' is not key=value"),
+    ("nvfp4(rht=)", "rht= has no value"),
+    ("nvfp4(rht=1+)", "cannot read the value of rht"),
+    ("nvfp4(fmt=BlockFormat(block_size=32, scale='e9'))", "scale='e9'"),
+    ("nvfp4(fmt=BlockFormat(blocksize=32))", "no argument 'blocksize'"),
+    ("nvfp4(fmt=BlockFormat(block_size=4))", "block_size must be an int in 8..128"),
+    ("nvfp4(rht=len('abc'))", "not a literal"),
+])
+def test_bad_specs_name_the_problem(bad, match):
+    with pytest.raises(ValueError, match=match):
+        R.parse(bad)
+
+
+def test_parse_passes_recipes_through_and_rejects_other_types():
+    r = R.nvfp4()
+    assert R.parse(r) is r
+    with pytest.raises(TypeError, match="string or a Recipe"):
+        R.parse(3)
