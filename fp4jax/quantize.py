@@ -179,10 +179,17 @@ def _round_elements(y: jax.Array, rounding: str, u: jax.Array | None) -> jax.Arr
 
 def _check_float(x: Any, argname: str, where: str = "") -> jax.Array:
     """``x`` as an array; TypeError naming ``argname`` (and the function ``where``) if it is
-    not floating point."""
+    not floating point, or if it is a ``QuantizedArray`` (already quantized: the public
+    functions quantize their inputs themselves)."""
+    prefix = f"{where}: " if where else ""
+    if isinstance(x, QuantizedArray):
+        raise TypeError(
+            f"{prefix}{argname} is a fp4jax.QuantizedArray (shape {x.shape}, {x.fmt.name}); "
+            f"pass the high-precision array (quantization follows the recipe), or "
+            f"fp4jax.dequantize({argname}) to use its quantized values"
+        )
     x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        prefix = f"{where}: " if where else ""
         raise TypeError(
             f"{prefix}{argname} must have a floating dtype (float32, bfloat16, float16), got "
             f"{x.dtype}; cast it first, e.g. {argname}.astype(jnp.float32)"
@@ -204,10 +211,11 @@ def normalize_key(key: Any) -> jax.Array:
     """A typed PRNG key array from a typed (``jax.random.key``) or raw (``PRNGKey``) key.
 
     Typed keys keep their implementation (threefry, rbg, ...); raw uint32 keys are
-    wrapped with the default implementation, as ``jax.random`` itself does.
+    wrapped with the default implementation, as ``jax.random`` itself does. One key only:
+    a batch of keys (e.g. ``jax.random.split(key)``) raises a ValueError.
     """
     if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return key
+        return _check_one_key(key)
     if isinstance(key, (int, float)) or not hasattr(key, "dtype"):
         raise TypeError(
             f"key must be a jax PRNG key, got {type(key).__name__}: pass "
@@ -219,7 +227,23 @@ def normalize_key(key: Any) -> jax.Array:
             f"key must be a jax PRNG key, got an array of dtype {key.dtype}: pass "
             "key=jax.random.key(seed)"
         )
-    return jax.random.wrap_key_data(key)
+    try:
+        wrapped = jax.random.wrap_key_data(key)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"key must be one jax PRNG key, got a uint32 array of shape {key.shape} that is "
+            "not one: pass key=jax.random.key(seed)"
+        ) from e
+    return _check_one_key(wrapped)
+
+
+def _check_one_key(key: jax.Array) -> jax.Array:
+    if key.shape != ():
+        raise ValueError(
+            f"key must be one PRNG key, got a batch of keys of shape {key.shape} (e.g. from "
+            "jax.random.split): pass one of them, e.g. keys[0], or jax.vmap over the batch"
+        )
+    return key
 
 
 # ---------------------------------------------------------------------------
@@ -380,8 +404,19 @@ def scaled_data(q: QuantizedArray, dtype: Any = jnp.float32) -> jax.Array:
 
     For E2M1 times a scale with at most 5 mantissa bits the product has at most
     8 significant bits, so it is exact in bfloat16 (the GEMM emulation uses this).
+    Products beyond ``dtype``'s largest finite value (only possible with large power-of-two
+    scales: MXFP4's rounded-up scale of a tensor near the float32 maximum) saturate to it
+    (``_satfinite``); blocks that held NaN/Inf stay NaN.
     """
-    return (q.data.astype(jnp.float32) * _expand_scale(q)).astype(dtype)
+    return _satfinite(q.data.astype(jnp.float32) * _expand_scale(q), dtype)
+
+
+def _satfinite(y: jax.Array, dtype: Any) -> jax.Array:
+    """``y`` (float32) cast to ``dtype`` with values beyond its largest finite value
+    clamped to it (the ``satfinite`` rule of PTX conversions); NaN stays NaN. A finite
+    input never dequantizes to Inf."""
+    lim = min(float(jnp.finfo(jnp.dtype(dtype)).max), float(numerics.FLT_MAX))
+    return jnp.clip(y, -lim, lim).astype(dtype)
 
 
 def dequantize(q: QuantizedArray, dtype: Any = jnp.float32) -> jax.Array:
@@ -391,7 +426,8 @@ def dequantize(q: QuantizedArray, dtype: Any = jnp.float32) -> jax.Array:
       q: a ``QuantizedArray``.
       dtype: output dtype (float32 is exact for every format).
     Returns:
-      array of ``q.shape``; blocks that held NaN/Inf are NaN.
+      array of ``q.shape``; blocks that held NaN/Inf are NaN. Values beyond ``dtype``'s
+      largest finite value saturate to it (never Inf from a finite input).
     """
     if not isinstance(q, QuantizedArray):
         raise TypeError(f"dequantize expects a fp4jax.QuantizedArray, got {type(q).__name__}")
@@ -402,7 +438,7 @@ def dequantize(q: QuantizedArray, dtype: Any = jnp.float32) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=1)
 def _dequantize_jit(q: QuantizedArray, dtype) -> jax.Array:
-    return (scaled_data(q) * _global_scale_like(q)).astype(dtype)
+    return _satfinite(scaled_data(q) * _global_scale_like(q), dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -435,10 +471,24 @@ def pack_e2m1(data: jax.Array, axis: int = -1) -> jax.Array:
 
 
 def unpack_e2m1(packed: jax.Array, length: int, axis: int = -1) -> jax.Array:
-    """Inverse of ``pack_e2m1``: uint8 codes to float4 E2M1 values, ``length`` along ``axis``."""
-    if packed.dtype != jnp.uint8:
-        raise TypeError(f"unpack_e2m1 expects uint8 codes, got {packed.dtype}")
+    """Inverse of ``pack_e2m1``: uint8 codes to float4 E2M1 values, ``length`` along ``axis``.
+
+    ``packed`` holds ``ceil(length / 2)`` bytes along ``axis`` (``pack_e2m1`` pads an odd
+    length with one code); any other ``length`` raises a ValueError."""
+    if not hasattr(packed, "dtype") or packed.dtype != jnp.uint8:
+        raise TypeError(f"unpack_e2m1 expects uint8 codes, got "
+                        f"{getattr(packed, 'dtype', type(packed).__name__)}")
+    if packed.ndim == 0 or not -packed.ndim <= axis < packed.ndim:
+        raise ValueError(f"unpack_e2m1: axis={axis} out of range for packed shape "
+                         f"{packed.shape}")
     axis = axis % packed.ndim
+    n = packed.shape[axis]
+    if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or (
+            (int(length) + 1) // 2 != n or length < 0):
+        raise ValueError(
+            f"unpack_e2m1: length={length!r} does not match the packed size: axis {axis} "
+            f"holds {n} bytes, i.e. length {2 * n} or {max(2 * n - 1, 0)}"
+        )
     p = jnp.moveaxis(packed, axis, -1)
     codes = jnp.stack([p & 0xF, p >> 4], axis=-1).reshape(*p.shape[:-1], -1)[..., :length]
     lut = jnp.asarray(np.concatenate([E2M1_VALUES, -E2M1_VALUES]))
