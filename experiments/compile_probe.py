@@ -2,7 +2,7 @@
 
 Used to find why the data-parallel NVFP4 step compiled so slowly on 2 GPUs (issue 3):
 
-    PYTHONPATH=$PWD python3 -m experiments.compile_probe --recipe nvfp4 --preset small \
+    PYTHONPATH=$PWD python3 experiments/compile_probe.py --recipe nvfp4 --preset small \
         --seq-len 256 --batch-size 64 --devices 2 --json /tmp/probe.jsonl
 
 Prints and (with ``--json``) writes: lower/compile seconds, the number of each collective
@@ -20,11 +20,12 @@ import time
 
 import jax
 import jax.numpy as jnp
+import lab
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fp4jax
-from experiments import train as T
+from fp4jax import train as T
 from fp4jax.models import Llama
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
@@ -32,7 +33,7 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
 
 
 def probe(cfg: T.TrainConfig) -> dict:
-    """Lowers and compiles ``experiments.train``'s step for ``cfg`` (the same jit, shardings
+    """Lowers and compiles ``fp4jax.train``'s step for ``cfg`` (the same jit, shardings
     and constants as ``train(cfg)``, so a persistent compilation cache filled here serves
     the training run)."""
     seq_len, batch_size = cfg.seq_len, cfg.batch_size
@@ -60,7 +61,8 @@ def probe(cfg: T.TrainConfig) -> dict:
             "compile_s": round(t2 - t1, 2), "hlo_chars": len(hlo),
             "fusions": hlo.count(" fusion("), "collectives": counts,
             "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
-            "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+            "jax": jax.__version__, "commit": lab.git_commit(),
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def main(argv=None) -> int:

@@ -4,24 +4,22 @@
         --section WarpStateStats ... python3 experiments/ncu_kernel.py w4a16 '{"k_wgs": 3}'
 
 Subjects: ``w4a16`` (M=16, K=N=8192, config as JSON keyword arguments of
-``w4a16_sm90.w4a16_matmul``); on bf16 8192x8192 with the tensor amax given, the operand
-kernels ``fq_rows`` (1x16, round-to-nearest), ``fq_rows_sr`` (stochastic rounding),
-``fq_cols_rht`` (16x1 after the RHT) and ``fq_cols_rht_sr``. Inputs are random (never
-zeros).
+``pallas_kernels/gemm/w4a16_sm90.w4a16_matmul``); on bf16 8192x8192 with the tensor amax
+given, the operand kernels of ``pallas_kernels/quantize/operand_sm90``: ``fq_rows`` (1x16,
+round-to-nearest), ``fq_rows_sr`` (stochastic rounding), ``fq_cols_rht`` (16x1 after the
+RHT) and ``fq_cols_rht_sr``. Inputs are random (never zeros).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
+import lab  # noqa: F401  (before fp4jax: puts the repository root on sys.path)
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import fp4jax  # noqa: E402
+import fp4jax
 
 
 def main() -> None:
@@ -29,7 +27,7 @@ def main() -> None:
     cfg = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     kx, kw = jax.random.split(jax.random.key(0))
     if what == "w4a16":
-        from pallas_kernels import w4a16_sm90 as wk
+        from pallas_kernels.gemm import w4a16_sm90 as wk
 
         x = jax.random.normal(kx, (16, 8192), jnp.float32).astype(jnp.bfloat16)
         w = jax.random.normal(kw, (8192, 8192), jnp.float32) * 0.02
@@ -40,7 +38,7 @@ def main() -> None:
             jax.block_until_ready(f(x, *args))
     elif what in ("fq_rows", "fq_rows_sr", "fq_cols_rht", "fq_cols_rht_sr"):
         from fp4jax.hadamard import default_signs
-        from pallas_kernels import fakequant_nvfp4_sm90 as fq
+        from pallas_kernels.quantize import operand_sm90 as fq
 
         x = jax.random.normal(kx, (8192, 8192), jnp.float32).astype(jnp.bfloat16)
         amax = jnp.max(jnp.abs(x.astype(jnp.float32)))  # (a stand-in: timing only)

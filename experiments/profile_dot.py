@@ -1,7 +1,7 @@
 """Where the time of an NVFP4 ``fp4jax.dot`` forward + backward goes (issue 5).
 
 One device call. For an ``M x K x N`` problem (default 8192^3, bf16 inputs) it times,
-with CUPTI (``experiments.kernel_timing``: warm-up, median of N calls, device time only):
+with CUPTI (``lab.time_fn``: warm-up, median of N calls, device time only):
 
 * the pieces of the recipe on their own, each as one jitted function: the amax
   reduction, threefry bits, 1x16 RtN/SR quantization along either axis, 16x16
@@ -11,8 +11,11 @@ with CUPTI (``experiments.kernel_timing``: warm-up, median of N calls, device ti
   bf16, and the fwd+bwd's per-kernel breakdown (``profiler.measure(aggregate=False)``:
   XLA fusion names and their device times, summed over identical names).
 
-Writes ``$OUT/profile_dot.json`` and, with ``--hlo``, the optimized HLO of the fwd+bwd
-(``$OUT/profile_dot_hlo.txt.gz``) to map fusion names to ops.
+Writes ``$OUT/profile_dot.json`` (device, JAX version, git commit, command, then the
+pieces and the breakdown) and, with ``--hlo``, the optimized HLO of the fwd+bwd
+(``$OUT/profile_dot_hlo.txt.gz``) to map fusion names to ops. ``FP4JAX_KERNELS`` (recorded)
+chooses the path: e.g. ``FP4JAX_KERNELS=on python3 experiments/profile_dot.py --skip-pieces``
+profiles the kernel path.
 
     PYTHONPATH=$PWD python3 experiments/profile_dot.py [--shape M K N] [--hlo]
 """
@@ -22,24 +25,20 @@ from __future__ import annotations
 import argparse
 import collections
 import gzip
+import importlib
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
+import lab  # before fp4jax: puts the repository root on sys.path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import importlib  # noqa: E402
-
-import fp4jax  # noqa: E402
-from experiments.kernel_timing import time_fn  # noqa: E402
+import fp4jax
+from fp4jax.formats import NVFP4
+from fp4jax.hadamard import random_hadamard_transform, resolve_signs
 
 qz = importlib.import_module("fp4jax.quantize")  # the module (fp4jax.quantize is also a function)
-from fp4jax.formats import NVFP4  # noqa: E402
-from fp4jax.hadamard import random_hadamard_transform, resolve_signs  # noqa: E402
 
 
 def main() -> None:
@@ -51,12 +50,8 @@ def main() -> None:
     args = ap.parse_args()
     m, k, n = args.shape
     out_dir = os.environ.get("OUT", ".")
-    res = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-           "started": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": [m, k, n],
-           "kernels_env": os.environ.get("FP4JAX_KERNELS", ""),
-           "command": "PYTHONPATH=$PWD python3 experiments/profile_dot.py "
-           + " ".join(sys.argv[1:]),
-           "pieces": {}, "breakdown": []}
+    res = lab.run_info(__file__, sys.argv[1:]) | {"shape": [m, k, n], "pieces": {},
+                                                  "breakdown": []}
 
     def dump():
         with open(os.path.join(out_dir, "profile_dot.json"), "w") as f:
@@ -64,17 +59,14 @@ def main() -> None:
 
     def t(name, f, *a):
         try:
-            r = time_fn(jax.jit(f), *a, iterations=args.iterations)
+            r = lab.time_fn(jax.jit(f), *a, iterations=args.iterations)
             res["pieces"][name] = round(r["median_us"], 1)
         except Exception as e:  # noqa: BLE001
             res["pieces"][name] = f"error {type(e).__name__}: {str(e)[:300]}"
         print(f"{name:<60} {res['pieces'][name]}", flush=True)
         dump()
 
-    kx, kw, kc = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
-    w = (0.02 * jax.random.normal(kw, (k, n), jnp.float32)).astype(jnp.bfloat16)
-    ct = jax.random.normal(kc, (m, n), jnp.float32).astype(jnp.bfloat16)
+    x, w, ct = lab.dot_problem(m, k, n)
     key = jax.random.key(7)
     recipe = fp4jax.recipes.nvfp4()
     signs = resolve_signs(None, 16)
@@ -105,14 +97,10 @@ def main() -> None:
     def loss_bf(x, w, ct):
         return (jnp.dot(x, w).astype(jnp.float32) * ct).sum()
 
-    def loss_fp(x, w, ct):
-        y = fp4jax.dot(x, w, recipe=recipe, key=key).astype(jnp.float32)
-        return (y * ct).sum()
-
     t("bf16 fwd", jnp.dot, x, w)
     t("bf16 fwd+bwd", jax.value_and_grad(loss_bf, argnums=(0, 1)), x, w, ct)
     t("nvfp4 fwd", lambda a, b: fp4jax.dot(a, b, recipe=recipe, key=key), x, w)
-    fb = jax.jit(jax.value_and_grad(loss_fp, argnums=(0, 1)))
+    fb = jax.jit(jax.value_and_grad(lab.dot_loss(recipe, key), argnums=(0, 1)))
     t("nvfp4 fwd+bwd", fb, x, w, ct)
     try:
         from jax.experimental.mosaic.gpu import profiler

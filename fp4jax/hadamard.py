@@ -140,7 +140,7 @@ def fwht_tiles(v: jax.Array, axis: int, size: int) -> jax.Array:
     Sylvester-ordered ``H @ v``; the result is then multiplied by ``f32(1/sqrt(size))``
     (exact, 1/4, for the recipe's size 16). This fixes the order of every float32
     addition, so the XLA path and the Pallas kernels (``pallas_kernels/
-    fakequant_nvfp4_sm90.py``, which runs the same stages on register arrays) give the
+    quantize/operand_sm90.py``, which runs the same stages on register arrays) give the
     same bits; a matrix product would leave the summation order to the backend.
     Transformer Engine applies the same matrix with a tensor-core MMA
     (``hadamard_transform_cast_fusion.cu``), whose rounding is unspecified.

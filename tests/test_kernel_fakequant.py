@@ -1,4 +1,4 @@
-"""CPU tests of the fused NVFP4 GEMM-operand kernels (``pallas_kernels/fakequant_nvfp4_sm90``)
+"""CPU tests of the fused NVFP4 GEMM-operand kernels (``pallas_kernels/quantize/operand_sm90``)
 and of ``fp4jax.dot``'s kernel path.
 
 * Each kernel (1x16 rows, 16x1 columns with and without the RHT, 16x16; round-to-nearest
@@ -10,7 +10,8 @@ and of ``fp4jax.dot``'s kernel path.
 * ``fp4jax.dot`` forward + backward with ``FP4JAX_KERNELS=interpret`` (all five
   quantizations through the kernels, or some falling back to XLA) equals the XLA path
   bit for bit.
-GPU exactness and speed: ``experiments/gpu_check_fakequant.py``, ``bench_kernels.py``.
+GPU exactness and speed: ``experiments/gpu_check.py rows cols 2d amax dot``,
+``experiments/bench_kernels.py fakequant1 dotkern1``.
 """
 
 from __future__ import annotations

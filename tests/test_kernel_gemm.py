@@ -1,10 +1,10 @@
-"""CPU tests of the Pallas GEMM with the alpha epilogue (``pallas_kernels/gemm_alpha_sm90``)
+"""CPU tests of the Pallas GEMM with the alpha epilogue (``pallas_kernels/gemm/alpha_sm90``)
 and of how ``fp4jax.dot``'s kernel path and the W4A4 two-pass GEMM route to it.
 
 The kernel itself (warp-specialized, Warpgroup lowering semantics) has no CPU interpret
 mode: here it is lowered for CUDA in all three layouts (the lowering traces the whole
 body: tiling, transposed shared-memory operands, shared-memory budget), and its inputs are
-validated; its numerics are checked on the GPU (``experiments/gpu_check_gemm.py``: bf16
+validated; its numerics are checked on the GPU (``experiments/gpu_check.py gemm_alpha``: bf16
 outputs equal to XLA's f32 dot times alpha at 4 shapes x 3 layouts, run 27).
 """
 

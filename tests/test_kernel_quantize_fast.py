@@ -9,7 +9,7 @@
   whose decode scale is outside the table's safe range).
 * The real kernels are lowered for CUDA on this machine (``jax.export``).
 * ``dispatch.quantize(..., block_2d=True)``'s wiring, with the kernel in interpret mode.
-GPU exactness: ``experiments/gpu_check_kernels.py quantize3``.
+GPU exactness: ``experiments/gpu_check.py recip packed packed_2d``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""W4A16 decode kernel (pallas_kernels/w4a16_sm90.py): weight layout, decode rule, lowering.
+"""W4A16 decode kernel (pallas_kernels/gemm/w4a16_sm90.py): weight layout, decode rule, lowering.
 
 The kernel itself needs an sm_90 GPU (its register-level step has no interpret mode);
 on CPU these tests check every piece it is built from against independent NumPy
-references, and that it lowers for CUDA. GPU exactness: experiments/gpu_check_w4a16v2.py.
+references, and that it lowers for CUDA. GPU exactness: ``experiments/gpu_check.py w4a16``.
 """
 
 import jax

@@ -1,0 +1,541 @@
+"""The one exactness checker of the Hopper kernels: each kernel that ``pallas_kernels``
+ships against the core XLA function that defines it (``fp4jax.quantize``,
+``fp4jax.quantize.scaled_data``, ``fp4jax.dequantize``, ``fp4jax.dot`` with
+``FP4JAX_KERNELS=off``), on fresh inputs that include the hard cases (NaN/Inf/-0, 40 binades,
+a tiny tensor, odd and large shapes): bit for bit for quantization (NaN equals NaN), to
+float32 accumulation order for the GEMMs (max relative error and bitwise equality both
+reported), bit for bit for ``fp4jax.dot``'s forward and backward.
+
+    PYTHONPATH=$PWD python3 experiments/gpu_check.py [CHECK ...] [--list] [--interpret]
+        [--out PATH] [--commit SHA] [--seed N]
+
+``CHECK``: names from ``--list`` (default ``all``). Writes ``$OUT/gpu_check.json`` (or
+``--out``): device, JAX version, git commit, the command, the seed, then one row per case
+(check, case, shapes, input, mismatch counts, ``status`` pass/fail/skip/error, seconds)
+and a summary; prints each row as it finishes. Exit status 1 if any case failed or raised,
+2 for a usage error (or no sm_90 GPU without ``--interpret``). ``--interpret`` is the CPU
+dry run: small shapes, the kernels in Mosaic GPU interpret mode (``gemm_alpha`` and the
+W4A16 kernel have none: skipped).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import lab  # before fp4jax: puts the repository root on sys.path
+import ml_dtypes
+import numpy as np
+
+import fp4jax
+from fp4jax.hadamard import default_signs, random_hadamard_transform
+from pallas_kernels import dispatch
+from pallas_kernels import reference as npref
+from pallas_kernels.gemm import alpha_sm90 as ga
+from pallas_kernels.gemm import w4a4_sm90 as w4
+from pallas_kernels.quantize import common_sm90 as cm
+from pallas_kernels.quantize import operand_sm90 as fq
+from pallas_kernels.quantize import packed_sm90 as qk
+
+qz = importlib.import_module("fp4jax.quantize")  # the module (fp4jax.quantize is a function)
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+GEMM_TOL = 1e-5  # accumulation-order error allowed, relative to the output's max |value|
+
+
+class Skip(Exception):
+    """A case that does not apply here (unsupported shape, no interpret mode)."""
+
+
+# ---------------------------------------------------------------------------
+# Inputs (GPU, interpret dry run) and the run context.
+# ---------------------------------------------------------------------------
+
+OPERAND_INPUTS = {  # (shape, input kind) for the quantization kernels
+    False: [((48, 2048), "wild"), ((2048, 1024), "wild"), ((2048, 4096), "wide40"),
+            ((1024, 2048), "tiny"), ((8192, 8192), "normal"), ((4096, 14336), "normal")],
+    True: [((48, 2048), "wild"), ((32, 1024), "wide40"), ((32, 1024), "tiny")],
+}
+NUMPY_INPUT = {False: (1024, 4096), True: (32, 1024)}  # blocks/tiles input, also vs NumPy
+GEMM_ALPHA_SHAPES = ((8192, 8192, 8192), (1024, 512, 768), (2048, 1024, 3072),
+                     (16384, 512, 256))
+LAYOUTS = {"fprop NN": (False, False), "dgrad NT": (False, True), "wgrad TN": (True, False)}
+W4A16_CASES = ((16, 8192, 8192, False), (16, 8192, 8192, True), (1, 8192, 8192, False),
+               (64, 8192, 8192, True), (16, 4096, 14336, False), (16, 14336, 4096, True),
+               (3, 1024, 320, False), (200, 2048, 512, False), (33, 512, 128, True))
+W4A4_CASES = {  # (format of A, of B, M, K, N, A's magnitudes)
+    False: [("nvfp4", "nvfp4", 8192, 8192, 8192, "rows"), ("nvfp4", "nvfp4", 256, 512, 384, "rows"),
+            ("mxfp4", "mxfp4", 8192, 8192, 8192, "normal"),
+            ("mxfp4", "mxfp4", 1024, 4096, 2048, "wide"),
+            ("mxfp4", "mxfp4", 4096, 14336, 4096, "wide"),
+            ("nvfp4", "mxfp4", 1024, 4096, 2048, "wide")],
+    True: [("nvfp4", "nvfp4", 64, 256, 64, "rows"), ("mxfp4", "mxfp4", 64, 256, 64, "wide"),
+           ("nvfp4", "mxfp4", 64, 256, 128, "wide")],
+}
+DOT_SHAPES = {False: ((8192, 8192, 8192), (1000, 4096, 4096)), True: ((16, 1024, 1024),)}
+
+
+class Ctx:
+    """One run: interpret mode or not, the seed, the kernels' keyword arguments, the inputs
+    (made once, shared by the checks) and the result file."""
+
+    def __init__(self, interpret: bool, seed: int, results: lab.Results) -> None:
+        self.interpret = interpret
+        self.seed = seed
+        self.res = results
+        self.kw = {}
+        if interpret:
+            from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+            self.kw = {"interpret": InterpretGPUParams()}
+        self.key = jax.random.key(seed + 1)
+        self.signs = jnp.asarray(default_signs(16), F32)
+        self._inputs: dict = {}
+
+    def input(self, shape, kind):
+        if (shape, kind) not in self._inputs:
+            self._inputs[(shape, kind)] = lab.make_input(shape, kind,
+                                                         self.seed + 7 * len(self._inputs))
+        return self._inputs[(shape, kind)]
+
+    def operand_inputs(self):
+        for shape, kind in OPERAND_INPUTS[self.interpret]:
+            yield shape, kind, self.input(shape, kind)
+
+    def case(self, check: str, case: str, fn, **meta) -> None:
+        """Run one case: ``fn()`` returns its fields with ``ok``; the row gets a status."""
+        row = {"check": check, "case": case, **meta}
+        t0 = time.perf_counter()
+        try:
+            out = fn()
+            row["status"] = "pass" if out.pop("ok") else "fail"
+            row.update(out)
+        except Skip as e:
+            row.update(status="skip", reason=str(e))
+        except Exception as e:  # noqa: BLE001
+            row.update(status="error", error=lab.error_text(e, 800),
+                       traceback=traceback.format_exc()[-2000:])
+        row["seconds"] = round(time.perf_counter() - t0, 2)
+        self.res.add("checks", row, echo=False)
+        brief = {k: v for k, v in row.items()
+                 if k not in ("check", "case", "status", "traceback")}
+        print(f"{row['status'].upper():5} {check:10} {case:24} {brief}", flush=True)
+
+    def gpu_only(self, check: str, why: str) -> bool:
+        """In interpret mode: one skip row saying why, and True (the caller returns)."""
+        def skip():
+            raise Skip(why)
+
+        if self.interpret:
+            self.case(check, "all", skip)
+        return self.interpret
+
+
+CHECKS, check = lab.registry()  # name -> (check(ctx), description)
+
+
+# ---------------------------------------------------------------------------
+# Comparisons.
+# ---------------------------------------------------------------------------
+
+
+def _finite_amax(v):
+    a = jnp.abs(v.astype(F32))
+    return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0))
+
+
+def _operand_case(x, kernel, **ref):
+    """A bf16-operand kernel ``kernel(x) -> (scaled, dec)`` vs ``lab.xla_operand(x, **ref)``."""
+    got, dec = jax.jit(kernel)(x)
+    want, wdec = jax.jit(functools.partial(lab.xla_operand, **ref))(x)
+    bad = lab.mismatches(got, want)
+    dec_ok = lab.mismatches(dec, wdec) == 0
+    return dict(mismatch=bad, n=int(x.size), dec_equal=dec_ok, ok=bad == 0 and dec_ok)
+
+
+@functools.partial(jax.jit, static_argnames="tile")
+def _packed_stats(x, p, s, rp, rs, tile):
+    """Packed codes (R, C/2) and scale bits vs the reference's: codes compared in blocks
+    without NaN/Inf (their codes are unspecified: the NaN scale carries the NaN), scale bits
+    everywhere; a NaN/Inf block must get the NaN scale (0x7F/0xFF)."""
+    r, c = x.shape
+    tr, tc = tile
+    fin = jnp.isfinite(x.astype(F32)).reshape(r // tr, tr, c // tc, tc).all(axis=(1, 3))
+    byte_fin = jnp.repeat(jnp.repeat(fin, tr, 0), tc // 2, 1)
+    s_bad = s != rs
+    return dict(codes_differ=jnp.sum((p != rp) & byte_fin),
+                codes_differ_nonfinite_blocks=jnp.sum((p != rp) & ~byte_fin),
+                scales_differ=jnp.sum(s_bad), scales_differ_finite_blocks=jnp.sum(s_bad & fin),
+                nonfinite_blocks=jnp.sum(~fin),
+                nonfinite_without_nan_scale=jnp.sum(~fin & ((s & 0x7F) != 0x7F)))
+
+
+def _packed_case(x, got, q, tile, numpy_ref=None):
+    """Kernel ``(packed, scale bits, dec)`` vs the ``QuantizedArray`` ``q`` of
+    ``fp4jax.quantize`` (and vs a NumPy reference ``(codes, scale bits, dec)``)."""
+    p, s, d = got
+    st = {k: int(v) for k, v in _packed_stats(
+        x, p, s, fp4jax.pack_e2m1(q.data), jax.lax.bitcast_convert_type(q.scale, jnp.uint8),
+        tile).items()}
+    st["dec_equal"] = lab.mismatches(d, q.global_scale) == 0
+    st["ok"] = (st["codes_differ"] == 0 and st["scales_differ_finite_blocks"] == 0
+                and st["nonfinite_without_nan_scale"] == 0 and st["dec_equal"])
+    if numpy_ref is not None:  # inputs without NaN/Inf: every byte
+        codes, sbits, dec = numpy_ref
+        st["numpy_codes_differ"] = int((np.asarray(p) != npref.pack_codes(codes)).sum())
+        st["numpy_scales_differ"] = int((np.asarray(s) != sbits).sum())
+        st["numpy_dec_equal"] = bool(np.float32(d) == np.float32(dec))
+        st["ok"] = st["ok"] and st["numpy_codes_differ"] == 0 and (
+            st["numpy_scales_differ"] == 0 and st["numpy_dec_equal"])
+    return st
+
+
+@functools.partial(jax.jit, static_argnames="ulp")
+def _gemm_stats(got, want, ulp):
+    """Elementwise |got - want| <= ulp |want| + GEMM_TOL max|want| where both are finite
+    (``ulp``: the output dtype's half ulp, 0 for float32), else the same non-finite value
+    (NaN equals NaN)."""
+    g, w = got.astype(F32), want.astype(F32)
+    fin = jnp.isfinite(g) & jnp.isfinite(w)
+    scale = jnp.max(jnp.where(jnp.isfinite(w), jnp.abs(w), 0.0))
+    err = jnp.where(fin, jnp.abs(g - w), 0.0)
+    bad = jnp.where(fin, err > ulp * jnp.abs(w) + GEMM_TOL * scale,
+                    ~((jnp.isnan(g) & jnp.isnan(w)) | (g == w)))
+    return dict(bad=jnp.sum(bad), max_rel_err=jnp.where(scale > 0, jnp.max(err) / scale, 0.0),
+                nan_got=jnp.sum(jnp.isnan(g)), nan_want=jnp.sum(jnp.isnan(w)))
+
+
+def _gemm_case(got, want_f32, prefix=""):
+    """A GEMM output vs the float32 reference: elements out of tolerance, max relative error
+    (to max |reference|), and bitwise equality with the reference rounded to got's dtype."""
+    ulp = 2.0**-8 if got.dtype == BF16 else 0.0
+    st = {prefix + k: (float(v) if k == "max_rel_err" else int(v))
+          for k, v in _gemm_stats(got, want_f32, ulp).items()}
+    differ = lab.mismatches(got, want_f32.astype(got.dtype))
+    st.update({prefix + "differ_vs_rounded_ref": differ, prefix + "bitwise_equal": differ == 0,
+               prefix + "ok": st[prefix + "bad"] == 0})
+    return st
+
+
+def _hi_dot(a, b):
+    return jnp.dot(a.astype(F32), b.astype(F32), precision=jax.lax.Precision.HIGHEST)
+
+
+# ---------------------------------------------------------------------------
+# The checks.
+# ---------------------------------------------------------------------------
+
+
+@check("recip", "the kernels' reciprocals (run by XLA on this device) vs IEEE float32 1/(s*dec) "
+       "(NumPy): recip_rn over all E4M3 scales x random decode scales, the table reciprocal "
+       "over its safe range; XLA's own 1/p mismatches reported (not a failure)")
+def check_recip(ctx: Ctx) -> None:
+    rng = np.random.default_rng(ctx.seed)
+    e4m3 = np.arange(127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    n_dec = 500 if ctx.interpret else 8000
+
+    def recip_rn():
+        dec = np.exp2(rng.uniform(-30, 30, n_dec)).astype(np.float32)
+        p = (e4m3[1:, None] * dec[None, :]).ravel()
+        want = (1.0 / p.astype(np.float64)).astype(np.float32)
+        res, ok = map(np.asarray, jax.jit(cm.recip_rn)(jnp.asarray(p)))
+        xla = np.asarray(jax.jit(lambda v: 1.0 / v)(jnp.asarray(p)))
+        bad = int(((res != want) & ok).sum())
+        return dict(n=int(p.size), mismatch=bad, not_ok=int((~ok).sum()),
+                    xla_div_mismatch=int((xla != want).sum()), ok=bad == 0 and bool(ok.all()))
+
+    def table():
+        dec = np.concatenate([np.exp2(rng.uniform(-126, 127.9, n_dec // 2)),
+                              np.exp2(rng.uniform(-118, -116, n_dec // 8)),
+                              np.exp2(rng.uniform(116, 118, n_dec // 8))]).astype(np.float32)
+        with np.errstate(all="ignore"):
+            want = np.minimum(np.float32(1) / (e4m3[:, None] * dec[None, :]),
+                              np.finfo(np.float32).max).astype(np.float32)
+        want = np.where(e4m3[:, None] == 0, np.float32(0), want)
+
+        def one(d):
+            safe, tab = cm.recip_table(d)
+            return safe, cm.table_recip(jnp.arange(127, dtype=jnp.int32), list(tab))
+
+        safe, got = jax.jit(jax.vmap(one))(jnp.asarray(dec))
+        safe, got = np.asarray(safe), np.asarray(got).T
+        exact = (got.view(np.int32) == want.view(np.int32)).all(axis=0)
+        bad = int((safe & ~exact).sum())
+        return dict(n_dec=int(dec.size), n_safe=int(safe.sum()), safe_dec_inexact=bad, ok=bad == 0)
+
+    ctx.case("recip", "recip_rn", recip_rn)
+    ctx.case("recip", "table", table)
+
+
+@check("rows", "operand kernel fq_rows (1x16 along the last axis), round-to-nearest and "
+       "stochastic, vs the XLA path's bf16 scaled_data(quantize(x)) and tensor scale, bit for bit")
+def check_rows(ctx: Ctx) -> None:
+    for shape, kind, x in ctx.operand_inputs():
+        for name, key in (("RtN", None), ("SR", ctx.key)):
+            def run(x=x, key=key):
+                if not fq.supported_rows(x.shape, x.dtype, key is not None):
+                    raise Skip("shape not supported by the kernel (XLA path)")
+                return _operand_case(x, lambda x: fq.fq_rows(x, key, **ctx.kw), axis=-1, key=key)
+            ctx.case("rows", name, run, shape=list(shape), input=kind)
+
+
+@check("cols", "operand kernel fq_cols (16x1 along the token axis): RtN, SR, after the "
+       "16-point RHT RtN and SR, vs the XLA path (RHT, then quantize(axis=0)), bit for bit")
+def check_cols(ctx: Ctx) -> None:
+    for shape, kind, x in ctx.operand_inputs():
+        for name, key, sg in (("RtN", None, None), ("SR", ctx.key, None),
+                              ("RHT RtN", None, ctx.signs), ("RHT SR", ctx.key, ctx.signs)):
+            def run(x=x, key=key, sg=sg):
+                if not fq.supported_cols(x.shape, x.dtype):
+                    raise Skip("shape not supported by the kernel (XLA path)")
+                return _operand_case(x, lambda x: fq.fq_cols(x, key, signs=sg, **ctx.kw),
+                                     axis=0, key=key, signs=sg)
+            ctx.case("cols", name, run, shape=list(shape), input=kind)
+
+
+@check("2d", "operand kernel fq_2d (16x16 tiles, round-to-nearest) vs the XLA path's "
+       "scaled_data(quantize(x, block_2d=True)), bit for bit")
+def check_2d(ctx: Ctx) -> None:
+    for shape, kind, x in ctx.operand_inputs():
+        def run(x=x):
+            if not fq.supported_2d(x.shape, x.dtype):
+                raise Skip("shape not supported by the kernel (XLA path)")
+            return _operand_case(x, lambda x: fq.fq_2d(x, **ctx.kw), block_2d=True)
+        ctx.case("2d", "RtN", run, shape=list(shape), input=kind)
+
+
+@check("amax", "the amax passes: cols_amaxes (finite amax of x and of its 16-point RHT along "
+       "the token axis, one read) and rht_cols_amax vs XLA reductions, bit for bit")
+def check_amax(ctx: Ctx) -> None:
+    sg = ctx.signs
+    for shape, kind, x in ctx.operand_inputs():
+        def run(x=x):
+            if not fq.supported_cols(x.shape, x.dtype):
+                raise Skip("shape not supported by the kernel (XLA path)")
+            plain, rot = jax.jit(lambda x: fq.cols_amaxes(x, sg, **ctx.kw))(x)
+            rot1 = jax.jit(lambda x: fq.rht_cols_amax(x, sg, **ctx.kw))(x)
+            want_p, want_r = jax.jit(lambda x: (_finite_amax(x), _finite_amax(
+                random_hadamard_transform(x, axis=0, size=16, signs=sg))))(x)
+            st = dict(cols_amaxes_plain_equal=lab.mismatches(plain, want_p) == 0,
+                      cols_amaxes_rht_equal=lab.mismatches(rot, want_r) == 0,
+                      rht_cols_amax_equal=lab.mismatches(rot1, want_r) == 0,
+                      amax=float(want_p), rht_amax=float(want_r))
+            return st | {"ok": all(v for k, v in st.items() if k.endswith("equal"))}
+        ctx.case("amax", "cols_amaxes+rht_cols_amax", run, shape=list(shape), input=kind)
+
+
+def _packed_check(ctx: Ctx, name: str, case: str, supported, kernel, reference, tile,
+                  numpy_kind=None, numpy_fn=None) -> None:
+    """Run ``kernel(x) -> (packed, scale bits, dec)`` against ``reference(x)`` (a
+    QuantizedArray) on the operand inputs and on a blocks/tiles input also vs NumPy."""
+    inputs = [(s, k, x, None) for s, k, x in ctx.operand_inputs()]
+    if numpy_fn is not None:
+        shape = NUMPY_INPUT[ctx.interpret]
+        inputs.append((shape, numpy_kind, ctx.input(shape, numpy_kind), numpy_fn))
+    for shape, kind, x, np_fn in inputs:
+        def run(x=x, np_fn=np_fn):
+            if not supported(x.shape, x.dtype):
+                raise Skip("shape not supported by the kernel (XLA path)")
+            got = jax.jit(kernel)(x)
+            ref = np_fn(np.asarray(x.astype(F32))) if np_fn is not None else None
+            return _packed_case(x, got, jax.jit(reference)(x), tile, ref)
+        ctx.case(name, case, run, shape=list(shape), input=kind)
+
+
+@check("packed", "packed quantize kernel quantize_nvfp4_1x16 (codes + E4M3 scale bits, "
+       "round-to-nearest) vs fp4jax.quantize + pack_e2m1 (and the NumPy reference)")
+def check_packed(ctx: Ctx) -> None:
+    _packed_check(ctx, "packed", "1x16 RtN", qk.supported,
+                  lambda x: qk.quantize_nvfp4_1x16(x, **ctx.kw),
+                  lambda x: fp4jax.quantize(x, fp4jax.NVFP4), (1, 16), "blocks",
+                  npref.quantize_nvfp4_1x16)
+
+
+@check("packed_sr", "packed quantize kernel quantize_nvfp4_1x16_sr (stochastic rounding) vs "
+       "fp4jax.quantize(rounding='stochastic', same key) + pack_e2m1")
+def check_packed_sr(ctx: Ctx) -> None:
+    key = ctx.key
+    _packed_check(ctx, "packed_sr", "1x16 SR", qk.supported_sr,
+                  lambda x: qk.quantize_nvfp4_1x16_sr(x, key, **ctx.kw),
+                  lambda x: fp4jax.quantize(x, fp4jax.NVFP4, rounding="stochastic", key=key),
+                  (1, 16))
+
+
+@check("packed_2d", "packed quantize kernel quantize_nvfp4_2d (16x16 tiles) vs "
+       "fp4jax.quantize(block_2d=True) + pack_e2m1 (and the NumPy reference)")
+def check_packed_2d(ctx: Ctx) -> None:
+    _packed_check(ctx, "packed_2d", "16x16 RtN", qk.supported_2d,
+                  lambda x: qk.quantize_nvfp4_2d(x, **ctx.kw),
+                  lambda x: fp4jax.quantize(x, fp4jax.NVFP4, block_2d=True), (16, 16),
+                  "tiles", npref.quantize_nvfp4_16x16)
+
+
+@check("gemm_alpha", "the bf16 GEMM with alpha in its epilogue (gemm/alpha_sm90), layouts NN, "
+       "NT, TN, vs XLA's float32 dot (HIGHEST) times alpha: within one bf16 rounding, and "
+       "bitwise vs that product rounded once to bf16")
+def check_gemm_alpha(ctx: Ctx) -> None:
+    if ctx.gpu_only("gemm_alpha", "gemm_alpha has no interpret mode (warp-specialized); "
+                    "tests/test_kernel_gemm.py lowers it for CUDA"):
+        return
+    alpha = jnp.float32(3.7e-3)
+    for i, (m, k, n) in enumerate(GEMM_ALPHA_SHAPES):
+        for layout, (ta, tb) in LAYOUTS.items():
+            def run(m=m, k=k, n=n, ta=ta, tb=tb, i=i):
+                ka, kb = jax.random.split(jax.random.key(ctx.seed + 100 + i))
+                a = jax.random.normal(ka, (k, m) if ta else (m, k), F32).astype(BF16)
+                b = jax.random.normal(kb, (n, k) if tb else (k, n), F32).astype(BF16)
+                got = ga.gemm_alpha(a, b, alpha, trans_a=ta, trans_b=tb)
+                want = ga.reference(a, b, alpha, trans_a=ta, trans_b=tb, out_dtype=F32)
+                return _gemm_case(got, want)
+            ctx.case("gemm_alpha", layout, run, shape=[m, k, n])
+
+
+@check("w4a16", "W4A16 GEMM (dispatch.w4a16_matmul, backend='pallas') vs x @ dequantize(W) "
+       "in float32 (HIGHEST): f32 and bf16 outputs, 1x16 and 16x16 weights over six decades "
+       "(E4M3-subnormal scales), a NaN row in x")
+def check_w4a16(ctx: Ctx) -> None:
+    if ctx.gpu_only("w4a16", "the W4A16 kernel cannot run in interpret mode (register-level "
+                    "inline_mgpu); tests/test_kernel_w4a16.py lowers it for CUDA"):
+        return
+    for i, (m, k, n, b2) in enumerate(W4A16_CASES):
+        def run(m=m, k=k, n=n, b2=b2, i=i):
+            kx, kw = jax.random.split(jax.random.key(ctx.seed + 200 + i))
+            x = jax.random.normal(kx, (m, k), F32).astype(BF16)
+            if m >= 3:
+                x = x.at[1].set(jnp.nan)
+            w = jax.random.normal(kw, (k, n), F32) * 0.02 * jnp.logspace(-6, 0, n, dtype=F32)
+            q = jax.jit(lambda w: fp4jax.quantize(w, fp4jax.NVFP4, axis=0, block_2d=b2))(w)
+            want = _hi_dot(x, fp4jax.dequantize(q, F32))
+            y32 = dispatch.w4a16_matmul(x, q, out_dtype=F32, backend="pallas")
+            y16 = dispatch.w4a16_matmul(x, q, backend="pallas")
+            st = _gemm_case(y32, want) | _gemm_case(y16, want, prefix="bf16_")
+            st["bf16_equals_f32_rounded"] = lab.mismatches(y16, y32.astype(BF16)) == 0
+            return st | {"ok": st.pop("ok") and st["bf16_ok"]}
+        ctx.case("w4a16", "2d" if b2 else "1x16", run, shape=[m, k, n])
+
+
+def _w4a4_operands(fa, fb, m, k, n, kind, seed):
+    ka, kb, kc = jax.random.split(jax.random.key(seed), 3)
+    a = jax.random.normal(ka, (m, k), F32)
+    if kind == "rows":  # per-row binades: block scales over E4M3 normals and subnormals
+        a = a * jnp.exp2(jax.random.randint(kc, (m, 1), -10, 6).astype(F32))
+    elif kind == "wide":  # each 32-block of a row its own magnitude, 2^-40 .. 2^40
+        mag = jnp.exp2(jax.random.uniform(kc, (m, k // 32, 1), minval=-40.0, maxval=40.0))
+        a = a * jnp.broadcast_to(mag, (m, k // 32, 32)).reshape(m, k)
+    b = jax.random.normal(kb, (k, n), F32) * 0.02
+    fmts = {"nvfp4": fp4jax.NVFP4, "mxfp4": fp4jax.MXFP4}
+    return (fp4jax.quantize(a.astype(BF16), fmts[fa], axis=1),
+            fp4jax.quantize(b.astype(BF16), fmts[fb], axis=0))
+
+
+@check("w4a4", "W4A4 GEMM from packed NVFP4/MXFP4 (mixed too): the decode kernel vs "
+       "scaled_data(q) bit for bit, the two-pass GEMM (dispatch.w4a4_matmul) vs "
+       "dequantize(A) @ dequantize(B) in float32 (HIGHEST), f32 and bf16 outputs")
+def check_w4a4(ctx: Ctx) -> None:
+    for i, (fa, fb, m, k, n, kind) in enumerate(W4A4_CASES[ctx.interpret]):
+        def run(fa=fa, fb=fb, m=m, k=k, n=n, kind=kind, i=i):
+            qa, qb = _w4a4_operands(fa, fb, m, k, n, kind, ctx.seed + 300 + i)
+            pa, pb = w4.prepare_a(qa), w4.prepare_b(qb)
+            sf = w4.scale_format(qa.fmt), w4.scale_format(qb.fmt)
+            decode_bad = 0
+            for (codes, sbits, _), q, fmt, t in ((pa, qa, sf[0], False), (pb, qb, sf[1], True)):
+                got = w4.decode_operand(codes, sbits, scale_fmt=fmt, **ctx.kw)
+                want = qz.scaled_data(q, BF16)
+                decode_bad += lab.mismatches(got, want.T if t else want)
+            want = _hi_dot(fp4jax.dequantize(qa, F32), fp4jax.dequantize(qb, F32))
+            st = {"decode_mismatch": decode_bad}
+            for out, prefix in ((F32, ""), (BF16, "bf16_")):
+                if ctx.interpret:
+                    y = w4.w4a4_matmul_two_pass(*pa, *pb, out_dtype=out, scale_a=sf[0],
+                                                scale_b=sf[1], **ctx.kw)
+                else:
+                    y = dispatch.w4a4_matmul(qa, qb, out_dtype=out, backend="pallas")
+                st |= _gemm_case(y, want, prefix)
+            return st | {"ok": decode_bad == 0 and st.pop("ok") and st["bf16_ok"]}
+        ctx.case("w4a4", f"{fa} x {fb}", run, shape=[m, k, n], input=kind)
+
+
+@check("dot", "fp4jax.dot, NVFP4 recipe, forward + backward (value_and_grad of sum(y * ct), "
+       "random cotangent): y, loss, dx, dw with the kernels vs FP4JAX_KERNELS=off, bit for bit; "
+       "the kernel lowering must contain kernel calls")
+def check_dot(ctx: Ctx) -> None:
+    setting = "interpret" if ctx.interpret else "on"
+    for i, (m, k, n) in enumerate(DOT_SHAPES[ctx.interpret]):
+        def run(m=m, k=k, n=n, i=i):
+            x, w, ct = lab.dot_problem(m, k, n, seed=ctx.seed + 400 + i)
+            outs, calls = {}, {}
+            for s in ("off", setting):
+                with lab.kernel_env(s):
+                    f = jax.jit(jax.value_and_grad(lab.dot_loss(with_y=True), argnums=(0, 1),
+                                                   has_aux=True))
+                    text = f.lower(x, w, ct).as_text()
+                    calls[s] = text.count("mosaic_gpu") + text.count("callback")
+                    (v, y), (dx, dw) = f(x, w, ct)
+                    outs[s] = (y, v, dx, dw)
+            st = {f"{name}_mismatch": lab.mismatches(a, b) for name, a, b in zip(
+                ("y", "loss", "dx", "dw"), outs["off"], outs[setting], strict=True)}
+            ok = calls[setting] > 0 and not any(st.values())
+            return st | {"kernel_calls_in_lowering": calls[setting], "ok": ok}
+        ctx.case("dot", f"fwd+bwd {setting} vs off", run, shape=[m, k, n])
+
+
+# ---------------------------------------------------------------------------
+# Command line.
+# ---------------------------------------------------------------------------
+
+
+def _summary(rows: list[dict]) -> dict:
+    out: dict = {}
+    for r in rows:
+        c = out.setdefault(r["check"], {"pass": 0, "fail": 0, "skip": 0, "error": 0})
+        c[r["status"]] += 1
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = lab.arg_parser(__doc__, "gpu_check.json", "check", "checks to run (default: all)")
+    ap.add_argument("--interpret", action="store_true",
+                    help="CPU dry run: small shapes, kernels in Mosaic GPU interpret mode")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="input seed (default: from the clock, recorded in the JSON)")
+    args = ap.parse_args(argv)
+    if args.list:
+        for name, (_, doc) in CHECKS.items():
+            print(f"{name:11} {doc}")
+        return 0
+    names = list(CHECKS) if not args.names or "all" in args.names else args.names
+    unknown = [c for c in names if c not in CHECKS]
+    if unknown:
+        ap.error(f"unknown check(s) {unknown}: use {', '.join(CHECKS)} or all")
+    if not args.interpret and not dispatch.on_sm90():
+        print(f"gpu_check: no sm_90 GPU ({jax.devices()[0].device_kind}); use --interpret for "
+              "a CPU dry run", file=sys.stderr)
+        return 2
+    seed = args.seed if args.seed is not None else int(time.time() * 1000) % 2**30
+    meta = lab.run_info(__file__, argv, args.commit) | {
+        "seed": seed, "interpret": args.interpret, "selected": names,
+        "gemm_tolerance": f"|got - ref| <= half ulp(out dtype) |ref| + {GEMM_TOL} max|ref|"}
+    res = lab.Results(args.out or lab.default_out("gpu_check.json"), meta)
+    ctx = Ctx(args.interpret, seed, res)
+    print(f"gpu_check on {meta['device']} (jax {meta['jax']}, commit {meta['commit']}, "
+          f"seed {seed}) -> {res.path}", flush=True)
+    for name in names:
+        CHECKS[name][0](ctx)
+    summary = _summary(res.data.get("checks", []))
+    ok = all(c["fail"] == 0 and c["error"] == 0 for c in summary.values())
+    res.finish(summary=summary, ok=ok)
+    print("\n==== summary (pass / fail / skip / error) ====")
+    for name, c in summary.items():
+        print(f"{name:11} {c['pass']:3} / {c['fail']:3} / {c['skip']:3} / {c['error']:3}")
+    print("ALL PASS" if ok else "FAILURES: see the FAIL/ERROR rows above", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The GPU lab tools run on a CPU: the checker (``experiments/gpu_check.py``) lists its checks,
+refuses to run without an sm_90 GPU unless asked for its interpret-mode dry run, passes two
+checks in that dry run with a complete result JSON, and reports a wrong kernel as a failure;
+the benchmark (``experiments/bench_kernels.py``) answers ``--help`` and ``--list`` and lowers
+a mode for CUDA in its dry run; ``experiments/gpu_lab.sh`` refuses unknown tools before it
+runs anything; the comparison helpers count NaN as equal to NaN."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.interpret import needs_interpret
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+ROOT = Path(__file__).resolve().parent.parent
+EXP = ROOT / "experiments"
+
+
+def _run(*args, timeout=120):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env.pop("OUT", None)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def lab_modules():
+    sys.path.insert(0, str(EXP))
+    try:
+        import gpu_check
+        import lab
+
+        yield lab, gpu_check
+    finally:
+        sys.path.remove(str(EXP))
+
+
+def test_checker_lists_its_checks_and_needs_a_gpu_or_interpret():
+    r = _run("experiments/gpu_check.py", "--list")
+    assert r.returncode == 0, r.stderr
+    names = [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
+    for name in ("recip", "rows", "cols", "2d", "amax", "packed", "packed_sr", "packed_2d",
+                 "gemm_alpha", "w4a16", "w4a4", "dot"):
+        assert name in names
+    r = _run("experiments/gpu_check.py", "rows")
+    assert r.returncode == 2 and "--interpret" in r.stderr
+    r = _run("experiments/gpu_check.py", "--interpret", "nosuchcheck")
+    assert r.returncode == 2 and "unknown check" in r.stderr
+
+
+@needs_interpret
+def test_checker_interpret_dry_run(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    r = _run("experiments/gpu_check.py", "--interpret", "2d", "amax", "w4a16", "--seed", "3",
+             "--out", str(out), "--commit", "abc123")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    for key in ("device", "jax", "commit", "command", "seed", "started", "finished"):
+        assert key in res
+    assert res["commit"] == "abc123" and res["ok"] is True
+    assert res["command"].startswith("PYTHONPATH=$PWD python3 experiments/gpu_check.py")
+    rows = res["checks"]
+    assert {r["check"] for r in rows} == {"2d", "amax", "w4a16"}
+    assert all(r["status"] == "pass" for r in rows if r["check"] != "w4a16")
+    assert [r["status"] for r in rows if r["check"] == "w4a16"] == ["skip"]  # no interpret mode
+    assert {r["input"] for r in rows if r["check"] == "2d"} >= {"wild", "wide40", "tiny"}
+    assert all(r["mismatch"] == 0 for r in rows if r["check"] == "2d")
+
+
+def test_checker_reports_a_wrong_kernel(tmp_path, monkeypatch, lab_modules):
+    lab, gc = lab_modules
+
+    def off_by_one_ulp(x, **kw):  # the XLA path's operand with its last bit flipped
+        y, dec = lab.xla_operand(x, block_2d=True)
+        bits = jax.lax.bitcast_convert_type(y, jnp.uint16) ^ jnp.uint16(1)
+        return jax.lax.bitcast_convert_type(bits, jnp.bfloat16), dec
+
+    monkeypatch.setattr(gc.fq, "fq_2d", off_by_one_ulp)
+    monkeypatch.setitem(gc.OPERAND_INPUTS, True, [((32, 1024), "wild")])
+    out = tmp_path / "gpu_check.json"
+    assert gc.main(["--interpret", "2d", "--out", str(out), "--seed", "5"]) == 1
+    res = json.loads(out.read_text())
+    (row,) = res["checks"]
+    assert row["status"] == "fail" and row["mismatch"] > 0 and res["ok"] is False
+
+
+def test_comparisons_count_nan_as_equal(lab_modules):
+    lab, gc = lab_modules
+    a = jnp.asarray([1.0, np.nan, -0.0, 2.0], jnp.bfloat16)
+    b = jnp.asarray([1.0, -np.nan, 0.0, 2.0], jnp.bfloat16)
+    assert lab.mismatches(a, b) == 1  # -0 vs +0 differ, NaN payloads do not
+    assert lab.mismatches(jnp.uint8(3), jnp.uint8(3)) == 0
+    want = jnp.asarray([1.0, 100.0, np.nan], jnp.float32)
+    st = gc._gemm_case(jnp.asarray([1.0, 100.0 * (1 + 2e-7), np.nan], jnp.float32), want)
+    assert st["ok"] and not st["bitwise_equal"] and st["max_rel_err"] < 1e-6
+    st = gc._gemm_case(jnp.asarray([1.0, 101.0, np.nan], jnp.bfloat16), want)
+    assert not st["ok"] and st["bad"] == 1
+
+
+def test_benchmark_help_list_and_dry_run(tmp_path):
+    r = _run("experiments/bench_kernels.py", "--help")
+    assert r.returncode == 0 and "dotkern1" in r.stdout
+    r = _run("experiments/bench_kernels.py", "--list")
+    assert r.returncode == 0 and "fakequant1" in r.stdout
+    out = tmp_path / "bench.json"
+    r = _run("experiments/bench_kernels.py", "--dry-run", "fakequant1", "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["dry_run"] and res["errors"] == 0 and "commit" in res and "device" in res
+    kernel_rows = [r for r in res["results"] if r["name"].startswith("kernel+amax")]
+    assert len(kernel_rows) == 6
+    assert all(r["cuda_lowering_mosaic_gpu_mentions"] > 0 for r in kernel_rows)
+
+
+def test_gpu_lab_refuses_unknown_tools_before_running(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path / "lab"))
+    r = subprocess.run(["bash", str(EXP / "gpu_lab.sh"), "check", "--list", "+", "bnch"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown tool 'bnch'" in r.stderr
+    assert not (tmp_path / "lab").exists()
