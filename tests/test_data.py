@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import io
+import lzma
+import re
 import tarfile
+import zipfile
 
 import numpy as np
 import pytest
@@ -110,3 +115,96 @@ def test_bundled_sonnets():
     assert path.read_text().startswith("THE SONNETS")
     ds = data.ByteDataset.load(path, seq_len=64, val_fraction=0.05)
     assert len(ds.train) + len(ds.val) == path.stat().st_size > 90_000
+
+
+def _tar(members, mode):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode=mode) as tar:
+        for name, body in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+    return buf.getvalue()
+
+
+def _zip(members):
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, body in members:
+            z.writestr(name, body)
+    return buf.getvalue()
+
+
+def test_compressed_files_are_decompressed(tmp_path):
+    """gzip, bzip2, xz, lzma and tar/zip archives of them are read by their first bytes (any
+    name), also inside directories and archives: never trained on as compressed bytes."""
+    a, b = make_text(5000, seed=1).encode(), make_text(3000, seed=2).encode()
+    single = {"a.txt.gz": gzip.compress(a), "a.txt.bz2": bz2.compress(a),
+              "a.txt.xz": lzma.compress(a), "a.lzma": lzma.compress(a, lzma.FORMAT_ALONE),
+              "gzip-without-extension": gzip.compress(a), "a.txt.gz.gz": gzip.compress(
+                  gzip.compress(a))}
+    for name, raw in single.items():
+        (tmp_path / name).write_bytes(raw)
+        assert data.load_documents(tmp_path / name) == [(name, a)], name
+    members = [("corpus/a.txt", a), ("corpus/b.txt", b)]
+    archives = {"t.tar": _tar(members, "w"), "t.tar.gz": _tar(members, "w:gz"),
+                "t.tgz": _tar(members, "w:gz"), "t.tar.bz2": _tar(members, "w:bz2"),
+                "t.tar.xz": _tar(members, "w:xz"), "t.zip": _zip(members),
+                "archive.bin": _tar(members, "w:xz"),
+                # a tarball of compressed files
+                "gz-members.tar": _tar([("corpus/a.txt.gz", gzip.compress(a)),
+                                        ("corpus/b.txt.bz2", bz2.compress(b))], "w")}
+    for name, raw in archives.items():
+        (tmp_path / name).write_bytes(raw)
+        docs = data.load_documents(tmp_path / name)
+        assert [body for _, body in docs] == [a, b], name
+    assert [n for n, _ in data.load_documents(tmp_path / "t.tar.bz2")] == [
+        "corpus/a.txt", "corpus/b.txt"]
+    # a directory of compressed files and archives
+    d = tmp_path / "dir"
+    d.mkdir()
+    (d / "a.txt.gz").write_bytes(gzip.compress(a))
+    (d / "t.tar.xz").write_bytes(_tar([("b.txt", b)], "w:xz"))
+    (d / "c.txt").write_bytes(b)
+    assert data.load_documents(d) == [("a.txt.gz", a), ("c.txt", b), ("t.tar.xz/b.txt", b)]
+    ds = data.ByteDataset.load(tmp_path / "a.txt.xz", seq_len=32)
+    assert bytes(ds.train) + bytes(ds.val) == a
+
+
+def test_unread_or_damaged_compression_is_refused(tmp_path):
+    a = make_text(5000).encode()
+    bad = {"a.txt.zst": (b"\x28\xb5\x2f\xfd" + bytes(50), "zstd data, which fp4jax does not read"),
+           "a.7z": (b"7z\xbc\xaf\x27\x1c" + bytes(50), "7-zip"),
+           "a.txt.Z": (b"\x1f\x9d\x90" + bytes(50), "compress"),
+           "a.txt.lz4": (b"\x04\x22\x4d\x18" + bytes(50), "LZ4"),
+           "torn.txt.gz": (gzip.compress(a)[:-100], "gzip-compressed but damaged"),
+           "torn.tar.bz2": (_tar([("a.txt", a)], "w:bz2")[:-50], "bzip2-compressed but damaged"),
+           "torn.tar.xz": (_tar([("a.txt", a)], "w:xz")[:200], "xz-compressed but damaged")}
+    for name, (raw, message) in bad.items():
+        (tmp_path / name).write_bytes(raw)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            data.load_documents(tmp_path / name)
+    d = tmp_path / "dir"
+    d.mkdir()
+    (d / "fine.txt").write_bytes(a)
+    (d / "corpus.zst").write_bytes(bad["a.txt.zst"][0])
+    with pytest.raises(ValueError, match=r"'corpus\.zst' is zstd data"):
+        data.load_documents(d)
+    (d / "corpus.zst").unlink()
+    (d / "t.tar").write_bytes(_tar([("x.zst", bad["a.txt.zst"][0])], "w"))
+    with pytest.raises(ValueError, match=r"'t\.tar/x\.zst' is zstd data"):
+        data.load_documents(d)
+
+
+def test_fingerprint_follows_content_and_split(tmp_path):
+    path = write_text(tmp_path / "a.txt", 10_000)
+    fp = data.ByteDataset.load(path, seq_len=32).fingerprint()
+    assert len(fp) == 64 and fp == data.ByteDataset.load(path, seq_len=32).fingerprint()
+    moved = tmp_path / "b.txt"
+    moved.write_bytes(path.read_bytes())
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress(path.read_bytes()))
+    assert data.ByteDataset.load(moved, seq_len=32).fingerprint() == fp  # content, not path
+    assert data.ByteDataset.load(tmp_path / "a.txt.gz", seq_len=32).fingerprint() == fp
+    assert data.ByteDataset.load(path, seq_len=32, val_fraction=0.1).fingerprint() != fp
+    moved.write_bytes(path.read_bytes()[:-1] + b"!")
+    assert data.ByteDataset.load(moved, seq_len=32).fingerprint() != fp
