@@ -13,13 +13,34 @@ checkpoint whose step diverges is deleted.
 ``--compare`` trains each recipe on the same data and seed into ``OUT/<recipe>/`` and writes
 ``OUT/compare.png``, ``OUT/compare.md`` and ``OUT/compare.json``.
 
-Modules: ``config`` (``TrainConfig``, schedules, optimizer, precision policy), ``checkpoint``
-(orbax checkpoints, ``metrics.jsonl`` helpers), ``loop`` (train/eval steps, ``train``),
-``comparison`` (``compare``, the table and the plot) and ``cli`` (``main``). Every public name
-is re-exported here: ``from fp4jax import train as T; T.train(T.TrainConfig(...))``.
+What is guaranteed:
+
+* A run is never destroyed by a repeated command: an ``--out`` that holds a run
+  (``metrics.jsonl``, ``result.json`` or a checkpoint) is refused without ``--resume``;
+  ``--overwrite`` moves it aside to ``OUT.old-<time>`` (nothing is deleted).
+* Every value is checked before anything runs (``validate_config``, run by ``TrainConfig``
+  itself; the CLI reports the flag in argparse's one-line error).
+* Each checkpoint records its config, the data fingerprint (SHA-256 of the split corpus), a
+  SHA-256 of every state array and, beside it, the size and SHA-256 of each of its files.
+  ``--resume`` verifies all of it and restores the newest checkpoint that restores
+  completely; damaged newer ones are named (with how they are damaged) and moved to
+  ``OUT/checkpoints.damaged/``. A changed config or corpus is refused, naming the keys and
+  ``--resume-override`` (``data`` for the corpus). A torn final ``metrics.jsonl`` record is
+  dropped (and said); a damaged record before it stops the resume, naming file and line.
+* A non-finite training or validation loss, gradient norm or state (checked before every
+  checkpoint, the last one too) is a divergence: exit status 1, no non-finite checkpoint kept,
+  ``result.json`` and ``metrics.jsonl`` say ``diverged``.
+* Checkpoints are pruned to the newest ``--keep-checkpoints`` (default 3), never deleting the
+  newest one known to be good.
+
+Modules: ``config`` (``TrainConfig``, its checks, schedules, optimizer, precision policy),
+``rundir`` (the output directory: writable, holds a run, moved aside), ``checkpoint`` (orbax
+checkpoints and their verification, ``metrics.jsonl`` helpers), ``loop`` (train/eval steps,
+``train``), ``comparison`` (``compare``, the table and the plot) and ``cli`` (``main``). Every
+public name is re-exported here: ``from fp4jax import train as T; T.train(T.TrainConfig(...))``.
 """
 
-from fp4jax.train.checkpoint import Checkpointer, config_diff
+from fp4jax.train.checkpoint import CheckpointDamaged, Checkpointer, config_diff, state_checksum
 from fp4jax.train.cli import build_parser, enable_compile_cache, main
 from fp4jax.train.comparison import compare, comparison_table, plot_losses
 from fp4jax.train.config import (
@@ -27,6 +48,7 @@ from fp4jax.train.config import (
     RESUMABLE_KEYS,
     SCHEDULES,
     SWITCH_MODES,
+    ConfigError,
     TrainConfig,
     last_bf16_blocks,
     make_optimizer,
@@ -34,6 +56,7 @@ from fp4jax.train.config import (
     make_schedule,
     model_config,
     switched_recipe,
+    validate_config,
 )
 from fp4jax.train.loop import (
     TrainingDiverged,
@@ -44,16 +67,21 @@ from fp4jax.train.loop import (
     make_train_step,
     train,
 )
+from fp4jax.train.rundir import RunExists, check_out, run_contents
 
 __all__ = [
     "OVERRIDABLE_KEYS",
     "RESUMABLE_KEYS",
     "SCHEDULES",
     "SWITCH_MODES",
+    "CheckpointDamaged",
     "Checkpointer",
+    "ConfigError",
+    "RunExists",
     "TrainConfig",
     "TrainingDiverged",
     "build_parser",
+    "check_out",
     "compare",
     "comparison_table",
     "config_diff",
@@ -70,6 +98,9 @@ __all__ = [
     "make_train_step",
     "model_config",
     "plot_losses",
+    "run_contents",
+    "state_checksum",
     "switched_recipe",
     "train",
+    "validate_config",
 ]

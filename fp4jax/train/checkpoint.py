@@ -1,42 +1,175 @@
 """What a run keeps on disk besides its result: orbax checkpoints (``Checkpointer``, a
 ``CheckpointManager`` of ``{"state", "meta"}``; orbax is optional and imported on first use),
 the check that a resumed run's config matches its checkpoint's (``config_diff``), and the
-``metrics.jsonl`` helpers that truncate the log to a checkpoint and read the loss curves back
-when resuming.
+``metrics.jsonl`` helpers that read the log back (``read_metrics``), truncate it to a
+checkpoint and read the loss curves back when resuming.
+
+Every checkpoint's ``meta`` (a small JSON item saved with the state, in the same atomic
+commit) holds the run's config, its step, the data fingerprint and a SHA-256 checksum of the
+state's arrays (``state_checksum``, computed on the host from the saved arrays' bytes); once
+orbax has committed it, ``fp4jax_files.json`` beside them lists the size and SHA-256 of every
+file of the checkpoint. ``Checkpointer.restore_verified`` checks the files against that list
+(before orbax reads them), that the metadata reads, that the arrays restore and that their
+bytes match the checksum; any failure raises ``CheckpointDamaged`` saying how.
+Pruning is explicit (``Checkpointer.prune``: keep the newest N, and never a protected one),
+not orbax's ``max_to_keep``, so that the last checkpoint known to be good always survives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
+import hashlib
 import json
+import os
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from fp4jax.train.config import RESUMABLE_KEYS, TrainConfig
+
+# the file manifest written into each checkpoint's directory after orbax commits it
+MANIFEST = "fp4jax_files.json"
+
+
+class CheckpointDamaged(Exception):
+    """Checkpoint ``step`` does not restore completely; ``reason`` says how."""
+
+    def __init__(self, step: int, reason: str) -> None:
+        self.step, self.reason = step, reason
+        super().__init__(f"checkpoint {step} is damaged: {reason}")
+
+
+def _why(e: BaseException, limit: int = 200) -> str:
+    """``Type: first line of the message`` of the root cause of ``e`` (orbax wraps the
+    informative tensorstore error), cut to ``limit`` characters."""
+    seen = {id(e)}
+    while (inner := e.__cause__ or e.__context__) is not None and id(inner) not in seen:
+        e = inner
+        seen.add(id(e))
+    lines = str(e).strip().splitlines()
+    msg = f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
+
+
+def host_leaves(state: Any) -> list[tuple[str, np.ndarray]]:
+    """``(path, host array)`` for every leaf of ``state`` (``params/blocks_0/...``)."""
+    leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(state))
+    return [(jax.tree_util.keystr(p, simple=True, separator="/"), np.asarray(x))
+            for p, x in leaves]
+
+
+def state_checksum(state: Any) -> dict:
+    """SHA-256 of every array of ``state`` (its path, dtype, shape and bytes) and of them all:
+    ``{"algorithm": "sha256", "sha256": hex, "arrays": {path: hex}}``."""
+    leaves = state if isinstance(state, list) else host_leaves(state)
+    total, arrays = hashlib.sha256(), {}
+    for name, a in leaves:
+        h = hashlib.sha256(f"{a.dtype.name}{a.shape}".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+        arrays[name] = h.hexdigest()
+        total.update(name.encode() + h.digest())
+    return {"algorithm": "sha256", "sha256": total.hexdigest(), "arrays": arrays}
+
+
+def nonfinite_leaves(state: Any) -> list[str]:
+    """Paths of the floating-point arrays of ``state`` holding a NaN or an infinity."""
+    leaves = state if isinstance(state, list) else host_leaves(state)
+    return [name for name, a in leaves
+            if jnp.issubdtype(a.dtype, jnp.inexact) and not np.isfinite(a).all()]
+
+
+@contextlib.contextmanager
+def _quiet_unraisable() -> Iterator[None]:
+    """Silences the "Exception ignored in: <coroutine ...>" reports (each with a page-long
+    TensorStore spec) of orbax's abandoned reads once one read of a damaged checkpoint has
+    failed; the failure itself is reported in one line by ``restore_verified``. (A checkpoint
+    with a file manifest never gets that far: its damage is found before orbax reads it.)"""
+    old = sys.unraisablehook
+    sys.unraisablehook = lambda _: None
+    try:
+        yield
+    finally:
+        gc.collect()
+        sys.unraisablehook = old
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_manifest(directory: Path) -> dict[str, dict]:
+    """``{relative path: {"size", "sha256"}}`` of every file below ``directory`` (but
+    ``MANIFEST``)."""
+    files = {}
+    for p in sorted(directory.rglob("*")):
+        rel = p.relative_to(directory).as_posix()
+        if p.is_file() and rel != MANIFEST:
+            files[rel] = {"size": p.stat().st_size, "sha256": _sha256_file(p)}
+    return files
+
+
+def manifest_problem(directory: Path, recorded: dict[str, dict]) -> str | None:
+    """How the files below ``directory`` differ from ``recorded`` (None when they do not)."""
+    for rel, want in sorted(recorded.items()):
+        p = directory / rel
+        if not p.is_file():
+            return f"its file {rel} is missing"
+        size = p.stat().st_size
+        if size != want["size"]:
+            how = "truncated" if size < want["size"] else "longer than written"
+            return f"its file {rel} is {how} ({size} bytes, {want['size']} written)"
+        if _sha256_file(p) != want["sha256"]:
+            return f"its file {rel} is corrupted (it does not match its SHA-256 checksum)"
+    return None
 
 
 class Checkpointer:
-    """Orbax ``CheckpointManager`` of ``{"state": pytree, "meta": json}`` (synchronous saves)."""
+    """Orbax ``CheckpointManager`` of ``{"state": pytree, "meta": json}`` (synchronous saves).
 
-    def __init__(self, directory: Path, max_to_keep: int = 2) -> None:
+    ``max_to_keep`` is orbax's own pruning, off by default: the harness prunes with ``prune``.
+    """
+
+    def __init__(self, directory: Path, max_to_keep: int | None = None) -> None:
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
+        self.directory = Path(directory).absolute()
         self.mngr = ocp.CheckpointManager(
-            directory.absolute(),
+            self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
             ),
         )
 
+    def all_steps(self) -> list[int]:
+        return sorted(self.mngr.all_steps())
+
     def latest_step(self) -> int | None:
         return self.mngr.latest_step()
 
-    def save(self, step: int, state: Any, meta: dict) -> None:
+    def save(self, step: int, state: Any, meta: dict, checksum: dict | None = None) -> None:
+        """Saves ``state`` with ``meta`` plus ``"checksum"`` (``state_checksum(state)`` unless
+        given, e.g. computed from host arrays the caller already has)."""
         a = self._ocp.args
+        meta = {**meta, "checksum": checksum or state_checksum(state)}
         self.mngr.save(step, args=a.Composite(state=a.StandardSave(state), meta=a.JsonSave(meta)),
                        force=True)
         self.mngr.wait_until_finished()
+        d = self.directory / str(step)
+        tmp = d / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps({"algorithm": "sha256", "files": file_manifest(d)}))
+        os.replace(tmp, d / MANIFEST)
 
     def meta(self, step: int) -> dict:
         a = self._ocp.args
@@ -45,6 +178,90 @@ class Checkpointer:
     def restore(self, step: int, target: Any) -> Any:
         a = self._ocp.args
         return self.mngr.restore(step, args=a.Composite(state=a.StandardRestore(target))).state
+
+    def restore_verified(self, step: int, target: Any,
+                         check_meta: Callable[[dict], None] | None = None
+                         ) -> tuple[Any, dict, str | None]:
+        """Restores checkpoint ``step`` and verifies it: ``(state, meta, note)``, where
+        ``note`` says when there was nothing to verify against (a checkpoint written before
+        checksums were kept). ``check_meta(meta)`` runs between reading the metadata and
+        restoring the arrays (its exceptions pass through: a config that differs is not
+        damage).
+
+        Raises:
+          CheckpointDamaged: the metadata does not read, the arrays do not restore, or their
+            bytes differ from the recorded checksum.
+        """
+        note = None
+        d = self.directory / str(step)
+        if (d / MANIFEST).exists():
+            try:
+                recorded = json.loads((d / MANIFEST).read_text())["files"]
+                if not isinstance(recorded, dict) or not recorded:
+                    raise ValueError("no files listed")
+            except Exception as e:
+                note = (f"checkpoint {step}: its file manifest {MANIFEST} does not read "
+                        f"({_why(e, 80)}): checked by restoring it instead")
+            else:
+                problem = manifest_problem(d, recorded)
+                if problem:
+                    raise CheckpointDamaged(step, problem)
+        else:
+            note = (f"checkpoint {step} has no file manifest (written by an older fp4jax, or "
+                    "cut short after its commit): checked by restoring it")
+        try:
+            meta = self.meta(step)
+        except Exception as e:  # orbax/tensorstore/json raise many types
+            raise CheckpointDamaged(step, f"its run metadata (meta/) does not read ({_why(e)})"
+                                    ) from None
+        if not isinstance(meta.get("config"), dict) or meta.get("step") != step:
+            raise CheckpointDamaged(step, "its run metadata (meta/) lacks the config or the "
+                                    f"step (keys: {sorted(meta)})")
+        if check_meta is not None:
+            check_meta(meta)
+        try:
+            with _quiet_unraisable():
+                state = self.restore(step, target)
+        except Exception as e:
+            raise CheckpointDamaged(step, f"its arrays (state/) do not restore ({_why(e)})"
+                                    ) from None
+        expected = meta.get("checksum")
+        if not isinstance(expected, dict) or "sha256" not in expected:
+            return state, meta, (f"checkpoint {step} records no checksum (written by an older "
+                                 "fp4jax): its arrays were not verified")
+        got = state_checksum(state)
+        if got["sha256"] != expected["sha256"]:
+            exp = expected.get("arrays", {})
+            bad = [k for k in sorted(set(exp) | set(got["arrays"]))
+                   if exp.get(k) != got["arrays"].get(k)]
+            raise CheckpointDamaged(
+                step, f"its arrays (state/) do not match their SHA-256 checksum ({len(bad)} of "
+                f"{len(got['arrays'])} differ: {', '.join(bad[:3])}{', ...' if bad[3:] else ''})")
+        return state, meta, note
+
+    def delete(self, step: int) -> None:
+        self.mngr.delete(step)
+
+    def prune(self, keep: int, protect: int | None = None) -> list[int]:
+        """Deletes all but the newest ``keep`` checkpoints and ``protect`` (the newest one
+        known to be good); returns the deleted steps."""
+        steps = self.all_steps()
+        kept = set(steps[-keep:]) | {protect}
+        gone = [s for s in steps if s not in kept]
+        for s in gone:
+            self.mngr.delete(s)
+        return gone
+
+    def set_aside(self, step: int, dest: Path) -> Path:
+        """Moves checkpoint ``step`` out of the manager's directory to ``dest/<step>`` (a free
+        name), keeping it for inspection; returns where it went."""
+        dest.mkdir(parents=True, exist_ok=True)
+        path, k = dest / str(step), 1
+        while path.exists():
+            path, k = dest / f"{step}-{k}", k + 1
+        os.rename(self.directory / str(step), path)
+        self.mngr.reload()
+        return path
 
     def close(self) -> None:
         self.mngr.close()
@@ -59,27 +276,80 @@ def config_diff(saved: dict, current: dict) -> list[str]:
             if saved.get(k, default.get(k)) != current.get(k)]
 
 
-def _truncate_metrics(path: Path, ckpt_step: int) -> None:
-    """Drops records newer than the checkpoint being resumed from."""
+def _note(msg: str) -> None:
+    print(f"fp4jax-train: {msg}", file=sys.stderr, flush=True)
+
+
+# keys a record of each type must have (besides "type" and "step")
+_RECORD_KEYS = {"train": ("loss",), "eval": ("val_loss",)}
+
+
+def _record_problem(raw: bytes) -> tuple[dict | None, str | None]:
+    try:
+        rec = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    if not isinstance(rec, dict) or not isinstance(rec.get("type"), str):
+        return None, "not a JSON object with a type"
+    if not isinstance(rec.get("step"), int):
+        return None, "no integer step"
+    missing = [k for k in _RECORD_KEYS.get(rec["type"], ()) if k not in rec]
+    if missing:
+        return None, f"a {rec['type']} record without {', '.join(missing)}"
+    return rec, None
+
+
+def read_metrics(path: Path, note: Callable[[str], None] = _note) -> list[tuple[str, dict]]:
+    """The records of ``metrics.jsonl`` as ``(line, record)``; blank lines are skipped.
+
+    A damaged final record (a write cut short by a crash or a full disk) is dropped, and
+    ``note`` says so.
+
+    Raises:
+      ValueError: a damaged record before the last one (naming the file and the line).
+    """
+    if not path.exists():
+        return []
+    lines = path.read_bytes().split(b"\n")
+    out = []
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        rec, problem = _record_problem(raw)
+        if rec is not None:
+            out.append((raw.decode("utf-8"), rec))
+            continue
+        shown = raw[:60].decode("utf-8", "backslashreplace") + ("..." if raw[60:] else "")
+        if all(not x.strip(b" \t\r\x00") for x in lines[i + 1:]):
+            note(f"{path}: dropped a torn final record (line {i + 1}: {problem}: {shown!r}), "
+                 "as left by an interrupted write")
+            break
+        raise ValueError(f"{path}, line {i + 1}: damaged record ({problem}): {shown!r}; only "
+                         "the last line may be torn: repair or delete that line, then resume")
+    return out
+
+
+def _truncate_metrics(path: Path, ckpt_step: int,
+                      note: Callable[[str], None] = _note) -> None:
+    """Drops records newer than the checkpoint being resumed from (and a torn final record);
+    rewrites the file atomically."""
     if not path.exists():
         return
     keep = []
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
+    for line, rec in read_metrics(path, note):
         limit = ckpt_step if rec.get("type") in ("eval", "resume") else ckpt_step - 1
         if rec.get("step", 0) <= limit:
             keep.append(line)
-    path.write_text("".join(x + "\n" for x in keep))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(x + "\n" for x in keep))
+    os.replace(tmp, path)
 
 
 def _history_from_metrics(path: Path) -> dict[str, list]:
     """The loss curves recorded in ``metrics.jsonl`` (train losses at ``--log-every``
     resolution), to seed a resumed run's history."""
     history: dict[str, list] = {"step": [], "loss": [], "val_step": [], "val_loss": []}
-    if not path.exists():
-        return history
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
+    for _, rec in read_metrics(path):
         if rec.get("type") == "train":
             history["step"].append(rec["step"])
             history["loss"].append(rec["loss"])
@@ -87,4 +357,3 @@ def _history_from_metrics(path: Path) -> dict[str, list]:
             history["val_step"].append(rec["step"])
             history["val_loss"].append(rec["val_loss"])
     return history
-

@@ -2,7 +2,7 @@
 mesh, initial state, and ``train`` (one run: data, model, optimizer, resume from a checkpoint,
 the step loop with evaluation, logging to ``metrics.jsonl``, checkpoints and divergence
 handling, and the result dict written to ``result.json``). ``TrainingDiverged`` is raised when
-the loss or gradient norm becomes non-finite.
+a training or validation loss, the gradient norm or the state becomes non-finite.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -27,25 +28,38 @@ import fp4jax.recipes
 from fp4jax.data import ByteDataset
 from fp4jax.models.llama import Llama
 from fp4jax.train.checkpoint import (
+    CheckpointDamaged,
     Checkpointer,
     _history_from_metrics,
+    _note,
     _truncate_metrics,
     config_diff,
+    host_leaves,
+    nonfinite_leaves,
+    read_metrics,
+    state_checksum,
 )
 from fp4jax.train.config import (
     OVERRIDABLE_KEYS,
-    SWITCH_MODES,
     TrainConfig,
     make_optimizer,
     make_policy,
     make_schedule,
     model_config,
+    override_keys,
     switched_recipe,
+    validate_config,
 )
+from fp4jax.train.rundir import check_out, claim_out
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss or gradient norm became non-finite."""
+    """A training or validation loss, the gradient norm or the state became non-finite at
+    step ``step`` (0-based; None when unknown)."""
+
+    def __init__(self, msg: str, step: int | None = None) -> None:
+        super().__init__(msg)
+        self.step = step
 
 
 
@@ -134,34 +148,80 @@ class _Progress:
             self.bar.close()
 
 
-def _override_keys(cfg: TrainConfig) -> list[str]:
-    keys = [k.strip() for k in (cfg.resume_override or "").split(",") if k.strip()]
-    bad = [k for k in keys if k not in OVERRIDABLE_KEYS]
-    if bad:
-        raise ValueError(f"--resume-override: {bad} cannot be overridden; "
-                         f"valid keys: {list(OVERRIDABLE_KEYS)}")
-    if keys and not cfg.resume:
-        raise ValueError("--resume-override needs --resume")
-    return keys
+def _restore_newest(ckpt: Checkpointer, target: dict, cfg_dict: dict, overrides: list[str],
+                    data_sha: str, out: Path) -> tuple[dict, dict, list[CheckpointDamaged]]:
+    """Restores the newest checkpoint that restores completely (metadata, arrays, checksum)
+    after checking that its config and data fingerprint match; damaged newer checkpoints are
+    moved to ``OUT/checkpoints.damaged/`` and reported. Returns ``(state, meta, damaged)``."""
+    where = ckpt.directory
+
+    def check_meta(meta: dict) -> None:
+        # with a recorded fingerprint the corpus is checked by content: its path may change
+        free = [*overrides, *(["data"] if meta.get("data_sha256") else [])]
+        diff = config_diff({**meta["config"], **{k: cfg_dict[k] for k in free}}, cfg_dict)
+        if diff:
+            raise ValueError("refusing to resume with a changed config; differing keys: "
+                             + "; ".join(diff) + f" (only {list(OVERRIDABLE_KEYS)} can change, "
+                             "named in --resume-override)")
+        saved = meta.get("data_sha256")
+        if saved is not None and saved != data_sha and "data" not in overrides:
+            raise ValueError(
+                f"refusing to resume: the training data differ from those of checkpoint "
+                f"{meta['step']} (SHA-256 of the split corpus {saved[:12]}... then, "
+                f"{data_sha[:12]}... now; --data {cfg_dict['data']!r}, --val-fraction "
+                f"{cfg_dict['val_fraction']}): resume on the data the run started with, or pass "
+                "--resume-override data to continue on these (recorded in metrics.jsonl)")
+
+    damaged: list[CheckpointDamaged] = []
+    steps = ckpt.all_steps()
+    for c in reversed(steps):
+        try:
+            state, meta, note = ckpt.restore_verified(c, target, check_meta)
+            if int(state["step"]) != c:
+                raise CheckpointDamaged(c, f"it holds the state of step {int(state['step'])}")
+        except CheckpointDamaged as e:
+            damaged.append(e)
+            continue
+        for e in damaged:
+            moved = ckpt.set_aside(e.step, out / "checkpoints.damaged")
+            _note(f"{e}; moved it to {moved}")
+        if damaged:
+            _note(f"resuming from checkpoint {c}, the newest in {where} that restores completely")
+        if note:
+            _note(note)
+        return state, meta, damaged
+    if not steps:
+        raise ValueError(f"--resume: no checkpoint in {where}")
+    raise ValueError(
+        f"--resume: no checkpoint in {where} restores completely ("
+        + "; ".join(str(e) for e in damaged) + "). Options: start afresh with --overwrite "
+        f"(moves this run aside to {out}.old-<time>), or put back an intact copy of "
+        f"{where} and resume again")
 
 
 def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     """Runs one training run; returns its result dict (also written to ``out/result.json``).
 
+    A fresh run (``resume`` false) refuses an ``out`` that holds a run unless ``overwrite``
+    (which moves it aside to ``OUT.old-<time>``). ``resume`` restores the newest checkpoint
+    that restores completely and matches its checksum; damaged newer ones are moved to
+    ``OUT/checkpoints.damaged/`` (said on stderr). The config and the data fingerprint must
+    match the checkpoint's, except keys named in ``resume_override``.
+
     Raises:
-      TrainingDiverged: non-finite loss/grad norm (the last good checkpoint is kept).
-      ValueError: bad config, or ``resume`` with a config that differs from the checkpoint's.
+      TrainingDiverged: non-finite loss, validation loss, grad norm or state (the last good
+        checkpoint is kept; ``result.json`` says ``"status": "diverged"``).
+      ValueError: bad config (``ConfigError``), ``out`` holds a run (``RunExists``), or
+        ``resume`` with a config or data that differ from the checkpoint's, or with no
+        checkpoint that restores.
     """
+    validate_config(cfg)
+    check_out(cfg.out)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if not cfg.resume:
+        claim_out(cfg, dry_run=True)  # refuse before loading data and compiling
     recipe = fp4jax.recipes.get(cfg.recipe)
-    if cfg.switch not in SWITCH_MODES:
-        raise ValueError(f"unknown switch mode {cfg.switch!r}; valid modes: {list(SWITCH_MODES)}")
-    if cfg.switch_at is not None and not 0.0 <= cfg.switch_at <= 1.0:
-        raise ValueError(f"--switch-at must be a fraction in [0, 1], got {cfg.switch_at}")
-    if cfg.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {cfg.steps}")
-    overrides = _override_keys(cfg)
+    overrides = override_keys(cfg.resume_override)
     mc = model_config(cfg)
     mesh = make_mesh(cfg.devices)
     n_dev = mesh.devices.size
@@ -187,37 +247,35 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     state = jax.jit(make_init_state(model, tx, cfg), out_shardings=repl)()
     n_params = sum(int(x.size) for x in jax.tree.leaves(state["params"]))
     cfg_dict = dataclasses.asdict(cfg)
+    data_sha = ds.fingerprint()
+    metrics_path = out / "metrics.jsonl"
+    if cfg.resume:
+        read_metrics(metrics_path, note=lambda _: None)  # a damaged log stops before any change
+    else:
+        claim_out(cfg)  # --overwrite: moves an earlier run aside
+    out.mkdir(parents=True, exist_ok=True)
     try:
         ckpt: Checkpointer | None = Checkpointer(out / "checkpoints")
     except ImportError:  # orbax-checkpoint is optional: train without checkpoints
         ckpt = None
         print("fp4jax-train: orbax-checkpoint is not installed: no checkpoints will be written "
               "(pip install orbax-checkpoint)", file=sys.stderr)
-    metrics_path = out / "metrics.jsonl"
     start = 0
     overridden: dict[str, list] = {}
+    damaged: list[CheckpointDamaged] = []
     if cfg.resume:
         if ckpt is None:
             raise ValueError("--resume needs orbax-checkpoint (pip install orbax-checkpoint)")
-        last = ckpt.latest_step()
-        if last is None:
-            raise ValueError(f"--resume: no checkpoint in {out / 'checkpoints'}")
-        saved_cfg = ckpt.meta(last)["config"]
+        state, saved_meta, damaged = _restore_newest(ckpt, state, cfg_dict, overrides,
+                                                     data_sha, out)
+        saved_cfg = saved_meta["config"]
         overridden = {k: [saved_cfg.get(k), cfg_dict[k]] for k in overrides
                       if saved_cfg.get(k) != cfg_dict[k]}
-        diff = config_diff({**saved_cfg, **{k: cfg_dict[k] for k in overrides}}, cfg_dict)
-        if diff:
-            raise ValueError("refusing to resume with a changed config; differing keys: "
-                             + "; ".join(diff) + f" (only {list(OVERRIDABLE_KEYS)} can change, "
-                             "named in --resume-override)")
-        state = ckpt.restore(last, state)
+        saved_sha = saved_meta.get("data_sha256")
+        if "data" in overrides and saved_sha not in (None, data_sha):
+            overridden["data_sha256"] = [saved_sha, data_sha]
         start = int(state["step"])
         _truncate_metrics(metrics_path, start)
-    else:
-        if metrics_path.exists():
-            metrics_path.unlink()
-        for s in list(ckpt.mngr.all_steps()) if ckpt is not None else []:
-            ckpt.mngr.delete(s)
     end = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
 
     steps_fn = {False: make_train_step(model, tx, sr_key, mesh),
@@ -244,8 +302,14 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         log.write(json.dumps(rec) + "\n")
         log.flush()
 
+    if overridden or damaged:
+        rec: dict[str, Any] = {"type": "resume", "step": start}
+        if overridden:
+            rec["overrides"] = overridden
+        if damaged:
+            rec["damaged_checkpoints"] = {str(e.step): e.reason for e in damaged}
+        write(rec)
     if overridden:
-        write({"type": "resume", "step": start, "overrides": overridden})
         pbar.write(f"[{recipe.name}] resuming at step {start} with overrides: "
                    + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in overridden.items()))
     # resumed runs continue the recorded curves (truncated to the checkpoint above)
@@ -270,7 +334,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
                 write({"type": "diverged", "step": s, "loss": loss, "grad_norm": gnorm})
                 raise TrainingDiverged(
                     f"[{recipe.name}] loss became {loss} (grad norm {gnorm}) at step {s} "
-                    f"(0-based); stopped. {_drop_bad_checkpoints(s)}")
+                    f"(0-based); stopped. {_drop_bad_checkpoints(s)}", s)
             history["step"].append(s)
             history["loss"].append(loss)
             window["tokens"] += tokens_per_step
@@ -287,6 +351,11 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         fn = evals_fn[s >= switch_step]
         t0 = time.perf_counter()
         v = float(np.mean([float(fn(state["params"], b)) for b in val]))
+        if not math.isfinite(v):
+            write({"type": "diverged", "step": s, "val_loss": v})
+            raise TrainingDiverged(
+                f"[{recipe.name}] validation loss became {v} at step {s} (the state before "
+                f"step {s}); stopped. {_drop_bad_checkpoints(s)}", s)
         write({"type": "eval", "step": s, "val_loss": v})
         history["val_step"].append(s)
         history["val_loss"].append(v)
@@ -300,10 +369,10 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         ``s`` itself: step ``s`` starts from it) and says which checkpoint is good."""
         if ckpt is None:
             return "no checkpoints are written (orbax-checkpoint is not installed)"
-        bad = [c for c in ckpt.mngr.all_steps() if c >= s]
+        bad = [c for c in ckpt.all_steps() if c >= s]
         for c in bad:
-            ckpt.mngr.delete(c)
-        good = [c for c in ckpt.mngr.all_steps() if c < s]
+            ckpt.delete(c)
+        good = [c for c in ckpt.all_steps() if c < s]
         dropped = f" (deleted checkpoint {bad[0]}: step {s} starts from it)" if bad else ""
         rerun = ("resuming unchanged repeats the divergence exactly; resume with a change, e.g. "
                  "--resume --resume-override lr --lr SMALLER (overridable: "
@@ -317,17 +386,54 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
                 f"{out / 'checkpoints'}{dropped}; {rerun}")
 
     def save(s: int) -> None:
-        if ckpt is None:
-            return
+        """Checks that the state before step ``s`` is finite, then checkpoints it (with its
+        checksum) and prunes: the newest ``keep_checkpoints`` stay, and the newest older one,
+        known good (its step gave a finite loss) until this one is."""
         t0 = time.perf_counter()
-        ckpt.save(s, state, {"config": cfg_dict, "step": s})
+        leaves = host_leaves(state)
+        bad = nonfinite_leaves(leaves)
+        if bad:
+            write({"type": "diverged", "step": s, "nonfinite": bad})
+            raise TrainingDiverged(
+                f"[{recipe.name}] the state became non-finite in step {s - 1} (0-based; NaN or "
+                f"Inf in {len(bad)} arrays: {', '.join(bad[:3])}{', ...' if bad[3:] else ''}); "
+                f"stopped, not checkpointed. {_drop_bad_checkpoints(s)}", s - 1)
+        if ckpt is not None:
+            meta = {"config": cfg_dict, "step": s, "data_sha256": data_sha}
+            ckpt.save(s, state, meta, checksum=state_checksum(leaves))
+            ckpt.prune(cfg.keep_checkpoints, max((c for c in ckpt.all_steps() if c < s),
+                                                 default=None))
         timing["t"] += time.perf_counter() - t0
         window["t"] += time.perf_counter() - t0
+
+    def result(status: str, diverged_at: int | None = None) -> dict:
+        wall = time.perf_counter() - t_start
+        tps = timing["train_tokens"] / timing["train_s"] if timing["train_s"] > 0 else None
+        vs, vl = history["val_step"], history["val_loss"]
+        finished = status == "finished" and bool(vs) and vs[-1] == cfg.steps
+        res = {
+            "recipe": recipe.name, "preset": cfg.preset, "params": n_params, "policy": summary,
+            "status": status, "diverged_at": diverged_at,
+            "steps": end if diverged_at is None else diverged_at,
+            "final_val_loss": vl[-1] if finished else None,
+            "last_val_step": vs[-1] if vs else None, "last_val_loss": vl[-1] if vl else None,
+            "final_train_loss": history["loss"][-1] if history["loss"] else None,
+            "tokens_per_s": tps, "devices": n_dev, "platform": mesh.devices.flat[0].platform,
+            "device_kind": mesh.devices.flat[0].device_kind, "wall_s": wall,
+            "data_sha256": data_sha, "history": history,
+        }
+        tmp = out / "result.json.tmp"
+        tmp.write_text(json.dumps(res, indent=1))
+        os.replace(tmp, out / "result.json")
+        return res
 
     t_start = time.perf_counter()
     try:
         if start == 0 and cfg.eval_every:
             evaluate(0)
+        elif (start and ((cfg.eval_every and start % cfg.eval_every == 0) or start == cfg.steps)
+              and history["val_step"][-1:] != [start]):
+            evaluate(start)  # its record was lost (a torn metrics.jsonl): the same value again
         for s in range(start, end):
             batch = jax.device_put(ds.train_batch(s, cfg.batch_size, cfg.seed), data_sharding)
             state, m = steps_fn[s >= switch_step](state, batch)
@@ -341,22 +447,14 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
                 process()
                 save(done)
         process()
+        if ckpt is not None:
+            ckpt.prune(cfg.keep_checkpoints)  # the run ended good: the newest N stay
+    except TrainingDiverged as e:
+        result("diverged", e.step)
+        raise
     finally:
         pbar.close()
         log.close()
         if ckpt is not None:
             ckpt.close()
-    wall = time.perf_counter() - t_start
-    tps = timing["train_tokens"] / timing["train_s"] if timing["train_s"] > 0 else None
-    vs, vl = history["val_step"], history["val_loss"]
-    finished = end == cfg.steps and bool(vs) and vs[-1] == cfg.steps
-    result = {
-        "recipe": recipe.name, "preset": cfg.preset, "params": n_params, "policy": summary,
-        "steps": end, "final_val_loss": vl[-1] if finished else None,
-        "last_val_step": vs[-1] if vs else None, "last_val_loss": vl[-1] if vl else None,
-        "final_train_loss": history["loss"][-1] if history["loss"] else None,
-        "tokens_per_s": tps, "devices": n_dev, "platform": mesh.devices.flat[0].platform,
-        "device_kind": mesh.devices.flat[0].device_kind, "wall_s": wall, "history": history,
-    }
-    (out / "result.json").write_text(json.dumps(result, indent=1))
-    return result
+    return result("finished" if end == cfg.steps else "stopped")
