@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 from typing import Any
 
 import jax
@@ -195,6 +196,10 @@ def validate_config(cfg: TrainConfig) -> None:
                           f"{list(SWITCH_MODES)}")
     if not isinstance(cfg.out, str) or not cfg.out.strip():
         raise ConfigError("out", f"must be a directory path, got {cfg.out!r}")
+    for field in ("data", "cache_dir"):
+        v = getattr(cfg, field)
+        if v is not None and (not isinstance(v, str | os.PathLike) or not str(v).strip()):
+            raise ConfigError(field, f"must be a path (or left out), got {v!r}")
     if cfg.compare is not None:
         names = compare_names(cfg.compare)
         if not names:

@@ -191,7 +191,9 @@ def _restore_newest(ckpt: Checkpointer, target: dict, cfg_dict: dict, overrides:
             _note(note)
         return state, meta, damaged
     if not steps:
-        raise ValueError(f"--resume: no checkpoint in {where}")
+        raise ValueError(f"--resume: no checkpoint in {where}: nothing to resume; start a fresh "
+                         "run without --resume (with --overwrite if --out holds an earlier run, "
+                         "which moves it aside)")
     raise ValueError(
         f"--resume: no checkpoint in {where} restores completely ("
         + "; ".join(str(e) for e in damaged) + "). Options: start afresh with --overwrite "
