@@ -20,11 +20,15 @@ W4A16 kernel have none: skipped).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
+import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -80,12 +84,26 @@ W4A4_CASES = {  # (format of A, of B, M, K, N, A's magnitudes)
 DOT_SHAPES = {False: ((8192, 8192, 8192), (1000, 4096, 4096)), True: ((16, 1024, 1024),)}
 
 
+@dataclasses.dataclass
+class Case:
+    """One case of a check as programs to compile (``name -> (function, args)``) and a
+    ``judge(outputs by name) -> fields with ok``; or a case to skip (``skip``: why)."""
+
+    check: str
+    case: str
+    meta: dict
+    programs: dict = dataclasses.field(default_factory=dict)
+    judge: Callable | None = None
+    skip: str | None = None
+
+
 class Ctx:
     """One run: interpret mode or not, the seed, the kernels' keyword arguments, the inputs
     (made once, shared by the checks) and the result file."""
 
-    def __init__(self, interpret: bool, seed: int, results: lab.Results) -> None:
+    def __init__(self, interpret: bool, seed: int, results: lab.Results, jobs: int = 1) -> None:
         self.interpret = interpret
+        self.jobs = jobs
         self.seed = seed
         self.res = results
         self.kw = {}
@@ -126,6 +144,31 @@ class Ctx:
                  if k not in ("check", "case", "status", "traceback")}
         print(f"{row['status'].upper():5} {check:10} {case:24} {brief}", flush=True)
 
+    def run(self, cases: list[Case]) -> None:
+        """Lower and compile every case's programs on a thread pool (on the GPU both take
+        seconds per program, mostly outside the GIL: Mosaic GPU compiles its kernels while
+        lowering), then run and judge the cases in order, each as soon as its programs are
+        ready. ``--jobs 1``: one at a time."""
+        def build(f, args):
+            t0 = time.perf_counter()
+            lowered = jax.jit(f).lower(*args)
+            t1 = time.perf_counter()
+            return lowered.compile(), t1 - t0, time.perf_counter() - t1
+
+        def finish(c, job):
+            if c.skip:
+                raise Skip(c.skip)
+            done = {n: fut.result() for n, fut in job.items()}
+            out = {n: exe(*c.programs[n][1]) for n, (exe, _, _) in done.items()}
+            return c.judge(out) | {"lower_s": round(sum(d[1] for d in done.values()), 2),
+                                   "compile_s": round(sum(d[2] for d in done.values()), 2)}
+
+        with ThreadPoolExecutor(self.jobs) as pool:
+            jobs = [{} if c.skip else {n: pool.submit(build, f, a)
+                                       for n, (f, a) in c.programs.items()} for c in cases]
+            for c, job in zip(cases, jobs, strict=True):
+                self.case(c.check, c.case, functools.partial(finish, c, job), **c.meta)
+
     def gpu_only(self, check: str, why: str) -> bool:
         """In interpret mode: one skip row saying why, and True (the caller returns)."""
         def skip():
@@ -149,13 +192,21 @@ def _finite_amax(v):
     return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0))
 
 
-def _operand_case(x, kernel, **ref):
-    """A bf16-operand kernel ``kernel(x) -> (scaled, dec)`` vs ``lab.xla_operand(x, **ref)``."""
-    got, dec = jax.jit(kernel)(x)
-    want, wdec = jax.jit(functools.partial(lab.xla_operand, **ref))(x)
-    bad = lab.mismatches(got, want)
-    dec_ok = lab.mismatches(dec, wdec) == 0
-    return dict(mismatch=bad, n=int(x.size), dec_equal=dec_ok, ok=bad == 0 and dec_ok)
+UNSUPPORTED = "shape not supported by the kernel (XLA path)"
+
+
+def _operand_case(check, case, meta, x, kernel, **ref) -> Case:
+    """A bf16-operand kernel ``kernel(x) -> (scaled, dec)`` vs ``lab.xla_operand(x, **ref)``,
+    bit for bit (NaN equals NaN), and the tensor scales."""
+    def judge(out):
+        (got, dec), (want, wdec) = out["kernel"], out["xla"]
+        bad = lab.mismatches(got, want)
+        dec_ok = lab.mismatches(dec, wdec) == 0
+        return dict(mismatch=bad, n=int(x.size), dec_equal=dec_ok, ok=bad == 0 and dec_ok)
+
+    return Case(check, case, meta, {"kernel": (kernel, (x,)),
+                                    "xla": (functools.partial(lab.xla_operand, **ref), (x,))},
+                judge)
 
 
 @functools.partial(jax.jit, static_argnames="tile")
@@ -275,58 +326,77 @@ def check_recip(ctx: Ctx) -> None:
 @check("rows", "operand kernel fq_rows (1x16 along the last axis), round-to-nearest and "
        "stochastic, vs the XLA path's bf16 scaled_data(quantize(x)) and tensor scale, bit for bit")
 def check_rows(ctx: Ctx) -> None:
+    cases = []
     for shape, kind, x in ctx.operand_inputs():
         for name, key in (("RtN", None), ("SR", ctx.key)):
-            def run(x=x, key=key):
-                if not fq.supported_rows(x.shape, x.dtype, key is not None):
-                    raise Skip("shape not supported by the kernel (XLA path)")
-                return _operand_case(x, lambda x: fq.fq_rows(x, key, **ctx.kw), axis=-1, key=key)
-            ctx.case("rows", name, run, shape=list(shape), input=kind)
+            meta = dict(shape=list(shape), input=kind)
+            if not fq.supported_rows(x.shape, x.dtype, key is not None):
+                cases.append(Case("rows", name, meta, skip=UNSUPPORTED))
+                continue
+            cases.append(_operand_case("rows", name, meta, x, lambda x, key=key: fq.fq_rows(
+                x, key, **ctx.kw), axis=-1, key=key))
+    ctx.run(cases)
 
 
 @check("cols", "operand kernel fq_cols (16x1 along the token axis): RtN, SR, after the "
        "16-point RHT RtN and SR, vs the XLA path (RHT, then quantize(axis=0)), bit for bit")
 def check_cols(ctx: Ctx) -> None:
+    cases = []
     for shape, kind, x in ctx.operand_inputs():
         for name, key, sg in (("RtN", None, None), ("SR", ctx.key, None),
                               ("RHT RtN", None, ctx.signs), ("RHT SR", ctx.key, ctx.signs)):
-            def run(x=x, key=key, sg=sg):
-                if not fq.supported_cols(x.shape, x.dtype):
-                    raise Skip("shape not supported by the kernel (XLA path)")
-                return _operand_case(x, lambda x: fq.fq_cols(x, key, signs=sg, **ctx.kw),
-                                     axis=0, key=key, signs=sg)
-            ctx.case("cols", name, run, shape=list(shape), input=kind)
+            meta = dict(shape=list(shape), input=kind)
+            if not fq.supported_cols(x.shape, x.dtype):
+                cases.append(Case("cols", name, meta, skip=UNSUPPORTED))
+                continue
+            cases.append(_operand_case("cols", name, meta, x, lambda x, key=key, sg=sg: fq.fq_cols(
+                x, key, signs=sg, **ctx.kw), axis=0, key=key, signs=sg))
+    ctx.run(cases)
 
 
 @check("2d", "operand kernel fq_2d (16x16 tiles, round-to-nearest) vs the XLA path's "
        "scaled_data(quantize(x, block_2d=True)), bit for bit")
 def check_2d(ctx: Ctx) -> None:
+    cases = []
     for shape, kind, x in ctx.operand_inputs():
-        def run(x=x):
-            if not fq.supported_2d(x.shape, x.dtype):
-                raise Skip("shape not supported by the kernel (XLA path)")
-            return _operand_case(x, lambda x: fq.fq_2d(x, **ctx.kw), block_2d=True)
-        ctx.case("2d", "RtN", run, shape=list(shape), input=kind)
+        meta = dict(shape=list(shape), input=kind)
+        if not fq.supported_2d(x.shape, x.dtype):
+            cases.append(Case("2d", "RtN", meta, skip=UNSUPPORTED))
+            continue
+        cases.append(_operand_case("2d", "RtN", meta, x, lambda x: fq.fq_2d(x, **ctx.kw),
+                                   block_2d=True))
+    ctx.run(cases)
 
 
 @check("amax", "the amax passes: cols_amaxes (finite amax of x and of its 16-point RHT along "
        "the token axis, one read) and rht_cols_amax vs XLA reductions, bit for bit")
 def check_amax(ctx: Ctx) -> None:
     sg = ctx.signs
+
+    def kernels(x):
+        return (*fq.cols_amaxes(x, sg, **ctx.kw), fq.rht_cols_amax(x, sg, **ctx.kw))
+
+    def xla(x):
+        return _finite_amax(x), _finite_amax(random_hadamard_transform(x, axis=0, size=16,
+                                                                       signs=sg))
+
+    def judge(out):
+        (plain, rot, rot1), (want_p, want_r) = out["kernels"], out["xla"]
+        st = dict(cols_amaxes_plain_equal=lab.mismatches(plain, want_p) == 0,
+                  cols_amaxes_rht_equal=lab.mismatches(rot, want_r) == 0,
+                  rht_cols_amax_equal=lab.mismatches(rot1, want_r) == 0,
+                  amax=float(want_p), rht_amax=float(want_r))
+        return st | {"ok": all(v for k, v in st.items() if k.endswith("equal"))}
+
+    cases = []
     for shape, kind, x in ctx.operand_inputs():
-        def run(x=x):
-            if not fq.supported_cols(x.shape, x.dtype):
-                raise Skip("shape not supported by the kernel (XLA path)")
-            plain, rot = jax.jit(lambda x: fq.cols_amaxes(x, sg, **ctx.kw))(x)
-            rot1 = jax.jit(lambda x: fq.rht_cols_amax(x, sg, **ctx.kw))(x)
-            want_p, want_r = jax.jit(lambda x: (_finite_amax(x), _finite_amax(
-                random_hadamard_transform(x, axis=0, size=16, signs=sg))))(x)
-            st = dict(cols_amaxes_plain_equal=lab.mismatches(plain, want_p) == 0,
-                      cols_amaxes_rht_equal=lab.mismatches(rot, want_r) == 0,
-                      rht_cols_amax_equal=lab.mismatches(rot1, want_r) == 0,
-                      amax=float(want_p), rht_amax=float(want_r))
-            return st | {"ok": all(v for k, v in st.items() if k.endswith("equal"))}
-        ctx.case("amax", "cols_amaxes+rht_cols_amax", run, shape=list(shape), input=kind)
+        meta = dict(shape=list(shape), input=kind)
+        if not fq.supported_cols(x.shape, x.dtype):
+            cases.append(Case("amax", "cols_amaxes+rht_cols_amax", meta, skip=UNSUPPORTED))
+            continue
+        cases.append(Case("amax", "cols_amaxes+rht_cols_amax", meta,
+                          {"kernels": (kernels, (x,)), "xla": (xla, (x,))}, judge))
+    ctx.run(cases)
 
 
 def _packed_check(ctx: Ctx, name: str, case: str, supported, kernel, reference, tile,
@@ -337,14 +407,20 @@ def _packed_check(ctx: Ctx, name: str, case: str, supported, kernel, reference, 
     if numpy_fn is not None:
         shape = NUMPY_INPUT[ctx.interpret]
         inputs.append((shape, numpy_kind, ctx.input(shape, numpy_kind), numpy_fn))
+    cases = []
     for shape, kind, x, np_fn in inputs:
-        def run(x=x, np_fn=np_fn):
-            if not supported(x.shape, x.dtype):
-                raise Skip("shape not supported by the kernel (XLA path)")
-            got = jax.jit(kernel)(x)
+        meta = dict(shape=list(shape), input=kind)
+        if not supported(x.shape, x.dtype):
+            cases.append(Case(name, case, meta, skip=UNSUPPORTED))
+            continue
+
+        def judge(out, x=x, np_fn=np_fn):
             ref = np_fn(np.asarray(x.astype(F32))) if np_fn is not None else None
-            return _packed_case(x, got, jax.jit(reference)(x), tile, ref)
-        ctx.case(name, case, run, shape=list(shape), input=kind)
+            return _packed_case(x, out["kernel"], out["fp4jax"], tile, ref)
+
+        cases.append(Case(name, case, meta, {"kernel": (kernel, (x,)),
+                                             "fp4jax": (reference, (x,))}, judge))
+    ctx.run(cases)
 
 
 @check("packed", "packed quantize kernel quantize_nvfp4_1x16 (codes + E4M3 scale bits, "
@@ -383,16 +459,19 @@ def check_gemm_alpha(ctx: Ctx) -> None:
                     "tests/test_kernel_gemm.py lowers it for CUDA"):
         return
     alpha = jnp.float32(3.7e-3)
+    cases = []
     for i, (m, k, n) in enumerate(GEMM_ALPHA_SHAPES):
         for layout, (ta, tb) in LAYOUTS.items():
-            def run(m=m, k=k, n=n, ta=ta, tb=tb, i=i):
-                ka, kb = jax.random.split(jax.random.key(ctx.seed + 100 + i))
-                a = jax.random.normal(ka, (k, m) if ta else (m, k), F32).astype(BF16)
-                b = jax.random.normal(kb, (n, k) if tb else (k, n), F32).astype(BF16)
-                got = ga.gemm_alpha(a, b, alpha, trans_a=ta, trans_b=tb)
-                want = ga.reference(a, b, alpha, trans_a=ta, trans_b=tb, out_dtype=F32)
-                return _gemm_case(got, want)
-            ctx.case("gemm_alpha", layout, run, shape=[m, k, n])
+            ka, kb = jax.random.split(jax.random.key(ctx.seed + 100 + 3 * i + ta + 2 * tb))
+            a = jax.random.normal(ka, (k, m) if ta else (m, k), F32).astype(BF16)
+            b = jax.random.normal(kb, (n, k) if tb else (k, n), F32).astype(BF16)
+            progs = {"kernel": (functools.partial(ga.gemm_alpha, trans_a=ta, trans_b=tb),
+                                (a, b, alpha)),
+                     "xla": (functools.partial(ga.reference, trans_a=ta, trans_b=tb,
+                                               out_dtype=F32), (a, b, alpha))}
+            cases.append(Case("gemm_alpha", layout, dict(shape=[m, k, n]), progs,
+                              lambda out: _gemm_case(out["kernel"], out["xla"])))
+    ctx.run(cases)
 
 
 @check("w4a16", "W4A16 GEMM (dispatch.w4a16_matmul, backend='pallas') vs x @ dequantize(W) "
@@ -402,21 +481,29 @@ def check_w4a16(ctx: Ctx) -> None:
     if ctx.gpu_only("w4a16", "the W4A16 kernel cannot run in interpret mode (register-level "
                     "inline_mgpu); tests/test_kernel_w4a16.py lowers it for CUDA"):
         return
+    def xla(x, q):
+        return _hi_dot(x, fp4jax.dequantize(q, F32))
+
+    def judge(out):
+        st = _gemm_case(out["f32"], out["xla"]) | _gemm_case(out["bf16"], out["xla"], "bf16_")
+        st["bf16_equals_f32_rounded"] = lab.mismatches(out["bf16"],
+                                                       out["f32"].astype(BF16)) == 0
+        return st | {"ok": st.pop("ok") and st["bf16_ok"]}
+
+    cases = []
     for i, (m, k, n, b2) in enumerate(W4A16_CASES):
-        def run(m=m, k=k, n=n, b2=b2, i=i):
-            kx, kw = jax.random.split(jax.random.key(ctx.seed + 200 + i))
-            x = jax.random.normal(kx, (m, k), F32).astype(BF16)
-            if m >= 3:
-                x = x.at[1].set(jnp.nan)
-            w = jax.random.normal(kw, (k, n), F32) * 0.02 * jnp.logspace(-6, 0, n, dtype=F32)
-            q = jax.jit(lambda w: fp4jax.quantize(w, fp4jax.NVFP4, axis=0, block_2d=b2))(w)
-            want = _hi_dot(x, fp4jax.dequantize(q, F32))
-            y32 = dispatch.w4a16_matmul(x, q, out_dtype=F32, backend="pallas")
-            y16 = dispatch.w4a16_matmul(x, q, backend="pallas")
-            st = _gemm_case(y32, want) | _gemm_case(y16, want, prefix="bf16_")
-            st["bf16_equals_f32_rounded"] = lab.mismatches(y16, y32.astype(BF16)) == 0
-            return st | {"ok": st.pop("ok") and st["bf16_ok"]}
-        ctx.case("w4a16", "2d" if b2 else "1x16", run, shape=[m, k, n])
+        kx, kw = jax.random.split(jax.random.key(ctx.seed + 200 + i))
+        x = jax.random.normal(kx, (m, k), F32).astype(BF16)
+        if m >= 3:
+            x = x.at[1].set(jnp.nan)
+        w = jax.random.normal(kw, (k, n), F32) * 0.02 * jnp.logspace(-6, 0, n, dtype=F32)
+        args = (x, fp4jax.quantize(w, fp4jax.NVFP4, axis=0, block_2d=b2))
+        progs = {"f32": (functools.partial(dispatch.w4a16_matmul, out_dtype=F32,
+                                           backend="pallas"), args),
+                 "bf16": (functools.partial(dispatch.w4a16_matmul, backend="pallas"), args),
+                 "xla": (xla, args)}
+        cases.append(Case("w4a16", "2d" if b2 else "1x16", dict(shape=[m, k, n]), progs, judge))
+    ctx.run(cases)
 
 
 def _w4a4_operands(fa, fb, m, k, n, kind, seed):
@@ -437,27 +524,39 @@ def _w4a4_operands(fa, fb, m, k, n, kind, seed):
        "scaled_data(q) bit for bit, the two-pass GEMM (dispatch.w4a4_matmul) vs "
        "dequantize(A) @ dequantize(B) in float32 (HIGHEST), f32 and bf16 outputs")
 def check_w4a4(ctx: Ctx) -> None:
+    def decode(qa, qb):  # the decode kernel on each operand's kernel layout
+        return tuple(w4.decode_operand(c, s, scale_fmt=w4.scale_format(q.fmt), **ctx.kw)
+                     for (c, s, _), q in ((w4.prepare_a(qa), qa), (w4.prepare_b(qb), qb)))
+
+    def scaled(qa, qb):  # q * s in the kernel layout: A (M, K), B^T (N, K)
+        return qz.scaled_data(qa, BF16), qz.scaled_data(qb, BF16).T
+
+    def gemm(qa, qb, out_dtype):
+        if ctx.interpret:  # dispatch's kernel path, the decode kernels interpreted
+            return w4.w4a4_matmul_two_pass(
+                *w4.prepare_a(qa), *w4.prepare_b(qb), out_dtype=out_dtype,
+                scale_a=w4.scale_format(qa.fmt), scale_b=w4.scale_format(qb.fmt), **ctx.kw)
+        return dispatch.w4a4_matmul(qa, qb, out_dtype=out_dtype, backend="pallas")
+
+    def xla(qa, qb):
+        return _hi_dot(fp4jax.dequantize(qa, F32), fp4jax.dequantize(qb, F32))
+
+    def judge(out):
+        bad = sum(lab.mismatches(g, w) for g, w in zip(out["decode"], out["scaled"],
+                                                          strict=True))
+        st = ({"decode_mismatch": bad} | _gemm_case(out["f32"], out["xla"])
+              | _gemm_case(out["bf16"], out["xla"], "bf16_"))
+        return st | {"ok": bad == 0 and st.pop("ok") and st["bf16_ok"]}
+
+    cases = []
     for i, (fa, fb, m, k, n, kind) in enumerate(W4A4_CASES[ctx.interpret]):
-        def run(fa=fa, fb=fb, m=m, k=k, n=n, kind=kind, i=i):
-            qa, qb = _w4a4_operands(fa, fb, m, k, n, kind, ctx.seed + 300 + i)
-            pa, pb = w4.prepare_a(qa), w4.prepare_b(qb)
-            sf = w4.scale_format(qa.fmt), w4.scale_format(qb.fmt)
-            decode_bad = 0
-            for (codes, sbits, _), q, fmt, t in ((pa, qa, sf[0], False), (pb, qb, sf[1], True)):
-                got = w4.decode_operand(codes, sbits, scale_fmt=fmt, **ctx.kw)
-                want = qz.scaled_data(q, BF16)
-                decode_bad += lab.mismatches(got, want.T if t else want)
-            want = _hi_dot(fp4jax.dequantize(qa, F32), fp4jax.dequantize(qb, F32))
-            st = {"decode_mismatch": decode_bad}
-            for out, prefix in ((F32, ""), (BF16, "bf16_")):
-                if ctx.interpret:
-                    y = w4.w4a4_matmul_two_pass(*pa, *pb, out_dtype=out, scale_a=sf[0],
-                                                scale_b=sf[1], **ctx.kw)
-                else:
-                    y = dispatch.w4a4_matmul(qa, qb, out_dtype=out, backend="pallas")
-                st |= _gemm_case(y, want, prefix)
-            return st | {"ok": decode_bad == 0 and st.pop("ok") and st["bf16_ok"]}
-        ctx.case("w4a4", f"{fa} x {fb}", run, shape=[m, k, n], input=kind)
+        args = _w4a4_operands(fa, fb, m, k, n, kind, ctx.seed + 300 + i)
+        progs = {"decode": (decode, args), "scaled": (scaled, args), "xla": (xla, args),
+                 "f32": (functools.partial(gemm, out_dtype=F32), args),
+                 "bf16": (functools.partial(gemm, out_dtype=BF16), args)}
+        cases.append(Case("w4a4", f"{fa} x {fb}", dict(shape=[m, k, n], input=kind), progs,
+                          judge))
+    ctx.run(cases)
 
 
 @check("dot", "fp4jax.dot, NVFP4 recipe, forward + backward (value_and_grad of sum(y * ct), "
@@ -504,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="CPU dry run: small shapes, kernels in Mosaic GPU interpret mode")
     ap.add_argument("--seed", type=int, default=None,
                     help="input seed (default: from the clock, recorded in the JSON)")
+    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                    help="programs lowered and compiled at once (default: min(8, CPUs))")
     args = ap.parse_args(argv)
     if args.list:
         for name, (_, doc) in CHECKS.items():
@@ -519,20 +620,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     seed = args.seed if args.seed is not None else int(time.time() * 1000) % 2**30
     meta = lab.run_info(__file__, argv, args.commit) | {
-        "seed": seed, "interpret": args.interpret, "selected": names,
+        "seed": seed, "interpret": args.interpret, "selected": names, "jobs": args.jobs,
         "gemm_tolerance": f"|got - ref| <= half ulp(out dtype) |ref| + {GEMM_TOL} max|ref|"}
     res = lab.Results(args.out or lab.default_out("gpu_check.json"), meta)
-    ctx = Ctx(args.interpret, seed, res)
+    ctx = Ctx(args.interpret, seed, res, max(1, args.jobs))
     print(f"gpu_check on {meta['device']} (jax {meta['jax']}, commit {meta['commit']}, "
           f"seed {seed}) -> {res.path}", flush=True)
+    wall = {}
     for name in names:
+        t0 = time.perf_counter()
         CHECKS[name][0](ctx)
+        wall[name] = round(time.perf_counter() - t0, 1)
     summary = _summary(res.data.get("checks", []))
+    for name, c in summary.items():
+        c["wall_s"] = wall.get(name)
     ok = all(c["fail"] == 0 and c["error"] == 0 for c in summary.values())
     res.finish(summary=summary, ok=ok)
-    print("\n==== summary (pass / fail / skip / error) ====")
+    print("\n==== summary (pass / fail / skip / error, wall seconds) ====")
     for name, c in summary.items():
-        print(f"{name:11} {c['pass']:3} / {c['fail']:3} / {c['skip']:3} / {c['error']:3}")
+        print(f"{name:11} {c['pass']:3} / {c['fail']:3} / {c['skip']:3} / {c['error']:3}"
+              f"  {c['wall_s']:7.1f} s")
     print("ALL PASS" if ok else "FAILURES: see the FAIL/ERROR rows above", flush=True)
     return 0 if ok else 1
 

@@ -17,7 +17,8 @@
 #   pytest   JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -p no:benchmark -> pytest.log
 # A tool's second step in the same call writes to $OUT/<tool>_2/ (third: _3, ...).
 # Environment: OUT (default /tmp/gpu_lab_out); FP4JAX_COMMIT, the commit recorded in every
-# JSON where the machine's copy has no .git (write the hash into the command); LAB_TIMEOUT,
+# JSON (write the hash into the command: the machine's .git, if any, is not the commit
+# being run); LAB_TIMEOUT,
 # seconds per step (default 570); FP4JAX_KERNELS, FP4JAX_KERNEL_GEMM pass through.
 # $OUT/env.log: date, GPUs, JAX, commit, each step's command, exit status and seconds.
 # Exit status: 0 if every step exited 0, else 1 (2: usage).
@@ -49,7 +50,7 @@ ENV_LOG=$OUT/env.log
   date -u
   nvidia-smi -L 2>&1 || true
   python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1
-  echo "commit $(git rev-parse HEAD 2>/dev/null || echo "${FP4JAX_COMMIT:-unknown} (FP4JAX_COMMIT)")"
+  echo "commit ${FP4JAX_COMMIT:-unset} (FP4JAX_COMMIT); git HEAD here: $(git rev-parse HEAD 2>/dev/null || echo none)"
   echo "command: bash experiments/gpu_lab.sh $*"
 } >>"$ENV_LOG"
 

@@ -38,13 +38,16 @@ import jax.numpy as jnp  # noqa: E402
 
 
 def git_commit(explicit: str | None = None) -> str:
-    """The commit the results belong to: ``explicit`` (a ``--commit`` flag), else ``git
-    rev-parse HEAD`` of this checkout (``+dirty`` when tracked files are modified), else the
-    ``FP4JAX_COMMIT`` environment variable (the GPU machine's copy has no ``.git``: pass the
-    hash in, e.g. ``FP4JAX_COMMIT=$(git rev-parse HEAD)`` written into the device command),
-    else ``"unknown"``."""
+    """The commit the results belong to: ``explicit`` (a ``--commit`` flag), else the
+    ``FP4JAX_COMMIT`` environment variable, else ``git rev-parse HEAD`` of this checkout
+    (``+dirty`` when tracked files are modified), else ``"unknown"``. On the GPU machine
+    pass the hash in (``FP4JAX_COMMIT=<sha>`` written into the device command): its copy of
+    the working tree has a ``.git`` whose HEAD is not the commit being run (an older one
+    was seen there, 2026-11-24)."""
     if explicit:
         return explicit
+    if os.environ.get("FP4JAX_COMMIT"):
+        return os.environ["FP4JAX_COMMIT"]
     try:
         head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], check=True,
                               capture_output=True, text=True, timeout=10).stdout.strip()
@@ -55,7 +58,7 @@ def git_commit(explicit: str | None = None) -> str:
             return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("FP4JAX_COMMIT") or "unknown"
+    return "unknown"
 
 
 def run_info(script: str, argv: list[str], commit: str | None = None) -> dict:
@@ -87,8 +90,8 @@ def arg_parser(doc: str, json_name: str, what: str, names_help: str
     ap.add_argument("names", nargs="*", metavar=what.upper(), help=names_help)
     ap.add_argument("--list", action="store_true", help=f"list the {what}s and exit")
     ap.add_argument("--out", default=None, help=f"result JSON (default $OUT/{json_name})")
-    ap.add_argument("--commit", default=None, help="git commit of the code (default: git "
-                    "rev-parse HEAD, else $FP4JAX_COMMIT)")
+    ap.add_argument("--commit", default=None, help="git commit of the code (default: "
+                    "$FP4JAX_COMMIT, else git rev-parse HEAD)")
     return ap
 
 
