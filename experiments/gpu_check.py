@@ -7,7 +7,7 @@ float32 accumulation order for the GEMMs (max relative error and bitwise equalit
 reported), bit for bit for ``fp4jax.dot``'s forward and backward.
 
     PYTHONPATH=$PWD python3 experiments/gpu_check.py [CHECK ...] [--list] [--interpret]
-        [--out PATH] [--commit SHA] [--seed N]
+        [--full] [--out PATH] [--commit SHA] [--seed N] [--jobs N]
 
 ``CHECK``: names from ``--list`` (default ``all``). Writes ``$OUT/gpu_check.json`` (or
 ``--out``): device, JAX version, git commit, the command, the seed, then one row per case
@@ -15,7 +15,9 @@ reported), bit for bit for ``fp4jax.dot``'s forward and backward.
 and a summary; prints each row as it finishes. Exit status 1 if any case failed or raised,
 2 for a usage error (or no sm_90 GPU without ``--interpret``). ``--interpret`` is the CPU
 dry run: small shapes, the kernels in Mosaic GPU interpret mode (``gemm_alpha`` and the
-W4A16 kernel have none: skipped).
+W4A16 kernel have none: skipped). On an H200 ``all`` takes about 6 minutes (most of it
+compiling), so that it fits one device call with ``bench_kernels.py dotkern1``; ``--full``
+adds inputs and GEMM shapes (a call of its own).
 """
 
 from __future__ import annotations
@@ -60,28 +62,38 @@ class Skip(Exception):
 # Inputs (GPU, interpret dry run) and the run context.
 # ---------------------------------------------------------------------------
 
+# Inputs and shapes by run size: "interpret" (the CPU dry run), "gpu" (the default: fits one
+# device call with bench_kernels.py dotkern1) and "full" (--full: a call of its own).
+_OPERAND_GPU = [((48, 2048), "wild"), ((1024, 3072), "tiny"), ((4096, 14336), "wide40"),
+                ((8192, 8192), "normal")]  # 3072 columns: SR rows tiles of 64 blocks
 OPERAND_INPUTS = {  # (shape, input kind) for the quantization kernels
-    False: [((48, 2048), "wild"), ((2048, 1024), "wild"), ((2048, 4096), "wide40"),
-            ((1024, 2048), "tiny"), ((8192, 8192), "normal"), ((4096, 14336), "normal")],
-    True: [((48, 2048), "wild"), ((32, 1024), "wide40"), ((32, 1024), "tiny")],
+    "interpret": [((48, 2048), "wild"), ((32, 1024), "wide40"), ((32, 1024), "tiny")],
+    "gpu": _OPERAND_GPU,
+    "full": _OPERAND_GPU + [((2048, 1024), "wild"), ((2048, 4096), "wide40"),
+                            ((16384, 4096), "wild")],
 }
-NUMPY_INPUT = {False: (1024, 4096), True: (32, 1024)}  # blocks/tiles input, also vs NumPy
+NUMPY_INPUT = {"interpret": (32, 1024), "gpu": (1024, 4096), "full": (1024, 4096)}
 GEMM_ALPHA_SHAPES = ((8192, 8192, 8192), (1024, 512, 768), (2048, 1024, 3072),
                      (16384, 512, 256))
 LAYOUTS = {"fprop NN": (False, False), "dgrad NT": (False, True), "wgrad TN": (True, False)}
-W4A16_CASES = ((16, 8192, 8192, False), (16, 8192, 8192, True), (1, 8192, 8192, False),
-               (64, 8192, 8192, True), (16, 4096, 14336, False), (16, 14336, 4096, True),
-               (3, 1024, 320, False), (200, 2048, 512, False), (33, 512, 128, True))
+_W4A16_GPU = [(16, 8192, 8192, False), (64, 8192, 8192, True), (16, 14336, 4096, True),
+              (3, 1024, 320, False), (200, 2048, 512, False), (33, 512, 128, True)]
+W4A16_CASES = {"interpret": [], "gpu": _W4A16_GPU,  # (M, K, N, 16x16 weight)
+               "full": _W4A16_GPU + [(16, 8192, 8192, True), (1, 8192, 8192, False),
+                                     (16, 4096, 14336, False)]}
+_W4A4_GPU = [("nvfp4", "nvfp4", 8192, 8192, 8192, "rows"),
+             ("mxfp4", "mxfp4", 4096, 14336, 4096, "wide"),
+             ("nvfp4", "mxfp4", 1024, 4096, 2048, "wide")]
 W4A4_CASES = {  # (format of A, of B, M, K, N, A's magnitudes)
-    False: [("nvfp4", "nvfp4", 8192, 8192, 8192, "rows"), ("nvfp4", "nvfp4", 256, 512, 384, "rows"),
-            ("mxfp4", "mxfp4", 8192, 8192, 8192, "normal"),
-            ("mxfp4", "mxfp4", 1024, 4096, 2048, "wide"),
-            ("mxfp4", "mxfp4", 4096, 14336, 4096, "wide"),
-            ("nvfp4", "mxfp4", 1024, 4096, 2048, "wide")],
-    True: [("nvfp4", "nvfp4", 64, 256, 64, "rows"), ("mxfp4", "mxfp4", 64, 256, 64, "wide"),
-           ("nvfp4", "mxfp4", 64, 256, 128, "wide")],
+    "interpret": [("nvfp4", "nvfp4", 64, 256, 64, "rows"), ("mxfp4", "mxfp4", 64, 256, 64, "wide"),
+                  ("nvfp4", "mxfp4", 64, 256, 128, "wide")],
+    "gpu": _W4A4_GPU,
+    "full": _W4A4_GPU + [("nvfp4", "nvfp4", 256, 512, 384, "rows"),
+                         ("mxfp4", "mxfp4", 8192, 8192, 8192, "normal"),
+                         ("mxfp4", "mxfp4", 1024, 4096, 2048, "wide")],
 }
-DOT_SHAPES = {False: ((8192, 8192, 8192), (1000, 4096, 4096)), True: ((16, 1024, 1024),)}
+DOT_SHAPES = {"interpret": ((16, 1024, 1024),), "gpu": ((8192, 8192, 8192), (1000, 4096, 4096)),
+              "full": ((8192, 8192, 8192), (1000, 4096, 4096), (4096, 4096, 4096))}
 
 
 @dataclasses.dataclass
@@ -101,8 +113,10 @@ class Ctx:
     """One run: interpret mode or not, the seed, the kernels' keyword arguments, the inputs
     (made once, shared by the checks) and the result file."""
 
-    def __init__(self, interpret: bool, seed: int, results: lab.Results, jobs: int = 1) -> None:
+    def __init__(self, interpret: bool, seed: int, results: lab.Results, jobs: int = 1,
+                 full: bool = False) -> None:
         self.interpret = interpret
+        self.size = "interpret" if interpret else "full" if full else "gpu"
         self.jobs = jobs
         self.seed = seed
         self.res = results
@@ -122,7 +136,7 @@ class Ctx:
         return self._inputs[(shape, kind)]
 
     def operand_inputs(self):
-        for shape, kind in OPERAND_INPUTS[self.interpret]:
+        for shape, kind in OPERAND_INPUTS[self.size]:
             yield shape, kind, self.input(shape, kind)
 
     def case(self, check: str, case: str, fn, **meta) -> None:
@@ -145,27 +159,38 @@ class Ctx:
         print(f"{row['status'].upper():5} {check:10} {case:24} {brief}", flush=True)
 
     def run(self, cases: list[Case]) -> None:
-        """Lower and compile every case's programs on a thread pool (on the GPU both take
-        seconds per program, mostly outside the GIL: Mosaic GPU compiles its kernels while
-        lowering), then run and judge the cases in order, each as soon as its programs are
-        ready. ``--jobs 1``: one at a time."""
-        def build(f, args):
+        """Lower every case's programs here, compile them on a thread pool, then run and
+        judge the cases in order, each as soon as its programs are compiled. (On the H200
+        Mosaic GPU compiles a kernel while lowering, 1-7 s a program, under the GIL: lowering
+        on threads too made it slower; the XLA compile, 2-4 s a program, overlaps.)"""
+        def compile_timed(lowered):
             t0 = time.perf_counter()
-            lowered = jax.jit(f).lower(*args)
-            t1 = time.perf_counter()
-            return lowered.compile(), t1 - t0, time.perf_counter() - t1
+            return lowered.compile(), time.perf_counter() - t0
+
+        def submit(pool, c):
+            if c.skip:
+                return None
+            try:
+                t0 = time.perf_counter()
+                lowered = {n: jax.jit(f).lower(*a) for n, (f, a) in c.programs.items()}
+                return time.perf_counter() - t0, {n: pool.submit(compile_timed, lo)
+                                                  for n, lo in lowered.items()}
+            except Exception as e:  # noqa: BLE001  (reported by its case)
+                return e
 
         def finish(c, job):
             if c.skip:
                 raise Skip(c.skip)
-            done = {n: fut.result() for n, fut in job.items()}
-            out = {n: exe(*c.programs[n][1]) for n, (exe, _, _) in done.items()}
-            return c.judge(out) | {"lower_s": round(sum(d[1] for d in done.values()), 2),
-                                   "compile_s": round(sum(d[2] for d in done.values()), 2)}
+            if isinstance(job, Exception):
+                raise job
+            lower_s, futures = job
+            done = {n: fut.result() for n, fut in futures.items()}
+            out = {n: exe(*c.programs[n][1]) for n, (exe, _) in done.items()}
+            return c.judge(out) | {"lower_s": round(lower_s, 2),
+                                   "compile_s": round(sum(t for _, t in done.values()), 2)}
 
         with ThreadPoolExecutor(self.jobs) as pool:
-            jobs = [{} if c.skip else {n: pool.submit(build, f, a)
-                                       for n, (f, a) in c.programs.items()} for c in cases]
+            jobs = [submit(pool, c) for c in cases]
             for c, job in zip(cases, jobs, strict=True):
                 self.case(c.check, c.case, functools.partial(finish, c, job), **c.meta)
 
@@ -405,7 +430,7 @@ def _packed_check(ctx: Ctx, name: str, case: str, supported, kernel, reference, 
     QuantizedArray) on the operand inputs and on a blocks/tiles input also vs NumPy."""
     inputs = [(s, k, x, None) for s, k, x in ctx.operand_inputs()]
     if numpy_fn is not None:
-        shape = NUMPY_INPUT[ctx.interpret]
+        shape = NUMPY_INPUT[ctx.size]
         inputs.append((shape, numpy_kind, ctx.input(shape, numpy_kind), numpy_fn))
     cases = []
     for shape, kind, x, np_fn in inputs:
@@ -491,7 +516,7 @@ def check_w4a16(ctx: Ctx) -> None:
         return st | {"ok": st.pop("ok") and st["bf16_ok"]}
 
     cases = []
-    for i, (m, k, n, b2) in enumerate(W4A16_CASES):
+    for i, (m, k, n, b2) in enumerate(W4A16_CASES[ctx.size]):
         kx, kw = jax.random.split(jax.random.key(ctx.seed + 200 + i))
         x = jax.random.normal(kx, (m, k), F32).astype(BF16)
         if m >= 3:
@@ -549,7 +574,7 @@ def check_w4a4(ctx: Ctx) -> None:
         return st | {"ok": bad == 0 and st.pop("ok") and st["bf16_ok"]}
 
     cases = []
-    for i, (fa, fb, m, k, n, kind) in enumerate(W4A4_CASES[ctx.interpret]):
+    for i, (fa, fb, m, k, n, kind) in enumerate(W4A4_CASES[ctx.size]):
         args = _w4a4_operands(fa, fb, m, k, n, kind, ctx.seed + 300 + i)
         progs = {"decode": (decode, args), "scaled": (scaled, args), "xla": (xla, args),
                  "f32": (functools.partial(gemm, out_dtype=F32), args),
@@ -564,7 +589,7 @@ def check_w4a4(ctx: Ctx) -> None:
        "the kernel lowering must contain kernel calls")
 def check_dot(ctx: Ctx) -> None:
     setting = "interpret" if ctx.interpret else "on"
-    for i, (m, k, n) in enumerate(DOT_SHAPES[ctx.interpret]):
+    for i, (m, k, n) in enumerate(DOT_SHAPES[ctx.size]):
         def run(m=m, k=k, n=n, i=i):
             x, w, ct = lab.dot_problem(m, k, n, seed=ctx.seed + 400 + i)
             outs, calls = {}, {}
@@ -604,7 +629,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None,
                     help="input seed (default: from the clock, recorded in the JSON)")
     ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
-                    help="programs lowered and compiled at once (default: min(8, CPUs))")
+                    help="programs compiled at once (default: min(8, CPUs))")
+    ap.add_argument("--full", action="store_true",
+                    help="more inputs and GEMM shapes (a call of its own: ~8 min on an H200)")
     args = ap.parse_args(argv)
     if args.list:
         for name, (_, doc) in CHECKS.items():
@@ -620,10 +647,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     seed = args.seed if args.seed is not None else int(time.time() * 1000) % 2**30
     meta = lab.run_info(__file__, argv, args.commit) | {
-        "seed": seed, "interpret": args.interpret, "selected": names, "jobs": args.jobs,
+        "seed": seed, "interpret": args.interpret, "full": args.full, "selected": names,
+        "jobs": args.jobs,
         "gemm_tolerance": f"|got - ref| <= half ulp(out dtype) |ref| + {GEMM_TOL} max|ref|"}
     res = lab.Results(args.out or lab.default_out("gpu_check.json"), meta)
-    ctx = Ctx(args.interpret, seed, res, max(1, args.jobs))
+    ctx = Ctx(args.interpret, seed, res, max(1, args.jobs), args.full)
     print(f"gpu_check on {meta['device']} (jax {meta['jax']}, commit {meta['commit']}, "
           f"seed {seed}) -> {res.path}", flush=True)
     wall = {}

@@ -85,7 +85,7 @@ def test_checker_reports_a_wrong_kernel(tmp_path, monkeypatch, lab_modules):
         return jax.lax.bitcast_convert_type(bits, jnp.bfloat16), dec
 
     monkeypatch.setattr(gc.fq, "fq_2d", off_by_one_ulp)
-    monkeypatch.setitem(gc.OPERAND_INPUTS, True, [((32, 1024), "wild")])
+    monkeypatch.setitem(gc.OPERAND_INPUTS, "interpret", [((32, 1024), "wild")])
     out = tmp_path / "gpu_check.json"
     assert gc.main(["--interpret", "2d", "--out", str(out), "--seed", "5"]) == 1
     res = json.loads(out.read_text())
