@@ -15,9 +15,9 @@ reported), bit for bit for ``fp4jax.dot``'s forward and backward.
 and a summary; prints each row as it finishes. Exit status 1 if any case failed or raised,
 2 for a usage error (or no sm_90 GPU without ``--interpret``). ``--interpret`` is the CPU
 dry run: small shapes, the kernels in Mosaic GPU interpret mode (``gemm_alpha`` and the
-W4A16 kernel have none: skipped). On an H200 ``all`` takes about 6 minutes (most of it
-compiling), so that it fits one device call with ``bench_kernels.py dotkern1``; ``--full``
-adds inputs and GEMM shapes (a call of its own).
+W4A16 kernel have none: skipped). On an H200 ``all`` takes about 5 minutes (316 s in run 42,
+most of it compiling), so that it fits one device call with ``bench_kernels.py dotkern1``;
+``--full`` adds inputs and GEMM shapes (a call of its own, ~8 minutes).
 """
 
 from __future__ import annotations
@@ -220,18 +220,32 @@ def _finite_amax(v):
 UNSUPPORTED = "shape not supported by the kernel (XLA path)"
 
 
-def _operand_case(check, case, meta, x, kernel, **ref) -> Case:
-    """A bf16-operand kernel ``kernel(x) -> (scaled, dec)`` vs ``lab.xla_operand(x, **ref)``,
-    bit for bit (NaN equals NaN), and the tensor scales."""
-    def judge(out):
-        (got, dec), (want, wdec) = out["kernel"], out["xla"]
-        bad = lab.mismatches(got, want)
-        dec_ok = lab.mismatches(dec, wdec) == 0
-        return dict(mismatch=bad, n=int(x.size), dec_equal=dec_ok, ok=bad == 0 and dec_ok)
+def _input_cases(ctx: Ctx, check: str, variants, inputs=None) -> None:
+    """Run ``check`` on every input ``(shape, kind, x)`` (default: the operand inputs) and
+    variant ``(case, supported(x), build(x) -> (programs, judge))``; unsupported shapes are
+    skipped (the XLA path takes them)."""
+    cases = []
+    for shape, kind, x in ctx.operand_inputs() if inputs is None else inputs:
+        for case, supported, build in variants:
+            meta = dict(shape=list(shape), input=kind)
+            cases.append(Case(check, case, meta, *build(x)) if supported(x)
+                         else Case(check, case, meta, skip=UNSUPPORTED))
+    ctx.run(cases)
 
-    return Case(check, case, meta, {"kernel": (kernel, (x,)),
-                                    "xla": (functools.partial(lab.xla_operand, **ref), (x,))},
-                judge)
+
+def _operand(kernel, **ref):
+    """``build`` of a bf16-operand kernel ``kernel(x) -> (scaled, dec)`` against
+    ``lab.xla_operand(x, **ref)``: bit for bit (NaN equals NaN), equal tensor scales."""
+    def build(x):
+        def judge(out):
+            (got, dec), (want, wdec) = out["kernel"], out["xla"]
+            bad = lab.mismatches(got, want)
+            dec_ok = lab.mismatches(dec, wdec) == 0
+            return dict(mismatch=bad, n=int(x.size), dec_equal=dec_ok, ok=bad == 0 and dec_ok)
+
+        return {"kernel": (kernel, (x,)),
+                "xla": (functools.partial(lab.xla_operand, **ref), (x,))}, judge
+    return build
 
 
 @functools.partial(jax.jit, static_argnames="tile")
@@ -351,46 +365,31 @@ def check_recip(ctx: Ctx) -> None:
 @check("rows", "operand kernel fq_rows (1x16 along the last axis), round-to-nearest and "
        "stochastic, vs the XLA path's bf16 scaled_data(quantize(x)) and tensor scale, bit for bit")
 def check_rows(ctx: Ctx) -> None:
-    cases = []
-    for shape, kind, x in ctx.operand_inputs():
-        for name, key in (("RtN", None), ("SR", ctx.key)):
-            meta = dict(shape=list(shape), input=kind)
-            if not fq.supported_rows(x.shape, x.dtype, key is not None):
-                cases.append(Case("rows", name, meta, skip=UNSUPPORTED))
-                continue
-            cases.append(_operand_case("rows", name, meta, x, lambda x, key=key: fq.fq_rows(
-                x, key, **ctx.kw), axis=-1, key=key))
-    ctx.run(cases)
+    key, kw = ctx.key, ctx.kw
+    _input_cases(ctx, "rows", [
+        ("RtN", lambda x: fq.supported_rows(x.shape, x.dtype),
+         _operand(lambda x: fq.fq_rows(x, **kw), axis=-1)),
+        ("SR", lambda x: fq.supported_rows(x.shape, x.dtype, True),
+         _operand(lambda x: fq.fq_rows(x, key, **kw), axis=-1, key=key))])
 
 
 @check("cols", "operand kernel fq_cols (16x1 along the token axis): RtN, SR, after the "
        "16-point RHT RtN and SR, vs the XLA path (RHT, then quantize(axis=0)), bit for bit")
 def check_cols(ctx: Ctx) -> None:
-    cases = []
-    for shape, kind, x in ctx.operand_inputs():
-        for name, key, sg in (("RtN", None, None), ("SR", ctx.key, None),
-                              ("RHT RtN", None, ctx.signs), ("RHT SR", ctx.key, ctx.signs)):
-            meta = dict(shape=list(shape), input=kind)
-            if not fq.supported_cols(x.shape, x.dtype):
-                cases.append(Case("cols", name, meta, skip=UNSUPPORTED))
-                continue
-            cases.append(_operand_case("cols", name, meta, x, lambda x, key=key, sg=sg: fq.fq_cols(
-                x, key, signs=sg, **ctx.kw), axis=0, key=key, signs=sg))
-    ctx.run(cases)
+    def variant(name, key, sg):
+        return (name, lambda x: fq.supported_cols(x.shape, x.dtype), _operand(
+            lambda x: fq.fq_cols(x, key, signs=sg, **ctx.kw), axis=0, key=key, signs=sg))
+
+    _input_cases(ctx, "cols", [variant("RtN", None, None), variant("SR", ctx.key, None),
+                               variant("RHT RtN", None, ctx.signs),
+                               variant("RHT SR", ctx.key, ctx.signs)])
 
 
 @check("2d", "operand kernel fq_2d (16x16 tiles, round-to-nearest) vs the XLA path's "
        "scaled_data(quantize(x, block_2d=True)), bit for bit")
 def check_2d(ctx: Ctx) -> None:
-    cases = []
-    for shape, kind, x in ctx.operand_inputs():
-        meta = dict(shape=list(shape), input=kind)
-        if not fq.supported_2d(x.shape, x.dtype):
-            cases.append(Case("2d", "RtN", meta, skip=UNSUPPORTED))
-            continue
-        cases.append(_operand_case("2d", "RtN", meta, x, lambda x: fq.fq_2d(x, **ctx.kw),
-                                   block_2d=True))
-    ctx.run(cases)
+    _input_cases(ctx, "2d", [("RtN", lambda x: fq.supported_2d(x.shape, x.dtype),
+                              _operand(lambda x: fq.fq_2d(x, **ctx.kw), block_2d=True))])
 
 
 @check("amax", "the amax passes: cols_amaxes (finite amax of x and of its 16-point RHT along "
@@ -413,39 +412,31 @@ def check_amax(ctx: Ctx) -> None:
                   amax=float(want_p), rht_amax=float(want_r))
         return st | {"ok": all(v for k, v in st.items() if k.endswith("equal"))}
 
-    cases = []
-    for shape, kind, x in ctx.operand_inputs():
-        meta = dict(shape=list(shape), input=kind)
-        if not fq.supported_cols(x.shape, x.dtype):
-            cases.append(Case("amax", "cols_amaxes+rht_cols_amax", meta, skip=UNSUPPORTED))
-            continue
-        cases.append(Case("amax", "cols_amaxes+rht_cols_amax", meta,
-                          {"kernels": (kernels, (x,)), "xla": (xla, (x,))}, judge))
-    ctx.run(cases)
+    _input_cases(ctx, "amax", [("cols_amaxes+rht_cols_amax",
+                                lambda x: fq.supported_cols(x.shape, x.dtype),
+                                lambda x: ({"kernels": (kernels, (x,)), "xla": (xla, (x,))},
+                                           judge))])
 
 
 def _packed_check(ctx: Ctx, name: str, case: str, supported, kernel, reference, tile,
                   numpy_kind=None, numpy_fn=None) -> None:
     """Run ``kernel(x) -> (packed, scale bits, dec)`` against ``reference(x)`` (a
     QuantizedArray) on the operand inputs and on a blocks/tiles input also vs NumPy."""
-    inputs = [(s, k, x, None) for s, k, x in ctx.operand_inputs()]
-    if numpy_fn is not None:
-        shape = NUMPY_INPUT[ctx.size]
-        inputs.append((shape, numpy_kind, ctx.input(shape, numpy_kind), numpy_fn))
-    cases = []
-    for shape, kind, x, np_fn in inputs:
-        meta = dict(shape=list(shape), input=kind)
-        if not supported(x.shape, x.dtype):
-            cases.append(Case(name, case, meta, skip=UNSUPPORTED))
-            continue
-
-        def judge(out, x=x, np_fn=np_fn):
+    def build(x, np_fn=None):
+        def judge(out):
             ref = np_fn(np.asarray(x.astype(F32))) if np_fn is not None else None
             return _packed_case(x, out["kernel"], out["fp4jax"], tile, ref)
 
-        cases.append(Case(name, case, meta, {"kernel": (kernel, (x,)),
-                                             "fp4jax": (reference, (x,))}, judge))
-    ctx.run(cases)
+        return {"kernel": (kernel, (x,)), "fp4jax": (reference, (x,))}, judge
+
+    def ok(x):
+        return supported(x.shape, x.dtype)
+
+    _input_cases(ctx, name, [(case, ok, build)])
+    if numpy_fn is not None:  # every E4M3 scale code, also against the NumPy reference
+        shape = NUMPY_INPUT[ctx.size]
+        _input_cases(ctx, name, [(case, ok, functools.partial(build, np_fn=numpy_fn))],
+                     [(shape, numpy_kind, ctx.input(shape, numpy_kind))])
 
 
 @check("packed", "packed quantize kernel quantize_nvfp4_1x16 (codes + E4M3 scale bits, "
@@ -506,6 +497,7 @@ def check_w4a16(ctx: Ctx) -> None:
     if ctx.gpu_only("w4a16", "the W4A16 kernel cannot run in interpret mode (register-level "
                     "inline_mgpu); tests/test_kernel_w4a16.py lowers it for CUDA"):
         return
+
     def xla(x, q):
         return _hi_dot(x, fp4jax.dequantize(q, F32))
 
