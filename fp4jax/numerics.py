@@ -174,7 +174,7 @@ def div_rn_integer(a: jax.Array, b: jax.Array) -> jax.Array:
     Transformer Engine computes its scales with CUDA's ``1.0f / x``, which is the
     IEEE-exact ``div.rn.f32``. XLA's float32 division on NVIDIA GPUs is not: on an
     H200 with JAX 0.11.2, 13.5% of random reciprocals came out one ulp off
-    (``experiments/results/gpu_numpy_diff.json``), which flips E2M1 rounding ties in
+    (``experiments/results/kernels/gpu_numpy_diff.json``), which flips E2M1 rounding ties in
     about 0.02% of blocks. So the quotient is rebuilt here with integer long
     division of the 24-bit significands (25 quotient bits, then round-half-even on
     the guard bit and the sticky remainder), which every backend computes exactly.
@@ -330,7 +330,7 @@ def uniform_from_key(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     d)``: two words ``(y0, y1)`` (``draws_from_key``). Element (n, k) takes byte ``2 * (n %
     2) + (k % 2)`` (byte 0 = bits 0..7) of word ``y0`` if ``n % 4 < 2`` else ``y1``: rows
     4m..4m+3 and columns 2j, 2j+1 share one draw. In the Hopper kernels
-    (``pallas_kernels/fakequant_nvfp4_sm90.py``) a bf16 word holds two neighbouring
+    (``pallas_kernels/quantize/operand_sm90.py``) a bf16 word holds two neighbouring
     columns and each row is its own register array, both for the 1x16 blocks along rows
     and the 16x1 blocks along columns, so one draw serves the same word of four rows and a
     kernel makes one Threefry draw per eight elements with elementwise code only.

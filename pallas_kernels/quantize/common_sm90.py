@@ -123,7 +123,7 @@ def recip_rn(p, y0=None):
     """Correctly rounded float32 ``1 / p`` for normal ``p > 0`` with a normal quotient.
 
     XLA's (and LLVM's default) float32 division on NVIDIA GPUs may be one ulp off
-    (``experiments/results/gpu_numpy_diff.json``); this rounds like
+    (``experiments/results/kernels/gpu_numpy_diff.json``); this rounds like
     ``fp4jax.numerics.div_rn(1, p)`` and costs ~30 scalar operations per block.
 
     ``p = m * 2^k`` with ``m`` in [1, 2) (exponent bits replaced); ``y = 1 / m`` from the

@@ -173,7 +173,7 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
         return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
 
     ns = nbt // SUB
-    # Defaults from the H200 sweep of run 40 (experiments/results/gpu_run40_tune_rows/):
+    # Defaults from the H200 sweep of run 40 (experiments/results/kernels/gpu_run40_tune_rows/):
     # one 256-block tile per step and 4 double-buffered steps per CTA, "auto" reciprocal:
     # 140.6 us with the amax pass at 8192^2 (86.8% of copy bandwidth) against 159.2 us for
     # two tiles per step and one step per CTA, where the "auto" branch doubles a body of
