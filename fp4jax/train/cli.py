@@ -102,7 +102,7 @@ def enable_compile_cache(path: str | None, data_cache: str | None = None) -> str
 
     Why: XLA compiles an NVFP4 training step far slower than a BF16 one (every quantized
     GEMM adds a few hundred elementwise ops): the ``small`` preset's step took ~165 s on
-    the 16-core H200 machine (``experiments/results/gpu_run10_compile_ab``) against ~9 s
+    the 16-core H200 machine (``experiments/results/training/gpu_run10_compile_ab``) against ~9 s
     for BF16, so a re-run of the same configuration should not pay it again.
     Returns the directory in use, or None.
     """
