@@ -88,7 +88,8 @@ def test_compare_bf16_nvfp4_losses_fall(text, tmp_path, capsys):
     assert f"{gap:+.2f}%" in table
     assert "gap to bf16" in capsys.readouterr().out
     summary = json.loads((out / "compare.json").read_text())
-    assert [s["recipe"] for s in summary] == ["bf16", "nvfp4"]
+    assert [s["recipe"] for s in summary["runs"]] == ["bf16", "nvfp4"]
+    assert summary["baseline"] == "bf16" and summary["summary"][1]["std"] == 0.0
 
 
 def test_resume_is_exact_and_refuses_changed_config(text, tmp_path):
@@ -174,9 +175,9 @@ def test_nan_stops_and_keeps_last_good_checkpoint(text, tmp_path, monkeypatch, c
     def poisoned(*args, **kwargs):
         step = real(*args, **kwargs)
 
-        def wrapped(state, batch):
+        def wrapped(state, batch, *key):
             s = int(state["step"])
-            new, m = step(state, batch)
+            new, m = step(state, batch, *key)
             return new, (dict(m, loss=m["loss"] * np.nan) if s >= 4 else m)
 
         return wrapped

@@ -199,9 +199,9 @@ def _poison_last_update(monkeypatch, at):
     def poisoned(*args, **kwargs):
         step = real(*args, **kwargs)
 
-        def wrapped(state, batch):
+        def wrapped(state, batch, *key):
             s = int(state["step"])
-            new, m = step(state, batch)
+            new, m = step(state, batch, *key)
             if s == at:
                 new = dict(new, params=jax.tree.map(lambda x: x * np.nan, new["params"]))
             return new, m
@@ -317,9 +317,9 @@ def test_keep_checkpoints(base, tmp_path, monkeypatch):
     def poisoned(*args, **kwargs):
         step = real(*args, **kwargs)
 
-        def wrapped(state, batch):
+        def wrapped(state, batch, *key):
             s = int(state["step"])
-            new, m = step(state, batch)
+            new, m = step(state, batch, *key)
             return new, (dict(m, loss=m["loss"] * np.nan) if s >= 4 else m)
 
         return wrapped

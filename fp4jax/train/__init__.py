@@ -10,8 +10,12 @@ checkpoint exactly (batches and stochastic-rounding keys are pure functions of s
 ``metrics.jsonl``), e.g. to get past a divergence. Checkpoint ``N`` holds the state before
 step ``N`` (steps are 0-based), so it is known good once step ``N`` gave a finite loss; a
 checkpoint whose step diverges is deleted.
-``--compare`` trains each recipe on the same data and seed into ``OUT/<recipe>/`` and writes
-``OUT/compare.png``, ``OUT/compare.md`` and ``OUT/compare.json``.
+``--compare`` trains each recipe (a name or a spec such as ``nvfp4(sr=False, rht=0)``) on the
+same data and seed into ``OUT/<slug>/`` and writes ``OUT/compare.png``, ``OUT/compare.md`` and
+``OUT/compare.json``; with ``--seeds 0,1,2`` every spec trains with every seed (the same batch
+order per seed, one compiled step per spec) into ``OUT/<slug>/seed<s>/``, and the outputs give
+mean ± std over seeds and the gap to the first spec; a repeated sweep skips finished runs and
+resumes cut-off ones.
 
 What is guaranteed:
 
@@ -42,7 +46,17 @@ public name is re-exported here: ``from fp4jax import train as T; T.train(T.Trai
 
 from fp4jax.train.checkpoint import CheckpointDamaged, Checkpointer, config_diff, state_checksum
 from fp4jax.train.cli import build_parser, enable_compile_cache, main
-from fp4jax.train.comparison import compare, comparison_table, plot_losses
+from fp4jax.train.comparison import (
+    compare,
+    comparison_table,
+    parse_seeds,
+    plot_losses,
+    plot_sweep,
+    slug,
+    spec_slugs,
+    summarize,
+    summary_table,
+)
 from fp4jax.train.config import (
     OVERRIDABLE_KEYS,
     RESUMABLE_KEYS,
@@ -55,6 +69,7 @@ from fp4jax.train.config import (
     make_policy,
     make_schedule,
     model_config,
+    split_specs,
     switched_recipe,
     validate_config,
 )
@@ -83,6 +98,13 @@ __all__ = [
     "build_parser",
     "check_out",
     "compare",
+    "parse_seeds",
+    "plot_sweep",
+    "slug",
+    "spec_slugs",
+    "split_specs",
+    "summarize",
+    "summary_table",
     "comparison_table",
     "config_diff",
     "enable_compile_cache",

@@ -8,6 +8,7 @@ The ``fp4jax-train`` command (also ``python -m fp4jax.train``): its argument par
     fp4jax-train --recipe nvfp4 --preset small --steps 2000 --out runs/nvfp4
     fp4jax-train --recipe nvfp4 --switch-at 0.8 --switch fwd   # BF16 forward for the last 20%
     fp4jax-train --data my_corpus/ --compare bf16,nvfp4,mxfp4
+    fp4jax-train --compare "bf16,nvfp4,nvfp4(sr=False, rht=0)" --seeds 0,1,2 --out runs/abl
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jax
 
 import fp4jax.recipes
 from fp4jax.models.llama import PRESETS
-from fp4jax.train.comparison import compare
+from fp4jax.train.comparison import compare, parse_seeds
 from fp4jax.train.config import (
     OVERRIDABLE_KEYS,
     SCHEDULES,
@@ -42,8 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("--preset", default=d.preset, help=f"model size: {sorted(PRESETS)}")
-    a("--recipe", default=d.recipe, help=f"fp4jax recipe: {fp4jax.recipes.names()}")
-    a("--compare", default=None, help="comma-separated recipes to train and compare")
+    a("--recipe", default=d.recipe,
+      help=f"fp4jax recipe, a name ({', '.join(fp4jax.recipes.names())}) or a spec such as "
+           "'nvfp4(sr=False, rht=0)'")
+    a("--compare", default=None,
+      help="comma-separated recipe names or specs to train and compare (commas inside "
+           "parentheses belong to a spec); the first is the baseline")
+    a("--seeds", default=None,
+      help="comma-separated seeds (e.g. 0,1,2): train every --compare spec (or --recipe) with "
+           "every seed into OUT/<spec>/seed<s>/ and report mean ± std; a repeated command "
+           "skips finished runs and resumes cut-off ones (default: the one --seed)")
     a("--ffn", default=None, choices=["relu2", "swiglu"], help="override the preset's FFN")
     a("--dtype", default=None, help="compute dtype override (bfloat16, float32)")
     a("--data", default=None,
@@ -142,15 +151,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "$FP4JAX_CACHE/xla or ~/.cache/fp4jax/xla; 'off': none)")
     args = vars(p.parse_args(argv))
     compile_cache = args.pop("compile_cache")
+    seeds_arg = args.pop("seeds")
     try:  # every value checked in one place (TrainConfig), then the output directory
         cfg = TrainConfig(**args)
         check_out(cfg.out)
     except ConfigError as e:
         p.error(f"argument {e.flag}: {e.reason}")
+    seeds = None
+    if seeds_arg is not None:
+        try:
+            seeds = parse_seeds(seeds_arg)
+        except ValueError as e:
+            p.error(f"argument --seeds: {e}")
     enable_compile_cache(compile_cache, args.get("cache_dir"))
     try:
         if cfg.compare:
-            compare(cfg, compare_names(cfg.compare))
+            compare(cfg, compare_names(cfg.compare), seeds)
+        elif seeds is not None:
+            compare(cfg, [cfg.recipe], seeds)
         else:
             r = train(cfg)
             print(json.dumps({k: v for k, v in r.items() if k != "history"}))

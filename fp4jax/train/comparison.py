@@ -1,13 +1,20 @@
-"""Comparing recipes: ``compare`` trains each recipe on the same data and seed and writes
-``compare.md``, ``compare.json`` and ``compare.png``; ``comparison_table`` (the markdown table
-of final losses and gaps to BF16) and ``plot_losses`` (the loss curves; matplotlib is optional
-and imported on first use) also work on results loaded from ``result.json`` files.
+"""Comparing recipes: ``compare`` trains each recipe spec (``nvfp4``, ``nvfp4(sr=False,
+rht=0)``) with each seed on the same data and writes ``compare.md``, ``compare.json`` and
+``compare.png`` (mean and spread over seeds, gaps to the first spec, the baseline);
+``comparison_table`` (the markdown table of final losses and gaps to BF16) and ``plot_losses``
+(the loss curves; matplotlib is optional and imported on first use) also work on results
+loaded from ``result.json`` files. ``split_specs``, ``spec_slugs`` and ``parse_seeds`` turn
+the ``--compare``/``--seeds`` strings into specs, directory names and seeds; ``summarize``,
+``summary_table`` and ``plot_sweep`` aggregate the runs of a sweep.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import math
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,53 +23,319 @@ import numpy as np
 
 import fp4jax.recipes
 from fp4jax.data import ByteDataset
-from fp4jax.train.config import TrainConfig, validate_config
+from fp4jax.train.checkpoint import config_diff
+from fp4jax.train.config import TrainConfig, split_specs, validate_config
 from fp4jax.train.loop import train
 from fp4jax.train.rundir import RunExists, check_out, refusal, run_contents
 
+__all__ = ["compare", "comparison_table", "parse_seeds", "plot_losses", "plot_sweep", "slug",
+           "spec_slugs", "split_specs", "summarize", "summary_table"]
 
-def compare(cfg: TrainConfig, recipes: Sequence[str]) -> list[dict]:
-    """Trains each recipe on the same data and seed into ``OUT/<recipe>/``; writes the plot
-    and the table (``compare.*``, regenerated from the runs' results).
+SWEEP_FILE = "sweep.json"  # marks OUT as written by compare(): a repeated sweep continues
 
-    Every sub-run is checked before anything trains: without ``resume`` one that holds a run
-    is refused (``RunExists``) unless ``overwrite`` (then each is moved aside by ``train``);
-    with ``resume`` each sub-run resumes, and one that never started starts afresh.
+
+def slug(spec: str) -> str:
+    """A filesystem-safe directory name for a recipe spec: blanks dropped, ``=`` as ``-``,
+    parentheses and commas as ``_``, other characters outside ``[A-Za-z0-9._+-]`` dropped
+    (``nvfp4(sr=False, rht=0)`` -> ``nvfp4_sr-False_rht-0``; a name is its own slug); over 80
+    characters, cut and suffixed with a hash of the spec."""
+    s = re.sub(r"\s+", "", spec).replace("=", "-")
+    s = re.sub(r"[(),\[\]]+", "_", s)
+    s = re.sub(r"[^A-Za-z0-9._+-]+", "", s).strip("._-") or "recipe"
+    if len(s) > 80:
+        s = s[:71] + "-" + hashlib.sha1(spec.encode()).hexdigest()[:8]
+    return s
+
+
+def spec_slugs(specs: Sequence[str]) -> dict[str, str]:
+    """``{spec: slug}``, unique: specs whose slugs collide get a hash of the spec appended."""
+    plain = {sp: slug(sp) for sp in specs}
+    taken = list(plain.values())
+    return {sp: f"{sl}-{hashlib.sha1(sp.encode()).hexdigest()[:8]}"
+            if taken.count(sl) > 1 or sl.lower() in ("compare", "sweep") else sl
+            for sp, sl in plain.items()}
+
+
+def parse_seeds(text: str | Sequence[int]) -> list[int]:
+    """The seeds of ``--seeds 0,1,2`` (distinct integers, at least one).
+
+    Raises:
+      ValueError: not comma-separated integers, none, or one given twice.
+    """
+    if isinstance(text, str):
+        try:
+            seeds = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"must be comma-separated integers, e.g. 0,1,2; got {text!r}") \
+                from None
+    else:
+        seeds = [int(x) for x in text]
+    if not seeds:
+        raise ValueError(f"names no seed (got {text!r})")
+    twice = sorted({x for x in seeds if seeds.count(x) > 1})
+    if twice:
+        raise ValueError(f"names seed {', '.join(map(str, twice))} more than once")
+    return seeds
+
+
+def _note(msg: str) -> None:
+    print(f"fp4jax-train: {msg}", file=sys.stderr, flush=True)
+
+
+def _recorded_config(out: Path) -> dict | None:
+    """The config a run in ``out`` recorded: its ``result.json``'s, else its newest
+    checkpoint's; None when it recorded none."""
+    try:
+        cfg = json.loads((out / "result.json").read_text()).get("config")
+        if cfg is not None:
+            return cfg
+    except (OSError, ValueError):
+        pass
+    ckdir = out / "checkpoints"
+    if not ckdir.is_dir() or not any(p.name.isdigit() for p in ckdir.iterdir()):
+        return None
+    try:
+        from fp4jax.train.checkpoint import Checkpointer
+
+        ck = Checkpointer(ckdir)
+        try:
+            steps = ck.all_steps()
+            return ck.meta(steps[-1])["config"] if steps else None
+        finally:
+            ck.close()
+    except Exception:  # noqa: BLE001 - an unreadable checkpoint: nothing recorded
+        return None
+
+
+def _plan(sub: TrainConfig) -> tuple[str, TrainConfig, dict | None]:
+    """What a repeated sweep does with the sub-run ``sub`` (its ``out`` holds a run):
+    ``("skip", sub, result)`` for a finished (or diverged) run, ``("resume", ...)`` for a
+    cut-off one with a checkpoint, ``("restart", ...)`` for one killed before its first
+    checkpoint (moved aside, nothing deleted).
+
+    Raises:
+      RunExists: its recorded config differs from ``sub`` (outside ``RESUMABLE_KEYS``).
+    """
+    out = Path(sub.out)
+    found = run_contents(out)
+    recorded = _recorded_config(out)
+    if recorded is not None:
+        diff = config_diff(recorded, dataclasses.asdict(sub))
+        if diff:
+            raise RunExists(refusal(out, found) + "; its config differs from this sweep's: "
+                            + "; ".join(diff))
+    try:
+        res = json.loads((out / "result.json").read_text())
+    except (OSError, ValueError):
+        res = None
+    if res is not None and res.get("status") in ("finished", "diverged"):
+        return "skip", sub, res
+    if any(f.startswith("checkpoints") for f in found):
+        return "resume", sub.replace(resume=True, resume_override=None), None
+    return "restart", sub.replace(overwrite=True), None
+
+
+def compare(cfg: TrainConfig, recipes: Sequence[str],
+            seeds: Sequence[int] | None = None) -> list[dict]:
+    """Trains each recipe spec with each seed (default: ``cfg.seed``) on the same data, and
+    the same batch order per seed, into ``OUT/<slug>/`` (one seed) or ``OUT/<slug>/seed<s>/``
+    (several); writes ``compare.md``, ``compare.json`` and ``compare.png`` (``summarize``,
+    ``summary_table``, ``plot_sweep``/``plot_losses``), the first spec being the baseline.
+    Returns the runs' results, spec by spec, seed by seed.
+
+    Every sub-run is checked before anything trains: with ``resume`` each sub-run resumes
+    (one that never started starts afresh); with ``overwrite`` each is moved aside by
+    ``train``. Otherwise a sub-run that holds a run is refused (``RunExists``), except when
+    ``OUT`` holds an earlier sweep (``OUT/sweep.json``): then a repeated sweep continues:
+    finished (and diverged) sub-runs are skipped, cut-off ones resumed from their checkpoint,
+    ones killed before their first checkpoint moved aside and restarted, each said on stderr;
+    a sub-run whose recorded config differs from the requested one is still refused.
     """
     if not recipes:
         raise ValueError("compare: no recipe names given")
-    for r in recipes:  # validate every name before training anything
-        fp4jax.recipes.get(r)
+    for r in recipes:  # validate every spec before training anything
+        fp4jax.recipes.parse(r)
+    seeds = [cfg.seed] if seeds is None else parse_seeds(seeds)
     validate_config(cfg)
     check_out(cfg.out)
     out = Path(cfg.out)
-    subs = {r: cfg.replace(recipe=r, out=str(out / r), compare=None) for r in recipes}
+    slugs = spec_slugs(recipes)
+    subs: dict[tuple[str, int], TrainConfig] = {}
+    for r in recipes:
+        for s in seeds:
+            d = out / slugs[r] if len(seeds) == 1 else out / slugs[r] / f"seed{s}"
+            subs[r, s] = cfg.replace(recipe=r, seed=s, out=str(d), compare=None)
+    done: dict[tuple[str, int], dict] = {}
     if cfg.resume:
-        for r, sub in subs.items():
+        for k, sub in subs.items():
             if not run_contents(sub.out):
-                print(f"fp4jax-train: --resume: {sub.out} holds no run yet: {r} starts afresh",
-                      file=sys.stderr, flush=True)
-                subs[r] = sub.replace(resume=False, resume_override=None)
+                _note(f"--resume: {sub.out} holds no run yet: {k[0]} (seed {k[1]}) starts afresh")
+                subs[k] = sub.replace(resume=False, resume_override=None)
     elif not cfg.overwrite:
-        taken = {r: run_contents(sub.out) for r, sub in subs.items()}
-        taken = {r: found for r, found in taken.items() if found}
-        if taken:
+        taken = {k: found for k, sub in subs.items() if (found := run_contents(sub.out))}
+        if taken and (out / SWEEP_FILE).is_file():
+            for k in taken:
+                action, subs[k], res = _plan(subs[k])
+                if action == "skip":
+                    done[k] = res
+                    _note(f"sweep: {subs[k].out}: {res['status']}: skipped")
+                elif action == "resume":
+                    _note(f"sweep: {subs[k].out}: cut off: resuming from its checkpoint")
+                else:
+                    _note(f"sweep: {subs[k].out}: no checkpoint: moving it aside, restarting")
+        elif taken:
             first = next(iter(taken))
             raise RunExists(refusal(subs[first].out, taken[first])
-                            + (f" (also: {', '.join(subs[r].out for r in list(taken)[1:])})"
+                            + (f" (also: {', '.join(subs[k].out for k in list(taken)[1:])})"
                                if len(taken) > 1 else ""))
-    ds = ByteDataset.load(cfg.data, cfg.seq_len, cfg.val_fraction, cfg.cache_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / SWEEP_FILE).write_text(json.dumps(
+        {"specs": list(recipes), "seeds": seeds, "dirs": {r: slugs[r] for r in recipes},
+         "config": {k: v for k, v in dataclasses.asdict(cfg).items()
+                    if k not in ("recipe", "seed")}},
+        indent=1))
+    todo = [k for k in subs if k not in done]
+    ds = ByteDataset.load(cfg.data, cfg.seq_len, cfg.val_fraction, cfg.cache_dir) if todo \
+        else None
     results = []
-    for r in recipes:
-        results.append(train(subs[r], ds))
-    table = comparison_table(results)
+    for k, sub in subs.items():
+        results.append(done[k] if k in done else train(sub, ds))
+    for k, r in zip(subs, results, strict=True):  # older result.json files lack these
+        r.setdefault("spec", k[0])
+        r.setdefault("seed", k[1])
+        r["out"] = subs[k].out
+    agg = summarize(results, baseline=recipes[0])
+    table = summary_table(agg) + "\n\nPer run:\n\n" + comparison_table(results)
     (out / "compare.md").write_text(table + "\n")
-    (out / "compare.json").write_text(json.dumps(
-        [{k: v for k, v in r.items() if k != "history"} for r in results], indent=1))
-    plot_path = plot_losses(results, out / "compare.png")
+    (out / "compare.json").write_text(json.dumps(agg, indent=1))
+    if len(seeds) > 1:
+        plot_path = plot_sweep(results, out / "compare.png", baseline=recipes[0])
+    else:
+        plot_path = plot_losses(results, out / "compare.png")
     print(table)
-    print(f"wrote {out / 'compare.md'}" + (f", {plot_path}" if plot_path else ""))
+    print(f"wrote {out / 'compare.md'}, {out / 'compare.json'}"
+          + (f", {plot_path}" if plot_path else ""))
     return results
+
+
+def _final(r: dict) -> float | None:
+    v = r.get("final_val_loss")
+    return None if v is None or not math.isfinite(v) else float(v)
+
+
+def summarize(results: Sequence[dict], baseline: str | None = None) -> dict:
+    """``compare.json``: ``{"runs": [...], "summary": [...], "baseline": SPEC, "rule": ...}``.
+
+    ``runs``: spec (``recipe``), seed, final validation loss, tokens/s, directory, status.
+    ``summary`` per spec (first-seen order): its seeds, ``n`` (runs with a final validation
+    loss), ``mean``, ``std`` (sample std, ddof=1; 0 for one run), ``min``, ``max``,
+    ``gap_vs_baseline`` ((mean - base mean) / base mean) and ``gap_exceeds_spread``:
+    |mean - base mean| > max(std, base std), None when either has fewer than two runs (no
+    spread to compare with) or a mean is missing. ``baseline`` defaults to the first spec.
+    """
+    runs = [{"recipe": r.get("spec") or r["recipe"], "seed": r.get("seed"),
+             "final_val_loss": r.get("final_val_loss"), "tokens_per_s": r.get("tokens_per_s"),
+             "out": r.get("out"), "status": r.get("status")} for r in results]
+    specs = list(dict.fromkeys(x["recipe"] for x in runs))
+    baseline = specs[0] if baseline is None else baseline
+    summary = []
+    for sp in specs:
+        mine = [x for x in runs if x["recipe"] == sp]
+        vals = [v for x in mine if (v := _final(x)) is not None]
+        tps = [x["tokens_per_s"] for x in mine if x["tokens_per_s"]]
+        summary.append({
+            "recipe": sp, "seeds": [x["seed"] for x in mine], "n": len(vals),
+            "mean": float(np.mean(vals)) if vals else None,
+            "std": (float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0) if vals else None,
+            "min": min(vals) if vals else None, "max": max(vals) if vals else None,
+            "tokens_per_s": float(np.mean(tps)) if tps else None,
+            "statuses": sorted({x["status"] for x in mine if x["status"]}),
+        })
+    base = next((x for x in summary if x["recipe"] == baseline), None)
+    for x in summary:
+        ok = base is not None and base["mean"] is not None and x["mean"] is not None
+        x["gap_vs_baseline"] = (x["mean"] - base["mean"]) / base["mean"] if ok else None
+        x["gap_exceeds_spread"] = (
+            abs(x["mean"] - base["mean"]) > max(x["std"], base["std"])
+            if ok and x["n"] > 1 and base["n"] > 1 else None)
+    return {"runs": runs, "summary": summary, "baseline": baseline,
+            "rule": "gap_exceeds_spread: |mean - baseline mean| > max(std, baseline std), "
+                    "sample stds over seeds (ddof=1); null with fewer than 2 seeds"}
+
+
+def summary_table(agg: dict) -> str:
+    """The markdown table of ``summarize``'s output, with its caption."""
+    def f(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.4f}"
+
+    lines = [f"Final validation loss over seeds (mean ± sample std); gap: relative gap of the "
+             f"means to the baseline {agg['baseline']}; exceeds spread: |mean difference| > "
+             "the larger of the two stds (n/a with fewer than 2 seeds).", "",
+             "| recipe | seeds | val loss (mean ± std) | min – max | gap vs baseline | "
+             "exceeds spread | tokens/s |", "|---|---|---|---|---|---|---|"]
+    for x in agg["summary"]:
+        gap = "n/a" if x["gap_vs_baseline"] is None else f"{100 * x['gap_vs_baseline']:+.2f}%"
+        ex = {None: "n/a", True: "yes", False: "no"}[x["gap_exceeds_spread"]]
+        tps = "n/a" if not x["tokens_per_s"] else f"{x['tokens_per_s']:,.0f}"
+        mean = "n/a" if x["mean"] is None else f"{x['mean']:.4f} ± {x['std']:.4f}"
+        lines.append(f"| {x['recipe']} | {','.join(map(str, x['seeds']))} (n={x['n']}) | {mean} "
+                     f"| {f(x['min'])} – {f(x['max'])} | {gap} | {ex} | {tps} |")
+    return "\n".join(lines)
+
+
+def plot_sweep(results: Sequence[dict], path: Path, baseline: str | None = None) -> Path | None:
+    """Mean training (EMA) and validation loss curves per spec over its seeds, with a
+    min–max band, as a PNG (matplotlib optional)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'fp4jax[train]')",
+              file=sys.stderr)
+        return None
+    specs = list(dict.fromkeys(r.get("spec") or r["recipe"] for r in results))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    lo = np.inf
+    for sp in specs:
+        mine = [r for r in results if (r.get("spec") or r["recipe"]) == sp]
+        for ax, xs, ys in ((ax1, "step", "loss"), (ax2, "val_step", "val_loss")):
+            n = min(len(r["history"][ys]) for r in mine)
+            if not n:
+                continue
+            x = mine[0]["history"][xs][:n]
+            y = np.array([_ema(r["history"][ys][:n]) if ys == "loss" else r["history"][ys][:n]
+                          for r in mine])
+            line, = ax.plot(x, y.mean(0), label=f"{sp} (n={len(mine)})",
+                            marker="o" if ys == "val_loss" else None, ms=3)
+            ax.fill_between(x, y.min(0), y.max(0), color=line.get_color(), alpha=0.2)
+            if ys == "val_loss":
+                lo = min(lo, float(y.min()))
+    ax1.set(xlabel="step", ylabel="train loss (EMA 0.9, nats/byte)",
+            title="training loss: mean, min–max over seeds")
+    ax2.set(xlabel="step", ylabel="val loss (nats/byte)",
+            title="validation loss: mean, min–max over seeds")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        if math.isfinite(lo):
+            ax.set_ylim(bottom=max(0.0, lo - 0.3), top=lo + 2.5)
+    r0 = results[0]
+    fig.suptitle(f"{r0['preset']} preset, {r0['params'] / 1e6:.2f}M params, "
+                 f"{r0['devices']}x {r0['device_kind']}; baseline {baseline or specs[0]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _ema(xs: Sequence[float]) -> np.ndarray:
+    out, e = [], None
+    for x in xs:
+        e = x if e is None else 0.9 * e + 0.1 * x
+        out.append(e)
+    return np.array(out)
 
 
 def comparison_table(results: Sequence[dict]) -> str:
@@ -81,15 +354,23 @@ def comparison_table(results: Sequence[dict]) -> str:
     def fmt(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.4f}"
 
-    base = next((val(r) for r in results if r["recipe"] == "bf16"), (None, None, ""))
+    seeds = {r.get("seed") for r in results}
+    base = {}
+    for r in results:  # the BF16 run of the same seed (or of any seed, when none has one)
+        if r["recipe"] == "bf16":
+            base.setdefault(r.get("seed"), val(r))
+            base.setdefault("any", val(r))
     lines = ["| recipe | final val loss | gap to bf16 | final train loss | tokens/s | policy |",
              "|---|---|---|---|---|---|"]
     for r in results:
         v, s, shown = val(r)
-        gap = (f"{100 * (v - base[0]) / base[0]:+.2f}%"
-               if base[0] and v is not None and s == base[1] else "n/a")
+        b = base.get(r.get("seed"), base.get("any", (None, None, "")))
+        gap = (f"{100 * (v - b[0]) / b[0]:+.2f}%"
+               if b[0] and v is not None and s == b[1] else "n/a")
+        label = r.get("spec") or r["recipe"]
+        label += f" [seed {r.get('seed')}]" if len(seeds) > 1 else ""
         tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a"
-        lines.append(f"| {r['recipe']} | {shown} | {gap} | {fmt(r['final_train_loss'])} | {tps} "
+        lines.append(f"| {label} | {shown} | {gap} | {fmt(r['final_train_loss'])} | {tps} "
                      f"| {r['policy']} |")
     return "\n".join(lines)
 
@@ -119,14 +400,15 @@ def plot_losses(results: Sequence[dict], path: Path) -> Path | None:
 
     for r in results:
         h = r["history"]
-        ax1.plot(h["step"], ema(h["loss"]), label=r["recipe"])
+        label = r.get("spec") or r["recipe"]
+        ax1.plot(h["step"], ema(h["loss"]), label=label)
         v = r.get("final_val_loss")
         v = r.get("last_val_loss") if v is None else v
         ax2.plot(h["val_step"], h["val_loss"], marker="o", ms=3,
-                 label=f"{r['recipe']} ({'n/a' if v is None else f'{v:.4f}'})")
+                 label=f"{label} ({'n/a' if v is None else f'{v:.4f}'})")
         if ncols == 3 and r is not base and h["step"] == base["history"]["step"]:
             gap = 100 * (ema(h["loss"]) / ema(base["history"]["loss"]) - 1)
-            axes[2].plot(h["step"], gap, label=r["recipe"])
+            axes[2].plot(h["step"], gap, label=label)
     ax1.set(xlabel="step", ylabel="train loss (EMA 0.9, nats/byte)", title="training loss")
     ax2.set(xlabel="step", ylabel="val loss (nats/byte)", title="validation loss")
     if ncols == 3:

@@ -100,9 +100,20 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
+def split_specs(text: str | None) -> list[str]:
+    """The recipe specs of a ``--compare`` list: split at commas outside parentheses, brackets
+    and quotes, blanks dropped (``"nvfp4,nvfp4(sr=False, rht=0),bf16"`` gives three specs).
+
+    Raises:
+      ValueError: unbalanced parentheses.
+    """
+    text = text or ""
+    return [x.strip() for x in fp4jax.recipes._split_top(text, text) if x.strip()]
+
+
 def compare_names(spec: str | None) -> list[str]:
-    """The recipe names of a ``--compare`` list (comma-separated, blanks dropped)."""
-    return [x.strip() for x in (spec or "").split(",") if x.strip()]
+    """The recipe specs of a ``--compare`` list (``split_specs``)."""
+    return split_specs(spec)
 
 
 def override_keys(spec: str | None) -> list[str]:
@@ -174,8 +185,10 @@ def validate_config(cfg: TrainConfig) -> None:
         get_preset(cfg.preset)
     except ValueError as e:
         raise ConfigError("preset", str(e)) from None
+    if not isinstance(cfg.recipe, str) or not cfg.recipe.strip():
+        raise ConfigError("recipe", f"must be a recipe name or spec, got {cfg.recipe!r}")
     try:
-        fp4jax.recipes.get(cfg.recipe)
+        fp4jax.recipes.parse(cfg.recipe)
     except ValueError as e:
         raise ConfigError("recipe", str(e)) from None
     if cfg.ffn is not None and cfg.ffn not in ("relu2", "swiglu"):
@@ -201,16 +214,20 @@ def validate_config(cfg: TrainConfig) -> None:
         if v is not None and (not isinstance(v, str | os.PathLike) or not str(v).strip()):
             raise ConfigError(field, f"must be a path (or left out), got {v!r}")
     if cfg.compare is not None:
-        names = compare_names(cfg.compare)
+        try:
+            names = compare_names(cfg.compare)
+        except ValueError as e:
+            raise ConfigError("compare", str(e)) from None
         if not names:
             raise ConfigError("compare", f"names no recipe (got {cfg.compare!r}); give "
-                              "comma-separated names, e.g. bf16,nvfp4")
+                              "comma-separated names or specs, e.g. bf16,nvfp4(sr=False)")
         for name in names:
             try:
-                fp4jax.recipes.get(name)
+                fp4jax.recipes.parse(name)
             except ValueError as e:
                 raise ConfigError("compare", str(e)) from None
-        twice = sorted({n for n in names if names.count(n) > 1})
+        canon = [fp4jax.recipes.spec(fp4jax.recipes.parse(n)) for n in names]
+        twice = sorted({n for n, c in zip(names, canon, strict=True) if canon.count(c) > 1})
         if twice:
             raise ConfigError("compare", f"names {', '.join(twice)} more than once")
     keys = override_keys(cfg.resume_override)

@@ -82,25 +82,41 @@ def _global_norm(tree: Any) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
-def make_init_state(model: Llama, tx: optax.GradientTransformation,
-                    cfg: TrainConfig) -> Callable[[], dict]:
-    """``init() -> {"step", "params", "opt_state"}``: parameters from ``fold_in(seed, 0)``."""
+# Times each step function was traced (once per compilation): {"init", "train", "eval"}.
+TRACE_COUNTS: dict[str, int] = {"init": 0, "train": 0, "eval": 0}
 
-    def init_state():
+
+def _traced(kind: str) -> None:
+    TRACE_COUNTS[kind] += 1
+
+
+def make_init_state(model: Llama, tx: optax.GradientTransformation,
+                    cfg: TrainConfig) -> Callable[..., dict]:
+    """``init(root=None) -> {"step", "params", "opt_state"}``: parameters from
+    ``fold_in(root, 0)``, ``root`` defaulting to ``jax.random.key(cfg.seed)``; ``train`` passes
+    the root key, so the seed is data and one compilation serves every seed."""
+
+    def init_state(root=None):
+        _traced("init")
+        root = jax.random.key(cfg.seed) if root is None else root
         x0 = jnp.zeros((1, cfg.seq_len), jnp.int32)
-        params = model.init(jax.random.fold_in(jax.random.key(cfg.seed), 0), x0)["params"]
+        params = model.init(jax.random.fold_in(root, 0), x0)["params"]
         return {"step": jnp.zeros((), jnp.int32), "params": params,
                 "opt_state": tx.init(params)}
 
     return init_state
 
 
-def make_train_step(model: Llama, tx: optax.GradientTransformation, base_key: jax.Array,
-                    mesh: Mesh) -> Callable:
-    """A jit-compiled ``step(state, batch) -> (state, metrics)``; state stays replicated."""
+def make_train_step(model: Llama, tx: optax.GradientTransformation,
+                    base_key: jax.Array | None, mesh: Mesh) -> Callable:
+    """A jit-compiled ``step(state, batch) -> (state, metrics)``; state stays replicated. The
+    stochastic-rounding key of step ``s`` is ``fold_in(base_key, s)``. With ``base_key=None``
+    (what ``train`` uses) the key is an argument, ``step(state, batch, base_key)``, so one
+    compilation serves every seed."""
 
-    def step(state, batch):
-        key = jax.random.fold_in(base_key, state["step"])
+    def step(state, batch, key_arg=None):
+        _traced("train")
+        key = jax.random.fold_in(base_key if key_arg is None else key_arg, state["step"])
         loss, grads = jax.value_and_grad(lambda p: loss_fn(model, p, batch, key))(state["params"])
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
@@ -111,11 +127,43 @@ def make_train_step(model: Llama, tx: optax.GradientTransformation, base_key: ja
     return jax.jit(step, out_shardings=(repl, repl), donate_argnums=0)
 
 
-def make_eval_step(model: Llama, base_key: jax.Array, mesh: Mesh) -> Callable:
-    """A jit-compiled ``eval(params, batch) -> mean loss``."""
-    key = jax.random.fold_in(base_key, 2**31 - 1)
-    return jax.jit(lambda p, b: loss_fn(model, p, b, key),
-                   out_shardings=NamedSharding(mesh, P()))
+def make_eval_step(model: Llama, base_key: jax.Array | None, mesh: Mesh) -> Callable:
+    """A jit-compiled ``eval(params, batch) -> mean loss`` (``base_key=None``: ``eval(params,
+    batch, base_key)``, as for ``make_train_step``)."""
+
+    def ev(p, b, key_arg=None):
+        _traced("eval")
+        k = base_key if key_arg is None else key_arg
+        return loss_fn(model, p, b, jax.random.fold_in(k, 2**31 - 1))
+
+    return jax.jit(ev, out_shardings=NamedSharding(mesh, P()))
+
+
+# Config keys that leave the compiled init/train/eval functions unchanged (the seed enters as
+# a key argument); runs whose other keys agree share them (``_step_fns``).
+_NOT_COMPILED = frozenset({"seed", "out", "resume", "stop_at", "progress", "cache_dir",
+                           "checkpoint_every", "log_every", "compare", "resume_override",
+                           "overwrite", "keep_checkpoints", "data", "val_fraction",
+                           "eval_every", "eval_batches", "switch_at"})
+_STEP_CACHE: dict[tuple, dict] = {}
+_STEP_CACHE_SIZE = 4
+
+
+def _step_fns(cfg: TrainConfig, mesh: Mesh, build: Callable[[], dict]) -> dict:
+    """The jitted functions of ``cfg`` (``build()`` on a miss), shared by runs that differ only
+    in keys of ``_NOT_COMPILED`` (e.g. the seeds of a sweep); the newest few are kept."""
+    # the builders as looked up now: a monkeypatched one (tests) gets its own entry
+    key = (tuple(sorted((k, repr(v)) for k, v in dataclasses.asdict(cfg).items()
+                        if k not in _NOT_COMPILED)),
+           tuple(d.id for d in mesh.devices.flat),
+           tuple(id(f) for f in (make_init_state, make_train_step, make_eval_step)))
+    if key in _STEP_CACHE:
+        _STEP_CACHE[key] = _STEP_CACHE.pop(key)  # most recently used last
+    else:
+        _STEP_CACHE[key] = build()
+        while len(_STEP_CACHE) > _STEP_CACHE_SIZE:
+            _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
+    return _STEP_CACHE[key]
 
 
 
@@ -222,7 +270,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     out = Path(cfg.out)
     if not cfg.resume:
         claim_out(cfg, dry_run=True)  # refuse before loading data and compiling
-    recipe = fp4jax.recipes.get(cfg.recipe)
+    recipe = fp4jax.recipes.parse(cfg.recipe)
     overrides = override_keys(cfg.resume_override)
     mc = model_config(cfg)
     mesh = make_mesh(cfg.devices)
@@ -246,7 +294,13 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     sr_key = jax.random.fold_in(root, 1)
     repl, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 
-    state = jax.jit(make_init_state(model, tx, cfg), out_shardings=repl)()
+    fns = _step_fns(cfg, mesh, lambda: {
+        "init": jax.jit(make_init_state(model, tx, cfg), out_shardings=repl),
+        "train": {False: make_train_step(model, tx, None, mesh),
+                  True: make_train_step(model2, tx, None, mesh)},
+        "eval": {False: make_eval_step(model, None, mesh),
+                 True: make_eval_step(model2, None, mesh)}})
+    state = fns["init"](root)
     n_params = sum(int(x.size) for x in jax.tree.leaves(state["params"]))
     cfg_dict = dataclasses.asdict(cfg)
     data_sha = ds.fingerprint()
@@ -280,10 +334,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         _truncate_metrics(metrics_path, start)
     end = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
 
-    steps_fn = {False: make_train_step(model, tx, sr_key, mesh),
-                True: make_train_step(model2, tx, sr_key, mesh)}
-    evals_fn = {False: make_eval_step(model, sr_key, mesh),
-                True: make_eval_step(model2, sr_key, mesh)}
+    steps_fn, evals_fn = fns["train"], fns["eval"]
     val_np = ds.val_batches(cfg.eval_batches, cfg.batch_size)
     val = [jax.device_put(b, data_sharding) for b in val_np]
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -352,7 +403,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     def evaluate(s: int) -> float:
         fn = evals_fn[s >= switch_step]
         t0 = time.perf_counter()
-        v = float(np.mean([float(fn(state["params"], b)) for b in val]))
+        v = float(np.mean([float(fn(state["params"], b, sr_key)) for b in val]))
         if not math.isfinite(v):
             write({"type": "diverged", "step": s, "val_loss": v})
             raise TrainingDiverged(
@@ -414,7 +465,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         vs, vl = history["val_step"], history["val_loss"]
         finished = status == "finished" and bool(vs) and vs[-1] == cfg.steps
         res = {
-            "recipe": recipe.name, "preset": cfg.preset, "params": n_params, "policy": summary,
+            "recipe": recipe.name, "spec": cfg.recipe, "seed": cfg.seed, "preset": cfg.preset,
+            "params": n_params, "policy": summary,
             "status": status, "diverged_at": diverged_at,
             "steps": end if diverged_at is None else diverged_at,
             "final_val_loss": vl[-1] if finished else None,
@@ -422,7 +474,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
             "final_train_loss": history["loss"][-1] if history["loss"] else None,
             "tokens_per_s": tps, "devices": n_dev, "platform": mesh.devices.flat[0].platform,
             "device_kind": mesh.devices.flat[0].device_kind, "wall_s": wall,
-            "data_sha256": data_sha, "history": history,
+            "data_sha256": data_sha, "config": cfg_dict, "history": history,
         }
         tmp = out / "result.json.tmp"
         tmp.write_text(json.dumps(res, indent=1))
@@ -438,7 +490,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
             evaluate(start)  # its record was lost (a torn metrics.jsonl): the same value again
         for s in range(start, end):
             batch = jax.device_put(ds.train_batch(s, cfg.batch_size, cfg.seed), data_sharding)
-            state, m = steps_fn[s >= switch_step](state, batch)
+            state, m = steps_fn[s >= switch_step](state, batch, sr_key)
             process()  # metrics of step s-1 while step s runs
             pending.append((s, m))
             done = s + 1
