@@ -149,21 +149,23 @@ _STEP_CACHE: dict[tuple, dict] = {}
 _STEP_CACHE_SIZE = 4
 
 
-def _step_fns(cfg: TrainConfig, mesh: Mesh, build: Callable[[], dict]) -> dict:
+def _step_fns(cfg: TrainConfig, mesh: Mesh, build: Callable[[], dict]) -> tuple[dict, bool]:
     """The jitted functions of ``cfg`` (``build()`` on a miss), shared by runs that differ only
-    in keys of ``_NOT_COMPILED`` (e.g. the seeds of a sweep); the newest few are kept."""
+    in keys of ``_NOT_COMPILED`` (e.g. the seeds of a sweep); the newest few are kept. Returns
+    ``(functions, reused)``."""
     # the builders as looked up now: a monkeypatched one (tests) gets its own entry
     key = (tuple(sorted((k, repr(v)) for k, v in dataclasses.asdict(cfg).items()
                         if k not in _NOT_COMPILED)),
            tuple(d.id for d in mesh.devices.flat),
            tuple(id(f) for f in (make_init_state, make_train_step, make_eval_step)))
-    if key in _STEP_CACHE:
+    reused = key in _STEP_CACHE
+    if reused:
         _STEP_CACHE[key] = _STEP_CACHE.pop(key)  # most recently used last
     else:
         _STEP_CACHE[key] = build()
         while len(_STEP_CACHE) > _STEP_CACHE_SIZE:
             _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
-    return _STEP_CACHE[key]
+    return _STEP_CACHE[key], reused
 
 
 
@@ -294,7 +296,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     sr_key = jax.random.fold_in(root, 1)
     repl, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 
-    fns = _step_fns(cfg, mesh, lambda: {
+    fns, reused = _step_fns(cfg, mesh, lambda: {
         "init": jax.jit(make_init_state(model, tx, cfg), out_shardings=repl),
         "train": {False: make_train_step(model, tx, None, mesh),
                   True: make_train_step(model2, tx, None, mesh)},
@@ -343,6 +345,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     header = (f"[{recipe.name}] {mc.num_params() / 1e6:.2f}M params ({cfg.preset}, {mc.ffn}, "
               f"{mc.dtype}); {summary}; {n_dev} {mesh.devices.flat[0].platform} device(s); "
               f"{len(ds.train) / 1e6:.2f}M train / {len(ds.val) / 1e6:.2f}M val bytes")
+    if reused:
+        header += "; compiled steps reused from an earlier run (the seed is an argument)"
     if switch_step <= cfg.steps:
         header += f"; switch {cfg.switch} to BF16 at step {switch_step}"
     elif cfg.switch_at is not None:
