@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import jax
@@ -150,6 +151,17 @@ def test_sweep_two_specs_two_seeds_rerun_resume(tmp_path, monkeypatch, capsys):
     assert again["final_val_loss"] == results["bf16(name=twin)", 1]["final_val_loss"]
     assert {k: (p / "result.json").stat().st_mtime_ns for k, p in runs.items()
             if p != cut} == {k: v for k, v in mtimes.items() if runs[k] != cut}
+
+    # a run killed before its first checkpoint is moved aside (kept) and restarted
+    dead = runs["bf16", 0]
+    (dead / "result.json").unlink()
+    shutil.rmtree(dead / "checkpoints")
+    assert T.main(args) == 0
+    err = capsys.readouterr().err
+    assert f"{dead}: no checkpoint: moving it aside, restarting" in err, err
+    assert len(list(dead.parent.glob("seed0.old-*"))) == 1
+    assert json.loads((dead / "result.json").read_text())["final_val_loss"] == \
+        results["bf16", 0]["final_val_loss"]
 
     # the same sweep with a changed config is refused, naming the differing key
     with pytest.raises(SystemExit) as e:
