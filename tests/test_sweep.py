@@ -169,3 +169,60 @@ def test_sweep_two_specs_two_seeds_rerun_resume(tmp_path, monkeypatch, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "already holds a run" in err and "lr: 0.01 -> 0.02" in err, err
+
+
+def test_run_level_spec_keys():
+    """First/last BF16 blocks and the precision switch belong to a row of a table: a spec
+    carries them, they are split from the recipe's keys and checked."""
+    split = T.split_run_spec
+    assert split("nvfp4") == ("nvfp4", {})
+    assert split("nvfp4(sr=False, last_bf16=0)") == ("nvfp4(sr=False)", {"last_bf16": 0})
+    assert split("mxfp4(switch_at=0.8, switch=fwd, first_bf16=1)") == (
+        "mxfp4", {"switch_at": 0.8, "switch": "fwd", "first_bf16": 1})
+    for bad, msg in [("nvfp4(switch=up)", "switch=up"), ("nvfp4(last_bf16=-2)", "last_bf16"),
+                     ("nvfp4(first_bf16=0.5)", "first_bf16"), ("nvfp4(switch_at=0)", "switch_at"),
+                     ("nvfp4(switch_at=1.5)", "switch_at"), ("nvfp4(foo=1)", "run-level keys"),
+                     ("nvfp4(last_bf16=0, last_bf16=1)", "twice"),
+                     ("nvx(last_bf16=0)", "unknown recipe 'nvx'")]:
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            split(bad)
+    with pytest.raises(T.ConfigError, match="switch_at"):
+        T.TrainConfig(recipe="nvfp4(switch_at=2)")
+    with pytest.raises(T.ConfigError, match="more than once"):
+        T.TrainConfig(compare="nvfp4(last_bf16=0),nvfp4(rht=16, last_bf16=0)")
+    T.TrainConfig(compare="nvfp4,nvfp4(last_bf16=0)")  # differ in a run-level key: fine
+
+
+def test_run_level_keys_reach_the_run(tmp_path):
+    corpus = write_text(tmp_path / "c.txt", 20_000)
+    spec = "nvfp4(sr=False, rht=0, last_bf16=0, switch_at=0.5, switch=bwd)"
+    cfg = T.TrainConfig(preset="micro", recipe=spec, steps=4, seq_len=32, batch_size=4,
+                        eval_every=0, log_every=1, progress=False, data=str(corpus),
+                        out=str(tmp_path / "run"))
+    r = T.train(cfg)
+    assert r["spec"] == spec and r["config"]["last_bf16"] == -1  # the flag as given
+    assert "BF16: lm_head" in r["policy"] and "block" not in r["policy"].split("BF16:")[1]
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    names = {rec["step"]: rec["recipe"] for rec in recs if rec["type"] == "train"}
+    assert names[1] == "nvfp4" and names[2] == "nvfp4>bf16-bwd", names
+
+
+def test_parallel_sweep_equals_sequential(tmp_path):
+    """``--jobs 2``: each spec in its own process gives the same bits as one process."""
+    corpus = write_text(tmp_path / "c.txt", 20_000)
+    specs = "bf16,nvfp4(sr=False, rht=0, last_bf16=0)"
+    finals = {}
+    for jobs in (1, 2):
+        out = tmp_path / f"j{jobs}"
+        assert T.main([*CLI, "--data", str(corpus), "--out", str(out), "--compare", specs,
+                       "--seeds", "0", "--jobs", str(jobs)]) == 0
+        agg = json.loads((out / "compare.json").read_text())
+        finals[jobs] = {(r["recipe"], r["seed"]): r["final_val_loss"] for r in agg["runs"]}
+    assert finals[1] == finals[2] and len(finals[1]) == 2, finals
+    assert (tmp_path / "j2" / "bf16" / "worker.log").is_file()
+
+
+def test_cli_bad_jobs(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        T.main(["--jobs", "0", "--out", str(tmp_path / "x"), "--compile-cache", "off"])
+    assert e.value.code == 2 and "argument --jobs" in capsys.readouterr().err

@@ -47,6 +47,7 @@ public name is re-exported here: ``from fp4jax import train as T; T.train(T.Trai
 from fp4jax.train.checkpoint import CheckpointDamaged, Checkpointer, config_diff, state_checksum
 from fp4jax.train.cli import build_parser, enable_compile_cache, main
 from fp4jax.train.comparison import (
+    SweepFailed,
     compare,
     comparison_table,
     parse_seeds,
@@ -60,6 +61,7 @@ from fp4jax.train.comparison import (
 from fp4jax.train.config import (
     OVERRIDABLE_KEYS,
     RESUMABLE_KEYS,
+    RUN_KEYS,
     SCHEDULES,
     SWITCH_MODES,
     ConfigError,
@@ -69,6 +71,8 @@ from fp4jax.train.config import (
     make_policy,
     make_schedule,
     model_config,
+    run_recipe,
+    split_run_spec,
     split_specs,
     switched_recipe,
     validate_config,
@@ -103,6 +107,10 @@ __all__ = [
     "slug",
     "spec_slugs",
     "split_specs",
+    "split_run_spec",
+    "run_recipe",
+    "RUN_KEYS",
+    "SweepFailed",
     "summarize",
     "summary_table",
     "comparison_table",

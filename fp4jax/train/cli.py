@@ -24,9 +24,10 @@ import jax
 
 import fp4jax.recipes
 from fp4jax.models.llama import PRESETS
-from fp4jax.train.comparison import compare, parse_seeds
+from fp4jax.train.comparison import SweepFailed, compare, parse_seeds
 from fp4jax.train.config import (
     OVERRIDABLE_KEYS,
+    RUN_KEYS,
     SCHEDULES,
     SWITCH_MODES,
     ConfigError,
@@ -45,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--preset", default=d.preset, help=f"model size: {sorted(PRESETS)}")
     a("--recipe", default=d.recipe,
       help=f"fp4jax recipe, a name ({', '.join(fp4jax.recipes.names())}) or a spec such as "
-           "'nvfp4(sr=False, rht=0)'")
+           "'nvfp4(sr=False, rht=0)'; a spec may also set the run-level keys "
+           f"{', '.join(RUN_KEYS)} (e.g. 'nvfp4(last_bf16=0)', 'nvfp4(switch_at=0.8, "
+           "switch=fwd)'), which take precedence over the flags of the same name")
     a("--compare", default=None,
       help="comma-separated recipe names or specs to train and compare (commas inside "
            "parentheses belong to a spec); the first is the baseline")
@@ -53,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="comma-separated seeds (e.g. 0,1,2): train every --compare spec (or --recipe) with "
            "every seed into OUT/<spec>/seed<s>/ and report mean ± std; a repeated command "
            "skips finished runs and resumes cut-off ones (default: the one --seed)")
+    a("--jobs", type=int, default=1,
+      help="train up to N specs of a sweep at once, one process each, sharing the devices "
+           "(compiles run in parallel; tokens/s of concurrent runs are not comparable)")
     a("--ffn", default=None, choices=["relu2", "swiglu"], help="override the preset's FFN")
     a("--dtype", default=None, help="compute dtype override (bfloat16, float32)")
     a("--data", default=None,
@@ -152,6 +158,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = vars(p.parse_args(argv))
     compile_cache = args.pop("compile_cache")
     seeds_arg = args.pop("seeds")
+    jobs = args.pop("jobs")
+    if jobs < 1:
+        p.error(f"argument --jobs: must be >= 1, got {jobs}")
     try:  # every value checked in one place (TrainConfig), then the output directory
         cfg = TrainConfig(**args)
         check_out(cfg.out)
@@ -166,16 +175,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     enable_compile_cache(compile_cache, args.get("cache_dir"))
     try:
         if cfg.compare:
-            compare(cfg, compare_names(cfg.compare), seeds)
+            compare(cfg, compare_names(cfg.compare), seeds, jobs=jobs)
         elif seeds is not None:
-            compare(cfg, [cfg.recipe], seeds)
+            compare(cfg, [cfg.recipe], seeds, jobs=jobs)
         else:
             r = train(cfg)
             print(json.dumps({k: v for k, v in r.items() if k != "history"}))
     except TrainingDiverged as e:
         print(f"fp4jax-train: training diverged: {e}", file=sys.stderr)
         return 1
-    except (ValueError, OSError) as e:  # ConfigError, RunExists, missing data, ...
+    except (ValueError, OSError, SweepFailed) as e:  # ConfigError, RunExists, missing data, ...
         p.exit(2, f"fp4jax-train: error: {e}\n")
     return 0
 

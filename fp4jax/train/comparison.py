@@ -21,15 +21,19 @@ from pathlib import Path
 
 import numpy as np
 
-import fp4jax.recipes
 from fp4jax.data import ByteDataset
 from fp4jax.train.checkpoint import config_diff
-from fp4jax.train.config import TrainConfig, split_specs, validate_config
-from fp4jax.train.loop import train
+from fp4jax.train.config import TrainConfig, split_run_spec, split_specs, validate_config
+from fp4jax.train.loop import TrainingDiverged, train
 from fp4jax.train.rundir import RunExists, check_out, refusal, run_contents
 
-__all__ = ["compare", "comparison_table", "parse_seeds", "plot_losses", "plot_sweep", "slug",
-           "spec_slugs", "split_specs", "summarize", "summary_table"]
+__all__ = ["SweepFailed", "compare", "comparison_table", "parse_seeds", "plot_losses",
+           "plot_sweep", "slug", "spec_slugs", "split_specs", "summarize", "summary_table"]
+
+class SweepFailed(RuntimeError):
+    """A worker process of a parallel sweep failed (its log is named); the other runs'
+    results and the summary were written."""
+
 
 SWEEP_FILE = "sweep.json"  # marks OUT as written by compare(): a repeated sweep continues
 
@@ -136,7 +140,7 @@ def _plan(sub: TrainConfig) -> tuple[str, TrainConfig, dict | None]:
 
 
 def compare(cfg: TrainConfig, recipes: Sequence[str],
-            seeds: Sequence[int] | None = None) -> list[dict]:
+            seeds: Sequence[int] | None = None, jobs: int = 1) -> list[dict]:
     """Trains each recipe spec with each seed (default: ``cfg.seed``) on the same data, and
     the same batch order per seed, into ``OUT/<slug>/`` (one seed) or ``OUT/<slug>/seed<s>/``
     (several); writes ``compare.md``, ``compare.json`` and ``compare.png`` (``summarize``,
@@ -150,11 +154,24 @@ def compare(cfg: TrainConfig, recipes: Sequence[str],
     finished (and diverged) sub-runs are skipped, cut-off ones resumed from their checkpoint,
     ones killed before their first checkpoint moved aside and restarted, each said on stderr;
     a sub-run whose recorded config differs from the requested one is still refused.
+
+    A sub-run that diverges is a result of the sweep, not its end: it is reported (``status:
+    "diverged"`` in its ``result.json``, no mean in the summary) and the sweep goes on.
+    With ``jobs > 1`` up to ``jobs`` specs train at once, each in its own process
+    (``fp4jax.train._worker``, its output in ``OUT/<slug>/worker.log``), sharing the local
+    devices: compiles run in parallel, which is what makes many-spec sweeps on one GPU
+    fast; throughput (tokens/s) of concurrent runs is then not comparable across runs.
+
+    Raises:
+      ValueError: a bad spec, seeds or ``jobs``; ``RunExists`` (see above).
+      SweepFailed: a worker process failed (after the summary of the other runs is written).
     """
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+        raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
     if not recipes:
         raise ValueError("compare: no recipe names given")
     for r in recipes:  # validate every spec before training anything
-        fp4jax.recipes.parse(r)
+        split_run_spec(r)
     seeds = [cfg.seed] if seeds is None else parse_seeds(seeds)
     validate_config(cfg)
     check_out(cfg.out)
@@ -195,11 +212,20 @@ def compare(cfg: TrainConfig, recipes: Sequence[str],
                     if k not in ("recipe", "seed")}},
         indent=1))
     todo = [k for k in subs if k not in done]
-    ds = ByteDataset.load(cfg.data, cfg.seq_len, cfg.val_fraction, cfg.cache_dir) if todo \
-        else None
-    results = []
-    for k, sub in subs.items():
-        results.append(done[k] if k in done else train(sub, ds))
+    failed: list[str] = []
+    if jobs > 1 and len({k[0] for k in todo}) > 1:
+        failed = _train_parallel({k: subs[k] for k in todo}, slugs, out, jobs)
+        for k in todo:
+            done[k] = _result_of(subs[k])
+    elif todo:
+        ds = ByteDataset.load(cfg.data, cfg.seq_len, cfg.val_fraction, cfg.cache_dir)
+        for k in todo:
+            try:
+                done[k] = train(subs[k], ds)
+            except TrainingDiverged as e:
+                _note(f"{subs[k].out}: training diverged ({e}); the sweep goes on")
+                done[k] = _result_of(subs[k])
+    results = [done[k] for k in subs]
     for k, r in zip(subs, results, strict=True):  # older result.json files lack these
         r.setdefault("spec", k[0])
         r.setdefault("seed", k[1])
@@ -215,7 +241,65 @@ def compare(cfg: TrainConfig, recipes: Sequence[str],
     print(table)
     print(f"wrote {out / 'compare.md'}, {out / 'compare.json'}"
           + (f", {plot_path}" if plot_path else ""))
+    diverged = [r["out"] for r in results if r.get("status") == "diverged"]
+    if diverged:
+        _note(f"{len(diverged)} run(s) diverged: {', '.join(diverged)}")
+    if failed:
+        raise SweepFailed(f"{len(failed)} sweep worker(s) failed; see {', '.join(failed)}")
     return results
+
+
+def _result_of(sub: TrainConfig) -> dict:
+    """The ``result.json`` of a sub-run, or a stand-in saying it has none (a run that failed
+    before writing one)."""
+    try:
+        return json.loads((Path(sub.out) / "result.json").read_text())
+    except (OSError, ValueError):
+        return {"recipe": sub.recipe, "spec": sub.recipe, "seed": sub.seed, "status": "failed",
+                "final_val_loss": None, "history": {}}
+
+
+def _train_parallel(subs: dict[tuple[str, int], TrainConfig], slugs: dict[str, str],
+                    out: Path, jobs: int) -> list[str]:
+    """Trains ``subs`` with up to ``jobs`` worker processes, one per spec (its seeds one after
+    the other in it, sharing compiled steps). Returns the logs of the workers that failed."""
+    import os
+    import subprocess
+    import time
+
+    import jax
+
+    by_spec: dict[str, list[TrainConfig]] = {}
+    for (spec, _), sub in subs.items():
+        by_spec.setdefault(spec, []).append(sub.replace(progress=False))
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # processes share the devices
+    cache = jax.config.jax_compilation_cache_dir
+    pending, running, failed = list(by_spec), {}, []
+    while pending or running:
+        while pending and len(running) < jobs:
+            spec = pending.pop(0)
+            d = out / slugs[spec]
+            d.mkdir(parents=True, exist_ok=True)
+            plan = d / "worker-plan.json"
+            plan.write_text(json.dumps({"configs": [dataclasses.asdict(c) for c in by_spec[spec]],
+                                        "compile_cache": cache}, indent=1))
+            log = open(d / "worker.log", "a")  # appended: a repeated sweep keeps the old log
+            _note(f"sweep: {spec}: {len(by_spec[spec])} run(s) in a worker, log {d / 'worker.log'}")
+            proc = subprocess.Popen([sys.executable, "-m", "fp4jax.train._worker", str(plan)],
+                                    stdout=log, stderr=subprocess.STDOUT, env=env)
+            running[spec] = (proc, log, d / "worker.log")
+        time.sleep(0.2)
+        for spec, (proc, log, path) in list(running.items()):
+            if proc.poll() is not None:
+                log.close()
+                del running[spec]
+                if proc.returncode != 0:
+                    failed.append(str(path))
+                    _note(f"sweep: {spec}: worker exited {proc.returncode}; see {path}")
+                else:
+                    _note(f"sweep: {spec}: done")
+    return failed
 
 
 def _final(r: dict) -> float | None:

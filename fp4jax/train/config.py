@@ -14,6 +14,7 @@ import dataclasses
 import math
 import numbers
 import os
+import re
 from typing import Any
 
 import jax
@@ -111,6 +112,90 @@ def split_specs(text: str | None) -> list[str]:
     return [x.strip() for x in fp4jax.recipes._split_top(text, text) if x.strip()]
 
 
+# run-level keys a spec may carry beside the recipe's (``nvfp4(last_bf16=0)``,
+# ``nvfp4(switch_at=0.8, switch=fwd)``): they set the TrainConfig field of the same name
+RUN_KEYS: dict[str, str] = {
+    "first_bf16": "leading blocks kept in BF16 (int >= 0)",
+    "last_bf16": "trailing blocks kept in BF16 (int >= -1; -1: the last ~15%)",
+    "switch_at": "fraction of training after which the GEMMs of `switch` run in BF16 "
+                 "(number in (0, 1])",
+    "switch": f"GEMMs switched to BF16 at switch_at: one of {list(SWITCH_MODES)}",
+}
+
+
+def _run_value(spec: str, key: str, text: str) -> Any:
+    """The value of the run-level key ``key`` in ``spec``, checked.
+
+    Raises:
+      ValueError naming the spec, the key and what it takes.
+    """
+    import ast
+
+    try:
+        v = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        v = text  # a bare word: switch=fwd
+    want = RUN_KEYS[key]
+    ok = {
+        "first_bf16": _is_int(v) and v >= 0,
+        "last_bf16": _is_int(v) and v >= -1,
+        "switch_at": _is_real(v) and math.isfinite(v) and 0.0 < v <= 1.0,
+        "switch": v in SWITCH_MODES,
+    }[key]
+    if not ok:
+        raise ValueError(f"recipe spec {spec!r}: {key}={text}: {key} is {want}")
+    return float(v) if key == "switch_at" else v
+
+
+def split_run_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """Splits the run-level keys (``RUN_KEYS``: first/last BF16 blocks, precision switch) out
+    of a spec, so that every row of an ablation table is one string: ``"nvfp4(sr=False,
+    last_bf16=0)"`` gives ``("nvfp4(sr=False)", {"last_bf16": 0})``. A run-level key in the
+    spec takes precedence over the same flag (``--last-bf16``) for that spec.
+
+    Raises:
+      ValueError: a bad run-level value, or a bad recipe spec (``fp4jax.recipes.parse``),
+        naming the key and listing the valid ones.
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"recipe spec must be a string, got {type(spec).__name__}")
+    text = spec.strip()
+    m = re.fullmatch(r"([^()\s]+)\s*(?:\((.*)\))?", text, flags=re.S)
+    if not m or m[2] is None or not m[2].strip():
+        fp4jax.recipes.parse(text)  # raises for a malformed spec
+        return text, {}
+    keep, run = [], {}
+    for item in fp4jax.recipes._split_top(m[2], spec):
+        key, eq, val = item.partition("=")
+        key = key.strip()
+        if eq and key in RUN_KEYS:
+            if key in run:
+                raise ValueError(f"recipe spec {spec!r}: {key} given twice")
+            run[key] = _run_value(spec, key, val.strip())
+        else:
+            keep.append(item)
+    rest = m[1] + (f"({', '.join(keep)})" if keep else "")
+    try:
+        fp4jax.recipes.parse(rest)
+    except ValueError as e:
+        msg = str(e).replace(f"recipe spec {rest!r}", f"recipe spec {spec!r}")
+        if "unknown key" in msg:
+            msg += f"; run-level keys: {list(RUN_KEYS)}"
+        raise ValueError(msg) from None
+    return rest, run
+
+
+def run_recipe(cfg: TrainConfig) -> tuple[TrainConfig, Recipe]:
+    """``cfg`` with the run-level keys of its recipe spec applied (``split_run_spec``), and the
+    parsed recipe. ``cfg.recipe`` stays the whole spec (results and checkpoints record it).
+
+    Raises:
+      ValueError: a bad spec.
+    """
+    rest, run = split_run_spec(cfg.recipe)
+    return cfg.replace(**run), fp4jax.recipes.parse(rest)
+
+
 def compare_names(spec: str | None) -> list[str]:
     """The recipe specs of a ``--compare`` list (``split_specs``)."""
     return split_specs(spec)
@@ -188,7 +273,7 @@ def validate_config(cfg: TrainConfig) -> None:
     if not isinstance(cfg.recipe, str) or not cfg.recipe.strip():
         raise ConfigError("recipe", f"must be a recipe name or spec, got {cfg.recipe!r}")
     try:
-        fp4jax.recipes.parse(cfg.recipe)
+        split_run_spec(cfg.recipe)
     except ValueError as e:
         raise ConfigError("recipe", str(e)) from None
     if cfg.ffn is not None and cfg.ffn not in ("relu2", "swiglu"):
@@ -221,12 +306,14 @@ def validate_config(cfg: TrainConfig) -> None:
         if not names:
             raise ConfigError("compare", f"names no recipe (got {cfg.compare!r}); give "
                               "comma-separated names or specs, e.g. bf16,nvfp4(sr=False)")
+        canon = []
         for name in names:
             try:
-                fp4jax.recipes.parse(name)
+                rest, run = split_run_spec(name)
             except ValueError as e:
                 raise ConfigError("compare", str(e)) from None
-        canon = [fp4jax.recipes.spec(fp4jax.recipes.parse(n)) for n in names]
+            canon.append((fp4jax.recipes.spec(fp4jax.recipes.parse(rest)),
+                          tuple(sorted(run.items()))))
         twice = sorted({n for n, c in zip(names, canon, strict=True) if canon.count(c) > 1})
         if twice:
             raise ConfigError("compare", f"names {', '.join(twice)} more than once")

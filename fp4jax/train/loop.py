@@ -47,6 +47,8 @@ from fp4jax.train.config import (
     make_schedule,
     model_config,
     override_keys,
+    run_recipe,
+    split_run_spec,
     switched_recipe,
     validate_config,
 )
@@ -151,11 +153,14 @@ _STEP_CACHE_SIZE = 4
 
 def _step_fns(cfg: TrainConfig, mesh: Mesh, build: Callable[[], dict]) -> tuple[dict, bool]:
     """The jitted functions of ``cfg`` (``build()`` on a miss), shared by runs that differ only
-    in keys of ``_NOT_COMPILED`` (e.g. the seeds of a sweep); the newest few are kept. Returns
+    in keys of ``_NOT_COMPILED`` (e.g. the seeds of a sweep) or in how their recipe spec is
+    written; ``cfg`` has the spec's run-level keys applied (``run_recipe``). The newest few
+    are kept. Returns
     ``(functions, reused)``."""
     # the builders as looked up now: a monkeypatched one (tests) gets its own entry
-    key = (tuple(sorted((k, repr(v)) for k, v in dataclasses.asdict(cfg).items()
-                        if k not in _NOT_COMPILED)),
+    fields = dataclasses.asdict(cfg)  # the recipe canonical: nvfp4(switch_at=0.8) ~ nvfp4
+    fields["recipe"] = fp4jax.recipes.spec(split_run_spec(cfg.recipe)[0])
+    key = (tuple(sorted((k, repr(v)) for k, v in fields.items() if k not in _NOT_COMPILED)),
            tuple(d.id for d in mesh.devices.flat),
            tuple(id(f) for f in (make_init_state, make_train_step, make_eval_step)))
     reused = key in _STEP_CACHE
@@ -272,7 +277,9 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     out = Path(cfg.out)
     if not cfg.resume:
         claim_out(cfg, dry_run=True)  # refuse before loading data and compiling
-    recipe = fp4jax.recipes.parse(cfg.recipe)
+    # run-level keys of the spec (nvfp4(last_bf16=0, switch_at=0.8)) applied: rcfg builds
+    # the model; cfg (the spec as given) is what results and checkpoints record
+    rcfg, recipe = run_recipe(cfg)
     overrides = override_keys(cfg.resume_override)
     mc = model_config(cfg)
     mesh = make_mesh(cfg.devices)
@@ -283,12 +290,13 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     if ds.seq_len != cfg.seq_len:
         raise ValueError(f"dataset seq_len {ds.seq_len} != config seq_len {cfg.seq_len}")
 
-    policy = make_policy(cfg, mc, recipe)
+    policy = make_policy(rcfg, mc, recipe)
     model = Llama(mc, policy)
-    switch_step = cfg.steps + 1 if cfg.switch_at is None else int(round(cfg.switch_at * cfg.steps))
+    switch_step = (cfg.steps + 1 if rcfg.switch_at is None
+                   else int(round(rcfg.switch_at * cfg.steps)))
     if switch_step >= cfg.steps:  # --switch-at 1.0 (or rounding to the end): never switches
         switch_step = cfg.steps + 1
-    model2 = Llama(mc, policy.replace(recipe=switched_recipe(recipe, cfg.switch)))
+    model2 = Llama(mc, policy.replace(recipe=switched_recipe(recipe, rcfg.switch)))
 
     tx = make_optimizer(cfg)
     schedule = make_schedule(cfg)
@@ -296,7 +304,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     sr_key = jax.random.fold_in(root, 1)
     repl, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 
-    fns, reused = _step_fns(cfg, mesh, lambda: {
+    fns, reused = _step_fns(rcfg, mesh, lambda: {
         "init": jax.jit(make_init_state(model, tx, cfg), out_shardings=repl),
         "train": {False: make_train_step(model, tx, None, mesh),
                   True: make_train_step(model2, tx, None, mesh)},
@@ -348,9 +356,9 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     if reused:
         header += "; compiled steps reused from an earlier run (the seed is an argument)"
     if switch_step <= cfg.steps:
-        header += f"; switch {cfg.switch} to BF16 at step {switch_step}"
-    elif cfg.switch_at is not None:
-        header += f"; --switch-at {cfg.switch_at}: never switches (past the last step)"
+        header += f"; switch {rcfg.switch} to BF16 at step {switch_step}"
+    elif rcfg.switch_at is not None:
+        header += f"; switch_at {rcfg.switch_at}: never switches (past the last step)"
     pbar = _Progress(end, start, cfg.progress, recipe.name)
     pbar.write(header)
     log = metrics_path.open("a")
