@@ -208,18 +208,22 @@ def test_run_level_keys_reach_the_run(tmp_path):
 
 
 def test_parallel_sweep_equals_sequential(tmp_path):
-    """``--jobs 2``: each spec in its own process gives the same bits as one process."""
+    """``--jobs 3``: specs (and seeds, with more jobs than specs) in their own processes give
+    the same bits as one process."""
     corpus = write_text(tmp_path / "c.txt", 20_000)
-    specs = "bf16,nvfp4(sr=False, rht=0, last_bf16=0)"
+    specs = "bf16,nvfp4(sr=False, rht=0, last_bf16=0)"  # 2 specs x 2 seeds, 3 jobs: one split
     finals = {}
-    for jobs in (1, 2):
+    for jobs in (1, 3):
         out = tmp_path / f"j{jobs}"
         assert T.main([*CLI, "--data", str(corpus), "--out", str(out), "--compare", specs,
-                       "--seeds", "0", "--jobs", str(jobs)]) == 0
+                       "--seeds", "0,1", "--jobs", str(jobs)]) == 0
         agg = json.loads((out / "compare.json").read_text())
         finals[jobs] = {(r["recipe"], r["seed"]): r["final_val_loss"] for r in agg["runs"]}
-    assert finals[1] == finals[2] and len(finals[1]) == 2, finals
-    assert (tmp_path / "j2" / "bf16" / "worker.log").is_file()
+    assert finals[1] == finals[3] and len(finals[1]) == 4, finals
+    logs = sorted(p.relative_to(tmp_path / "j3").as_posix()
+                  for p in (tmp_path / "j3").rglob("worker*.log"))
+    assert logs == ["bf16/worker-seeds0.log", "bf16/worker-seeds1.log",
+                    "nvfp4_sr-False_rht-0_last_bf16-0/worker.log"], logs
 
 
 def test_cli_bad_jobs(tmp_path, capsys):

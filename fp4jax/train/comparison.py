@@ -158,7 +158,8 @@ def compare(cfg: TrainConfig, recipes: Sequence[str],
     A sub-run that diverges is a result of the sweep, not its end: it is reported (``status:
     "diverged"`` in its ``result.json``, no mean in the summary) and the sweep goes on.
     With ``jobs > 1`` up to ``jobs`` specs train at once, each in its own process
-    (``fp4jax.train._worker``, its output in ``OUT/<slug>/worker.log``), sharing the local
+    (``fp4jax.train._worker``, its output in ``OUT/<slug>/worker.log``; with more jobs than
+    specs, a spec's seeds are split over workers, ``worker-seeds0-1.log``), sharing the local
     devices: compiles run in parallel, which is what makes many-spec sweeps on one GPU
     fast; throughput (tokens/s) of concurrent runs is then not comparable across runs.
 
@@ -213,7 +214,7 @@ def compare(cfg: TrainConfig, recipes: Sequence[str],
         indent=1))
     todo = [k for k in subs if k not in done]
     failed: list[str] = []
-    if jobs > 1 and len({k[0] for k in todo}) > 1:
+    if jobs > 1 and len(todo) > 1:
         failed = _train_parallel({k: subs[k] for k in todo}, slugs, out, jobs)
         for k in todo:
             done[k] = _result_of(subs[k])
@@ -262,43 +263,55 @@ def _result_of(sub: TrainConfig) -> dict:
 def _train_parallel(subs: dict[tuple[str, int], TrainConfig], slugs: dict[str, str],
                     out: Path, jobs: int) -> list[str]:
     """Trains ``subs`` with up to ``jobs`` worker processes, one per spec (its seeds one after
-    the other in it, sharing compiled steps). Returns the logs of the workers that failed."""
+    the other in it, sharing compiled steps), or, with more jobs than specs, a spec's seeds
+    split over several workers. Returns the logs of the workers that failed."""
     import os
     import subprocess
     import time
 
     import jax
 
-    by_spec: dict[str, list[TrainConfig]] = {}
+    units: list[tuple[str, list[TrainConfig]]] = []  # (spec, its sub-runs in one worker)
     for (spec, _), sub in subs.items():
-        by_spec.setdefault(spec, []).append(sub.replace(progress=False))
+        if not units or units[-1][0] != spec:
+            units.append((spec, []))
+        units[-1][1].append(sub.replace(progress=False))
+    # more workers than specs: split the seeds of the largest units over several workers
+    # (each compiles for itself; worth it where the devices, not the compiles, are the limit)
+    while len(units) < jobs and max(len(u[1]) for u in units) > 1:
+        i = max(range(len(units)), key=lambda j: len(units[j][1]))
+        spec, runs = units[i]
+        units[i:i + 1] = [(spec, runs[:len(runs) // 2]), (spec, runs[len(runs) // 2:])]
+    whole = {spec: sum(u[0] == spec for u in units) == 1 for spec, _ in units}
     env = dict(os.environ)
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # processes share the devices
     cache = jax.config.jax_compilation_cache_dir
-    pending, running, failed = list(by_spec), {}, []
+    pending, running, failed = list(units), {}, []
     while pending or running:
         while pending and len(running) < jobs:
-            spec = pending.pop(0)
+            spec, runs = pending.pop(0)
             d = out / slugs[spec]
             d.mkdir(parents=True, exist_ok=True)
-            plan = d / "worker-plan.json"
-            plan.write_text(json.dumps({"configs": [dataclasses.asdict(c) for c in by_spec[spec]],
+            tag = "" if whole[spec] else "-seeds" + "-".join(str(c.seed) for c in runs)
+            plan = d / f"worker{tag}-plan.json"
+            plan.write_text(json.dumps({"configs": [dataclasses.asdict(c) for c in runs],
                                         "compile_cache": cache}, indent=1))
-            log = open(d / "worker.log", "a")  # appended: a repeated sweep keeps the old log
-            _note(f"sweep: {spec}: {len(by_spec[spec])} run(s) in a worker, log {d / 'worker.log'}")
+            path = d / f"worker{tag}.log"
+            log = open(path, "a")  # appended: a repeated sweep keeps the old log
+            _note(f"sweep: {spec}: {len(runs)} run(s) in a worker, log {path}")
             proc = subprocess.Popen([sys.executable, "-m", "fp4jax.train._worker", str(plan)],
                                     stdout=log, stderr=subprocess.STDOUT, env=env)
-            running[spec] = (proc, log, d / "worker.log")
+            running[path] = (proc, log, spec)
         time.sleep(0.2)
-        for spec, (proc, log, path) in list(running.items()):
+        for path, (proc, log, spec) in list(running.items()):
             if proc.poll() is not None:
                 log.close()
-                del running[spec]
+                del running[path]
                 if proc.returncode != 0:
                     failed.append(str(path))
                     _note(f"sweep: {spec}: worker exited {proc.returncode}; see {path}")
                 else:
-                    _note(f"sweep: {spec}: done")
+                    _note(f"sweep: {spec}: worker done ({path.name})")
     return failed
 
 
