@@ -145,19 +145,18 @@ def specs_of(groups: list[str]) -> list[str]:
 def run(groups: list[str], out: Path, jobs: int, data: str | None, extra: list[str],
         time_limit: float | None = None) -> int:
     """Trains every spec of ``groups`` with its seeds: two ``fp4jax-train`` sweeps at once
-    (3-seed and 2-seed specs), ``jobs`` worker processes shared between them. After
+    (3-seed and 2-seed specs), each with up to ``jobs`` worker processes. After
     ``time_limit`` seconds the sweeps (and their workers) are stopped: finished runs are
     kept, and repeating the command trains the rest."""
     specs = specs_of(groups)
     sets = {"seeds3": [s for s in specs if seeds_of(s) == SEEDS_MAIN],
             "seeds2": [s for s in specs if seeds_of(s) == SEEDS]}
     sets = {k: v for k, v in sets.items() if v}
-    total = sum(len(v) for v in sets.values())
     procs = []
     out.mkdir(parents=True, exist_ok=True)
     for name, ss in sets.items():
         seeds = SEEDS_MAIN if name == "seeds3" else SEEDS
-        j = max(1, round(jobs * len(ss) / total))
+        j = jobs  # each sweep uses what it needs; the 3-seed one is mostly done first
         cmd = [sys.executable, "-m", "fp4jax.train", *SETUP, "--compare", ",".join(ss),
                "--seeds", ",".join(map(str, seeds)), "--jobs", str(j),
                "--out", str(out / name), *(["--data", data] if data else []), *extra]
