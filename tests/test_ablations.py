@@ -1,0 +1,100 @@
+"""``experiments/ablations.py`` (issue 15, part 2): every row of every group is a valid spec,
+the aggregation matches an independent NumPy computation, and the committed tables are what
+``build`` makes of the committed results (``build --check``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fp4jax.train.config import split_run_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def A():
+    spec = importlib.util.spec_from_file_location("ablations", ROOT / "experiments/ablations.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["ablations"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop("ablations", None)
+
+
+def test_groups_are_valid_specs(A):
+    for name, g in A.GROUPS.items():
+        labels = [label for label, _ in g.rows]
+        assert len(set(labels)) == len(labels), name
+        assert g.rows[0] == ("BF16", "bf16"), name
+        for _, spec in g.rows:
+            split_run_spec(spec)  # raises for a bad spec
+    assert set(A.MAIN_SPECS) <= set(A.specs_of(list(A.GROUPS)))
+
+
+def _run(root: Path, spec: str, seed: int, loss: float, status: str = "finished") -> None:
+    d = root / f"{abs(hash(spec))}" / f"seed{seed}"
+    d.mkdir(parents=True)
+    cfg = {"preset": "mini", "seq_len": 256, "batch_size": 64, "steps": 2000, "lr": 2e-3,
+           "warmup_steps": 100, "schedule": "wsd", "decay_fraction": 0.2, "eval_batches": 16,
+           "val_fraction": 0.05, "data": "x.tar.gz"}
+    (d / "result.json").write_text(json.dumps({
+        "spec": spec, "seed": seed, "status": status, "final_val_loss": loss,
+        "device_kind": "test", "config": cfg,
+        "history": {"val_step": [0, 1000, 2000], "val_loss": [5.0, 2.0, loss]}}))
+
+
+def test_aggregation_against_numpy(A, tmp_path):
+    rng = np.random.default_rng(0)
+    base = rng.normal(1.22, 0.002, 3)
+    nv = rng.normal(1.234, 0.002, 3)
+    nosr = rng.normal(1.233, 0.006, 2)
+    for s, x in enumerate(base):
+        _run(tmp_path, "bf16", s, float(x))
+    for s, x in enumerate(nv):
+        _run(tmp_path, "nvfp4", s, float(x))
+    for s, x in enumerate(nosr):
+        _run(tmp_path, "nvfp4(sr=False)", s, float(x))
+    _run(tmp_path, "nvfp4(rht=0)", 0, float("nan"), status="diverged")
+    _run(tmp_path, "nvfp4(rht=0)", 1, 1.25)
+    runs = A.load_runs(tmp_path)
+    rows = {r.spec: r for r in A.rows_of(A.GROUPS["remove"], runs)}
+    m, s = A.stats(rows["nvfp4(sr=False)"].finals)
+    assert math.isclose(m, float(np.mean(nosr)), rel_tol=1e-12)
+    assert math.isclose(s, float(np.std(nosr, ddof=1)), rel_tol=1e-9)
+    assert rows["nvfp4(rht=0)"].finals == [1.25] and rows["nvfp4(rht=0)"].diverged == 1
+    text = A.table(A.GROUPS["remove"], list(rows.values()))
+    gap = (np.mean(nosr) - np.mean(base)) / np.mean(base) * 100
+    over = abs(np.mean(nosr) - np.mean(base)) > max(np.std(nosr, ddof=1), np.std(base, ddof=1))
+    vs = (np.mean(nosr) - np.mean(nv)) / np.mean(nv) * 100
+    line = next(x for x in text.splitlines() if "`nvfp4(sr=False)`" in x)
+    assert f"{gap:+.2f}%" in line and ("yes" if over else "no") in line.split("|")[7]
+    assert f"{vs:+.2f}%" in line
+    rht = next(x for x in text.splitlines() if "`nvfp4(rht=0)`" in x)
+    assert "(1 seed)" in rht and "+1 diverged" in rht and "n/a" in rht
+    assert "not run" in next(x for x in text.splitlines() if "1D weight" in x)
+
+
+def test_mixed_setups_refused(A, tmp_path):
+    _run(tmp_path, "bf16", 0, 1.2)
+    _run(tmp_path / "other", "bf16", 1, 1.2)
+    r = json.loads((tmp_path / "other" / next((tmp_path / "other").iterdir()).name / "seed1"
+                    / "result.json").read_text())
+    r["config"]["steps"] = 1000
+    (tmp_path / "other" / next((tmp_path / "other").iterdir()).name / "seed1"
+     / "result.json").write_text(json.dumps(r))
+    with pytest.raises(ValueError, match="different setups"):
+        A.load_runs(tmp_path)
+
+
+def test_committed_tables_are_current(A):
+    """The published tables (TABLES.md and the experiments/README block) are what ``build``
+    makes of the committed result files."""
+    assert A.build(check=True) == 0
+    assert "ablations:begin" in A.README.read_text()
