@@ -24,7 +24,6 @@ import lab
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import fp4jax
 from fp4jax import train as T
 from fp4jax.models import Llama
 
@@ -33,12 +32,14 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
 
 
 def probe(cfg: T.TrainConfig) -> dict:
-    """Lowers and compiles ``fp4jax.train``'s step for ``cfg`` (the same jit, shardings
-    and constants as ``train(cfg)``, so a persistent compilation cache filled here serves
-    the training run)."""
+    """Lowers and compiles ``fp4jax.train``'s step for ``cfg``, built as ``train(cfg)``
+    builds it (the spec's run-level keys applied, the stochastic-rounding key an argument);
+    whether a persistent compilation cache filled here serves the training run has not been
+    checked."""
     seq_len, batch_size = cfg.seq_len, cfg.batch_size
     mc = T.model_config(cfg)
-    model = Llama(mc, T.make_policy(cfg, mc, fp4jax.recipes.get(cfg.recipe)))
+    rcfg, recipe = T.run_recipe(cfg)  # a spec with run-level keys, as train() reads it
+    model = Llama(mc, T.make_policy(rcfg, mc, recipe))
     mesh = T.make_mesh(cfg.devices)
     tx = T.make_optimizer(cfg)
     root = jax.random.key(cfg.seed)
@@ -48,9 +49,10 @@ def probe(cfg: T.TrainConfig) -> dict:
                          jax.eval_shape(T.make_init_state(model, tx, cfg)))
     batch = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32,
                                  sharding=NamedSharding(mesh, P("data")))
-    step = T.make_train_step(model, tx, jax.random.fold_in(root, 1), mesh)
+    # as train(): the stochastic-rounding key is an argument (one compile for every seed)
+    step = T.make_train_step(model, tx, None, mesh)
     t0 = time.perf_counter()
-    lowered = step.lower(state, batch)
+    lowered = step.lower(state, batch, jax.random.fold_in(root, 1))
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
@@ -71,6 +73,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="append the result as one JSON line here")
     a = vars(ap.parse_args(argv))
     out = a.pop("json")
+    for sweep_only in ("seeds", "jobs"):  # sweep flags: they do not shape the step
+        a.pop(sweep_only, None)
     res = probe(T.TrainConfig(**a))
     print(json.dumps(res), flush=True)
     if out:

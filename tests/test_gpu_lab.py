@@ -26,7 +26,8 @@ EXP = ROOT / "experiments"
 
 
 def _run(*args, timeout=120):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(EXP)]),
+               JAX_PLATFORMS="cpu")
     env.pop("OUT", None)
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
@@ -127,3 +128,15 @@ def test_gpu_lab_refuses_unknown_tools_before_running(tmp_path):
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unknown tool 'bnch'" in r.stderr
     assert not (tmp_path / "lab").exists()
+
+
+def test_compile_probe_takes_train_flags_and_specs(tmp_path):
+    """The probe builds the step as ``train`` does (a spec with run-level keys, the SR key
+    an argument) and accepts the sweep flags ``fp4jax-train`` has."""
+    out = tmp_path / "probe.jsonl"
+    r = _run("experiments/compile_probe.py", "--preset", "micro", "--seq-len", "16",
+             "--batch-size", "4", "--recipe", "bf16(last_bf16=0)", "--seeds", "0,1",
+             "--json", str(out), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text().splitlines()[-1])
+    assert res["recipe"] == "bf16(last_bf16=0)" and res["compile_s"] > 0
