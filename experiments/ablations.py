@@ -167,16 +167,22 @@ def run(groups: list[str], out: Path, jobs: int, data: str | None, extra: list[s
                                              start_new_session=True), log))
     deadline = None if time_limit is None else time.time() + time_limit
     status = 0
-    for name, p, log in procs:
-        try:
-            rc = p.wait(None if deadline is None else max(1.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGTERM)  # the sweep and its workers
-            rc = p.wait()
-            print(f"ablations: {name}: stopped at the time limit", flush=True)
-        log.close()
-        print(f"ablations: {name}: exit {rc}", flush=True)
-        status = status or rc
+    try:
+        for name, p, log in procs:
+            try:
+                rc = p.wait(None if deadline is None else max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGTERM)  # the sweep and its workers
+                rc = p.wait()
+                print(f"ablations: {name}: stopped at the time limit", flush=True)
+            log.close()
+            print(f"ablations: {name}: exit {rc}", flush=True)
+            status = status or (rc if rc > 0 else 1)
+    finally:  # interrupted (Ctrl-C): the sweeps run in their own sessions, stop them
+        for _, p, _ in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait()
     return status
 
 
@@ -196,13 +202,23 @@ class Row:
 def load_runs(root: Path = RESULTS) -> list[dict]:
     """Every ``result.json`` under ``root`` (runs of the ``SETUP`` only: a run whose config
     differs from the others in more than recipe, seed and output is refused, naming it)."""
-    runs = []
+    runs, seen_runs = [], {}
     for path in sorted(root.rglob("result.json")):
+        rel = path.parent.relative_to(root)
+        if any(".old-" in part for part in rel.parts):  # moved aside by --overwrite
+            continue
         r = json.loads(path.read_text())
-        r["path"] = str(path.parent.relative_to(root))
+        r["path"] = str(rel)
+        key = (r.get("spec"), r.get("seed"))
+        if key in seen_runs:
+            raise ValueError(f"spec {key[0]!r} seed {key[1]} twice: {seen_runs[key]} and "
+                             f"{r['path']}; keep one")
+        seen_runs[key] = r["path"]
         runs.append(r)
     keys = ("preset", "seq_len", "batch_size", "steps", "lr", "warmup_steps", "schedule",
-            "decay_fraction", "eval_batches", "val_fraction", "data")
+            "decay_fraction", "eval_batches", "val_fraction", "data", "min_lr_ratio",
+            "weight_decay", "beta1", "beta2", "clip_norm", "ffn", "dtype", "scan_layers",
+            "first_bf16", "last_bf16", "switch", "switch_at")
     seen: dict[tuple, str] = {}
     for r in runs:
         c = r["config"]
@@ -261,7 +277,8 @@ def table(group: Group, rows: list[Row]) -> str:
     for r in rows:
         spec = f"`{r.spec}`"
         if not r.finals:
-            note = "not run" if not r.seeds else f"{r.diverged} of {len(r.seeds)} diverged"
+            note = ("not run" if not r.seeds else f"{r.diverged} of {len(r.seeds)} diverged"
+                    if r.diverged else f"none of {len(r.seeds)} finished")
             lines.append(f"| {r.label} | {spec} | {len(r.seeds)} | {note} | | | |"
                          + (" |" if show_rec else ""))
             continue

@@ -93,6 +93,19 @@ def test_mixed_setups_refused(A, tmp_path):
         A.load_runs(tmp_path)
 
 
+def test_moved_aside_skipped_and_duplicates_refused(A, tmp_path):
+    _run(tmp_path, "bf16", 0, 1.2)
+    d = next(tmp_path.iterdir())
+    (d / "seed0.old-20261124-000000").mkdir()
+    (d / "seed0.old-20261124-000000" / "result.json").write_text(
+        (d / "seed0" / "result.json").read_text())
+    assert len(A.load_runs(tmp_path)) == 1
+    (d / "copy").mkdir()
+    (d / "copy" / "result.json").write_text((d / "seed0" / "result.json").read_text())
+    with pytest.raises(ValueError, match="twice"):
+        A.load_runs(tmp_path)
+
+
 def test_committed_tables_are_current(A):
     """The published tables (TABLES.md and the experiments/README block) are what ``build``
     makes of the committed result files."""

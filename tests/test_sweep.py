@@ -180,7 +180,8 @@ def test_run_level_spec_keys():
     assert split("mxfp4(switch_at=0.8, switch=fwd, first_bf16=1)") == (
         "mxfp4", {"switch_at": 0.8, "switch": "fwd", "first_bf16": 1})
     for bad, msg in [("nvfp4(switch=up)", "switch=up"), ("nvfp4(last_bf16=-2)", "last_bf16"),
-                     ("nvfp4(first_bf16=0.5)", "first_bf16"), ("nvfp4(switch_at=0)", "switch_at"),
+                     ("nvfp4(first_bf16=0.5)", "first_bf16"),
+                     ("nvfp4(switch_at=-0.1)", "switch_at"),
                      ("nvfp4(switch_at=1.5)", "switch_at"), ("nvfp4(foo=1)", "run-level keys"),
                      ("nvfp4(last_bf16=0, last_bf16=1)", "twice"),
                      ("nvx(last_bf16=0)", "unknown recipe 'nvx'")]:
@@ -220,10 +221,29 @@ def test_parallel_sweep_equals_sequential(tmp_path):
         agg = json.loads((out / "compare.json").read_text())
         finals[jobs] = {(r["recipe"], r["seed"]): r["final_val_loss"] for r in agg["runs"]}
     assert finals[1] == finals[3] and len(finals[1]) == 4, finals
-    logs = sorted(p.relative_to(tmp_path / "j3").as_posix()
-                  for p in (tmp_path / "j3").rglob("worker*.log"))
-    assert logs == ["bf16/worker-seeds0.log", "bf16/worker-seeds1.log",
-                    "nvfp4_sr-False_rht-0_last_bf16-0/worker.log"], logs
+    logs = sorted(p.name for p in (tmp_path / "j3" / "workers").glob("*.log"))
+    assert logs == ["bf16-seeds0.log", "bf16-seeds1.log",
+                    "nvfp4_sr-False_rht-0_last_bf16-0.log"], logs
+
+
+def test_parallel_sweep_failed_workers(tmp_path, capsys):
+    """A worker that fails is reported (SweepFailed, exit 2, its log named) with the summary
+    written, and an older result.json in a failed sub-run's directory is not taken as its
+    result; a one-seed --overwrite keeps each worker's log beside the runs."""
+    corpus = write_text(tmp_path / "c.txt", 20_000)
+    out = tmp_path / "s"
+    args = [*CLI, "--data", str(corpus), "--out", str(out), "--compare", "bf16,bf16(name=b)",
+            "--jobs", "2"]
+    assert T.main(args) == 0
+    with pytest.raises(SystemExit) as e:  # 99 devices: both workers fail at the mesh
+        T.main([*args, "--overwrite", "--devices", "99"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "sweep worker(s) failed" in err and "workers/bf16.log" in err
+    agg = json.loads((out / "compare.json").read_text())
+    assert [r["status"] for r in agg["runs"]] == ["failed", "failed"], agg["runs"]
+    assert all(r["final_val_loss"] is None for r in agg["runs"])
+    assert "devices" in (out / "workers" / "bf16.log").read_text()
 
 
 def test_cli_bad_jobs(tmp_path, capsys):

@@ -158,8 +158,9 @@ def compare(cfg: TrainConfig, recipes: Sequence[str],
     A sub-run that diverges is a result of the sweep, not its end: it is reported (``status:
     "diverged"`` in its ``result.json``, no mean in the summary) and the sweep goes on.
     With ``jobs > 1`` up to ``jobs`` specs train at once, each in its own process
-    (``fp4jax.train._worker``, its output in ``OUT/<slug>/worker.log``; with more jobs than
-    specs, a spec's seeds are split over workers, ``worker-seeds0-1.log``), sharing the local
+    (``fp4jax.train._worker``, its output in ``OUT/workers/<slug>.log``; with more jobs than
+    specs, a spec's seeds are split over workers, ``<slug>-seeds0.log``; stopping the sweep
+    stops its workers), sharing the local
     devices: compiles run in parallel, which is what makes many-spec sweeps on one GPU
     fast; throughput (tokens/s) of concurrent runs is then not comparable across runs.
 
@@ -215,9 +216,10 @@ def compare(cfg: TrainConfig, recipes: Sequence[str],
     todo = [k for k in subs if k not in done]
     failed: list[str] = []
     if jobs > 1 and len(todo) > 1:
+        before = {k: _stamp(Path(subs[k].out) / "result.json") for k in todo}
         failed = _train_parallel({k: subs[k] for k in todo}, slugs, out, jobs)
         for k in todo:
-            done[k] = _result_of(subs[k])
+            done[k] = _result_of(subs[k], before=before[k] or ())
     elif todo:
         ds = ByteDataset.load(cfg.data, cfg.seq_len, cfg.val_fraction, cfg.cache_dir)
         for k in todo:
@@ -250,14 +252,29 @@ def compare(cfg: TrainConfig, recipes: Sequence[str],
     return results
 
 
-def _result_of(sub: TrainConfig) -> dict:
-    """The ``result.json`` of a sub-run, or a stand-in saying it has none (a run that failed
-    before writing one)."""
+def _stamp(path: Path) -> tuple | None:
+    """Identity of a file's current version (inode, mtime in ns, size), None if absent."""
     try:
-        return json.loads((Path(sub.out) / "result.json").read_text())
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _result_of(sub: TrainConfig, before: tuple | None = None) -> dict:
+    """The ``result.json`` of a sub-run, or a stand-in with status ``"failed"`` when it has
+    none, or only the one it had before the run (``before``, its ``_stamp``): a run that
+    failed before writing its own never reports an older run's result."""
+    path = Path(sub.out) / "result.json"
+    try:
+        if before is None or _stamp(path) != before:
+            return json.loads(path.read_text())
     except (OSError, ValueError):
-        return {"recipe": sub.recipe, "spec": sub.recipe, "seed": sub.seed, "status": "failed",
-                "final_val_loss": None, "history": {}}
+        pass
+    return {"recipe": sub.recipe, "spec": sub.recipe, "seed": sub.seed, "status": "failed",
+            "final_val_loss": None, "last_val_loss": None, "last_val_step": None,
+            "final_train_loss": None, "tokens_per_s": None,
+            "policy": "failed: no result (see the worker log)", "history": {}}
 
 
 def _train_parallel(subs: dict[tuple[str, int], TrainConfig], slugs: dict[str, str],
@@ -266,7 +283,9 @@ def _train_parallel(subs: dict[tuple[str, int], TrainConfig], slugs: dict[str, s
     the other in it, sharing compiled steps), or, with more jobs than specs, a spec's seeds
     split over several workers. Returns the logs of the workers that failed."""
     import os
+    import signal
     import subprocess
+    import threading
     import time
 
     import jax
@@ -286,32 +305,51 @@ def _train_parallel(subs: dict[tuple[str, int], TrainConfig], slugs: dict[str, s
     env = dict(os.environ)
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # processes share the devices
     cache = jax.config.jax_compilation_cache_dir
+    logs = out / "workers"  # beside the runs: a worker moving its run aside keeps its log
+    logs.mkdir(parents=True, exist_ok=True)
     pending, running, failed = list(units), {}, []
-    while pending or running:
-        while pending and len(running) < jobs:
-            spec, runs = pending.pop(0)
-            d = out / slugs[spec]
-            d.mkdir(parents=True, exist_ok=True)
-            tag = "" if whole[spec] else "-seeds" + "-".join(str(c.seed) for c in runs)
-            plan = d / f"worker{tag}-plan.json"
-            plan.write_text(json.dumps({"configs": [dataclasses.asdict(c) for c in runs],
-                                        "compile_cache": cache}, indent=1))
-            path = d / f"worker{tag}.log"
-            log = open(path, "a")  # appended: a repeated sweep keeps the old log
-            _note(f"sweep: {spec}: {len(runs)} run(s) in a worker, log {path}")
-            proc = subprocess.Popen([sys.executable, "-m", "fp4jax.train._worker", str(plan)],
-                                    stdout=log, stderr=subprocess.STDOUT, env=env)
-            running[path] = (proc, log, spec)
-        time.sleep(0.2)
-        for path, (proc, log, spec) in list(running.items()):
-            if proc.poll() is not None:
-                log.close()
-                del running[path]
-                if proc.returncode != 0:
-                    failed.append(str(path))
-                    _note(f"sweep: {spec}: worker exited {proc.returncode}; see {path}")
-                else:
-                    _note(f"sweep: {spec}: worker done ({path.name})")
+    old_term = None
+    if threading.current_thread() is threading.main_thread():
+        def _stop(signum, frame):  # SIGTERM: stop the workers too (finally below)
+            raise SystemExit(128 + signum)
+        old_term = signal.signal(signal.SIGTERM, _stop)
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                spec, runs = pending.pop(0)
+                tag = slugs[spec] + ("" if whole[spec] else
+                                     "-seeds" + "-".join(str(c.seed) for c in runs))
+                plan = logs / f"{tag}-plan.json"
+                plan.write_text(json.dumps({"configs": [dataclasses.asdict(c) for c in runs],
+                                            "compile_cache": cache}, indent=1))
+                path = logs / f"{tag}.log"
+                log = open(path, "a")  # appended: a repeated sweep keeps the old log
+                _note(f"sweep: {spec}: {len(runs)} run(s) in a worker, log {path}")
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "fp4jax.train._worker", str(plan)],
+                    stdout=log, stderr=subprocess.STDOUT, env=env)
+                running[path] = (proc, log, spec)
+            time.sleep(0.2)
+            for path, (proc, log, spec) in list(running.items()):
+                if proc.poll() is not None:
+                    log.close()
+                    del running[path]
+                    if proc.returncode != 0:
+                        failed.append(str(path))
+                        _note(f"sweep: {spec}: worker exited {proc.returncode}; see {path}")
+                    else:
+                        _note(f"sweep: {spec}: worker done ({path.name})")
+    finally:
+        for proc, _, _ in running.values():  # interrupted: no orphans
+            proc.terminate()
+        for proc, log, _ in running.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
     return failed
 
 
@@ -392,6 +430,9 @@ def plot_sweep(results: Sequence[dict], path: Path, baseline: str | None = None)
         print("matplotlib is not installed: no plot (pip install 'fp4jax[train]')",
               file=sys.stderr)
         return None
+    results = [r for r in results if r.get("history", {}).get("step")]  # failed: no curves
+    if not results:
+        return None
     specs = list(dict.fromkeys(r.get("spec") or r["recipe"] for r in results))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     lo = np.inf
@@ -466,9 +507,9 @@ def comparison_table(results: Sequence[dict]) -> str:
                if b[0] and v is not None and s == b[1] else "n/a")
         label = r.get("spec") or r["recipe"]
         label += f" [seed {r.get('seed')}]" if len(seeds) > 1 else ""
-        tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a"
-        lines.append(f"| {label} | {shown} | {gap} | {fmt(r['final_train_loss'])} | {tps} "
-                     f"| {r['policy']} |")
+        tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "n/a"
+        lines.append(f"| {label} | {shown} | {gap} | {fmt(r.get('final_train_loss'))} | {tps} "
+                     f"| {r.get('policy', '')} |")
     return "\n".join(lines)
 
 
@@ -482,6 +523,9 @@ def plot_losses(results: Sequence[dict], path: Path) -> Path | None:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install 'fp4jax[train]')",
               file=sys.stderr)
+        return None
+    results = [r for r in results if r.get("history", {}).get("step")]  # failed: no curves
+    if not results:
         return None
     base = next((r for r in results if r["recipe"] == "bf16"), None)
     ncols = 3 if base is not None and len(results) > 1 else 2

@@ -118,7 +118,7 @@ RUN_KEYS: dict[str, str] = {
     "first_bf16": "leading blocks kept in BF16 (int >= 0)",
     "last_bf16": "trailing blocks kept in BF16 (int >= -1; -1: the last ~15%)",
     "switch_at": "fraction of training after which the GEMMs of `switch` run in BF16 "
-                 "(number in (0, 1])",
+                 "(number in [0, 1], as --switch-at)",
     "switch": f"GEMMs switched to BF16 at switch_at: one of {list(SWITCH_MODES)}",
 }
 
@@ -139,7 +139,7 @@ def _run_value(spec: str, key: str, text: str) -> Any:
     ok = {
         "first_bf16": _is_int(v) and v >= 0,
         "last_bf16": _is_int(v) and v >= -1,
-        "switch_at": _is_real(v) and math.isfinite(v) and 0.0 < v <= 1.0,
+        "switch_at": _is_real(v) and math.isfinite(v) and 0.0 <= v <= 1.0,
         "switch": v in SWITCH_MODES,
     }[key]
     if not ok:
