@@ -5,6 +5,7 @@ specs, a few steps on CPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -192,6 +193,16 @@ def test_run_level_spec_keys():
     with pytest.raises(T.ConfigError, match="more than once"):
         T.TrainConfig(compare="nvfp4(last_bf16=0),nvfp4(rht=16, last_bf16=0)")
     T.TrainConfig(compare="nvfp4,nvfp4(last_bf16=0)")  # differ in a run-level key: fine
+    for same in ("nvfp4,nvfp4(last_bf16=-1)", "nvfp4,nvfp4(switch=fwd)"):  # the same runs
+        with pytest.raises(T.ConfigError, match="more than once"):
+            T.TrainConfig(compare=same)
+    # a flag that every spec overrides is no difference on resume or repeat
+    a = dataclasses.asdict(T.TrainConfig(recipe="nvfp4(last_bf16=0)", last_bf16=2))
+    b = dataclasses.asdict(T.TrainConfig(recipe="nvfp4(last_bf16=0)"))
+    assert T.config_diff(a, b) == []
+    c = dataclasses.asdict(T.TrainConfig(recipe="nvfp4", last_bf16=2))
+    assert T.config_diff(c, dataclasses.asdict(T.TrainConfig(recipe="nvfp4"))) == [
+        "last_bf16: 2 -> -1"]
 
 
 def test_run_level_keys_reach_the_run(tmp_path):
@@ -246,7 +257,9 @@ def test_parallel_sweep_failed_workers(tmp_path, capsys):
     assert "devices" in (out / "workers" / "bf16.log").read_text()
 
 
-def test_cli_bad_jobs(tmp_path, capsys):
+@pytest.mark.parametrize("args", [["--jobs", "0"], ["--jobs", "2"]])
+def test_cli_bad_jobs(args, tmp_path, capsys):
+    """--jobs below 1, or without a sweep (--compare/--seeds), is refused."""
     with pytest.raises(SystemExit) as e:
-        T.main(["--jobs", "0", "--out", str(tmp_path / "x"), "--compile-cache", "off"])
+        T.main([*args, "--out", str(tmp_path / "x"), "--compile-cache", "off"])
     assert e.value.code == 2 and "argument --jobs" in capsys.readouterr().err

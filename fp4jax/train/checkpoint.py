@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax.train.config import RESUMABLE_KEYS, TrainConfig
+from fp4jax.train.config import RESUMABLE_KEYS, TrainConfig, split_run_spec
 
 # the file manifest written into each checkpoint's directory after orbax commits it
 MANIFEST = "fp4jax_files.json"
@@ -267,8 +267,20 @@ class Checkpointer:
         self.mngr.close()
 
 
+def _effective(config: dict) -> dict:
+    """``config`` with the run-level keys of its recipe spec applied (``split_run_spec``):
+    what the run used, so a flag that the spec overrides is no difference."""
+    try:
+        _, run = split_run_spec(config.get("recipe", ""))
+    except (ValueError, TypeError):
+        return config
+    return {**config, **run}
+
+
 def config_diff(saved: dict, current: dict) -> list[str]:
-    """Keys (outside ``RESUMABLE_KEYS``) whose values differ, as ``key: saved -> current``."""
+    """Keys (outside ``RESUMABLE_KEYS``) whose values differ, as ``key: saved -> current``;
+    both configs as the run used them (a spec's run-level keys applied)."""
+    saved, current = _effective(saved), _effective(current)
     keys = sorted((set(saved) | set(current)) - RESUMABLE_KEYS)
     # a key absent from an older checkpoint's config had its default value then
     default = dataclasses.asdict(TrainConfig())

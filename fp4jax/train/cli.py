@@ -166,6 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_out(cfg.out)
     except ConfigError as e:
         p.error(f"argument {e.flag}: {e.reason}")
+    if jobs > 1 and not cfg.compare and seeds_arg is None:
+        p.error("argument --jobs: trains the runs of a sweep in parallel; give --compare or "
+                "--seeds (one run has nothing to parallelize)")
     seeds = None
     if seeds_arg is not None:
         try:

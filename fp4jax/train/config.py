@@ -312,8 +312,11 @@ def validate_config(cfg: TrainConfig) -> None:
                 rest, run = split_run_spec(name)
             except ValueError as e:
                 raise ConfigError("compare", str(e)) from None
+            eff = {k: run.get(k, getattr(cfg, k)) for k in RUN_KEYS}  # as the run uses them
+            if eff["switch_at"] is None:
+                eff["switch"] = None  # no switch: its mode does not matter
             canon.append((fp4jax.recipes.spec(fp4jax.recipes.parse(rest)),
-                          tuple(sorted(run.items()))))
+                          tuple(sorted(eff.items()))))
         twice = sorted({n for n, c in zip(names, canon, strict=True) if canon.count(c) > 1})
         if twice:
             raise ConfigError("compare", f"names {', '.join(twice)} more than once")
