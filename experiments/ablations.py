@@ -143,13 +143,52 @@ def specs_of(groups: list[str]) -> list[str]:
 # --------------------------------------------------------------------------------- run
 
 
+def _missing(out: Path, spec: str) -> int:
+    """How many of ``spec``'s seeds have no finished (or diverged) run under ``out``."""
+    from fp4jax.train.comparison import slug
+
+    sweep = out / ("seeds3" if seeds_of(spec) == SEEDS_MAIN else "seeds2")
+    n = 0
+    for s in seeds_of(spec):
+        try:
+            r = json.loads((sweep / slug(spec) / f"seed{s}" / "result.json").read_text())
+            n += r.get("status") not in ("finished", "diverged")
+        except (OSError, ValueError):
+            n += 1
+    return n
+
+
+def select_specs(groups: list[str], out: Path, max_runs: int | None = None) -> list[str]:
+    """The specs of ``groups`` with unfinished runs under ``out``, in group order; with
+    ``max_runs``, only the first ones whose unfinished runs add up to at most that many (at
+    least one spec)."""
+    specs = [s for s in specs_of(groups) if _missing(out, s)]
+    if max_runs is None:
+        return specs
+    chosen, n = [], 0
+    for s in specs:
+        if chosen and n + _missing(out, s) > max_runs:
+            break
+        chosen.append(s)
+        n += _missing(out, s)
+    print(f"ablations: --max-runs {max_runs}: {n} run(s) of {len(chosen)} spec(s); "
+          f"{len(specs) - len(chosen)} spec(s) left for the next call", flush=True)
+    return chosen
+
+
 def run(groups: list[str], out: Path, jobs: int, data: str | None, extra: list[str],
-        time_limit: float | None = None) -> int:
+        time_limit: float | None = None, max_runs: int | None = None) -> int:
     """Trains every spec of ``groups`` with its seeds: two ``fp4jax-train`` sweeps at once
     (3-seed and 2-seed specs), each with up to ``jobs`` worker processes. After
     ``time_limit`` seconds the sweeps (and their workers) are stopped: finished runs are
-    kept, and repeating the command trains the rest."""
-    specs = specs_of(groups)
+    kept, and repeating the command trains the rest. ``max_runs`` takes only the first
+    specs (in group order) whose unfinished runs add up to at most that many (at least one
+    spec): size a device call so that its runs finish (a run cut off by the time limit is
+    lost, having no checkpoint small enough to carry to the next call)."""
+    specs = select_specs(groups, out, max_runs)
+    if not specs:
+        print("ablations: every run of these groups is finished", flush=True)
+        return 0
     sets = {"seeds3": [s for s in specs if seeds_of(s) == SEEDS_MAIN],
             "seeds2": [s for s in specs if seeds_of(s) == SEEDS]}
     sets = {k: v for k, v in sets.items() if v}
@@ -413,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--data", default=None)
     r.add_argument("--time-limit", type=float, default=None,
                    help="stop the sweeps after this many seconds (a repeat resumes)")
+    r.add_argument("--max-runs", type=int, default=None,
+                   help="train only the first specs whose unfinished runs fit this many "
+                        "(one H100 call of ~9 minutes fits ~8 runs of SETUP at once)")
     b = sub.add_parser("build", help="tables and plots from experiments/results/ablations")
     b.add_argument("--check", action="store_true", help="fail if the committed tables differ")
     a, extra = p.parse_known_args(argv)
@@ -428,7 +470,9 @@ def main(argv: list[str] | None = None) -> int:
         return build(check=a.check)
     if a.jobs < 1:
         p.error("argument --jobs: must be >= 1")
-    return run(a.groups, Path(a.out), a.jobs, a.data, extra, a.time_limit)
+    if a.max_runs is not None and a.max_runs < 1:
+        p.error("argument --max-runs: must be >= 1")
+    return run(a.groups, Path(a.out), a.jobs, a.data, extra, a.time_limit, a.max_runs)
 
 
 if __name__ == "__main__":

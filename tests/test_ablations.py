@@ -106,6 +106,17 @@ def test_moved_aside_skipped_and_duplicates_refused(A, tmp_path):
         A.load_runs(tmp_path)
 
 
+def test_select_specs_skips_finished_and_fits_max_runs(A):
+    """On the committed results: groups already run need nothing; the RHT group (6 runs
+    missing, 2 per spec) is cut to whole specs that fit --max-runs."""
+    root = A.RESULTS / "2026-11-24_mini_h100"
+    assert A.select_specs(["main", "remove", "sr", "switch"], root) == []
+    rht = A.select_specs(["rht"], root)
+    assert len(rht) == 3 and "nvfp4" not in rht and "bf16" not in rht
+    assert A.select_specs(["rht"], root, max_runs=5) == rht[:2]
+    assert A.select_specs(["rht"], root, max_runs=1) == rht[:1]  # at least one spec
+
+
 def test_committed_tables_are_current(A):
     """The published tables (TABLES.md and the experiments/README block) are what ``build``
     makes of the committed result files."""
