@@ -162,15 +162,16 @@ def select_specs(groups: list[str], out: Path, max_runs: int | None = None) -> l
     """The specs of ``groups`` with unfinished runs under ``out``, in group order; with
     ``max_runs``, only the first ones whose unfinished runs add up to at most that many (at
     least one spec)."""
-    specs = [s for s in specs_of(groups) if _missing(out, s)]
+    missing = {s: m for s in specs_of(groups) if (m := _missing(out, s))}
+    specs = list(missing)
     if max_runs is None:
         return specs
     chosen, n = [], 0
     for s in specs:
-        if chosen and n + _missing(out, s) > max_runs:
+        if chosen and n + missing[s] > max_runs:
             break
         chosen.append(s)
-        n += _missing(out, s)
+        n += missing[s]
     print(f"ablations: --max-runs {max_runs}: {n} run(s) of {len(chosen)} spec(s); "
           f"{len(specs) - len(chosen)} spec(s) left for the next call", flush=True)
     return chosen
@@ -291,25 +292,27 @@ def stats(xs: list[float]) -> tuple[float, float | None]:
 
 def _has_runs(rows: list[Row]) -> bool:
     """A group is shown once a row other than the shared baselines has runs."""
-    return any(r.seeds for r in rows if r.spec not in ("bf16", "nvfp4"))
+    return any(r.seeds for r in rows if r.spec not in (BASELINE, RECIPE))
 
 
-def _versus(r: Row, ref: Row) -> str:
-    """``+0.12% (no)``: the relative difference of ``r``'s mean to ``ref``'s and whether it
-    exceeds the larger sample std of the two; empty for the reference and BF16."""
-    if r.spec in (ref.spec, BASELINE):
-        return ""
-    m, s = stats(r.finals)
-    rm, rs = stats(ref.finals)
-    over = "n/a" if s is None or rs is None else "yes" if abs(m - rm) > max(s, rs) else "no"
-    return f"{(m - rm) / rm * 100:+.2f}% ({over})"
+def _summary(rows: list[Row], baseline: str) -> dict[str, dict]:
+    """``fp4jax.train.summarize`` of the rows' finished runs, by spec: mean, sample std, the
+    gap to ``baseline`` and whether it exceeds the seed spread (the rule lives there)."""
+    from fp4jax.train.comparison import summarize
+
+    runs = [{"spec": r.spec, "recipe": r.spec, "final_val_loss": x} for r in rows
+            for x in r.finals]
+    return {x["recipe"]: x for x in summarize(runs, baseline=baseline)["summary"]}
+
+
+def _yes_no(over: bool | None) -> str:
+    return "n/a" if over is None else "yes" if over else "no"
 
 
 def table(group: Group, rows: list[Row]) -> str:
-    base = next((r for r in rows if r.spec == BASELINE and r.finals), None)
-    bm, bs = stats(base.finals) if base else (None, None)
-    rec = next((r for r in rows if r.spec == RECIPE and r.finals), None)
-    show_rec = rec is not None and group is not GROUPS["main"]
+    vs_base = _summary(rows, BASELINE)
+    vs_rec = _summary(rows, RECIPE)
+    show_rec = RECIPE in vs_rec and group is not GROUPS["main"]
     lines = ["| row | spec | seeds | final val loss (mean ± std) | min – max | gap vs BF16 "
              "| gap > spread |" + (" vs NVFP4 recipe (> spread) |" if show_rec else ""),
              "|---|---|---|---|---|---|---|" + ("---|" if show_rec else "")]
@@ -321,19 +324,22 @@ def table(group: Group, rows: list[Row]) -> str:
             lines.append(f"| {r.label} | {spec} | {len(r.seeds)} | {note} | | | |"
                          + (" |" if show_rec else ""))
             continue
-        m, s = stats(r.finals)
-        ms = f"{m:.4f} ± {s:.4f}" if s is not None else f"{m:.4f} (1 seed)"
-        rng = f"{min(r.finals):.4f} – {max(r.finals):.4f}"
-        if bm is None or r.spec == BASELINE:
-            gap, over = ("+0.00%" if r.spec == BASELINE else "n/a"), ""
+        x = vs_base[r.spec]
+        ms = (f"{x['mean']:.4f} ± {x['std']:.4f}" if x["n"] > 1
+              else f"{x['mean']:.4f} (1 seed)")
+        rng = f"{x['min']:.4f} – {x['max']:.4f}"
+        if r.spec == BASELINE:
+            gap, over = "+0.00%", ""
+        elif x["gap_vs_baseline"] is None:
+            gap, over = "n/a", ""
         else:
-            gap = f"{(m - bm) / bm * 100:+.2f}%"
-            over = ("n/a" if s is None or bs is None
-                    else "yes" if abs(m - bm) > max(s, bs) else "no")
-        n = f"{len(r.finals)}" + (f" (+{r.diverged} diverged)" if r.diverged else "")
+            gap, over = f"{x['gap_vs_baseline'] * 100:+.2f}%", _yes_no(x["gap_exceeds_spread"])
+        n = f"{x['n']}" + (f" (+{r.diverged} diverged)" if r.diverged else "")
         line = f"| {r.label} | {spec} | {n} | {ms} | {rng} | {gap} | {over} |"
         if show_rec:
-            line += f" {_versus(r, rec)} |"
+            y = vs_rec[r.spec]
+            line += ("  |" if r.spec in (RECIPE, BASELINE) else
+                     f" {y['gap_vs_baseline'] * 100:+.2f}% ({_yes_no(y['gap_exceeds_spread'])}) |")
         lines.append(line)
     return "\n".join(lines)
 
