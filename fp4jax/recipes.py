@@ -363,6 +363,8 @@ _SPEC_KNOBS = ("sr", "rht", "block_2d", "fmt", "name")
 _GEMM_KEYS = ("hadamard", "hadamard_signs")
 _QUANT_KEYS = ("fmt", "rounding", "block_2d")
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*$")
+# a spec: NAME, optionally followed by (key=value, ...) overrides
+_SPEC_RE = re.compile(r"([^()\s]+)\s*(?:\((.*)\))?", flags=re.S)
 _KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
@@ -480,7 +482,7 @@ def parse(spec: str | Recipe) -> Recipe:
     if not isinstance(spec, str):
         raise TypeError(f"recipe spec must be a string or a Recipe, got {type(spec).__name__}")
     text = spec.strip()
-    m = re.fullmatch(r"([^()\s]+)\s*(?:\((.*)\))?", text, flags=re.S)
+    m = _SPEC_RE.fullmatch(text)
     if not m:
         raise ValueError(f"recipe spec {spec!r}: use NAME or NAME(key=value, ...), e.g. "
                          "'nvfp4(sr=False, rht=0)'")

@@ -14,7 +14,6 @@ import dataclasses
 import math
 import numbers
 import os
-import re
 from typing import Any
 
 import jax
@@ -160,7 +159,7 @@ def split_run_spec(spec: str) -> tuple[str, dict[str, Any]]:
     if not isinstance(spec, str):
         raise TypeError(f"recipe spec must be a string, got {type(spec).__name__}")
     text = spec.strip()
-    m = re.fullmatch(r"([^()\s]+)\s*(?:\((.*)\))?", text, flags=re.S)
+    m = fp4jax.recipes._SPEC_RE.fullmatch(text)
     if not m or m[2] is None or not m[2].strip():
         fp4jax.recipes.parse(text)  # raises for a malformed spec
         return text, {}

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 import fp4jax.recipes
 from fp4jax.data import ByteDataset
 from fp4jax.models.llama import Llama
+from fp4jax.recipes import Recipe
 from fp4jax.train.checkpoint import (
     CheckpointDamaged,
     Checkpointer,
@@ -48,7 +49,6 @@ from fp4jax.train.config import (
     model_config,
     override_keys,
     run_recipe,
-    split_run_spec,
     switched_recipe,
     validate_config,
 )
@@ -151,15 +151,15 @@ _STEP_CACHE: dict[tuple, dict] = {}
 _STEP_CACHE_SIZE = 4
 
 
-def _step_fns(cfg: TrainConfig, mesh: Mesh, build: Callable[[], dict]) -> tuple[dict, bool]:
+def _step_fns(cfg: TrainConfig, recipe: Recipe, mesh: Mesh,
+              build: Callable[[], dict]) -> tuple[dict, bool]:
     """The jitted functions of ``cfg`` (``build()`` on a miss), shared by runs that differ only
     in keys of ``_NOT_COMPILED`` (e.g. the seeds of a sweep) or in how their recipe spec is
-    written; ``cfg`` has the spec's run-level keys applied (``run_recipe``). The newest few
-    are kept. Returns
-    ``(functions, reused)``."""
+    written; ``cfg`` has the spec's run-level keys applied and ``recipe`` is its parsed
+    recipe (``run_recipe``). The newest few are kept. Returns ``(functions, reused)``."""
     # the builders as looked up now: a monkeypatched one (tests) gets its own entry
     fields = dataclasses.asdict(cfg)  # the recipe canonical: nvfp4(switch_at=0.8) ~ nvfp4
-    fields["recipe"] = fp4jax.recipes.spec(split_run_spec(cfg.recipe)[0])
+    fields["recipe"] = fp4jax.recipes.spec(recipe)
     key = (tuple(sorted((k, repr(v)) for k, v in fields.items() if k not in _NOT_COMPILED)),
            tuple(d.id for d in mesh.devices.flat),
            tuple(id(f) for f in (make_init_state, make_train_step, make_eval_step)))
@@ -304,7 +304,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     sr_key = jax.random.fold_in(root, 1)
     repl, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 
-    fns, reused = _step_fns(rcfg, mesh, lambda: {
+    fns, reused = _step_fns(rcfg, recipe, mesh, lambda: {
         "init": jax.jit(make_init_state(model, tx, cfg), out_shardings=repl),
         "train": {False: make_train_step(model, tx, None, mesh),
                   True: make_train_step(model2, tx, None, mesh)},
