@@ -197,9 +197,8 @@ def run(groups: list[str], out: Path, jobs: int, data: str | None, extra: list[s
     out.mkdir(parents=True, exist_ok=True)
     for name, ss in sets.items():
         seeds = SEEDS_MAIN if name == "seeds3" else SEEDS
-        j = jobs  # each sweep uses what it needs; the 3-seed one is mostly done first
         cmd = [sys.executable, "-m", "fp4jax.train", *SETUP, "--compare", ",".join(ss),
-               "--seeds", ",".join(map(str, seeds)), "--jobs", str(j),
+               "--seeds", ",".join(map(str, seeds)), "--jobs", str(jobs),
                "--out", str(out / name), *(["--data", data] if data else []), *extra]
         print("ablations:", " ".join(repr(c) if " " in c else c for c in cmd), flush=True)
         log = open(out / f"{name}.log", "a")
