@@ -158,11 +158,13 @@ def _missing(out: Path, spec: str) -> int:
     return n
 
 
-def select_specs(groups: list[str], out: Path, max_runs: int | None = None) -> list[str]:
-    """The specs of ``groups`` with unfinished runs under ``out``, in group order; with
-    ``max_runs``, only the first ones whose unfinished runs add up to at most that many (at
-    least one spec)."""
-    missing = {s: m for s in specs_of(groups) if (m := _missing(out, s))}
+def select_specs(groups: list[str], out: Path, max_runs: int | None = None,
+                 skip: list[str] = ()) -> list[str]:
+    """The specs of ``groups`` with unfinished runs under ``out``, in group order, less those
+    containing any string of ``skip``; with ``max_runs``, only the first ones whose unfinished
+    runs add up to at most that many (at least one spec)."""
+    missing = {s: m for s in specs_of(groups)
+               if not any(k in s for k in skip) and (m := _missing(out, s))}
     specs = list(missing)
     if max_runs is None:
         return specs
@@ -178,15 +180,17 @@ def select_specs(groups: list[str], out: Path, max_runs: int | None = None) -> l
 
 
 def run(groups: list[str], out: Path, jobs: int, data: str | None, extra: list[str],
-        time_limit: float | None = None, max_runs: int | None = None) -> int:
+        time_limit: float | None = None, max_runs: int | None = None,
+        skip: list[str] = ()) -> int:
     """Trains every spec of ``groups`` with its seeds: two ``fp4jax-train`` sweeps at once
     (3-seed and 2-seed specs), each with up to ``jobs`` worker processes. After
     ``time_limit`` seconds the sweeps (and their workers) are stopped: finished runs are
     kept, and repeating the command trains the rest. ``max_runs`` takes only the first
     specs (in group order) whose unfinished runs add up to at most that many (at least one
     spec): size a device call so that its runs finish (a run cut off by the time limit is
-    lost, having no checkpoint small enough to carry to the next call)."""
-    specs = select_specs(groups, out, max_runs)
+    lost, having no checkpoint small enough to carry to the next call). ``skip`` leaves out
+    the specs containing any of its strings (e.g. slower ones, for a call of their own)."""
+    specs = select_specs(groups, out, max_runs, skip)
     if not specs:
         print("ablations: every run of these groups is finished", flush=True)
         return 0
@@ -459,7 +463,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="stop the sweeps after this many seconds (a repeat resumes)")
     r.add_argument("--max-runs", type=int, default=None,
                    help="train only the first specs whose unfinished runs fit this many "
-                        "(one H100 call of ~9 minutes fits ~8 runs of SETUP at once)")
+                        "(one H100 call of ~9 minutes fits ~8 runs of SETUP at once with "
+                        "the NVFP4 kernels, ~6 of formats that run through XLA)")
+    r.add_argument("--skip", action="append", default=[], metavar="STR",
+                   help="leave out specs containing STR (repeatable)")
     b = sub.add_parser("build", help="tables and plots from experiments/results/ablations")
     b.add_argument("--check", action="store_true", help="fail if the committed tables differ")
     a, extra = p.parse_known_args(argv)
@@ -477,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("argument --jobs: must be >= 1")
     if a.max_runs is not None and a.max_runs < 1:
         p.error("argument --max-runs: must be >= 1")
-    return run(a.groups, Path(a.out), a.jobs, a.data, extra, a.time_limit, a.max_runs)
+    return run(a.groups, Path(a.out), a.jobs, a.data, extra, a.time_limit, a.max_runs,
+               a.skip)
 
 
 if __name__ == "__main__":
