@@ -103,12 +103,15 @@ GROUPS: dict[str, Group] = {
          ("BF16 backward from 90% (QAF)", "nvfp4(switch_at=0.9, switch=bwd)"))),
     "rht": Group(
         "RHT sign policy and size (Wgrad)",
-        "TE fixes one sign vector; Quartet II re-draws it every step; sizes 16 and 128.",
+        "TE fixes one sign vector; torchao one per layer; Quartet II re-draws it every step; "
+        "sizes 16 and 128.",
         (("BF16", "bf16"), ("no RHT", "nvfp4(rht=0)"), ("RHT-16, fixed global signs", "nvfp4"),
          ("RHT-16, signs re-drawn per step and layer", "nvfp4(wgrad.hadamard_signs=random)"),
+         ("RHT-16, one fixed vector per layer", "nvfp4(wgrad.hadamard_signs=layer)"),
          ("RHT-128, fixed global signs", "nvfp4(rht=128)"),
          ("RHT-128, signs re-drawn per step and layer",
-          "nvfp4(rht=128, wgrad.hadamard_signs=random)"))),
+          "nvfp4(rht=128, wgrad.hadamard_signs=random)"),
+         ("RHT-128, one fixed vector per layer", "nvfp4(rht=128, wgrad.hadamard_signs=layer)"))),
     "scales": Group(
         "Scale format at block 16 (NVFP4 recipe otherwise)",
         "FP4-all-the-way Figure 1: E4M3 scales are the sweet spot at block 16.",

@@ -46,8 +46,26 @@ _KEY_IDX = {
 }
 
 
+def _step_key(key: jax.Array) -> jax.Array:
+    """The call's key. Recipes with per-layer RHT signs carry ``(key, rht_key)`` stacked in
+    one key array of shape (2,) (``_pack_keys``); every other recipe a scalar key."""
+    return key[0] if key.ndim else key
+
+
+def _pack_keys(key: jax.Array, rht_key: jax.Array) -> jax.Array:
+    """``(key, rht_key)`` as one key array of shape (2,) (one argument through the
+    custom_vjp and the kernels' custom_vmap)."""
+    if jax.random.key_impl(rht_key) != jax.random.key_impl(key):
+        raise ValueError(
+            f"rht_key uses the PRNG implementation {jax.random.key_impl(rht_key)} and key "
+            f"{jax.random.key_impl(key)}: make both with the same one (e.g. jax.random.key)"
+        )
+    data = jnp.stack([jax.random.key_data(key), jax.random.key_data(rht_key)])
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(key))
+
+
 def _subkey(key: jax.Array, gemm: str, which: str) -> jax.Array:
-    return jax.random.fold_in(key, _KEY_IDX[(gemm, which)])
+    return jax.random.fold_in(_step_key(key), _KEY_IDX[(gemm, which)])
 
 
 def _quant(x: jax.Array, spec: QuantSpec, axis: int, key: jax.Array,
@@ -75,6 +93,8 @@ def _rht_signs(g: GemmSpec, key: jax.Array, gemm: str) -> jax.Array:
     signs = g.hadamard_signs
     if signs == "random":
         signs = _subkey(key, gemm, "rht")
+    elif signs == "layer":  # the layer's constant key (dot_general's rht_key)
+        signs = jax.random.fold_in(key[1], _KEY_IDX[(gemm, "rht")])
     elif isinstance(signs, tuple):
         signs = np.asarray(signs, np.float32)
     return resolve_signs(signs, g.hadamard)
@@ -145,7 +165,8 @@ def _kernel_for(x: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: jax.
     """The dispatcher's fused kernel for this operand (``"rows"``, ``"cols"``, ``"2d"``) or
     None (the XLA path). ``x`` is canonical (B, R, C); ``axis`` 1 or 2 is the blocked axis."""
     return dispatch.operand_kernel(x, block_2d=spec.block_2d, axis=axis,
-                                   stochastic=spec.stochastic, rht=g.hadamard, key=key)
+                                   stochastic=spec.stochastic, rht=g.hadamard,
+                                   key=_step_key(key))
 
 
 def _scaled_operands(x: jax.Array, ops: tuple, key: jax.Array, kmode: str
@@ -321,6 +342,7 @@ def dot_general(
     *,
     recipe: Recipe | str | None = None,
     key: jax.Array | None = None,
+    rht_key: jax.Array | None = None,
 ) -> jax.Array:
     """A drop-in for ``jax.lax.dot_general`` whose GEMMs (forward and backward) are FP4.
 
@@ -334,6 +356,10 @@ def dot_general(
       recipe: a ``fp4jax.Recipe`` or its name; default ``recipes.nvfp4()``.
       key: ``jax.random`` key; required when the recipe uses stochastic rounding
         (use a fresh key per step and layer). Same key, same bits.
+      rht_key: ``jax.random`` key the RHT signs are drawn from when a GEMM's
+        ``hadamard_signs`` is ``"layer"`` (required then, ignored otherwise): one key per
+        layer, the same at every step (the Flax layers draw it from the ``"fp4_layer"``
+        stream).
 
     Returns:
       ``lax.dot_general``'s output shape: batch dims, lhs free dims, rhs free dims.
@@ -384,6 +410,14 @@ def dot_general(
         key = qz.normalize_key(key)
     else:
         key = jax.random.key(0) if key is None else qz.normalize_key(key)
+    if recipe.needs_layer_key:
+        if rht_key is None:
+            raise ValueError(
+                f"recipe {recipe.name!r} draws its RHT signs per layer "
+                "(hadamard_signs='layer'): pass rht_key=, one key per layer that stays the "
+                "same at every step (fp4jax.nn layers draw it from the 'fp4_layer' RNG stream)"
+            )
+        key = _pack_keys(key, qz.normalize_key(rht_key, "rht_key"))
 
     lfree = [d for d in range(lhs.ndim) if d not in lc + lb]
     rfree = [d for d in range(rhs.ndim) if d not in rc + rb]
@@ -416,6 +450,7 @@ def dot(
     recipe: Recipe | str | None = None,
     key: jax.Array | None = None,
     preferred_element_type: Any = None,
+    rht_key: jax.Array | None = None,
 ) -> jax.Array:
     """FP4 matrix product ``x @ w`` with the recipe's forward and backward quantization.
 
@@ -426,6 +461,8 @@ def dot(
       recipe: ``fp4jax.Recipe`` or name (default ``recipes.nvfp4()``).
       key: ``jax.random`` key, required for recipes with stochastic rounding.
       preferred_element_type: output dtype (default ``result_type(x, w)``).
+      rht_key: the layer's constant key for ``hadamard_signs="layer"`` (see
+        ``dot_general``).
 
     Returns:
       ``(..., N)`` array.
@@ -443,4 +480,5 @@ def dot(
             f"w shape {w.shape} (first dim)"
         )
     return dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
-                       preferred_element_type=preferred_element_type, recipe=recipe, key=key)
+                       preferred_element_type=preferred_element_type, recipe=recipe, key=key,
+                       rht_key=rht_key)

@@ -207,40 +207,41 @@ def _check_rounding(rounding: str, key: Any, argname: str = "key") -> None:
         )
 
 
-def normalize_key(key: Any) -> jax.Array:
+def normalize_key(key: Any, name: str = "key") -> jax.Array:
     """A typed PRNG key array from a typed (``jax.random.key``) or raw (``PRNGKey``) key.
 
     Typed keys keep their implementation (threefry, rbg, ...); raw uint32 keys are
     wrapped with the default implementation, as ``jax.random`` itself does. One key only:
-    a batch of keys (e.g. ``jax.random.split(key)``) raises a ValueError.
+    a batch of keys (e.g. ``jax.random.split(key)``) raises a ValueError. ``name`` is the
+    argument named in the errors.
     """
     if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return _check_one_key(key)
+        return _check_one_key(key, name)
     if isinstance(key, (int, float)) or not hasattr(key, "dtype"):
         raise TypeError(
-            f"key must be a jax PRNG key, got {type(key).__name__}: pass "
-            "key=jax.random.key(seed)"
+            f"{name} must be a jax PRNG key, got {type(key).__name__}: pass "
+            f"{name}=jax.random.key(seed)"
         )
     key = jnp.asarray(key)
     if key.dtype != jnp.uint32:
         raise TypeError(
-            f"key must be a jax PRNG key, got an array of dtype {key.dtype}: pass "
-            "key=jax.random.key(seed)"
+            f"{name} must be a jax PRNG key, got an array of dtype {key.dtype}: pass "
+            f"{name}=jax.random.key(seed)"
         )
     try:
         wrapped = jax.random.wrap_key_data(key)
     except (TypeError, ValueError) as e:
         raise ValueError(
-            f"key must be one jax PRNG key, got a uint32 array of shape {key.shape} that is "
-            "not one: pass key=jax.random.key(seed)"
+            f"{name} must be one jax PRNG key, got a uint32 array of shape {key.shape} that is "
+            f"not one: pass {name}=jax.random.key(seed)"
         ) from e
-    return _check_one_key(wrapped)
+    return _check_one_key(wrapped, name)
 
 
-def _check_one_key(key: jax.Array) -> jax.Array:
+def _check_one_key(key: jax.Array, name: str = "key") -> jax.Array:
     if key.shape != ():
         raise ValueError(
-            f"key must be one PRNG key, got a batch of keys of shape {key.shape} (e.g. from "
+            f"{name} must be one PRNG key, got a batch of keys of shape {key.shape} (e.g. from "
             "jax.random.split): pass one of them, e.g. keys[0], or jax.vmap over the batch"
         )
     return key

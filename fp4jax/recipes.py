@@ -88,9 +88,11 @@ class GemmSpec:
     Attributes:
       lhs, rhs: ``QuantSpec`` of each operand (see the module docstring for which is which).
       hadamard: RHT tile size along the contraction axis (0 = off; 16 in NVFP4 Wgrad).
-      hadamard_signs: ``None`` (Transformer Engine's fixed vector), an ``int`` seed,
-        ``"random"`` (fresh signs from the call's key) or a tuple of +-1 of length
-        ``hadamard``.
+      hadamard_signs: ``None`` (Transformer Engine's fixed vector, one for every layer),
+        an ``int`` seed, ``"layer"`` (one vector per layer, constant over training, drawn
+        from the call's ``rht_key``: torchao's ``nvfp4_training`` policy), ``"random"``
+        (fresh signs from the call's key, re-drawn every step and layer: Quartet II's) or a
+        tuple of +-1 of length ``hadamard``.
     """
 
     lhs: QuantSpec = HIGH_PRECISION
@@ -107,10 +109,11 @@ class GemmSpec:
         if isinstance(s, list):
             object.__setattr__(self, "hadamard_signs", tuple(s))
         elif s is not None and not isinstance(s, (int, str, tuple)):
-            raise TypeError("GemmSpec.hadamard_signs must be None, an int, 'random' or a tuple")
-        if isinstance(s, str) and s not in ("random", "te"):
+            raise TypeError(
+                "GemmSpec.hadamard_signs must be None, an int, 'layer', 'random' or a tuple")
+        if isinstance(s, str) and s not in ("random", "layer", "te"):
             raise ValueError(
-                f"GemmSpec.hadamard_signs={s!r}: use None, an int, 'random' or a tuple"
+                f"GemmSpec.hadamard_signs={s!r}: use None, an int, 'layer', 'random' or a tuple"
             )
 
     @property
@@ -164,6 +167,12 @@ class Recipe:
             g.lhs.stochastic or g.rhs.stochastic or (g.hadamard and g.hadamard_signs == "random")
             for g in self.gemms.values()
         )
+
+    @property
+    def needs_layer_key(self) -> bool:
+        """True when some GEMM draws its RHT signs per layer (``hadamard_signs="layer"``):
+        ``fp4jax.dot`` then needs ``rht_key``, a key constant over training, one per layer."""
+        return any(g.hadamard and g.hadamard_signs == "layer" for g in self.gemms.values())
 
     @property
     def quantized(self) -> bool:

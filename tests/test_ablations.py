@@ -106,15 +106,18 @@ def test_moved_aside_skipped_and_duplicates_refused(A, tmp_path):
         A.load_runs(tmp_path)
 
 
-def test_select_specs_skips_finished_and_fits_max_runs(A):
-    """On the committed results: groups already run need nothing; the RHT group (6 runs
-    missing, 2 per spec) is cut to whole specs that fit --max-runs."""
+def test_select_specs_skips_finished_and_fits_max_runs(A, tmp_path):
+    """On the committed results, groups already run need nothing; with no results, the RHT
+    group is cut to whole specs that fit --max-runs, and --skip leaves specs out."""
     root = A.RESULTS / "2026-11-24_mini_h100"
     assert A.select_specs(["main", "remove", "sr", "switch"], root) == []
-    rht = A.select_specs(["rht"], root)
-    assert len(rht) == 3 and "nvfp4" not in rht and "bf16" not in rht
-    assert A.select_specs(["rht"], root, max_runs=5) == rht[:2]
-    assert A.select_specs(["rht"], root, max_runs=1) == rht[:1]  # at least one spec
+    every = A.select_specs(["rht"], tmp_path)
+    assert every == [spec for _, spec in A.GROUPS["rht"].rows]
+    assert A.select_specs(["rht"], tmp_path, max_runs=5) == every[:2]  # bf16 3 + rht=0 2
+    assert A.select_specs(["rht"], tmp_path, max_runs=4) == every[:1]
+    assert A.select_specs(["rht"], tmp_path, max_runs=1) == every[:1]  # at least one spec
+    assert A.select_specs(["rht"], tmp_path, skip=["rht=128", "bf16"]) == [
+        s for s in every if "rht=128" not in s and s != "bf16"]
 
 
 def test_committed_tables_are_current(A):

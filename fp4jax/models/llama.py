@@ -246,7 +246,7 @@ class Llama(nn.Module):
                 j += 1
             if j - i > 1:
                 scanned = nn.scan(_ScanBlock, variable_axes={"params": 0},
-                                  split_rngs={"params": True, "fp4": True},
+                                  split_rngs={"params": True, "fp4": True, "fp4_layer": True},
                                   in_axes=nn.broadcast, length=j - i)
                 x, _ = scanned(cfg, recipes[i], name=f"blocks_{i}_{j - 1}")(x, positions)
             else:

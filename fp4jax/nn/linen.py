@@ -15,6 +15,12 @@ Stochastic-rounding keys come from the linen RNG stream ``rng_collection`` (defa
 ``"fp4"``): ``make_rng`` folds in the module path and a per-call counter, so every layer gets a
 different key, and passing ``jax.random.fold_in(seed_key, step)`` makes keys differ per step
 while staying reproducible from the seed.
+
+Recipes whose RHT signs are drawn per layer (``hadamard_signs="layer"``, torchao's policy)
+also need a key that is the same at every step: it comes from the stream
+``layer_rng_collection`` (default ``"fp4_layer"``), e.g. ``rngs={"fp4": fold_in(key, step),
+"fp4_layer": layer_key}`` with one fixed ``layer_key`` per run; ``make_rng`` gives each layer
+its own.
 """
 
 from __future__ import annotations
@@ -29,25 +35,34 @@ if TYPE_CHECKING:  # pragma: no cover
     from fp4jax import Recipe
 
 DEFAULT_RNG_STREAM = "fp4"
+DEFAULT_LAYER_RNG_STREAM = "fp4_layer"
+
+
+def _recipe(recipe: Any) -> Recipe:
+    import fp4jax
+
+    return fp4jax.recipes.nvfp4() if recipe is None else fp4jax.recipes.get(recipe)
 
 
 def _needs_key(recipe: Any) -> bool:
     """Whether ``recipe`` (a ``Recipe``, a recipe name or ``None`` = NVFP4) needs SR keys."""
-    import fp4jax
+    return _recipe(recipe).needs_key
 
-    recipe = fp4jax.recipes.nvfp4() if recipe is None else fp4jax.recipes.get(recipe)
-    return recipe.needs_key
+
+def _needs_layer_key(recipe: Any) -> bool:
+    """Whether ``recipe`` draws RHT signs per layer (needs a key constant over steps)."""
+    return _recipe(recipe).needs_layer_key
 
 
 def fp4_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any,
                     preferred_element_type: Any, out_sharding: Any, *, recipe: Any,
-                    key: jax.Array | None) -> jax.Array:
+                    key: jax.Array | None, rht_key: jax.Array | None = None) -> jax.Array:
     """``fp4jax.dot_general`` plus the ``out_sharding`` constraint newer flax layers pass
     (shared by the linen and NNX modules)."""
     import fp4jax
 
     out = fp4jax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                             recipe=recipe, key=key)
+                             recipe=recipe, key=key, rht_key=rht_key)
     if out_sharding is not None:
         out = jax.lax.with_sharding_constraint(out, out_sharding)
     return out
@@ -63,10 +78,13 @@ class DotGeneral(nn.Module):
       recipe: the fp4jax recipe (``None``: fp4jax's default, NVFP4).
       rng_collection: name of the linen RNG stream that stochastic rounding draws keys from.
         While initializing, when that stream is absent, keys come from ``"params"`` instead.
+      layer_rng_collection: the stream of the layer's constant RHT key (recipes with
+        ``hadamard_signs="layer"``); pass the same key at every step.
     """
 
     recipe: Recipe | None = None
     rng_collection: str = DEFAULT_RNG_STREAM
+    layer_rng_collection: str = DEFAULT_LAYER_RNG_STREAM
 
     @nn.nowrap
     def _key(self) -> jax.Array | None:
@@ -81,6 +99,22 @@ class DotGeneral(nn.Module):
             f"fp4jax recipe {name!r} uses stochastic rounding and needs a PRNG key: pass "
             f"rngs={{{self.rng_collection!r}: key}} to Module.apply (e.g. "
             "jax.random.fold_in(seed_key, step))."
+        )
+
+    @nn.nowrap
+    def _rht_key(self) -> jax.Array | None:
+        if not _needs_layer_key(self.recipe):
+            return None
+        if self.has_rng(self.layer_rng_collection):
+            return self.make_rng(self.layer_rng_collection)
+        if self.is_initializing() and self.has_rng("params"):
+            return self.make_rng("params")
+        name = getattr(self.recipe, "name", "default")
+        raise ValueError(
+            f"fp4jax recipe {name!r} draws its RHT signs per layer (hadamard_signs='layer') "
+            f"and needs a key that stays the same at every step: pass "
+            f"rngs={{..., {self.layer_rng_collection!r}: layer_key}} to Module.apply, with "
+            "one fixed layer_key per run (e.g. jax.random.fold_in(seed_key, 2**31 - 2))."
         )
 
     def __call__(
@@ -98,7 +132,8 @@ class DotGeneral(nn.Module):
         newer flax layers) is applied as a sharding constraint when not ``None``.
         """
         return fp4_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                               out_sharding, recipe=self.recipe, key=self._key())
+                               out_sharding, recipe=self.recipe, key=self._key(),
+                               rht_key=self._rht_key())
 
 
 class Dense(nn.Module):
@@ -116,6 +151,8 @@ class Dense(nn.Module):
       param_dtype: dtype of the master weights (default float32).
       kernel_init, bias_init: initializers.
       rng_collection: RNG stream for stochastic rounding (see :class:`DotGeneral`).
+      layer_rng_collection: RNG stream of the layer's constant RHT key (see
+        :class:`DotGeneral`).
     """
 
     features: int
@@ -126,6 +163,7 @@ class Dense(nn.Module):
     kernel_init: Any = nn.initializers.lecun_normal()
     bias_init: Any = nn.initializers.zeros_init()
     rng_collection: str = DEFAULT_RNG_STREAM
+    layer_rng_collection: str = DEFAULT_LAYER_RNG_STREAM
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -139,7 +177,8 @@ class Dense(nn.Module):
             else None
         )
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-        dot = DotGeneral(recipe=self.recipe, rng_collection=self.rng_collection)
+        dot = DotGeneral(recipe=self.recipe, rng_collection=self.rng_collection,
+                         layer_rng_collection=self.layer_rng_collection)
         y = dot(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
         if bias is not None:
             y = y + bias

@@ -16,6 +16,10 @@ NNX falls back to ``"default"`` when absent). Each draw advances the stream's co
 layers and steps get distinct keys, all reproducible from the stream's seed. The counter is
 NNX state: under ``nnx.jit`` it is carried automatically; with ``nnx.split``/``merge`` keep the
 ``RngState`` with the model.
+
+Recipes whose RHT signs are drawn per layer (``hadamard_signs="layer"``, torchao's policy)
+draw each layer's key once, at construction, from the ``params`` stream, and keep it as an
+``RHTKey`` variable (state, saved with the model, not a parameter).
 """
 
 from __future__ import annotations
@@ -26,10 +30,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fp4jax.nn.linen import DEFAULT_RNG_STREAM, _needs_key, fp4_dot_general
+from fp4jax.nn.linen import DEFAULT_RNG_STREAM, _needs_key, _needs_layer_key, fp4_dot_general
 
 if TYPE_CHECKING:  # pragma: no cover
     from fp4jax import Recipe
+
+
+class RHTKey(nnx.Variable):
+    """A layer's constant RHT key (raw uint32 key data) for ``hadamard_signs="layer"``."""
 
 
 class DotGeneral(nnx.Module):
@@ -37,7 +45,8 @@ class DotGeneral(nnx.Module):
 
     Args:
       recipe: fp4jax recipe (``None``: fp4jax's default, NVFP4).
-      rngs: ``nnx.Rngs``; required when the recipe uses stochastic rounding.
+      rngs: ``nnx.Rngs``; required when the recipe uses stochastic rounding or per-layer
+        RHT signs (the layer's key is drawn from its ``params`` stream).
       rng_stream: name of the stream keys are drawn from.
     """
 
@@ -67,6 +76,17 @@ class DotGeneral(nnx.Module):
                 ) from e
         else:
             self.rng = None
+        if not _needs_layer_key(recipe):
+            self.rht_key = None
+        else:
+            if rngs is None:
+                name = getattr(recipe, "name", "default")
+                raise ValueError(
+                    f"fp4jax recipe {name!r} draws its RHT signs per layer: pass "
+                    "rngs=nnx.Rngs(params=seed, ...) to DotGeneral (the layer's key is drawn "
+                    "once from the params stream)."
+                )
+            self.rht_key = RHTKey(jax.random.key_data(rngs.params()))
 
     def __call__(
         self,
@@ -79,8 +99,10 @@ class DotGeneral(nnx.Module):
     ) -> jax.Array:
         """``jax.lax.dot_general(lhs, rhs, dimension_numbers)`` with FP4 numerics."""
         key = self.rng() if self.rng is not None else None
+        rht_key = (None if self.rht_key is None
+                   else jax.random.wrap_key_data(self.rht_key[...]))
         return fp4_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                               out_sharding, recipe=self.recipe, key=key)
+                               out_sharding, recipe=self.recipe, key=key, rht_key=rht_key)
 
 
 class Linear(nnx.Linear):

@@ -74,9 +74,18 @@ def make_mesh(n: int = 0) -> Mesh:
     return Mesh(np.array(devs[:n]), ("data",))
 
 
-def loss_fn(model: Llama, params: Any, batch: jax.Array, key: jax.Array) -> jax.Array:
-    """Mean next-byte cross-entropy (nats). ``batch (B, T+1)`` int32 -> float32 scalar."""
-    logits = model.apply({"params": params}, batch[:, :-1], rngs={"fp4": key})
+# fold_in index of the run's layer key (constant per-layer RHT signs) under the base key;
+# steps use their own index and evaluation 2**31 - 1.
+LAYER_KEY_INDEX = 2**31 - 2
+
+
+def loss_fn(model: Llama, params: Any, batch: jax.Array, key: jax.Array,
+            layer_key: jax.Array | None = None) -> jax.Array:
+    """Mean next-byte cross-entropy (nats). ``batch (B, T+1)`` int32 -> float32 scalar.
+    ``key``: the step's stochastic-rounding key; ``layer_key``: the run's constant key of
+    per-layer RHT signs (stream ``"fp4_layer"``; needed by ``hadamard_signs="layer"``)."""
+    rngs = {"fp4": key} if layer_key is None else {"fp4": key, "fp4_layer": layer_key}
+    logits = model.apply({"params": params}, batch[:, :-1], rngs=rngs)
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
@@ -118,8 +127,11 @@ def make_train_step(model: Llama, tx: optax.GradientTransformation,
 
     def step(state, batch, key_arg=None):
         _traced("train")
-        key = jax.random.fold_in(base_key if key_arg is None else key_arg, state["step"])
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(model, p, batch, key))(state["params"])
+        base = base_key if key_arg is None else key_arg
+        key = jax.random.fold_in(base, state["step"])
+        layer_key = jax.random.fold_in(base, LAYER_KEY_INDEX)
+        loss, grads = jax.value_and_grad(
+            lambda p: loss_fn(model, p, batch, key, layer_key))(state["params"])
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": _global_norm(grads)}
@@ -136,7 +148,8 @@ def make_eval_step(model: Llama, base_key: jax.Array | None, mesh: Mesh) -> Call
     def ev(p, b, key_arg=None):
         _traced("eval")
         k = base_key if key_arg is None else key_arg
-        return loss_fn(model, p, b, jax.random.fold_in(k, 2**31 - 1))
+        return loss_fn(model, p, b, jax.random.fold_in(k, 2**31 - 1),
+                       jax.random.fold_in(k, LAYER_KEY_INDEX))
 
     return jax.jit(ev, out_shardings=NamedSharding(mesh, P()))
 
