@@ -125,3 +125,19 @@ def test_committed_tables_are_current(A):
     makes of the committed result files."""
     assert A.build(check=True) == 0
     assert "ablations:begin" in A.README.read_text()
+
+
+def test_repeats_are_compared_not_tabled(A, tmp_path):
+    """A ``repeat-*`` folder holds reruns of recorded runs: left out of the tables, shown as
+    differences; a rerun of a run that is not recorded is refused."""
+    runs = [{"spec": "nvfp4", "seed": 0, "final_val_loss": 1.25}]
+    reps = [{"spec": "nvfp4", "seed": 0, "final_val_loss": 1.2375, "path": "repeat-x/a"}]
+    md = A.repeats_md(runs, reps)
+    assert "| `nvfp4` | 0 | 1.250000 | 1.237500 | -0.012500 |" in md
+    assert A.repeats_md(runs, []) == ""
+    with pytest.raises(ValueError, match="no recorded run"):
+        A.repeats_md(runs, [dict(reps[0], seed=1)])
+    root = A.RESULTS
+    assert all(not r["path"].startswith(A.REPEAT) for r in A.load_runs(root))
+    assert {r["path"].split("/")[0] for r in A.load_repeats(root)} == {
+        "repeat-2026-11-24_call13"}
