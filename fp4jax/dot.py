@@ -68,6 +68,19 @@ def _subkey(key: jax.Array, gemm: str, which: str) -> jax.Array:
     return jax.random.fold_in(_step_key(key), _KEY_IDX[(gemm, which)])
 
 
+def _scoped(name: str):
+    """Runs the function under ``jax.named_scope(name)``: HLO metadata only (the op names
+    that ``experiments/profile_step.py`` reads to attribute kernel time), same program."""
+    def deco(f):
+        @functools.wraps(f)
+        def wrapped(*args, **kwargs):
+            with jax.named_scope(name):
+                return f(*args, **kwargs)
+        return wrapped
+    return deco
+
+
+@_scoped("fp4_quantize")
 def _quant(x: jax.Array, spec: QuantSpec, axis: int, key: jax.Array,
            use_kernels: bool = False) -> Operand:
     """Quantize one operand per its spec (or pass it through when unquantized).
@@ -100,6 +113,7 @@ def _rht_signs(g: GemmSpec, key: jax.Array, gemm: str) -> jax.Array:
     return resolve_signs(signs, g.hadamard)
 
 
+@_scoped("fp4_rht")
 def _rht(x: jax.Array, g: GemmSpec, axis: int, key: jax.Array, gemm: str) -> jax.Array:
     """Zero-pad ``axis`` to the Hadamard size and rotate (no-op when the GEMM has no RHT)."""
     if not g.hadamard:
@@ -128,7 +142,8 @@ def _gemm(subscripts: str, a: Operand, b: Operand, precision: Any) -> jax.Array:
 
     def unpack(op):
         if isinstance(op, qz.QuantizedArray):
-            return qz.scaled_data(op, compute), op.global_scale
+            with jax.named_scope("fp4_decode"):
+                return qz.scaled_data(op, compute), op.global_scale
         return op.astype(compute), None
 
     av, sa = unpack(a)
@@ -169,6 +184,7 @@ def _kernel_for(x: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: jax.
                                    key=_step_key(key))
 
 
+@_scoped("fp4_operands")
 def _scaled_operands(x: jax.Array, ops: tuple, key: jax.Array, kmode: str
                      ) -> list[tuple[jax.Array, jax.Array]]:
     """Operands made from one tensor ``x``, each ``(scaled_data(Q(x)) in bf16, tensor

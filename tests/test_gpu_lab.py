@@ -140,3 +140,40 @@ def test_compile_probe_takes_train_flags_and_specs(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text().splitlines()[-1])
     assert res["recipe"] == "bf16(last_bf16=0)" and res["compile_s"] > 0
+
+
+def test_profile_step_categories_on_cpu(tmp_path):
+    """The step profiler builds the harness's train step and attributes the HLO by category
+    (on CPU: instruction counts; kernel times need CUPTI): fp4jax's named scopes reach the
+    op-name metadata, so an NVFP4 step has quantize, amax and RHT instructions and a bf16
+    step none."""
+    r = _run("experiments/profile_step.py", "--preset", "micro", "--seq-len", "16",
+             "--batch-size", "4", "--iterations", "1", "--specs", "bf16", "nvfp4(sr=False)",
+             "--out", str(tmp_path), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "profile_step.json").read_text())
+    bf16, fp4 = (x["hlo_instructions_per_category"] for x in res["runs"])
+    assert res["jax"] and res["commit"] and bf16["gemm"] > 0
+    assert bf16["quantize"] == bf16["amax"] == bf16["rht"] == 0
+    assert fp4["quantize"] > 0 and fp4["amax"] > 0 and fp4["rht"] > 0
+
+
+def test_profile_step_kernel_names(lab_modules):
+    import profile_step as ps
+
+    hlo = ("%fused_computation.3 (p: f32[4]) -> f32[] {\n  %r = f32[] reduce(f32[4] %p)\n}\n"
+           "ENTRY %main {\n"
+           '  %input_reduce_fusion.3 = f32[] fusion(f32[4] %a), kind=kInput, '
+           'calls=%fused_computation.3, metadata={op_name="jit(step)/jit(dot3)/fp4_amax/abs"}\n'
+           '  %loop_fusion = f32[4] fusion(f32[4] %a), kind=kLoop, calls=%fc2, '
+           'metadata={op_name="jit(step)/jvp(Llama)/mul"}\n'
+           '  %custom-call.1 = f32[4,4] custom-call(f32[4,4] %a), '
+           'custom_call_target="__cublas$gemm"\n}\n')
+    instrs, bodies = ps.hlo_instructions(hlo), ps.fused_bodies(hlo)
+    cat = lambda k: ps.kernel_category(k, instrs, bodies)  # noqa: E731
+    assert cat("input_reduce_fusion_3") == "amax"
+    assert cat("loop_fusion") == "elementwise"
+    assert cat("custom-call.1") == "gemm"
+    assert cat("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert cat("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN") == "gemm"
+    assert cat("_quantize_rows_kernel") == "pallas"

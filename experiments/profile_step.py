@@ -1,0 +1,242 @@
+"""Where one training step's time goes, by category (issue 17).
+
+For each recipe spec (default ``bf16`` and ``nvfp4``) at a preset, builds the harness's own
+train step (``fp4jax.train``'s model, policy, optimizer and ``--scan-layers`` choice, the
+step function ``fp4jax-train`` compiles), then on a GPU:
+
+* times the whole step (``lab.time_fn``: CUPTI device time, warm-up, median of N);
+* lists the device time of every kernel of one step (``profiler.measure(aggregate=False)``)
+  and sums them by category. A kernel's category comes from the optimized HLO: the XLA
+  instruction the kernel is named after, its op kind and the JAX name stack in its
+  ``op_name`` metadata (which fp4jax function it came from):
+
+  ``gemm`` (dots and cuBLAS custom calls), ``pallas`` (the Pallas kernels), ``rht``,
+  ``quantize`` (XLA-path quantization and decode), ``amax``, ``fp4_glue`` (the rest of
+  ``fp4jax.dot``: transposes, pads, casts, scale products), ``optimizer`` (optax),
+  ``attention`` (softmax and score/value matmuls are ``gemm``), ``embedding``
+  (gather/scatter), ``layout`` (transpose, copy, pad, slice), ``reduce`` (other reductions),
+  ``elementwise`` (other fusions), ``other``; ``launch gaps`` = step time - kernel sum.
+
+Writes ``$OUT/profile_step.json`` (``lab.run_info`` first: device, JAX version, commit,
+command). On a machine without CUPTI (CPU) it times wall clock and reports the HLO's
+instructions per category instead of kernel times (to check the script).
+
+    PYTHONPATH=$PWD python3 experiments/profile_step.py --preset small --scan-layers \\
+        --specs bf16 nvfp4 [--batch-size 64 --seq-len 256] [--hlo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import lab  # before fp4jax: puts the repository root on sys.path
+
+from fp4jax.models.llama import Llama
+from fp4jax.train.comparison import slug
+from fp4jax.train.config import TrainConfig, make_optimizer, make_policy, model_config, run_recipe
+from fp4jax.train.loop import make_init_state, make_mesh, make_train_step
+
+CATEGORIES = ("gemm", "pallas", "rht", "quantize", "amax", "fp4_glue", "optimizer",
+              "attention", "embedding", "layout", "reduce", "elementwise", "other")
+
+# name-stack patterns, checked in order (the first that matches wins)
+_STACK_RULES = (  # fp4jax's named scopes (fp4jax/dot.py, fp4jax/quantize.py) first
+    ("amax", re.compile(r"fp4_amax")),
+    ("rht", re.compile(r"fp4_rht|_rht_jit")),
+    ("quantize", re.compile(r"fp4_quantize|fp4_decode|fp4_operands")),
+    ("fp4_glue", re.compile(r"jit\(dot3\)")),
+    ("optimizer", re.compile(r"optax|adam|scale_by|apply_updates|clip")),
+    ("attention", re.compile(r"softmax|attention|attn")),
+)
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*[^=]*?\b([a-z][\w\-]*)\(")
+_OPNAME = re.compile(r'op_name="([^"]*)"')
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+
+
+def norm(name: str) -> str:
+    """Kernel and instruction names compared without the ``.``/``_``/``-`` differences."""
+    return re.sub(r"[.\-]", "_", name)
+
+
+def hlo_instructions(hlo: str) -> dict[str, tuple[str, str, str]]:
+    """``{normalized instruction name: (opcode, custom-call target, op_name)}`` of the entry
+    and fused computations of an optimized HLO module's text."""
+    out = {}
+    for line in hlo.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        op = _OPNAME.search(line)
+        tgt = _TARGET.search(line)
+        out[norm(m.group(1))] = (m.group(2), tgt.group(1) if tgt else "",
+                                 op.group(1) if op else "")
+    return out
+
+
+def categorize(opcode: str, target: str, op_name: str, fused_text: str = "") -> str:
+    """The category of one instruction (see the module docstring)."""
+    t = target.lower()
+    if opcode == "custom-call" and ("mosaic" in t or "pallas" in t or "triton" in t):
+        return "pallas"
+    if opcode in ("dot", "convolution") or "gemm" in t or "cublas" in t or "matmul" in t:
+        return "gemm"
+    if opcode == "fusion" and re.search(r"\bdot\(|custom_call_target=\"__cublas", fused_text):
+        return "gemm"
+    stack = op_name.lower()
+    for cat, pat in _STACK_RULES:
+        if pat.search(stack):
+            return cat
+    if opcode in ("gather", "scatter") or re.search(r"\b(gather|scatter)\(", fused_text):
+        return "embedding"
+    if opcode in ("transpose", "copy", "pad", "slice", "dynamic-slice", "concatenate",
+                  "dynamic-update-slice", "bitcast", "reshape"):
+        return "layout"
+    if opcode in ("reduce", "reduce-window") or re.search(r"\breduce\(", fused_text):
+        return "reduce"
+    if opcode == "fusion":
+        return "elementwise"
+    return "other"
+
+
+def fused_bodies(hlo: str) -> dict[str, str]:
+    """``{normalized fusion instruction name: text of the computation it calls}``."""
+    comps, cur, buf = {}, None, []
+    for line in hlo.splitlines():
+        m = re.match(r"^\s*%?([\w.\-]+)\s.*\{\s*$", line)
+        if m and not line.startswith(" "):
+            cur, buf = m.group(1), []
+            continue
+        if cur is not None:
+            if line.strip() == "}":
+                comps[cur] = "\n".join(buf)
+                cur = None
+            else:
+                buf.append(line)
+    out = {}
+    for line in hlo.splitlines():
+        m = _INSTR.match(line)
+        c = re.search(r"calls=%?([\w.\-]+)", line)
+        if m and c and c.group(1) in comps:
+            out[norm(m.group(1))] = comps[c.group(1)]
+    return out
+
+
+def kernel_category(kernel: str, instrs: dict, bodies: dict) -> str:
+    """The category of a CUPTI kernel name: the HLO instruction it is named after, else by
+    the name itself (cuBLAS/cuDNN kernels, Pallas kernels named after their function)."""
+    k = norm(kernel.split("(")[0].strip())
+    if k in instrs:
+        opcode, target, op_name = instrs[k]
+        return categorize(opcode, target, op_name, bodies.get(k, ""))
+    low = kernel.lower()
+    if re.search(r"gemm|nvjet|xmma|cutlass|cublas|wgmma", low):
+        return "gemm"
+    if re.search(r"reduce|reduction", low):
+        return "reduce"
+    if re.search(r"transpose|copy|memcpy|memset", low):
+        return "layout"
+    if "fusion" in low:
+        return "elementwise"
+    return "pallas"  # Mosaic GPU kernels carry their Python function's name
+
+
+def build_step(preset: str, spec: str, scan_layers: bool, batch_size: int, seq_len: int):
+    """The harness's train step for one spec, its initial state and one batch."""
+    cfg = TrainConfig(preset=preset, recipe=spec, scan_layers=scan_layers,
+                      batch_size=batch_size, seq_len=seq_len)
+    rcfg, recipe = run_recipe(cfg)
+    mc = model_config(cfg)
+    model = Llama(mc, make_policy(rcfg, mc, recipe))
+    tx = make_optimizer(cfg)
+    mesh = make_mesh(1)
+    state = jax.jit(make_init_state(model, tx, cfg))(jax.random.key(0))
+    step = make_train_step(model, tx, None, mesh)
+    batch = jax.random.randint(jax.random.key(1), (batch_size, seq_len + 1), 0, 256, jnp.int32)
+    return step, state, batch, jax.random.key(2), mc
+
+
+def profile_spec(args, spec: str) -> dict:
+    step, state, batch, key, mc = build_step(args.preset, spec, args.scan_layers,
+                                             args.batch_size, args.seq_len)
+    lowered = step.lower(state, batch, key)
+    compiled = lowered.compile()
+    hlo = compiled.as_text()
+    instrs, bodies = hlo_instructions(hlo), fused_bodies(hlo)
+
+    def once(s, b, k):  # the state is donated: each call gets a fresh copy
+        return compiled(jax.tree.map(jnp.copy, s), b, k)
+
+    rec = {"spec": spec, "params": mc.num_params(),
+           "tokens_per_step": args.batch_size * args.seq_len}
+    rec["step"] = lab.time_fn(once, state, batch, key, iterations=args.iterations)
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, per = profiler.measure(once, aggregate=False)(state, batch, key)
+        by_cat = collections.Counter()
+        by_kernel = collections.OrderedDict()
+        for name, ms in per:
+            cat = kernel_category(name, instrs, bodies)
+            by_cat[cat] += ms * 1e3
+            c, s, _ = by_kernel.get(name, (0, 0.0, cat))
+            by_kernel[name] = (c + 1, s + ms * 1e3, cat)
+        total = sum(by_cat.values())
+        rec["kernels_total_us"] = round(total, 1)
+        rec["categories_us"] = {c: round(by_cat.get(c, 0.0), 1) for c in CATEGORIES}
+        rec["launch_gaps_us"] = round(rec["step"]["median_us"] - total, 1)
+        rec["top_kernels"] = [{"kernel": n[:100], "category": cat, "calls": c, "us": round(s, 1)}
+                              for n, (c, s, cat) in sorted(by_kernel.items(),
+                                                           key=lambda kv: -kv[1][1])[:40]]
+    except Exception as e:  # noqa: BLE001 (no CUPTI: CPU, or a profiler API change)
+        rec["breakdown_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        counts = collections.Counter(categorize(o, t, n, bodies.get(k, ""))
+                                     for k, (o, t, n) in instrs.items())
+        rec["hlo_instructions_per_category"] = {c: counts.get(c, 0) for c in CATEGORIES}
+    if args.hlo:
+        path = os.path.join(args.out, f"profile_step_{slug(spec)}_hlo.txt.gz")
+        with gzip.open(path, "wt") as f:
+            f.write(hlo)
+    return rec
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--specs", nargs="+", default=["bf16", "nvfp4"])
+    ap.add_argument("--scan-layers", action="store_true")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--iterations", type=int, default=10)
+    ap.add_argument("--hlo", action="store_true", help="save each step's optimized HLO")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    res = lab.run_info(__file__, sys.argv[1:] if argv is None else argv) | {"runs": []}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "profile_step.json")
+    for spec in args.specs:
+        rec = profile_spec(args, spec)
+        res["runs"].append(rec)
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+        med = rec["step"]["median_us"]
+        print(f"{spec}: step {med:.0f} us ({rec['step']['method']}), "
+              f"{rec['tokens_per_step'] / med * 1e6:,.0f} tokens/s")
+        for cat, us in rec.get("categories_us", {}).items():
+            if us:
+                print(f"  {cat:12s} {us:10.1f} us  {100 * us / med:5.1f}%")
+        if "launch_gaps_us" in rec:
+            print(f"  {'launch gaps':12s} {rec['launch_gaps_us']:10.1f} us")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
