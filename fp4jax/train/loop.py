@@ -500,6 +500,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
             "tokens_per_s": tps, "devices": n_dev, "platform": mesh.devices.flat[0].platform,
             "device_kind": mesh.devices.flat[0].device_kind, "wall_s": wall,
             "data_sha256": data_sha, "config": cfg_dict, "history": history,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
         }
         tmp = out / "result.json.tmp"
         tmp.write_text(json.dumps(res, indent=1))
