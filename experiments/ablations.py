@@ -27,6 +27,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -146,6 +147,32 @@ def specs_of(groups: list[str]) -> list[str]:
 # --------------------------------------------------------------------------------- run
 
 
+CURRENT = RESULTS / "2026-11-24_mini_h100"  # where the runs of SETUP are committed
+
+
+def seed_from(out: Path, recorded: Path = CURRENT) -> list[str]:
+    """Copies into ``out`` every finished or diverged run recorded under ``recorded`` (the
+    committed results, which travel with the working tree to the GPU machine) that ``out``
+    lacks, so a call never repeats a recorded run however ``out`` was carried. Returns the
+    copied runs (``seedsN/<slug>/seed<s>``)."""
+    copied = []
+    for res in sorted(recorded.glob("seeds*/*/seed*/result.json")):
+        run = res.parent
+        rel = run.relative_to(recorded)
+        dest = out / rel
+        try:
+            status = json.loads(res.read_text()).get("status")
+        except ValueError:
+            continue
+        if status not in ("finished", "diverged") or (dest / "result.json").exists():
+            continue
+        if dest.exists():  # a cut-off attempt of a run that is recorded: set it aside
+            dest.rename(dest.with_name(dest.name + f".old-{int(time.time())}"))
+        shutil.copytree(run, dest, ignore=shutil.ignore_patterns("checkpoints"))
+        copied.append(str(rel))
+    return copied
+
+
 def _missing(out: Path, spec: str) -> int:
     """How many of ``spec``'s seeds have no finished (or diverged) run under ``out``."""
     from fp4jax.train.comparison import slug
@@ -193,6 +220,10 @@ def run(groups: list[str], out: Path, jobs: int, data: str | None, extra: list[s
     spec): size a device call so that its runs finish (a run cut off by the time limit is
     lost, having no checkpoint small enough to carry to the next call). ``skip`` leaves out
     the specs containing any of its strings (e.g. slower ones, for a call of their own)."""
+    copied = seed_from(out)
+    if copied:
+        print(f"ablations: {len(copied)} recorded run(s) copied into {out} from "
+              f"{CURRENT.relative_to(ROOT)} (not trained again)", flush=True)
     specs = select_specs(groups, out, max_runs, skip)
     if not specs:
         print("ablations: every run of these groups is finished", flush=True)

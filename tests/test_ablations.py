@@ -141,3 +141,20 @@ def test_repeats_are_compared_not_tabled(A, tmp_path):
     assert all(not r["path"].startswith(A.REPEAT) for r in A.load_runs(root))
     assert {r["path"].split("/")[0] for r in A.load_repeats(root)} == {
         "repeat-2026-11-24_call13"}
+
+
+def test_run_seeds_out_from_the_recorded_runs(A, tmp_path):
+    """A call never repeats a recorded run, whatever folder it was given: ``seed_from``
+    copies the committed runs that ``out`` lacks (a cut-off attempt of one is set aside),
+    and copies nothing twice."""
+    out = tmp_path / "abl"
+    partial = out / "seeds2" / "nvfp4_rht-0" / "seed0"
+    partial.mkdir(parents=True)
+    (partial / "metrics.jsonl").write_text("{}\n")
+    copied = A.seed_from(out)
+    recorded = sorted(A.CURRENT.glob("seeds*/*/seed*/result.json"))
+    assert len(copied) == len(recorded) > 40
+    assert (partial / "result.json").exists()
+    assert [p.name for p in partial.parent.iterdir() if ".old-" in p.name]
+    assert A.seed_from(out) == []
+    assert A.select_specs(["main", "remove", "sr", "switch", "rht"], out) == []
