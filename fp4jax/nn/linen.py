@@ -87,35 +87,35 @@ class DotGeneral(nn.Module):
     layer_rng_collection: str = DEFAULT_LAYER_RNG_STREAM
 
     @nn.nowrap
-    def _key(self) -> jax.Array | None:
-        if not _needs_key(self.recipe):
+    def _draw(self, needed: bool, stream: str, why: str) -> jax.Array | None:
+        """A key from ``stream`` when ``needed`` (while initializing, from ``"params"`` if
+        ``stream`` is absent); else a ValueError: the recipe ``why`` (which names the
+        stream to pass)."""
+        if not needed:
             return None
-        if self.has_rng(self.rng_collection):
-            return self.make_rng(self.rng_collection)
+        if self.has_rng(stream):
+            return self.make_rng(stream)
         if self.is_initializing() and self.has_rng("params"):
             return self.make_rng("params")
         name = getattr(self.recipe, "name", "default")
-        raise ValueError(
-            f"fp4jax recipe {name!r} uses stochastic rounding and needs a PRNG key: pass "
+        raise ValueError(f"fp4jax recipe {name!r} {why}")
+
+    @nn.nowrap
+    def _key(self) -> jax.Array | None:
+        return self._draw(
+            _needs_key(self.recipe), self.rng_collection,
+            f"uses stochastic rounding and needs a PRNG key: pass "
             f"rngs={{{self.rng_collection!r}: key}} to Module.apply (e.g. "
-            "jax.random.fold_in(seed_key, step))."
-        )
+            "jax.random.fold_in(seed_key, step)).")
 
     @nn.nowrap
     def _rht_key(self) -> jax.Array | None:
-        if not _needs_layer_key(self.recipe):
-            return None
-        if self.has_rng(self.layer_rng_collection):
-            return self.make_rng(self.layer_rng_collection)
-        if self.is_initializing() and self.has_rng("params"):
-            return self.make_rng("params")
-        name = getattr(self.recipe, "name", "default")
-        raise ValueError(
-            f"fp4jax recipe {name!r} draws its RHT signs per layer (hadamard_signs='layer') "
-            f"and needs a key that stays the same at every step: pass "
-            f"rngs={{..., {self.layer_rng_collection!r}: layer_key}} to Module.apply, with "
-            "one fixed layer_key per run (e.g. jax.random.fold_in(seed_key, 2**31 - 2))."
-        )
+        return self._draw(
+            _needs_layer_key(self.recipe), self.layer_rng_collection,
+            "draws its RHT signs per layer (hadamard_signs='layer') and needs a key that "
+            f"stays the same at every step: pass rngs={{..., {self.layer_rng_collection!r}: "
+            "layer_key} to Module.apply, with one fixed layer_key per run (e.g. "
+            "jax.random.fold_in(seed_key, 2**31 - 2)).")
 
     def __call__(
         self,
