@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fp4jax.dot import _quant, _rht, _subkey, dot
+from fp4jax.dot import _call_key, _quant, _rht, _subkey, dot
 from fp4jax.recipes import GemmSpec, QuantSpec, Recipe, get, nvfp4
 
 qz = importlib.import_module("fp4jax.quantize")  # the module (fp4jax.quantize is a function)
@@ -50,7 +50,7 @@ def _operand_stats(t: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: j
     """Format usage of one operand ``t`` (canonical 3D ``(1, R, C)``, blocked along
     ``axis``) as the GEMM quantizes it."""
     r = _rht(t.astype(jnp.float32), g, axis, key, gemm)
-    amax = jnp.max(jnp.abs(jnp.where(jnp.isfinite(r), r, 0.0)))
+    amax = qz._finite_amax(r)
     if not spec.quantized:
         return {"amax": amax}
     q = _quant(r, spec, axis, _subkey(key, gemm, which))
@@ -99,9 +99,7 @@ def gemm_stats(x: jax.Array, w: jax.Array, dy: jax.Array, *,
     if dy.shape != x.shape[:-1] + (w.shape[1],):
         raise ValueError(f"gemm_stats: dy must have shape {x.shape[:-1] + (w.shape[1],)} "
                          f"(y's), got {dy.shape}")
-    if recipe.needs_key and key is None:
-        raise ValueError(f"recipe {recipe.name!r} draws random bits: pass key=")
-    k = qz.normalize_key(jax.random.key(0) if key is None else key)
+    k = _call_key(recipe, key, rht_key)  # fp4jax.dot's checks and key packing
 
     def f(a, b):
         return dot(a, b, recipe=recipe, key=key, rht_key=rht_key,
@@ -118,10 +116,6 @@ def gemm_stats(x: jax.Array, w: jax.Array, dy: jax.Array, *,
 
     # canonical operands (1, M, K), (1, K, N), (1, M, N) and their blocked axes (fp4jax.dot)
     xc, wc, gc = x2[None], w32[None], dy2[None]
-    if recipe.needs_layer_key:
-        from fp4jax.dot import _pack_keys
-
-        k = _pack_keys(k, qz.normalize_key(rht_key, "rht_key"))
     fp, dg, wg = recipe.fprop, recipe.dgrad, recipe.wgrad
     return {
         "fprop": {"rel_error": _rel(y_q, y),

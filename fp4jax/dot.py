@@ -349,6 +349,30 @@ def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, p
     return jax.jit(dot3)
 
 
+def _call_key(recipe: Recipe, key: Any, rht_key: Any) -> jax.Array:
+    """The key a call of ``recipe`` runs with: ``key`` checked (required when the recipe
+    draws random bits; ``key(0)``, never used, otherwise), packed with ``rht_key`` when the
+    recipe draws RHT signs per layer (``_pack_keys``)."""
+    if recipe.needs_key:
+        if key is None:
+            raise ValueError(
+                f"recipe {recipe.name!r} uses stochastic rounding: pass key=jax.random.key(seed) "
+                "(a fresh key per step and layer, e.g. from jax.random.split or a Flax RNG stream)"
+            )
+        key = qz.normalize_key(key)
+    else:
+        key = jax.random.key(0) if key is None else qz.normalize_key(key)
+    if recipe.needs_layer_key:
+        if rht_key is None:
+            raise ValueError(
+                f"recipe {recipe.name!r} draws its RHT signs per layer "
+                "(hadamard_signs='layer'): pass rht_key=, one key per layer that stays the "
+                "same at every step (fp4jax.nn layers draw it from the 'fp4_layer' RNG stream)"
+            )
+        key = _pack_keys(key, qz.normalize_key(rht_key, "rht_key"))
+    return key
+
+
 def dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -417,23 +441,7 @@ def dot_general(
             )
     if not lc:
         raise ValueError("fp4jax.dot_general needs at least one contracting dimension")
-    if recipe.needs_key:
-        if key is None:
-            raise ValueError(
-                f"recipe {recipe.name!r} uses stochastic rounding: pass key=jax.random.key(seed) "
-                "(a fresh key per step and layer, e.g. from jax.random.split or a Flax RNG stream)"
-            )
-        key = qz.normalize_key(key)
-    else:
-        key = jax.random.key(0) if key is None else qz.normalize_key(key)
-    if recipe.needs_layer_key:
-        if rht_key is None:
-            raise ValueError(
-                f"recipe {recipe.name!r} draws its RHT signs per layer "
-                "(hadamard_signs='layer'): pass rht_key=, one key per layer that stays the "
-                "same at every step (fp4jax.nn layers draw it from the 'fp4_layer' RNG stream)"
-            )
-        key = _pack_keys(key, qz.normalize_key(rht_key, "rht_key"))
+    key = _call_key(recipe, key, rht_key)
 
     lfree = [d for d in range(lhs.ndim) if d not in lc + lb]
     rfree = [d for d in range(rhs.ndim) if d not in rc + rb]

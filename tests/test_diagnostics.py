@@ -114,6 +114,12 @@ def test_sr_recipe_needs_key_and_bad_shapes_are_named():
         D.gemm_stats(X, W.T, DY, recipe=RTN)
     s = D.gemm_stats(X, W, DY, key=jax.random.key(0))  # SR recipe with its key
     assert np.isfinite(float(s["wgrad"]["rel_error"]))
+    layer = RTN.replace(**{"wgrad.hadamard_signs": "layer"})
+    with pytest.raises(ValueError, match="rht_key="):
+        D.gemm_stats(X, W, DY, recipe=layer)
+    a = D.gemm_stats(X, W, DY, recipe=layer, rht_key=jax.random.key(5))
+    b = D.gemm_stats(X, W, DY, recipe=layer, rht_key=jax.random.key(6))
+    assert float(a["wgrad"]["lhs"]["amax"]) != float(b["wgrad"]["lhs"]["amax"])  # signs
 
 
 def test_recommend_ranks_by_wgrad_then_dgrad_within_budget():
