@@ -156,7 +156,8 @@ def set_deterministic() -> None:
     """Adds ``DETERMINISTIC_FLAG`` to ``XLA_FLAGS`` (read when JAX first uses a backend, so
     call it before that; sweep workers inherit it). Without it, reruns of one seed on a GPU
     ended up to 0.0013 apart in final loss (experiments/README.md, run-to-run
-    reproducibility): XLA's atomics-based scatters and reductions sum in varying order."""
+    reproducibility), likely from XLA's atomics-based scatters and reductions; whether this
+    flag closes that gap has not been measured on a GPU yet."""
     flags = os.environ.get("XLA_FLAGS", "")
     if DETERMINISTIC_FLAG not in flags.split():
         os.environ["XLA_FLAGS"] = f"{flags} {DETERMINISTIC_FLAG}".strip()
@@ -171,8 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic GPU kernels (adds --xla_gpu_deterministic_ops=true to "
                         "XLA_FLAGS before JAX starts; scatters and some reductions get "
-                        "slower): a rerun of a seed gives the same bits. Recorded in "
-                        "result.json ('xla_flags')")
+                        "slower), meant to make a rerun of a seed give the same bits on a "
+                        "GPU (not yet measured). Recorded in result.json ('xla_flags')")
     args = vars(p.parse_args(argv))
     if args.pop("deterministic"):
         set_deterministic()
