@@ -50,6 +50,11 @@ RECIPE = "nvfp4"  # the reference of the one-change-at-a-time tables
 # in NVFP4, round-to-nearest everywhere, 1D blocks, no RHT
 BASE = "nvfp4(sr=False, rht=0, block_2d=False, last_bf16=0)"
 MAIN_SPECS = ("bf16", "nvfp4", "mxfp4", BASE)
+# MXFP4 trained longer until it matches the NVFP4 recipe (the NVIDIA paper: 36% more tokens):
+# each length is a whole run of SETUP with --steps changed (its own WSD schedule), under
+# OUT/longer/steps<N>/; the token ratio is read off by interpolating the mean final loss
+LONGER = "longer"
+LONGER_SPEC, LONGER_STEPS, LONGER_SEEDS = "mxfp4", (2500, 3000), (0, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +161,9 @@ def seed_from(out: Path, recorded: Path = CURRENT) -> list[str]:
     lacks, so a call never repeats a recorded run however ``out`` was carried. Returns the
     copied runs (``seedsN/<slug>/seed<s>``)."""
     copied = []
-    for res in sorted(recorded.glob("seeds*/*/seed*/result.json")):
+    found = [*recorded.glob("seeds*/*/seed*/result.json"),
+             *recorded.glob(f"{LONGER}/steps*/*/seed*/result.json")]
+    for res in sorted(found):
         run = res.parent
         rel = run.relative_to(recorded)
         dest = out / rel
@@ -182,6 +189,22 @@ def _missing(out: Path, spec: str) -> int:
     for s in seeds_of(spec):
         try:
             r = json.loads((sweep / slug(spec) / f"seed{s}" / "result.json").read_text())
+            n += r.get("status") not in ("finished", "diverged")
+        except (OSError, ValueError):
+            n += 1
+    return n
+
+
+def _missing_longer(out: Path, steps: int) -> int:
+    """How many seeds of the longer MXFP4 runs of ``steps`` steps are unfinished under
+    ``out``."""
+    from fp4jax.train.comparison import slug
+
+    n = 0
+    for s in LONGER_SEEDS:
+        try:
+            r = json.loads((out / LONGER / f"steps{steps}" / slug(LONGER_SPEC) / f"seed{s}"
+                            / "result.json").read_text())
             n += r.get("status") not in ("finished", "diverged")
         except (OSError, ValueError):
             n += 1
@@ -224,18 +247,22 @@ def run(groups: list[str], out: Path, jobs: int, data: str | None, extra: list[s
     if copied:
         print(f"ablations: {len(copied)} recorded run(s) copied into {out} from "
               f"{CURRENT.relative_to(ROOT)} (not trained again)", flush=True)
-    specs = select_specs(groups, out, max_runs, skip)
-    if not specs:
+    if LONGER in groups:
+        sets = {f"{LONGER}/steps{n}": ([LONGER_SPEC], LONGER_SEEDS, ["--steps", str(n)])
+                for n in LONGER_STEPS if _missing_longer(out, n)}
+    else:
+        specs = select_specs(groups, out, max_runs, skip)
+        sets = {"seeds3": ([s for s in specs if seeds_of(s) == SEEDS_MAIN], SEEDS_MAIN, []),
+                "seeds2": ([s for s in specs if seeds_of(s) == SEEDS], SEEDS, [])}
+    sets = {k: v for k, v in sets.items() if v[0]}
+    if not sets:
         print("ablations: every run of these groups is finished", flush=True)
         return 0
-    sets = {"seeds3": [s for s in specs if seeds_of(s) == SEEDS_MAIN],
-            "seeds2": [s for s in specs if seeds_of(s) == SEEDS]}
-    sets = {k: v for k, v in sets.items() if v}
     procs = []
     out.mkdir(parents=True, exist_ok=True)
-    for name, ss in sets.items():
-        seeds = SEEDS_MAIN if name == "seeds3" else SEEDS
-        cmd = [sys.executable, "-m", "fp4jax.train", *SETUP, "--compare", ",".join(ss),
+    for name, (ss, seeds, more) in sets.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "fp4jax.train", *SETUP, *more, "--compare", ",".join(ss),
                "--seeds", ",".join(map(str, seeds)), "--jobs", str(jobs),
                "--out", str(out / name), *(["--data", data] if data else []), *extra]
         print("ablations:", " ".join(repr(c) if " " in c else c for c in cmd), flush=True)
@@ -320,6 +347,8 @@ def load_runs(root: Path = RESULTS) -> list[dict]:
         rel = path.parent.relative_to(root)
         if any(".old-" in part or part.startswith(REPEAT) for part in rel.parts):
             continue  # moved aside by --overwrite / a rerun of a recorded run (repeats_md)
+        if LONGER in rel.parts:
+            continue  # another number of steps: load_longer, longer_md
         r = json.loads(path.read_text())
         r["path"] = str(rel)
         key = (r.get("spec"), r.get("seed"))
@@ -340,6 +369,81 @@ def load_runs(root: Path = RESULTS) -> list[dict]:
     if len(seen) > 1:
         raise ValueError(f"ablation results of different setups: {list(seen.values())}")
     return runs
+
+
+def load_longer(root: Path = RESULTS) -> list[dict]:
+    """The finished longer MXFP4 runs (``LONGER`` folders) under ``root``."""
+    out = []
+    for path in sorted(root.rglob("result.json")):
+        rel = path.parent.relative_to(root)
+        if LONGER in rel.parts and not any(".old-" in p for p in rel.parts):
+            r = json.loads(path.read_text())
+            r["path"] = str(rel)
+            out.append(r)
+    return out
+
+
+def _crossing(points: list[tuple[float, float]], target: float) -> float | None:
+    """The x where the piecewise-linear curve through ``points`` (x ascending) first comes
+    down to ``target``; None if it never does within the points."""
+    if points and points[0][1] <= target:
+        return points[0][0]
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if y0 > target >= y1:
+            return x0 + (y0 - target) / (y0 - y1) * (x1 - x0)
+    return None
+
+
+def longer_points(runs: list[dict], longer: list[dict]) -> tuple[list[dict], dict | None]:
+    """MXFP4's final loss per training length (2000 steps from ``runs``, the rest from
+    ``longer``) as ``[{"steps", "ratio", "finals"}]``, and the NVFP4 recipe's finals at
+    ``SETUP``'s length (``{"finals"}``), for ``longer_md`` and the plot."""
+    base_steps = int(SETUP[SETUP.index("--steps") + 1])
+    by_steps: dict[int, list[float]] = {}
+    for r in [*runs, *longer]:
+        if r.get("spec") == LONGER_SPEC and r.get("status") == "finished":
+            by_steps.setdefault(int(r["config"]["steps"]), []).append(r["final_val_loss"])
+    pts = [{"steps": n, "ratio": n / base_steps, "finals": f} for n, f in sorted(by_steps.items())]
+    rec = [r["final_val_loss"] for r in runs if r.get("spec") == RECIPE
+           and r.get("status") == "finished"]
+    return pts, ({"finals": rec} if rec else None)
+
+
+def longer_md(runs: list[dict], longer: list[dict]) -> str:
+    """The token-ratio table: MXFP4 trained 1x, 1.25x, 1.5x as long vs the NVFP4 recipe at
+    1x, and the ratio at which MXFP4's mean loss reaches the recipe's (linear interpolation
+    between lengths; the range from the recipe's mean +- its std). Empty without longer
+    runs."""
+    pts, rec = longer_points(runs, longer)
+    if len(pts) < 2 or rec is None:
+        return ""
+    target, tstd = stats(rec["finals"])
+    lines = ["| MXFP4 steps | tokens vs SETUP | seeds | final val loss (mean ± std) | "
+             "vs NVFP4 recipe at 1x |", "|---|---|---|---|---|"]
+    for p in pts:
+        m, sd = stats(p["finals"])
+        sds = f" ± {sd:.4f}" if sd is not None else " (1 seed)"
+        lines.append(f"| {p['steps']} | {p['ratio']:.2f}x | {len(p['finals'])} | {m:.4f}{sds} "
+                     f"| {(m - target) / target * 100:+.2f}% |")
+    curve = [(p["ratio"], stats(p["finals"])[0]) for p in pts]
+    x = _crossing(curve, target)
+    if tstd is not None:
+        lo, hi = _crossing(curve, target + tstd), _crossing(curve, target - tstd)
+    else:
+        lo = hi = None
+    if x is None:
+        verdict = (f"MXFP4 does not reach the NVFP4 recipe's {target:.4f} within "
+                   f"{curve[-1][0]:.2f}x the tokens.")
+    else:
+        rng = (f" (recipe's mean ± std: {lo:.2f}x to "
+               + (f"{hi:.2f}x" if hi is not None else f"beyond {curve[-1][0]:.2f}x") + ")"
+               if lo is not None else "")
+        verdict = (f"MXFP4 reaches the NVFP4 recipe's mean final loss ({target:.4f}, "
+                   f"{len(rec['finals'])} seeds) at **{x:.2f}x** the tokens{rng}, by linear "
+                   "interpolation between lengths (NVIDIA paper, 8B: 1.36x).")
+    return ("### MXFP4 trained longer: the token ratio (`longer`)\n\nEach length is a whole "
+            "run of the setup with more steps (its own WSD schedule).\n\n"
+            + "\n".join(lines) + "\n\n" + verdict)
 
 
 def rows_of(group: Group, runs: list[dict]) -> list[Row]:
@@ -487,9 +591,42 @@ def plots(runs: list[dict], out: Path) -> list[Path]:
     return made
 
 
+def longer_plot(runs: list[dict], longer: list[dict], out: Path) -> list[Path]:
+    """MXFP4's final loss against the training length (mean, min-max), with the NVFP4
+    recipe's at 1x as a line and its min-max as a band."""
+    pts, rec = longer_points(runs, longer)
+    if len(pts) < 2 or rec is None:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [p["ratio"] for p in pts]
+    means = [stats(p["finals"])[0] for p in pts]
+    ax.errorbar(xs, means, yerr=[[m - min(p["finals"]) for m, p in zip(means, pts, strict=True)],
+                                 [max(p["finals"]) - m for m, p in zip(means, pts, strict=True)]],
+                marker="o", capsize=3, label=f"{LONGER_SPEC} (mean, min-max)")
+    t = stats(rec["finals"])[0]
+    ax.axhline(t, color="tab:red", label="NVFP4 recipe at 1x (mean, min-max)")
+    ax.axhspan(min(rec["finals"]), max(rec["finals"]), color="tab:red", alpha=0.15)
+    ax.set_xlabel("training tokens relative to the setup")
+    ax.set_ylabel("final validation loss (nats/byte)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / f"{LONGER}.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return [path]
+
+
 def build(check: bool = False, root: Path = RESULTS, readme: Path = README) -> int:
     runs = load_runs(root)
     md = tables_md(runs)
+    lng = longer_md(runs, load_longer(root))
+    if lng:
+        md += "\n\n" + lng
     rep = repeats_md(runs, load_repeats(root))
     if rep:
         md += "\n\n" + rep
@@ -518,6 +655,7 @@ def build(check: bool = False, root: Path = RESULTS, readme: Path = README) -> i
     if new_readme is not None:
         readme.write_text(new_readme)
     made = plots(runs, root)
+    made += longer_plot(runs, load_longer(root), root)
     print(f"ablations: wrote {tables_path}" + (f", {readme}" if new_readme else "")
           + "".join(f", {p}" for p in made))
     return 0
@@ -528,7 +666,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="groups, rows, specs and seeds")
     r = sub.add_parser("run", help="train the groups' specs (GPU)")
-    r.add_argument("groups", nargs="+", choices=list(GROUPS))
+    r.add_argument("groups", nargs="+", choices=[*GROUPS, LONGER],
+                   help=f"groups; {LONGER!r}: {LONGER_SPEC} trained {LONGER_STEPS} steps "
+                        "(the token ratio; alone in its call)")
     r.add_argument("--out", required=True)
     r.add_argument("--jobs", type=int, default=4)
     r.add_argument("--data", default=None)
@@ -553,6 +693,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.cmd == "build":
         return build(check=a.check)
+    if LONGER in a.groups and len(a.groups) > 1:
+        p.error(f"argument groups: {LONGER!r} runs alone (another number of steps); "
+                "give it its own call")
     if a.jobs < 1:
         p.error("argument --jobs: must be >= 1")
     if a.max_runs is not None and a.max_runs < 1:
