@@ -54,7 +54,7 @@ MAIN_SPECS = ("bf16", "nvfp4", "mxfp4", BASE)
 # each length is a whole run of SETUP with --steps changed (its own WSD schedule), under
 # OUT/longer/steps<N>/; the token ratio is read off by interpolating the mean final loss
 LONGER = "longer"
-LONGER_SPEC, LONGER_STEPS, LONGER_SEEDS = "mxfp4", (2500, 3000), (0, 1)
+LONGER_SPEC, LONGER_STEPS, LONGER_SEEDS = "mxfp4", (2250, 2500, 3000), (0, 1)
 
 
 @dataclasses.dataclass(frozen=True)
