@@ -333,18 +333,21 @@ def test_keep_checkpoints(base, tmp_path, monkeypatch):
 
 
 def test_deterministic_flag_sets_xla_flags_once_and_results_record_them(base, monkeypatch):
-    """``--deterministic`` adds XLA's deterministic-ops flag (kept beside other flags, never
+    """``--deterministic`` adds XLA's deterministic-ops flags (kept beside other flags, never
     twice); every result.json records the XLA flags the run had."""
     from fp4jax.train import cli
 
-    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nonexistent")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nonexistent "
+                       "--xla_gpu_enable_triton_gemm=false")
     cli.set_deterministic()
     cli.set_deterministic()
     assert os.environ["XLA_FLAGS"].split() == ["--xla_dump_to=/nonexistent",
-                                               cli.DETERMINISTIC_FLAG]
+                                               "--xla_gpu_enable_triton_gemm=false",
+                                               "--xla_gpu_deterministic_ops=true"]
     monkeypatch.delenv("XLA_FLAGS")
     cli.set_deterministic()
-    assert os.environ["XLA_FLAGS"] == cli.DETERMINISTIC_FLAG
+    assert os.environ["XLA_FLAGS"].split() == list(cli.DETERMINISTIC_FLAGS)
+    assert "--xla_gpu_deterministic_ops=true" in cli.DETERMINISTIC_FLAGS
     _, res = base
     assert "xla_flags" in res and isinstance(res["xla_flags"], str)
     assert json.loads((Path(base[0].out) / "result.json").read_text())["xla_flags"] == res[
