@@ -152,9 +152,44 @@ def test_run_seeds_out_from_the_recorded_runs(A, tmp_path):
     partial.mkdir(parents=True)
     (partial / "metrics.jsonl").write_text("{}\n")
     copied = A.seed_from(out)
-    recorded = sorted(A.CURRENT.glob("seeds*/*/seed*/result.json"))
+    recorded = [*A.CURRENT.glob("seeds*/*/seed*/result.json"),
+                *A.CURRENT.glob(f"{A.LONGER}/steps*/*/seed*/result.json")]
     assert len(copied) == len(recorded) > 40
     assert (partial / "result.json").exists()
     assert [p.name for p in partial.parent.iterdir() if ".old-" in p.name]
     assert A.seed_from(out) == []
     assert A.select_specs(["main", "remove", "sr", "switch", "rht"], out) == []
+
+
+def test_longer_token_ratio_against_hand_interpolation(A, tmp_path):
+    """The longer MXFP4 runs stay out of the tables (another number of steps) and give the
+    token ratio by linear interpolation of the mean final loss down to the NVFP4 recipe's
+    mean, checked against the interpolation done by hand; no crossing is said plainly."""
+    root = tmp_path / "r"
+    for s, x in enumerate([1.234, 1.236]):
+        _run(root, "nvfp4", s, x)
+    for s, x in enumerate([1.246, 1.248]):
+        _run(root, "mxfp4", s, x)
+    for steps, xs in ((2500, [1.229, 1.231]), (3000, [1.220, 1.222])):
+        for s, x in enumerate(xs):
+            d = root / A.LONGER / f"steps{steps}" / "mxfp4" / f"seed{s}"
+            _run(d.parent.parent, "mxfp4", s, x)  # writes <hash>/seed<s>
+            src = next(d.parent.parent.glob(f"*/seed{s}/result.json"))
+            r = json.loads(src.read_text())
+            r["config"]["steps"] = steps
+            d.mkdir(parents=True)
+            (d / "result.json").write_text(json.dumps(r))
+            src.unlink()
+    runs = A.load_runs(root)
+    assert all(r["config"]["steps"] == 2000 for r in runs) and len(runs) == 4
+    longer = [r for r in A.load_longer(root) if r["config"]["steps"] != 2000]
+    assert len(longer) == 4
+    md = A.longer_md(runs, longer)
+    # means 1.247 at 1.0x, 1.230 at 1.25x; target 1.235: 1 + (1.247-1.235)/(1.247-1.230)*0.25
+    x = 1 + (1.247 - 1.235) / (1.247 - 1.230) * 0.25
+    assert f"**{x:.2f}x**" in md
+    assert A._crossing([(1.0, 1.30), (1.5, 1.29)], 1.2) is None
+    assert "does not reach" in A.longer_md(
+        [r for r in runs if r["spec"] == "mxfp4"] + [dict(r, final_val_loss=1.0)
+                                                     for r in runs if r["spec"] == "nvfp4"],
+        longer)
