@@ -86,19 +86,20 @@ def _quant(x: jax.Array, spec: QuantSpec, axis: int, key: jax.Array,
     """Quantize one operand per its spec (or pass it through when unquantized).
 
     With ``use_kernels`` the dispatcher's packed NVFP4 quantize kernels take the cases
-    they cover (round-to-nearest bf16; 1x16 blocks along the last axis, or 16x16 tiles);
-    everything else runs the XLA reference.
+    they cover (round-to-nearest bf16; 1x16 blocks along the last axis, or 16x16 tiles;
+    the ``"max"`` block scale rule only); everything else runs the XLA reference.
     """
     if not spec.quantized:
         return x
     if (spec.fmt == NVFP4 and spec.rounding == "nearest" and use_kernels
             and (spec.block_2d or axis % x.ndim == x.ndim - 1)):
         if dispatch.is_supported("quantize", x.shape, x.dtype, fmt=spec.fmt, axis=-1,
-                                 block_2d=spec.block_2d):
+                                 block_2d=spec.block_2d,
+                                 block_scale_rule=spec.block_scale_rule):
             return dispatch.quantize(x, spec.fmt, axis=-1, block_2d=spec.block_2d,
                                      backend="pallas")
     return qz._quantize_impl(x, key if spec.stochastic else None, spec.fmt, axis % x.ndim,
-                             spec.block_2d, spec.rounding)
+                             spec.block_2d, spec.rounding, spec.block_scale_rule)
 
 
 def _rht_signs(g: GemmSpec, key: jax.Array, gemm: str) -> jax.Array:
@@ -181,7 +182,8 @@ def _kernel_for(x: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: jax.
     None (the XLA path). ``x`` is canonical (B, R, C); ``axis`` 1 or 2 is the blocked axis."""
     return dispatch.operand_kernel(x, block_2d=spec.block_2d, axis=axis,
                                    stochastic=spec.stochastic, rht=g.hadamard,
-                                   key=_step_key(key))
+                                   key=_step_key(key),
+                                   block_scale_rule=spec.block_scale_rule)
 
 
 @_scoped("fp4_operands")

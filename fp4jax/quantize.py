@@ -1,7 +1,8 @@
 """Quantize / dequantize tensors to block-scaled FP4 (the XLA reference backend).
 
 The scale formulas live in ``global_encode_scale``, ``block_decode_scale`` and
-``element_encode_scale``, each citing its source; the element rounding lives in
+``element_encode_scale``, each citing its source; Transformer Engine's 4over6 adaptive
+block scaling lives in ``four_over_six``; the element rounding lives in
 ``fp4jax.numerics``. This module only arranges blocks.
 """
 
@@ -25,6 +26,9 @@ __all__ = [
     "global_encode_scale",
     "block_decode_scale",
     "element_encode_scale",
+    "four_over_six",
+    "BLOCK_SCALE_RULES",
+    "FOUR_OVER_SIX_VARIANTS",
     "pack_e2m1",
     "unpack_e2m1",
     "E2M1_VALUES",
@@ -35,6 +39,21 @@ E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 _F4 = jnp.float4_e2m1fn
 _ROUNDINGS = ("nearest", "stochastic")
+
+FOUR_OVER_SIX_VARIANTS: dict[str, tuple[str, int]] = {
+    "4over6": ("mae", 256),
+    "4over6-mse": ("mse", 256),
+    "4over6-448": ("mae", 448),
+    "4over6-mse-448": ("mse", 448),
+}
+"""The 4over6 block scale rules: ``(error metric, E4M3 bound of the tensor scale)`` each.
+``"4over6"`` is Transformer Engine's default configuration (``NVFP4BlockScaling``:
+``nvfp4_4over6_err_mode="MAE"``, ``nvfp4_4over6_e4m3_use_256="all"``); the others are
+its ``MSE`` metric and its 448 bound (``nvfp4_4over6_e4m3_use_256="none"``)."""
+
+BLOCK_SCALE_RULES = ("max", *FOUR_OVER_SIX_VARIANTS)
+"""How a block's decode scale is chosen: ``"max"`` (the block amax maps to the E2M1
+maximum 6: NVFP4 paper Appendix B.2) or a 4over6 rule (``four_over_six``)."""
 
 
 @jax.tree_util.register_dataclass
@@ -88,7 +107,8 @@ class QuantizedArray:
 # ---------------------------------------------------------------------------
 
 
-def global_encode_scale(amax: jax.Array, fmt: BlockFormat) -> jax.Array:
+def global_encode_scale(amax: jax.Array, fmt: BlockFormat,
+                        target: float | None = None) -> jax.Array:
     """Per-tensor FP32 encode scale ``enc`` (NVFP4 paper Appendix B.1, Eq. 1).
 
     ``enc = (target * 6) / amax`` in float32, clamped to ``2**126``, and 1.0 when
@@ -107,11 +127,14 @@ def global_encode_scale(amax: jax.Array, fmt: BlockFormat) -> jax.Array:
 
     Args:
       amax: float32 scalar, max |x| over the finite entries of the tensor.
+      target: the block-scale value the tensor amax maps to, instead of
+        ``fmt.tensor_scale_target`` (4over6 maps it to 256: ``four_over_six``).
     """
     if not fmt.tensor_scale:
         return jnp.float32(1.0)
+    target = fmt.tensor_scale_target if target is None else float(target)
     amax = amax.astype(jnp.float32)
-    enc = numerics.div_rn(jnp.float32(fmt.tensor_scale_target * 6.0), amax)
+    enc = numerics.div_rn(jnp.float32(target * 6.0), amax)
     enc = jnp.minimum(enc, jnp.float32(2.0**126))
     return jnp.where((amax == 0) | (enc == 0), jnp.float32(1.0), enc)
 
@@ -170,6 +193,147 @@ def _round_elements(y: jax.Array, rounding: str, u: jax.Array | None) -> jax.Arr
         r = numerics.stochastic_round_to_grid(mag, numerics.E2M1, u)
     r = jnp.where(jnp.isfinite(y), r, 0.0)  # the block scale carries the NaN
     return jnp.where(jnp.signbit(y), -r, r)
+
+
+_TE_4OVER6 = ("Transformer Engine commit d0067d0da6cb01811b8072a7d304f0e00344ce2b, "
+              "transformer_engine/common/cast/nvfp4/quantize_4over6_nvfp4.cuh")
+
+
+def four_over_six(blocks: jax.Array, amax: jax.Array, rule: str = "4over6", *,
+                  block_2d: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Transformer Engine's 4over6 adaptive NVFP4 block scaling (Cook et al., "Four Over
+    Six", arXiv 2512.02010): per block, quantize with two scales and keep the one with the
+    lower error.
+
+    Source: Transformer Engine commit ``d0067d0d`` (d0067d0da6cb01811b8072a7d304f0e00344ce2b),
+    ``transformer_engine/common/cast/nvfp4/quantize_4over6_nvfp4.cuh`` (the kernel:
+    ``compute_scale_pair`` l. 125-146, ``accumulate_dequant_error`` l. 190-202,
+    ``make_candidates`` l. 321-345, ``reduce_group_sum_16`` l. 347-356, the choice
+    l. 474-496), ``core_nvfp4.cuh`` l. 81-95 (the tensor scale) and its PyTorch reference
+    ``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py`` l. 513-648, which TE
+    tests bit for bit against the kernel. All arithmetic is float32, one rounding per
+    operation, in this order (``rule`` picks the metric and ``B``, see
+    ``FOUR_OVER_SIX_VARIANTS``; ``"4over6"``: MAE and ``B = 256``, TE's defaults):
+
+    * tensor scale: ``enc = B*6 / amax`` (``global_encode_scale`` with target ``B``;
+      1 when ``amax == 0``), ``dec = 1/enc``;
+    * ``base = (amax_b / 6) * enc`` (a division then a product: not the ``"max"`` rule's
+      ``amax_b * (enc * (1/6))``);
+    * map-to-6: ``s6 = e4m3_rne_satfinite(min(base, 448))``; map-to-4:
+      ``s4 = e4m3_rne_satfinite(min(base * 1.5, 448))`` (the E2M1 value 4 then reaches
+      what 6 reaches under ``s6``);
+    * each candidate ``s``: element encode scale ``element_encode_scale(s, dec)`` and
+      ``q = e2m1_rne_satfinite(x * e)``, as the ``"max"`` rule;
+    * error per element: ``v = ((q * s) * amax) / (6*B)`` (the tensor amax itself, not
+      ``dec``), ``d = v - x``; ``|d|`` (MAE) or ``d * d`` (MSE); summed in float32 in
+      element order (``((e0 + e1) + e2) + ...``). 2D (16x16 tiles over the last two axes):
+      each row's sum along the last axis, then the 16 row sums added as a tree
+      ``r[i] + r[i+8]``, ``+ [i+4]``, ``+ [i+2]``, ``+ [i+1]`` (TE's warp shuffle;
+      this is TE's rowwise output for the array as stored: TE's transposed output of the
+      same tile adds the columns instead, so its choice may differ where the two sums
+      differ in the last bit);
+    * the block takes ``s4`` iff ``err4 < err6``; ties (all-zero and all-equal blocks
+      among them) take ``s6``.
+
+    Choices where TE is silent or differs, as for the ``"max"`` rule: a block holding NaN
+    or Inf takes ``s6`` and gets a NaN scale (TE's ``fmaxf`` amax skips NaN); ``s == 0``
+    gives element encode scale 0 (TE: FLT_MAX, codes +-6; the dequantized values and the
+    errors are the same); the tensor encode scale is clamped to ``2**126``; divisions by
+    the constants 6 and ``6*B`` are correctly rounded on every backend
+    (``numerics.div_rn_integer``: XLA rewrites ``a / c`` into ``a * (1/c)``), and the MSE
+    square is kept out of an FMA with the sum (XLA on CPU contracts ``acc + d*d``; TE
+    uses ``__fmul_rn``/``__fadd_rn``). XLA on CPU flushes float32 subnormal results to
+    zero, so error terms below ``2**-126`` (MSE: ``|d| < 2**-63``) are 0 there; TE keeps
+    them, and so does XLA on an H100 (JAX 0.11.2), where ``tests/test_four_over_six.py``
+    passes against TE's unflushed math.
+    TE refuses 4over6 with stochastic rounding and with the RHT (``quantizer.cpp``
+    l. 2561-2564); ``fp4jax.quantize`` and the recipes refuse them too.
+
+    Args:
+      blocks: float32 blocks with the elements last, ``(..., nb, 16)``; with
+        ``block_2d``, tiles ``(..., nr, 16, nc, 16)`` (rows, then columns). Zero padding
+        adds nothing to the errors.
+      amax: float32 scalar, the tensor's max ``|x|`` over finite entries.
+      rule: a key of ``FOUR_OVER_SIX_VARIANTS``.
+      block_2d: whether ``blocks`` are 16x16 tiles.
+    Returns:
+      ``(dec, s, q)``: the tensor decode scale (float32 scalar), the chosen block scales
+      (float32 on the E4M3 grid, NaN for non-finite blocks; ``(..., nb)`` or
+      ``(..., nr, nc)``) and the elements (float32 E2M1 values, shaped like ``blocks``).
+    """
+    if rule not in FOUR_OVER_SIX_VARIANTS:
+        raise ValueError(f"four_over_six: rule must be one of {list(FOUR_OVER_SIX_VARIANTS)},"
+                         f" got {rule!r}")
+    metric, bound = FOUR_OVER_SIX_VARIANTS[rule]
+    f32 = jnp.float32
+    amax = jnp.asarray(amax, f32)
+    enc = global_encode_scale(amax, NVFP4, target=bound)
+    dec = numerics.div_rn(f32(1.0), enc)
+    amax_b = block_amax(blocks, axis=(-3, -1) if block_2d else -1)
+    finite = jnp.isfinite(amax_b)
+    base = numerics.div_rn_integer(amax_b, f32(6.0)) * enc
+
+    def per_element(a):  # block values broadcast against the elements of ``blocks``
+        return a[..., :, None, :, None] if block_2d else a[..., None]
+
+    # both candidates at once (axis 0: map-to-4, map-to-6): one division and one
+    # reciprocal table for the two
+    v = jnp.stack([base * f32(1.5), base])
+    s = numerics.round_to_grid(jnp.minimum(v, f32(numerics.E4M3.max_value)), numerics.E4M3,
+                               "nearest")
+    s = jnp.where(finite, s, f32(jnp.nan))
+    q = _round_elements(blocks * per_element(element_encode_scale(s, dec)), "nearest", None)
+    val = numerics.div_rn_integer((q * per_element(s)) * amax, f32(6.0 * bound))
+    d = val - blocks
+    if metric == "mae":
+        t = jnp.abs(d)
+    else:  # the select keeps XLA from fusing d*d into an FMA with the sum below
+        t = jnp.where(jnp.isnan(d), d, d * d)
+    err = t[..., 0]
+    for i in range(1, t.shape[-1]):  # element order, as TE's per-thread loop
+        err = err + t[..., i]
+    if block_2d:  # (2, ..., nr, 16, nc): the 16 row sums, TE's shuffle-down tree
+        n = err.shape[-2]
+        while n > 1:
+            n //= 2
+            err = err[..., :n, :] + err[..., n:, :]
+        err = err[..., 0, :]
+    pick4 = finite & (err[0] < err[1])
+    return dec, jnp.where(pick4, s[0], s[1]), jnp.where(per_element(pick4), q[0], q[1])
+
+
+def check_block_scale_rule(rule: str, fmt: BlockFormat | None, rounding: str = "nearest",
+                           where: str = "quantize") -> None:
+    """Raise a ValueError naming the argument and the fix when ``rule`` is unknown or does
+    not apply: a 4over6 rule needs an NVFP4 format (E4M3 scales, blocks of 16, a tensor
+    scale, RNE scales) and round-to-nearest (Transformer Engine refuses 4over6 with
+    stochastic rounding: ``quantize_4over6_nvfp4.cuh`` l. 673). ``where`` prefixes the
+    argument names (``"quantize"``: ``block_scale_rule``; ``"QuantSpec"``:
+    ``QuantSpec.block_scale_rule``)."""
+    arg = "block_scale_rule" if where == "quantize" else f"{where}.block_scale_rule"
+    rnd = "rounding" if where == "quantize" else f"{where}.rounding"
+    if rule not in BLOCK_SCALE_RULES:
+        raise ValueError(f"{arg} must be one of {BLOCK_SCALE_RULES}, got {rule!r}")
+    if rule == "max":
+        return
+    if fmt is None:
+        raise ValueError(
+            f"{arg}={rule!r} needs a quantized operand, got fmt=None (high precision): set "
+            f"fmt=fp4jax.NVFP4 or {arg}='max'")
+    nvfp4_like = (fmt.scale_exp_bits, fmt.scale_man_bits, fmt.block_size, fmt.tensor_scale,
+                  fmt.scale_rule) == (4, 3, 16, True, "nearest")
+    if not nvfp4_like:
+        raise ValueError(
+            f"{arg}={rule!r} is defined for NVFP4 only (E4M3 scales, blocks of 16, an FP32 "
+            f"tensor scale: {_TE_4OVER6}), got format {fmt.name!r} (e{fmt.scale_exp_bits}"
+            f"m{fmt.scale_man_bits}, block {fmt.block_size}, tensor_scale="
+            f"{fmt.tensor_scale}, scale_rule={fmt.scale_rule!r}): use fmt=fp4jax.NVFP4 or "
+            f"{arg}='max'")
+    if rounding != "nearest":
+        raise ValueError(
+            f"{arg}={rule!r} needs {rnd}='nearest', got {rounding!r}: Transformer Engine "
+            "refuses 4over6 with stochastic rounding ('NVFP4 4over6 quantization does not "
+            f"support stochastic rounding'); set {rnd}='nearest' or {arg}='max'")
 
 
 # ---------------------------------------------------------------------------
@@ -290,6 +454,7 @@ def quantize(
     block_2d: bool = False,
     rounding: str = "nearest",
     key: jax.Array | None = None,
+    block_scale_rule: str = "max",
 ) -> QuantizedArray:
     """Quantize ``x`` to a block-scaled FP4 format.
 
@@ -304,11 +469,15 @@ def quantize(
         is then ignored.
       rounding: ``"nearest"`` (RNE) or ``"stochastic"`` (unbiased SR, needs ``key``).
       key: a ``jax.random`` key for stochastic rounding.
+      block_scale_rule: ``"max"`` (the block amax maps to 6) or a 4over6 rule
+        (``"4over6"``, ``"4over6-mse"``, ``"4over6-448"``, ``"4over6-mse-448"``:
+        Transformer Engine's adaptive map-to-4 / map-to-6 choice, ``four_over_six``;
+        NVFP4 and round-to-nearest only, 1D or 2D).
 
     Returns:
       A ``QuantizedArray``. Formulas: ``global_encode_scale``, ``block_decode_scale``,
       ``element_encode_scale`` and ``numerics.round_to_grid`` (NVFP4 paper App. B;
-      bit-exact with Transformer Engine for NVFP4).
+      bit-exact with Transformer Engine for NVFP4), or ``four_over_six``.
 
     Example:
       >>> q = fp4jax.quantize(jnp.ones((4, 32)), fp4jax.NVFP4)
@@ -326,21 +495,27 @@ def quantize(
         raise TypeError(f"axis must be an int, got {axis!r}")
     if not block_2d and not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis={axis} is out of range for x of shape {x.shape}")
+    check_block_scale_rule(block_scale_rule, fmt, rounding)
     key = normalize_key(key) if rounding == "stochastic" else None
-    return _quantize_jit(x, key, fmt, axis % x.ndim - x.ndim, bool(block_2d), rounding)
+    return _quantize_jit(x, key, fmt, axis % x.ndim - x.ndim, bool(block_2d), rounding,
+                         block_scale_rule)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
-def _quantize_jit(x, key, fmt, axis, block_2d, rounding):
-    return _quantize_impl(x, key, fmt, axis, block_2d, rounding)
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
+def _quantize_jit(x, key, fmt, axis, block_2d, rounding, block_scale_rule="max"):
+    return _quantize_impl(x, key, fmt, axis, block_2d, rounding, block_scale_rule)
 
 
-def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding: str):
+def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding: str,
+                   block_scale_rule: str = "max"):
     """The traced body of ``quantize`` (arguments already validated)."""
     b = fmt.block_size
     xf = x.astype(jnp.float32)
-    enc = global_encode_scale(_finite_amax(xf), fmt)
-    dec = numerics.div_rn(jnp.float32(1.0), enc)
+    amax = _finite_amax(xf)
+    four6 = block_scale_rule != "max"
+    if not four6:
+        enc = global_encode_scale(amax, fmt)
+        dec = numerics.div_rn(jnp.float32(1.0), enc)
 
     if block_2d:
         rows, cols = x.shape[-2:]
@@ -348,6 +523,11 @@ def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding
         lead = xp.shape[:-2]
         nr, nc = xp.shape[-2] // b, xp.shape[-1] // b
         tiles = xp.reshape(*lead, nr, b, nc, b)
+        if four6:
+            dec, s, q = four_over_six(tiles, amax, block_scale_rule, block_2d=True)
+            q = q.reshape(xp.shape)[..., :rows, :cols]
+            return QuantizedArray(q.astype(_F4), s.astype(fmt.scale_dtype), dec, fmt, None,
+                                  True)
         amax_b = block_amax(tiles, axis=(-3, -1))  # (..., nr, nc)
         s = block_decode_scale(amax_b, enc, fmt)
         e = element_encode_scale(s, dec)[..., :, None, :, None]
@@ -361,14 +541,18 @@ def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding
     n = x.shape[axis]
     xm = _pad_to(jnp.moveaxis(xf, axis, -1), -1, b)
     blocks = xm.reshape(*xm.shape[:-1], xm.shape[-1] // b, b)
-    amax_b = block_amax(blocks, axis=-1)  # (..., nb)
-    s = block_decode_scale(amax_b, enc, fmt)
-    e = element_encode_scale(s, dec)[..., None]
-    u = None
-    if rounding == "stochastic":  # drawn in the stored order (uniform_from_key), moved along
-        u = numerics.uniform_from_key(key, _padded_shape(x.shape, axis, b))
-        u = jnp.moveaxis(u, axis, -1).reshape(blocks.shape)
-    q = _round_elements(blocks * e, rounding, u).reshape(xm.shape)[..., :n]
+    if four6:
+        dec, s, q = four_over_six(blocks, amax, block_scale_rule)
+        q = q.reshape(xm.shape)[..., :n]
+    else:
+        amax_b = block_amax(blocks, axis=-1)  # (..., nb)
+        s = block_decode_scale(amax_b, enc, fmt)
+        e = element_encode_scale(s, dec)[..., None]
+        u = None
+        if rounding == "stochastic":  # drawn in the stored order (uniform_from_key)
+            u = numerics.uniform_from_key(key, _padded_shape(x.shape, axis, b))
+            u = jnp.moveaxis(u, axis, -1).reshape(blocks.shape)
+        q = _round_elements(blocks * e, rounding, u).reshape(xm.shape)[..., :n]
     q = jnp.moveaxis(q, -1, axis).astype(_F4)
     scale = jnp.moveaxis(s, -1, axis).astype(fmt.scale_dtype)
     return QuantizedArray(q, scale, dec, fmt, axis, False)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fp4jax.formats import FORMATS, MXFP4, NVFP4, BlockFormat, get_format
+from fp4jax.quantize import BLOCK_SCALE_RULES, check_block_scale_rule
 
 __all__ = [
     "QuantSpec",
@@ -51,11 +52,19 @@ class QuantSpec:
       rounding: ``"nearest"`` (RNE) or ``"stochastic"`` (unbiased SR).
       block_2d: 2D ``b x b`` tiles (weights; NVFP4 paper sec. 4.2) instead of 1D
         blocks along the contraction axis.
+      block_scale_rule: how each block's scale is chosen: ``"max"`` (the block amax
+        maps to the E2M1 maximum 6; the default) or Transformer Engine's 4over6
+        (``"4over6"``: per block the better of map-to-6 and map-to-4 by absolute error,
+        tensor amax mapped to 256 * 6, TE's defaults; ``"4over6-mse"``, ``"4over6-448"``,
+        ``"4over6-mse-448"``: its squared-error metric and its 448 bound;
+        ``fp4jax.quantize.four_over_six``). 4over6 needs an NVFP4 format and
+        round-to-nearest, and no RHT on its GEMM (TE refuses both combinations).
     """
 
     fmt: BlockFormat | None = NVFP4
     rounding: str = "nearest"
     block_2d: bool = False
+    block_scale_rule: str = "max"
 
     def __post_init__(self):
         if self.fmt is not None:
@@ -64,6 +73,7 @@ class QuantSpec:
             raise ValueError(
                 f"QuantSpec.rounding must be one of {_ROUNDINGS}, got {self.rounding!r}"
             )
+        check_block_scale_rule(self.block_scale_rule, self.fmt, self.rounding, "QuantSpec")
 
     @property
     def quantized(self) -> bool:
@@ -115,6 +125,15 @@ class GemmSpec:
             raise ValueError(
                 f"GemmSpec.hadamard_signs={s!r}: use None, an int, 'layer', 'random' or a tuple"
             )
+        for side in ("lhs", "rhs"):
+            rule = getattr(self, side).block_scale_rule
+            if self.hadamard and rule != "max":
+                raise ValueError(
+                    f"GemmSpec: {side}.block_scale_rule={rule!r} with hadamard="
+                    f"{self.hadamard}: Transformer Engine refuses 4over6 with the RHT ('NVFP4 "
+                    "4over6 quantization does not support RHT'); set hadamard=0 for this "
+                    f"GEMM (e.g. rht=0 for wgrad) or {side}.block_scale_rule='max'"
+                )
 
     @property
     def quantized(self) -> bool:
@@ -145,6 +164,11 @@ class Recipe:
       * ``rht=0`` (or a size): set the Wgrad Hadamard size (0 drops it).
       * ``block_2d=False``: every 2D-scaled operand becomes 1D.
       * ``fmt=BlockFormat``: the format of every quantized operand.
+      * ``block_scale_rule="4over6"`` (or another 4over6 rule): on the quantized x and w
+        operands (``fprop.lhs``, ``fprop.rhs``, ``dgrad.rhs``, ``wgrad.lhs``; never dy:
+        Transformer Engine's ``nvfp4_4over6="all"`` scope); ``"max"``: on all six.
+        The RHT and stochastic rounding must be off there first, e.g.
+        ``nvfp4().replace(rht=0, block_scale_rule="4over6")``.
       * dotted paths, e.g. ``**{"dgrad.lhs.rounding": "nearest", "wgrad.hadamard": 0}``.
 
     Example:
@@ -202,14 +226,52 @@ class Recipe:
                 r = r._map(lambda q: q.replace(block_2d=False))
             elif k == "fmt":
                 r = r._map(functools.partial(_set_fmt, get_format(v)))
+            elif k == "block_scale_rule":
+                r = r._set_block_scale_rule(v)
             elif "." in k:
                 r = r._replace_path(k.split("."), v)
             else:
                 raise ValueError(
                     f"Recipe.replace: unknown key {k!r}; use {sorted(fields)}, 'sr', 'rht', "
-                    "'block_2d', 'fmt' or a dotted path like 'dgrad.lhs.rounding'"
+                    "'block_2d', 'fmt', 'block_scale_rule' or a dotted path like "
+                    "'dgrad.lhs.rounding'"
                 )
         return r
+
+    def _set_block_scale_rule(self, rule: str) -> Recipe:
+        """``replace(block_scale_rule=rule)``: a 4over6 rule on the quantized x and w
+        operands (TE's ``nvfp4_4over6="all"``: gradients keep ``"max"``), ``"max"`` on all
+        six; a ValueError naming the operand when its GEMM has an RHT or it rounds
+        stochastically (TE refuses both), or when ``rule`` is unknown."""
+        if rule not in BLOCK_SCALE_RULES:
+            raise ValueError(f"Recipe.replace: block_scale_rule must be one of "
+                             f"{BLOCK_SCALE_RULES}, got {rule!r}")
+        if rule == "max":
+            return self._map(lambda q: q.replace(block_scale_rule="max") if q.quantized else q)
+        gemms = {n: getattr(self, n) for n in ("fprop", "dgrad", "wgrad")}
+        for gname, side in _X_AND_W:
+            g = gemms[gname]
+            q = getattr(g, side)
+            if not q.quantized:
+                continue
+            path = f"{gname}.{side}"
+            operand = _OPERAND_NAMES[gname][side == "rhs"]
+            if g.hadamard:
+                raise ValueError(
+                    f"Recipe.replace(block_scale_rule={rule!r}) sets {path} ({operand}"
+                    f"), whose GEMM has an RHT ({gname}.hadamard={g.hadamard}): Transformer "
+                    "Engine refuses 4over6 with the RHT. Drop it first (e.g. "
+                    f"'{self.name}(rht=0, block_scale_rule={rule})' or "
+                    f"{gname}.hadamard=0), or set the rule per operand ('fprop.lhs."
+                    "block_scale_rule', ...)")
+            if q.stochastic:
+                raise ValueError(
+                    f"Recipe.replace(block_scale_rule={rule!r}) sets {path}, which rounds "
+                    "stochastically: Transformer Engine refuses 4over6 with stochastic "
+                    f"rounding. Set {path}.rounding=nearest first, or set the rule per "
+                    "operand ('fprop.lhs.block_scale_rule', ...)")
+            gemms[gname] = g.replace(**{side: q.replace(block_scale_rule=rule)})
+        return dataclasses.replace(self, **gemms)
 
     def _map(self, fn: Callable[[QuantSpec], QuantSpec]) -> Recipe:
         return dataclasses.replace(
@@ -223,12 +285,17 @@ class Recipe:
         if path[0] not in ("fprop", "dgrad", "wgrad") or len(path) not in (2, 3):
             raise ValueError(f"Recipe.replace: bad path {'.'.join(path)!r}")
         g = getattr(self, path[0])
-        if len(path) == 2:
-            g = g.replace(**{path[1]: value})
-        else:
-            if path[1] not in ("lhs", "rhs"):
-                raise ValueError(f"Recipe.replace: bad path {'.'.join(path)!r}")
-            g = g.replace(**{path[1]: getattr(g, path[1]).replace(**{path[2]: value})})
+        try:
+            if len(path) == 2:
+                g = g.replace(**{path[1]: value})
+            else:
+                if path[1] not in ("lhs", "rhs"):
+                    raise ValueError(f"Recipe.replace: bad path {'.'.join(path)!r}")
+                g = g.replace(**{path[1]: getattr(g, path[1]).replace(**{path[2]: value})})
+        except ValueError as e:
+            if str(e).startswith("Recipe.replace"):
+                raise
+            raise ValueError(f"{path[0]}: {e}") from None
         return dataclasses.replace(self, **{path[0]: g})
 
     def describe(self) -> str:
@@ -239,7 +306,8 @@ class Recipe:
                 return "high precision"
             dims = "2D" if q.block_2d else "1D"
             rnd = "SR" if q.rounding == "stochastic" else "RtN"
-            return f"{q.fmt.name} {dims} {rnd}"
+            rule = "" if q.block_scale_rule == "max" else f" {q.block_scale_rule}"
+            return f"{q.fmt.name} {dims} {rnd}{rule}"
 
         lines = [f"recipe {self.name}"]
         for gname, g in self.gemms.items():
@@ -262,6 +330,8 @@ class Recipe:
 
 
 _OPERAND_NAMES = {"fprop": ("x", "w"), "dgrad": ("dy", "w"), "wgrad": ("x", "dy")}
+# the x and w operands: the slots Transformer Engine's nvfp4_4over6="all" covers
+_X_AND_W = (("fprop", "lhs"), ("fprop", "rhs"), ("dgrad", "rhs"), ("wgrad", "lhs"))
 
 
 def _operand_str(q: QuantSpec) -> str:
@@ -271,7 +341,8 @@ def _operand_str(q: QuantSpec) -> str:
     shape = f"{f.block_size}x{f.block_size}" if q.block_2d else f"1x{f.block_size}"
     scale = f"e{f.scale_exp_bits}m{f.scale_man_bits}"
     rnd = "SR" if q.stochastic else "RtN"
-    return f"{f.name} {shape} {scale} {rnd}"
+    rule = "" if q.block_scale_rule == "max" else f" {q.block_scale_rule}"
+    return f"{f.name} {shape} {scale} {rnd}{rule}"
 
 
 def _set_fmt(fmt: BlockFormat, q: QuantSpec) -> QuantSpec:
@@ -368,9 +439,10 @@ def get(name: str | Recipe) -> Recipe:
 # Recipe spec strings: "nvfp4(sr=False, dgrad.lhs.rounding=nearest)".
 # ---------------------------------------------------------------------------
 
-_SPEC_KNOBS = ("sr", "rht", "block_2d", "fmt", "name")
+_SPEC_KNOBS = ("sr", "rht", "block_2d", "fmt", "block_scale_rule", "name")
 _GEMM_KEYS = ("hadamard", "hadamard_signs")
-_QUANT_KEYS = ("fmt", "rounding", "block_2d")
+_QUANT_KEYS = ("fmt", "rounding", "block_2d", "block_scale_rule")
+_RULE_RE = re.compile(r"[A-Za-z0-9_-]+$")  # a bare block_scale_rule value: 4over6-mse
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*$")
 # a spec: NAME, optionally followed by (key=value, ...) overrides
 _SPEC_RE = re.compile(r"([^()\s]+)\s*(?:\((.*)\))?", flags=re.S)
@@ -441,6 +513,8 @@ def _value(key: str, text: str, spec: str) -> Any:
     for ``fmt`` keys, else the word as a string: ``nearest``, ``stochastic``, ``random``)."""
     if not text:
         raise ValueError(f"recipe spec {spec!r}: {key}= has no value")
+    if key.rsplit(".", 1)[-1] == "block_scale_rule" and _RULE_RE.match(text):
+        return text  # a bare word that may start with a digit: 4over6
     try:
         node = ast.parse(text, mode="eval").body
     except SyntaxError as e:
@@ -470,10 +544,11 @@ def parse(spec: str | Recipe) -> Recipe:
     """A recipe from a spec string: a recipe name, optionally followed by overrides.
 
     ``parse("nvfp4(sr=False, rht=0)") == nvfp4().replace(sr=False, rht=0)``. The keys are
-    those of ``Recipe.replace``: ``sr``, ``rht``, ``block_2d``, ``fmt``, ``name`` and
-    dotted paths to one GEMM (``wgrad.hadamard``, ``wgrad.hadamard_signs``) or one
-    quantization point (``dgrad.lhs.rounding``, ``fprop.rhs.block_2d``,
-    ``wgrad.rhs.fmt``). Values are Python literals (``False``, ``0``, ``'random'``),
+    those of ``Recipe.replace``: ``sr``, ``rht``, ``block_2d``, ``fmt``,
+    ``block_scale_rule``, ``name`` and dotted paths to one GEMM (``wgrad.hadamard``,
+    ``wgrad.hadamard_signs``) or one quantization point (``dgrad.lhs.rounding``,
+    ``fprop.rhs.block_2d``, ``wgrad.rhs.fmt``, ``fprop.lhs.block_scale_rule``).
+    Values are Python literals (``False``, ``0``, ``'random'``),
     format names (``fmt=mxfp4``), ``BlockFormat(...)`` (its arguments, with
     ``scale='e4m3'`` as a shorthand for the scale bits) or bare words (``nearest``,
     ``stochastic``). Overrides apply left to right. A ``Recipe`` is returned unchanged.
@@ -482,6 +557,8 @@ def parse(spec: str | Recipe) -> Recipe:
       >>> parse("nvfp4")
       >>> parse("nvfp4(fmt=BlockFormat(block_size=32, scale='e4m3'))")
       >>> parse("nvfp4(dgrad.lhs.rounding=nearest, wgrad.lhs.rounding=stochastic)")
+      >>> parse("nvfp4(rht=0, block_scale_rule=4over6)")       # TE's 4over6 on x and w
+      >>> parse("nvfp4(fprop.lhs.block_scale_rule=4over6-mse)")
 
     Raises:
       ValueError naming the bad name, key or value and listing the valid ones.
@@ -529,6 +606,8 @@ def _format_spec(fmt: BlockFormat | None) -> str:
 def _value_spec(key: str, value: Any) -> str:
     if key.endswith("fmt"):
         return _format_spec(value)
+    if key.endswith("block_scale_rule") and isinstance(value, str) and _RULE_RE.match(value):
+        return value
     if isinstance(value, str) and _NAME_RE.match(value) and value not in (
             "True", "False", "None"):
         return value

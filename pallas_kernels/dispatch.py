@@ -171,7 +171,7 @@ def kernel_mode(mkn: int | None = None) -> str:
 
 
 def operand_kernel(x: jax.Array, *, block_2d: bool, axis: int, stochastic: bool,
-                   rht: int, key: jax.Array) -> str | None:
+                   rht: int, key: jax.Array, block_scale_rule: str = "max") -> str | None:
     """Which fused kernel of ``quantize/operand_sm90`` makes the NVFP4 GEMM operand
     ``scaled_data(quantize(RHT(x)), bfloat16)``: ``"rows"`` (1x16 along the last axis),
     ``"cols"`` (16x1 along the token axis, with the 16-point RHT if ``rht``), ``"2d"``
@@ -179,7 +179,11 @@ def operand_kernel(x: jax.Array, *, block_2d: bool, axis: int, stochastic: bool,
 
     ``x`` is ``fp4jax.dot``'s canonical (B, R, C) operand; ``axis`` (1 or 2) its blocked
     axis; ``rht`` the RHT size (0: none) along ``axis``; ``key`` the call's key (SR
-    kernels compute Threefry draws, so other key implementations take the XLA path)."""
+    kernels compute Threefry draws, so other key implementations take the XLA path);
+    ``block_scale_rule`` the operand's ``QuantSpec.block_scale_rule`` (the kernels
+    implement ``"max"`` only: 4over6 operands take the XLA path)."""
+    if block_scale_rule != "max":
+        return None  # the kernels compute the "max" rule's scales, not 4over6's
     from pallas_kernels.quantize import operand_sm90 as fq
 
     if x.shape[0] != 1 or x.dtype != jnp.bfloat16:
@@ -272,13 +276,18 @@ def _key_reason(key) -> str | None:
 
 
 def quantize_unsupported_reason(shape, dtype, *, fmt=None, axis=-1, block_2d=False,
-                                rounding="nearest", key=None) -> str | None:
+                                rounding="nearest", key=None,
+                                block_scale_rule="max") -> str | None:
     """None when a quantize kernel handles these arguments, else the reason.
 
     Kernels: 1x16 blocks along the last axis, round-to-nearest (``quantize_nvfp4_1x16``)
-    or stochastic (``quantize_nvfp4_1x16_sr``); 16x16 tiles, round-to-nearest.
+    or stochastic (``quantize_nvfp4_1x16_sr``); 16x16 tiles, round-to-nearest; all with
+    the ``"max"`` block scale rule (4over6 takes the XLA path).
     Stochastic rounding needs a threefry ``key`` (checked when given). Blocks along
     another axis (e.g. 16x1 along the token axis) take the XLA path."""
+    if block_scale_rule != "max":
+        return (f"kernels implement the 'max' block scale rule only, got "
+                f"block_scale_rule={block_scale_rule!r}")
     from pallas_kernels.quantize import packed_sm90 as qk
 
     if fmt is not None and not _nvfp4(fmt):
@@ -377,9 +386,11 @@ def quantize_packed(x: jax.Array, *, block_2d: bool = False, rounding: str = "ne
 
 
 def quantize(x: jax.Array, fmt=None, *, axis: int = -1, block_2d: bool = False,
-             rounding: str = "nearest", key=None, backend: str = "auto"):
+             rounding: str = "nearest", key=None, backend: str = "auto",
+             block_scale_rule: str = "max"):
     """Drop-in for ``fp4jax.quantize`` that uses a kernel when one applies (1x16 along the
-    last axis with either rounding, 16x16 round-to-nearest).
+    last axis with either rounding, 16x16 round-to-nearest; the ``"max"`` block scale
+    rule: 4over6 runs ``fp4jax.quantize``).
 
     The kernel result is unpacked into a ``QuantizedArray`` (one extra XLA pass over the
     packed bytes); callers that can consume packed data should use ``quantize_packed``.
@@ -388,11 +399,13 @@ def quantize(x: jax.Array, fmt=None, *, axis: int = -1, block_2d: bool = False,
     _check_sr_key(rounding, key)
     backend = _resolve(backend)
     reason = quantize_unsupported_reason(x.shape, x.dtype, fmt=fmt, axis=axis,
-                                         block_2d=block_2d, rounding=rounding, key=key)
+                                         block_2d=block_2d, rounding=rounding, key=key,
+                                         block_scale_rule=block_scale_rule)
     if backend == "pallas" and reason is not None:
         raise ValueError(f"pallas quantize kernel unavailable: {reason}")
     if backend == "xla" or reason is not None:
-        return qz.quantize(x, fmt, axis=axis, block_2d=block_2d, rounding=rounding, key=key)
+        return qz.quantize(x, fmt, axis=axis, block_2d=block_2d, rounding=rounding, key=key,
+                           block_scale_rule=block_scale_rule)
     fmt = get_format(fmt)
     packed, sbits, dec = quantize_packed(x, block_2d=block_2d, rounding=rounding, key=key,
                                          backend="pallas")
