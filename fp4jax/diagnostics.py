@@ -21,6 +21,14 @@ of its three quantized GEMMs adds on a given batch, and how its operands use the
 All values are float32 scalars (a pytree of dicts), cheap enough to compute every N steps
 inside a jitted step.
 
+``layer_stats(model, variables, *args, loss=..., rngs=...)`` measures every fp4jax linen
+layer of a Flax model on one batch at once: each layer's own operands (its input ``x``, its
+weight ``w`` and the cotangent ``dy`` of the loss with respect to its output, found with
+zero perturbations of the outputs) and the keys its GEMMs draw in that call (see
+``fp4jax.nn.linen``); the training harness calls it every ``--stats-every`` steps and
+writes ``flatten_stats`` of it to ``metrics.jsonl`` as a ``"stats"`` record, which
+``read_stats`` and ``stats_from_metrics`` read back.
+
 ``recommend_high_precision_layers(stats, budget)`` ranks layers by their measured wgrad
 error (then dgrad, then fprop: the order NVIDIA's Appendix E.2 observed to matter) and
 returns the names to keep in BF16, at most ``budget`` of them (a fraction of the layers).
@@ -29,18 +37,31 @@ returns the names to keep in BF16, at most ``budget`` of them (a fraction of the
 from __future__ import annotations
 
 import importlib
+import json
 import math
+import os
+import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fp4jax.dot import _call_key, _quant, _rht, _subkey, dot
 from fp4jax.recipes import GemmSpec, QuantSpec, Recipe, get, nvfp4
 
+# the variable collections through which fp4jax's linen layers hand their operands to
+# ``layer_stats`` (defined here, used by ``fp4jax.nn.linen.DotGeneral``; see its module
+# docstring)
+PERTURB_COLLECTION = "fp4_perturbations"
+COTANGENT_COLLECTION = "fp4_cotangents"
+STATS_COLLECTION = "fp4_stats"
+
 qz = importlib.import_module("fp4jax.quantize")  # the module (fp4jax.quantize is a function)
 
-__all__ = ["gemm_stats", "recommend_high_precision_layers"]
+__all__ = ["flatten_stats", "gemm_stats", "layer_stats", "read_stats",
+           "recommend_high_precision_layers", "stats_from_metrics"]
 
 E2M1_MAX = 6.0  # largest E2M1 magnitude (NVFP4 paper Appendix B)
 
@@ -130,13 +151,146 @@ def gemm_stats(x: jax.Array, w: jax.Array, dy: jax.Array, *,
     }
 
 
+def _default_name(path: tuple[str, ...], index: tuple[int, ...]) -> str:
+    """``"a/b/c"``, with ``"[i]"`` per scan axis (``"blocks/q[3]"``)."""
+    return "/".join(path) + "".join(f"[{i}]" for i in index)
+
+
+def layer_stats(model: Any, variables: Mapping[str, Any], *args: Any,
+                loss: Callable[[Any], jax.Array], rngs: Mapping[str, jax.Array] | None = None,
+                name_fn: Callable[[tuple[str, ...], tuple[int, ...]], str] | None = None,
+                **kwargs: Any) -> dict[str, dict[str, dict[str, Any]]]:
+    """``gemm_stats`` of every fp4jax linen layer (``fp4jax.nn.linen.DotGeneral``, inside
+    ``fp4jax.nn.linen.Dense`` or ``nn.Dense(dot_general_cls=...)``) of a Flax model on one
+    batch, each on its own operands. Traceable: call it inside ``jax.jit``.
+
+    Three passes of ``model.apply(variables, *args, rngs=rngs, **kwargs)``: one traced
+    only for the shapes of the layers' outputs; a forward and backward pass of ``loss``
+    with zero perturbations added to those outputs (``Module.perturb``), whose gradients
+    are the cotangents ``dy`` (the backward pass of the model's own recipes, as in
+    training); and a forward pass given ``dy``, in which each layer computes
+    ``gemm_stats(x, w, dy, recipe=its recipe, key=its key, rht_key=its RHT key)`` on its
+    inputs (in their compute dtype) with the keys it draws from ``rngs`` in that call: the
+    same ones as in an ``apply`` with the same ``rngs``, so with the train step's ``rngs``
+    the errors are those of that step's GEMMs (stochastic rounding draws included).
+
+    Args:
+      model: a ``flax.linen.Module``.
+      variables: its variables (``{"params": ...}``).
+      *args, **kwargs: the call's inputs (e.g. tokens ``(B, T)`` int32).
+      loss: ``loss(model output) -> float scalar``, the function whose gradient ``dy`` is.
+      rngs: the call's RNG streams (``"fp4"``, ``"fp4_layer"``).
+      name_fn: ``name_fn(path, index) -> str``: the name of the layer at module ``path``
+        (a tuple of module names, the ``DotGeneral`` submodule left out) and, for layers
+        inside ``flax.linen.scan``, ``index`` (the iteration, one int per scan level);
+        default ``"/".join(path)`` plus ``"[i]"`` per scan level.
+
+    Returns:
+      ``{layer name: gemm_stats(...)}``, float32 scalars; layers that are not fp4jax
+      layers (plain ``nn.Dense``, e.g. those a precision policy keeps in BF16) and fp4jax
+      ``dot_general`` calls other than ``x (..., K) @ w (K, N)`` are absent; a layer called
+      more than once gets ``"#2"``, ``"#3"``, ... after its name for the later calls.
+    """
+    name_fn = name_fn or _default_name
+    variables = {k: v for k, v in variables.items()
+                 if k not in (PERTURB_COLLECTION, COTANGENT_COLLECTION, STATS_COLLECTION)}
+
+    def run(extra: dict, mutable: Any) -> Any:
+        return model.apply({**variables, **extra}, *args, rngs=rngs, mutable=mutable,
+                           **kwargs)
+
+    shapes = jax.eval_shape(lambda: run({}, [PERTURB_COLLECTION])[1])
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                         dict(shapes.get(PERTURB_COLLECTION, {})))
+    if not zeros:
+        return {}
+    dys = jax.grad(lambda z: loss(run({PERTURB_COLLECTION: z}, False)))(zeros)
+    _, state = run({COTANGENT_COLLECTION: dys}, [STATS_COLLECTION])
+
+    out: dict[str, dict] = {}
+
+    def walk(node: Any, path: tuple[str, ...]) -> None:
+        for k, v in node.items():
+            if k != "stats" or not isinstance(v, tuple):
+                walk(v, (*path, k))
+                continue
+            layer = path[:-1] if path and re.fullmatch(r"DotGeneral_\d+", path[-1]) else path
+            for call, st in enumerate(v):
+                shape = jnp.shape(st["fprop"]["rel_error"])  # the scan axes
+                for index in np.ndindex(*shape):
+                    name = name_fn(layer, tuple(int(i) for i in index))
+                    name += f"#{call + 1}" if call else ""
+                    out[name] = jax.tree.map(lambda a, i=index: a[i], st)
+
+    walk(dict(state.get(STATS_COLLECTION, {})), ())
+    return out
+
+
+def flatten_stats(stats: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    """One layer's ``gemm_stats`` result as plain floats, operand stats prefixed:
+    ``{"fprop": {"rel_error": ..., "lhs.underflow": ..., "rhs.amax": ...}, ...}`` (the form
+    of the layers of a ``metrics.jsonl`` ``"stats"`` record; non-finite values stay floats,
+    written by ``json`` as ``NaN``/``Infinity``)."""
+    flat: dict[str, dict[str, float]] = {}
+    for gemm, g in stats.items():
+        row: dict[str, float] = {}
+        for k, v in g.items():
+            if isinstance(v, Mapping):
+                row.update({f"{k}.{s}": float(x) for s, x in v.items()})
+            else:
+                row[k] = float(v)
+        flat[gemm] = row
+    return flat
+
+
+def read_stats(path: str | os.PathLike) -> list[dict]:
+    """The ``"stats"`` records of a ``metrics.jsonl`` (a file, or the run directory holding
+    it), in file order: ``{"type": "stats", "step": s, "layers": {name: {gemm: {stat:
+    float}}}, ...}``. Lines that do not parse (a torn last record) are skipped."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "metrics.jsonl")
+    recs = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and rec.get("type") == "stats" and "layers" in rec:
+                recs.append(rec)
+    return recs
+
+
+def stats_from_metrics(path: str | os.PathLike, step: int | None = None
+                       ) -> dict[str, dict[str, dict[str, float]]]:
+    """The per-layer statistics of the last ``"stats"`` record of a run's ``metrics.jsonl``
+    (or of the one at ``step``), ready for ``recommend_high_precision_layers``::
+
+        recommend_high_precision_layers(stats_from_metrics("runs/nvfp4"), budget=0.15)
+
+    Raises:
+      ValueError: the file holds no stats record (run with ``--stats-every N``), or none at
+        ``step``.
+    """
+    recs = read_stats(path)
+    if step is not None:
+        recs = [r for r in recs if r["step"] == step]
+    if not recs:
+        at = f" at step {step}" if step is not None else ""
+        raise ValueError(f"{os.fspath(path)}: no per-layer stats record{at} (train with "
+                         "fp4jax-train --stats-every N)")
+    return recs[-1]["layers"]
+
+
 def recommend_high_precision_layers(stats: dict[str, dict], budget: float = 0.15
                                     ) -> list[str]:
     """The layers to keep in high precision: the ``floor(budget * len(stats))`` layers with
     the largest measured error, ranked by wgrad error, then dgrad, then fprop.
 
     Args:
-      stats: ``{layer name: gemm_stats(...) result}`` (values may be arrays or floats).
+      stats: ``{layer name: gemm_stats(...) result}`` (values may be arrays or floats; the
+        flattened form of ``flatten_stats``/``stats_from_metrics`` works too).
       budget: the fraction of layers that may stay in high precision, in [0, 1].
 
     Returns:

@@ -18,12 +18,14 @@ float32 for the loss.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from fp4jax.nn.linen import COTANGENT_COLLECTION, PERTURB_COLLECTION, STATS_COLLECTION
 from fp4jax.nn.linen import Dense as Fp4Dense
 from fp4jax.nn.policy import PrecisionPolicy
 
@@ -204,6 +206,30 @@ class _ScanBlock(nn.Module):
         return Block(self.cfg, self.recipes, name="block")(x, positions), None
 
 
+def layer_name(path: tuple[str, ...], index: tuple[int, ...] = ()) -> str:
+    """The name of a linear layer of :class:`Llama` for per-layer statistics
+    (``fp4jax.diagnostics.layer_stats``'s ``name_fn``): its parameter path joined by ``/``
+    (``"block_3/q"``, ``"block_0/down"``), with the layers of a scanned run of blocks
+    (``blocks_{first}_{last}/block/q`` at scan index ``i``) named as in the unrolled model
+    (``block_{first + i}/q``), so scanned and unrolled runs name their layers alike."""
+    m = re.fullmatch(r"blocks_(\d+)_(\d+)", path[0]) if path else None
+    if m and len(index) == 1 and path[1:2] == ("block",):
+        return "/".join((f"block_{int(m[1]) + index[0]}", *path[2:]))
+    return "/".join(path) + "".join(f"[{i}]" for i in index)
+
+
+_BLOCK_LAYERS = ("q", "k", "v", "o", "gate", "up", "down")  # module names, in call order
+
+
+def layer_order(name: str) -> tuple[int, int, str]:
+    """Sort key of ``layer_name`` names: by block, then in the block's call order (``q, k,
+    v, o, gate, up, down``); other names last, alphabetically."""
+    m = re.fullmatch(r"block_(\d+)/(\w+)", name)
+    if m and m[2] in _BLOCK_LAYERS:
+        return int(m[1]), _BLOCK_LAYERS.index(m[2]), ""
+    return 2**31, 0, name
+
+
 class Llama(nn.Module):
     """The decoder. ``__call__(tokens (B, T) int32) -> logits (B, T, vocab) float32``.
 
@@ -245,7 +271,11 @@ class Llama(nn.Module):
             while cfg.scan_layers and j < cfg.n_layers and recipes[j] == recipes[i]:
                 j += 1
             if j - i > 1:
-                scanned = nn.scan(_ScanBlock, variable_axes={"params": 0},
+                # the statistics collections (fp4jax.nn.linen) get a leading block axis
+                # too; absent in training, they change nothing there
+                scanned = nn.scan(_ScanBlock, variable_axes={
+                                      "params": 0, PERTURB_COLLECTION: 0,
+                                      COTANGENT_COLLECTION: 0, STATS_COLLECTION: 0},
                                   split_rngs={"params": True, "fp4": True, "fp4_layer": True},
                                   in_axes=nn.broadcast, length=j - i)
                 x, _ = scanned(cfg, recipes[i], name=f"blocks_{i}_{j - 1}")(x, positions)

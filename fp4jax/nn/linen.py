@@ -21,6 +21,24 @@ also need a key that is the same at every step: it comes from the stream
 ``layer_rng_collection`` (default ``"fp4_layer"``), e.g. ``rngs={"fp4": fold_in(key, step),
 "fp4_layer": layer_key}`` with one fixed ``layer_key`` per run; ``make_rng`` gives each layer
 its own.
+
+Per-layer quantization statistics (``fp4jax.diagnostics.layer_stats``, ``fp4jax-train
+--stats-every``) use three variable collections that ``DotGeneral`` only touches when a
+caller asks for them (never in ``init``, nor in a plain ``apply``, whose computation is
+unchanged):
+
+* ``PERTURB_COLLECTION`` (``"fp4_perturbations"``): when it is passed in or mutable (by
+  name, or by ``mutable=True``; outside ``init``), the layer adds the variable ``y`` (zeros
+  of the output's shape and dtype) to its output (``flax.linen.Module.perturb``): the
+  gradient of a loss with respect to it is ``dy``, the cotangent of the layer's output;
+* ``COTANGENT_COLLECTION`` (``"fp4_cotangents"``) in, ``STATS_COLLECTION`` (``"fp4_stats"``)
+  out: given ``dy`` as the variable ``y`` (the gradient of the perturbations, as they come)
+  and ``STATS_COLLECTION`` mutable, the layer sows
+  ``fp4jax.diagnostics.gemm_stats(x, w, dy, recipe, key, rht_key)`` of its own operands, with
+  the stochastic-rounding and RHT keys its GEMMs use in that call, as ``stats``.
+
+Only the dense contraction ``x (..., K) @ w (K, N)`` (what ``Dense``, ``nn.Dense`` and the
+Llama model use) is measured; other dimension numbers are left alone.
 """
 
 from __future__ import annotations
@@ -30,6 +48,13 @@ from typing import TYPE_CHECKING, Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from fp4jax.diagnostics import (  # noqa: F401 (re-exported: the statistics collections)
+    COTANGENT_COLLECTION,
+    PERTURB_COLLECTION,
+    STATS_COLLECTION,
+    gemm_stats,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from fp4jax import Recipe
@@ -131,9 +156,30 @@ class DotGeneral(nn.Module):
         Shapes and dtypes are those of ``jax.lax.dot_general``; ``out_sharding`` (passed by
         newer flax layers) is applied as a sharding constraint when not ``None``.
         """
-        return fp4_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                               out_sharding, recipe=self.recipe, key=self._key(),
-                               rht_key=self._rht_key())
+        key, rht_key = self._key(), self._rht_key()
+        y = fp4_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                            out_sharding, recipe=self.recipe, key=key, rht_key=rht_key)
+        if self.is_initializing() or not _is_dense(lhs, rhs, dimension_numbers):
+            return y
+        if (self.has_variable(PERTURB_COLLECTION, "y")
+                or self.is_mutable_collection(PERTURB_COLLECTION)):
+            y = self.perturb("y", y, collection=PERTURB_COLLECTION)
+        if (self.has_variable(COTANGENT_COLLECTION, "y")
+                and self.is_mutable_collection(STATS_COLLECTION)):
+            dy = self.get_variable(COTANGENT_COLLECTION, "y")
+            self.sow(STATS_COLLECTION, "stats", gemm_stats(
+                lhs, rhs, dy, recipe=_recipe(self.recipe), key=key, rht_key=rht_key))
+        return y
+
+
+def _is_dense(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any) -> bool:
+    """Whether ``dot_general(lhs, rhs, dimension_numbers)`` is ``lhs (..., K) @ rhs (K, N)``."""
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+        return (jnp.ndim(rhs) == 2 and tuple(lc) == (jnp.ndim(lhs) - 1,) and tuple(rc) == (0,)
+                and not tuple(lb) and not tuple(rb))
+    except (TypeError, ValueError):
+        return False
 
 
 class Dense(nn.Module):

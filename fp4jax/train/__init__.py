@@ -9,7 +9,9 @@ checkpoint exactly (batches and stochastic-rounding keys are pure functions of s
 ``--resume-override lr,clip_norm`` lets named optimizer keys change on resume (recorded in
 ``metrics.jsonl``), e.g. to get past a divergence. Checkpoint ``N`` holds the state before
 step ``N`` (steps are 0-based), so it is known good once step ``N`` gave a finite loss; a
-checkpoint whose step diverges is deleted.
+checkpoint whose step diverges is deleted. ``--stats-every N`` adds a ``"stats"`` record
+every N steps: the per-GEMM quantization statistics of every quantized linear layer on that
+step's batch (``fp4jax.diagnostics.layer_stats``, in a separate jitted function).
 ``--compare`` trains each recipe (a name or a spec such as ``nvfp4(sr=False, rht=0)``) on the
 same data and seed into ``OUT/<slug>/`` and writes ``OUT/compare.png``, ``OUT/compare.md`` and
 ``OUT/compare.json``; with ``--seeds 0,1,2`` every spec trains with every seed (the same batch
@@ -83,6 +85,7 @@ from fp4jax.train.loop import (
     make_eval_step,
     make_init_state,
     make_mesh,
+    make_stats_step,
     make_train_step,
     train,
 )
@@ -125,6 +128,7 @@ __all__ = [
     "make_optimizer",
     "make_policy",
     "make_schedule",
+    "make_stats_step",
     "make_train_step",
     "model_config",
     "plot_losses",

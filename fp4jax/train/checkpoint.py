@@ -293,7 +293,7 @@ def _note(msg: str) -> None:
 
 
 # keys a record of each type must have (besides "type" and "step")
-_RECORD_KEYS = {"train": ("loss",), "eval": ("val_loss",)}
+_RECORD_KEYS = {"train": ("loss",), "eval": ("val_loss",), "stats": ("layers",)}
 
 
 def _record_problem(raw: bytes) -> tuple[dict | None, str | None]:

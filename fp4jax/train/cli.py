@@ -106,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-progress", dest="progress", action="store_false", help="no progress bar")
     a("--scan-layers", action="store_true",
       help="compile each run of same-recipe blocks once (flax scan): much faster compiles")
+    a("--stats-every", type=int, default=d.stats_every,
+      help="every N steps (0: never), measure each quantized linear layer on that step's "
+           "batch: per GEMM (fprop, dgrad, wgrad) the relative error of the quantized "
+           "product, and per operand the underflow and saturation fractions, block-scale "
+           "range and amax (fp4jax.diagnostics.gemm_stats), written to metrics.jsonl as a "
+           "'stats' record; a separate jitted function, compiled once (the train step is "
+           "unchanged); plot with experiments/stats_heatmap.py")
     return p
 
 

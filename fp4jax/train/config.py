@@ -30,7 +30,8 @@ SCHEDULES = ("wsd", "cosine")
 # Config keys that may change between a run and its resumption.
 RESUMABLE_KEYS = frozenset(
     {"out", "resume", "stop_at", "progress", "cache_dir", "checkpoint_every", "log_every",
-     "devices", "compare", "resume_override", "overwrite", "keep_checkpoints"}
+     "devices", "compare", "resume_override", "overwrite", "keep_checkpoints",
+     "stats_every"}
 )
 # Config keys that ``--resume-override`` may change (they leave the state's structure alone);
 # ``data`` lets the corpus (its path and its content, see ``ByteDataset.fingerprint``) change.
@@ -92,6 +93,7 @@ class TrainConfig:
     scan_layers: bool = False
     overwrite: bool = False
     keep_checkpoints: int = 3
+    stats_every: int = 0
 
     def __post_init__(self) -> None:
         validate_config(self)
@@ -217,7 +219,7 @@ def _is_real(v: Any) -> bool:
 _INT_MIN: dict[str, int] = {
     "seq_len": 2, "batch_size": 1, "steps": 1, "warmup_steps": 0, "first_bf16": 0,
     "last_bf16": -1, "eval_every": 0, "eval_batches": 1, "log_every": 1, "checkpoint_every": 0,
-    "devices": 0, "keep_checkpoints": 1,
+    "devices": 0, "keep_checkpoints": 1, "stats_every": 0,
 }
 # real field -> (low, low included?, high or None, high included?); NaN and infinities are
 # always refused

@@ -3,6 +3,8 @@ mesh, initial state, and ``train`` (one run: data, model, optimizer, resume from
 the step loop with evaluation, logging to ``metrics.jsonl``, checkpoints and divergence
 handling, and the result dict written to ``result.json``). ``TrainingDiverged`` is raised when
 a training or validation loss, the gradient norm or the state becomes non-finite.
+``make_stats_step`` builds the separate jitted function that measures every quantized linear
+layer every ``--stats-every`` steps (``fp4jax.diagnostics.layer_stats``).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fp4jax.recipes
+from fp4jax import diagnostics
 from fp4jax.data import ByteDataset
-from fp4jax.models.llama import Llama
+from fp4jax.models.llama import Llama, layer_name, layer_order
 from fp4jax.recipes import Recipe
 from fp4jax.train.checkpoint import (
     CheckpointDamaged,
@@ -93,8 +96,9 @@ def _global_norm(tree: Any) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
-# Times each step function was traced (once per compilation): {"init", "train", "eval"}.
-TRACE_COUNTS: dict[str, int] = {"init": 0, "train": 0, "eval": 0}
+# Times each step function was traced (once per compilation):
+# {"init", "train", "eval", "stats"}.
+TRACE_COUNTS: dict[str, int] = {"init": 0, "train": 0, "eval": 0, "stats": 0}
 
 
 def _traced(kind: str) -> None:
@@ -154,12 +158,37 @@ def make_eval_step(model: Llama, base_key: jax.Array | None, mesh: Mesh) -> Call
     return jax.jit(ev, out_shardings=NamedSharding(mesh, P()))
 
 
+def make_stats_step(model: Llama, mesh: Mesh) -> Callable:
+    """A jit-compiled ``stats(params, batch, base_key, step) -> {layer: gemm_stats}``: the
+    quantization statistics (``fp4jax.diagnostics.gemm_stats``) of every fp4jax linear layer
+    of ``model`` on ``batch (B, T+1)`` int32, each on its own operands at train step
+    ``step`` (int32 scalar): its input, its weight (both in the compute dtype) and the
+    cotangent of the loss with respect to its output, with the stochastic-rounding key
+    ``fold_in(base_key, step)`` and layer key that ``make_train_step`` uses, so the errors
+    are those of that step's GEMMs. Layer names are ``layer_name``'s (``"block_3/q"``;
+    layers the policy keeps in BF16 are plain ``nn.Dense`` and absent). Values are float32
+    scalars, replicated. A function apart from the train step, which it leaves unchanged."""
+
+    def stats(params, batch, key_arg, step):
+        _traced("stats")
+        rngs = {"fp4": jax.random.fold_in(key_arg, step),
+                "fp4_layer": jax.random.fold_in(key_arg, LAYER_KEY_INDEX)}
+
+        def loss(logits: jax.Array) -> jax.Array:
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+        return diagnostics.layer_stats(model, {"params": params}, batch[:, :-1], loss=loss,
+                                       rngs=rngs, name_fn=layer_name)
+
+    return jax.jit(stats, out_shardings=NamedSharding(mesh, P()))
+
+
 # Config keys that leave the compiled init/train/eval functions unchanged (the seed enters as
 # a key argument); runs whose other keys agree share them (``_step_fns``).
 _NOT_COMPILED = frozenset({"seed", "out", "resume", "stop_at", "progress", "cache_dir",
                            "checkpoint_every", "log_every", "compare", "resume_override",
                            "overwrite", "keep_checkpoints", "data", "val_fraction",
-                           "eval_every", "eval_batches", "switch_at"})
+                           "eval_every", "eval_batches", "switch_at", "stats_every"})
 _STEP_CACHE: dict[tuple, dict] = {}
 _STEP_CACHE_SIZE = 4
 
@@ -358,6 +387,10 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     end = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
 
     steps_fn, evals_fn = fns["train"], fns["eval"]
+    # built only when asked for (jit compiles on the first call), kept with the cached steps
+    stats_fn = (fns.setdefault("stats", {False: make_stats_step(model, mesh),
+                                         True: make_stats_step(model2, mesh)})
+                if cfg.stats_every else None)
     val_np = ds.val_batches(cfg.eval_batches, cfg.batch_size)
     val = [jax.device_put(b, data_sharding) for b in val_np]
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -372,6 +405,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         header += f"; switch {rcfg.switch} to BF16 at step {switch_step}"
     elif rcfg.switch_at is not None:
         header += f"; switch_at {rcfg.switch_at}: never switches (past the last step)"
+    if cfg.stats_every:
+        header += f"; per-layer stats every {cfg.stats_every} steps"
     pbar = _Progress(end, start, cfg.progress, recipe.name)
     pbar.write(header)
     log = metrics_path.open("a")
@@ -441,6 +476,19 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         timing["t"] += time.perf_counter() - t0  # keep eval time out of throughput
         window["t"] += time.perf_counter() - t0
         return v
+
+    def measure(s: int, batch: jax.Array) -> None:
+        """Writes the per-layer statistics of step ``s`` (the state before it, its batch and
+        keys) as a ``"stats"`` record; their time stays out of the throughput."""
+        t0 = time.perf_counter()
+        st = jax.device_get(stats_fn[s >= switch_step](state["params"], batch, sr_key,
+                                                        state["step"]))
+        layers = {name: diagnostics.flatten_stats(st[name])
+                  for name in sorted(st, key=layer_order)}
+        dt = time.perf_counter() - t0
+        write({"type": "stats", "step": s, "wall_s": dt, "layers": layers})
+        timing["t"] += dt
+        window["t"] += dt
 
     def _drop_bad_checkpoints(s: int) -> str:
         """Deletes checkpoints whose parameters give the non-finite step ``s`` (checkpoint
@@ -516,6 +564,9 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
             evaluate(start)  # its record was lost (a torn metrics.jsonl): the same value again
         for s in range(start, end):
             batch = jax.device_put(ds.train_batch(s, cfg.batch_size, cfg.seed), data_sharding)
+            if stats_fn is not None and s % cfg.stats_every == 0:
+                process()
+                measure(s, batch)  # before the step, which donates the state
             state, m = steps_fn[s >= switch_step](state, batch, sr_key)
             process()  # metrics of step s-1 while step s runs
             pending.append((s, m))
