@@ -352,3 +352,18 @@ def test_deterministic_flag_sets_xla_flags_once_and_results_record_them(base, mo
     assert "xla_flags" in res and isinstance(res["xla_flags"], str)
     assert json.loads((Path(base[0].out) / "result.json").read_text())["xla_flags"] == res[
         "xla_flags"]
+
+
+def test_checkpoint_records_their_stall_and_survive_resume(base, tmp_path):
+    """Each checkpoint writes a ``checkpoint`` record with the seconds the save stalled
+    training (the measurement behind the checkpoint-stall question); resuming from a
+    checkpoint keeps that checkpoint's record and drops the newer ones."""
+    cfg, _ = base
+    recs = [r for r in _records(cfg.out) if r["type"] == "checkpoint"]
+    assert [r["step"] for r in recs] == [2, 4, 6]
+    assert all(isinstance(r["seconds"], float) and r["seconds"] > 0 for r in recs)
+    run = _copy(base, tmp_path)
+    shutil.rmtree(Path(run.out) / "checkpoints" / "6")
+    T.train(run.replace(resume=True, stop_at=5))
+    steps = [r["step"] for r in _records(run.out) if r["type"] == "checkpoint"]
+    assert steps[:2] == [2, 4] and 6 not in steps[:3]

@@ -293,7 +293,8 @@ def _note(msg: str) -> None:
 
 
 # keys a record of each type must have (besides "type" and "step")
-_RECORD_KEYS = {"train": ("loss",), "eval": ("val_loss",), "stats": ("layers",)}
+_RECORD_KEYS = {"train": ("loss",), "eval": ("val_loss",), "stats": ("layers",),
+                "checkpoint": ("seconds",)}
 
 
 def _record_problem(raw: bytes) -> tuple[dict | None, str | None]:
@@ -349,7 +350,7 @@ def _truncate_metrics(path: Path, ckpt_step: int,
         return
     keep = []
     for line, rec in read_metrics(path, note):
-        limit = ckpt_step if rec.get("type") in ("eval", "resume") else ckpt_step - 1
+        limit = ckpt_step if rec.get("type") in ("eval", "resume", "checkpoint") else ckpt_step - 1
         if rec.get("step", 0) <= limit:
             keep.append(line)
     tmp = path.with_name(path.name + ".tmp")

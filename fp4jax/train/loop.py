@@ -529,6 +529,9 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
             ckpt.save(s, state, meta, checksum=state_checksum(leaves))
             ckpt.prune(cfg.keep_checkpoints, max((c for c in ckpt.all_steps() if c < s),
                                                  default=None))
+            # the training stall of this checkpoint (synchronous: device-to-host copy,
+            # finiteness check, checksum, write, prune), kept out of tokens/s
+            write({"type": "checkpoint", "step": s, "seconds": time.perf_counter() - t0})
         timing["t"] += time.perf_counter() - t0
         window["t"] += time.perf_counter() - t0
 
