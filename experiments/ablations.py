@@ -180,19 +180,24 @@ def seed_from(out: Path, recorded: Path = CURRENT) -> list[str]:
     return copied
 
 
+def _unfinished(spec_dir: Path, seeds: tuple[int, ...]) -> int:
+    """How many of ``seeds`` have no finished (or diverged) run under ``spec_dir``."""
+    n = 0
+    for s in seeds:
+        try:
+            r = json.loads((spec_dir / f"seed{s}" / "result.json").read_text())
+            n += r.get("status") not in ("finished", "diverged")
+        except (OSError, ValueError):
+            n += 1
+    return n
+
+
 def _missing(out: Path, spec: str) -> int:
     """How many of ``spec``'s seeds have no finished (or diverged) run under ``out``."""
     from fp4jax.train.comparison import slug
 
     sweep = out / ("seeds3" if seeds_of(spec) == SEEDS_MAIN else "seeds2")
-    n = 0
-    for s in seeds_of(spec):
-        try:
-            r = json.loads((sweep / slug(spec) / f"seed{s}" / "result.json").read_text())
-            n += r.get("status") not in ("finished", "diverged")
-        except (OSError, ValueError):
-            n += 1
-    return n
+    return _unfinished(sweep / slug(spec), seeds_of(spec))
 
 
 def _missing_longer(out: Path, steps: int) -> int:
@@ -200,15 +205,7 @@ def _missing_longer(out: Path, steps: int) -> int:
     ``out``."""
     from fp4jax.train.comparison import slug
 
-    n = 0
-    for s in LONGER_SEEDS:
-        try:
-            r = json.loads((out / LONGER / f"steps{steps}" / slug(LONGER_SPEC) / f"seed{s}"
-                            / "result.json").read_text())
-            n += r.get("status") not in ("finished", "diverged")
-        except (OSError, ValueError):
-            n += 1
-    return n
+    return _unfinished(out / LONGER / f"steps{steps}" / slug(LONGER_SPEC), LONGER_SEEDS)
 
 
 def select_specs(groups: list[str], out: Path, max_runs: int | None = None,
