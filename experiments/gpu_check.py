@@ -65,7 +65,9 @@ class Skip(Exception):
 # Inputs and shapes by run size: "interpret" (the CPU dry run), "gpu" (the default: fits one
 # device call with bench_kernels.py dotkern1) and "full" (--full: a call of its own).
 _OPERAND_GPU = [((48, 2048), "wild"), ((1024, 3072), "tiny"), ((4096, 14336), "wide40"),
-                ((8192, 8192), "normal")]  # 3072 columns: SR rows tiles of 64 blocks
+                ((8192, 8192), "normal"),  # 3072 columns: SR rows tiles of 64 blocks
+                # a small model's widths: column strips of 48 and 16 blocks (strided layout)
+                ((16384, 768), "wild"), ((2048, 256), "wide40")]
 OPERAND_INPUTS = {  # (shape, input kind) for the quantization kernels
     "interpret": [((48, 2048), "wild"), ((32, 1024), "wide40"), ((32, 1024), "tiny")],
     "gpu": _OPERAND_GPU,
@@ -92,7 +94,9 @@ W4A4_CASES = {  # (format of A, of B, M, K, N, A's magnitudes)
                          ("mxfp4", "mxfp4", 8192, 8192, 8192, "normal"),
                          ("mxfp4", "mxfp4", 1024, 4096, 2048, "wide")],
 }
-DOT_SHAPES = {"interpret": ((16, 1024, 1024),), "gpu": ((8192, 8192, 8192), (1000, 4096, 4096)),
+DOT_SHAPES = {"interpret": ((16, 1024, 1024),),
+              # 16384 x 768 x 256: a small model's GEMM, wgrad operands on narrow strips
+              "gpu": ((8192, 8192, 8192), (1000, 4096, 4096), (16384, 768, 256)),
               "full": ((8192, 8192, 8192), (1000, 4096, 4096), (4096, 4096, 4096))}
 
 

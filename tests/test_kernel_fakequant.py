@@ -176,6 +176,42 @@ def test_sr_kernels_with_the_gpu_tiling_match_xla():
 
 
 @needs_interpret
+@pytest.mark.parametrize("c,g", [(768, 16), (768, 48), (256, 16)])
+def test_narrow_cols_kernels_with_the_gpu_tiling_match_xla(c, g):
+    """Matrices narrower than 1024 columns (the strided-layout strips: 256, 512, 768
+    columns, as a small model's wgrad operands are): cols SR after the RHT and the rotated
+    amaxes, in strips of ``g`` column blocks (the GPU's draw offsets), bit for bit."""
+    key = jax.random.key(22)
+    x = _data((32, c), 8)
+    got, dec = fq.fq_cols(x, key, signs=jnp.asarray(SIGNS), interpret=IP, g=g)
+    want, wdec = _xla_scaled(x, 0, key=key, rht=True)
+    assert _same(got, want) == 0 and float(dec) == float(wdec)
+    got, _ = fq.fq_cols(x, interpret=IP, g=g)
+    assert _same(got, _xla_scaled(x, 0)[0]) == 0
+    plain, rot = fq.cols_amaxes(x, jnp.asarray(SIGNS), interpret=IP, g=g)
+    r = np.asarray(random_hadamard_transform(x, axis=0, size=16, signs=SIGNS))
+    xa = np.asarray(x, np.float32)
+    for got_a, arr in ((rot, r), (plain, xa)):
+        want_a = np.max(np.where(np.isfinite(arr), np.abs(arr), 0))
+        assert np.asarray(got_a).view(np.uint32) == np.float32(want_a).view(np.uint32)
+
+
+def test_strip_layout_by_width():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    assert cm.strip_layout(64) == plgpu.Layout.WGMMA
+    assert cm.strip_layout(128) == plgpu.Layout.WGMMA
+    for g in (16, 32, 48):
+        lay = cm.strip_layout(g)
+        assert lay.layout_cls == plgpu.Layout.WG_STRIDED
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cm.strip_layout(8)
+    assert [fq._cols_g(n) for n in (64, 128, 48, 16, 32, 80, 96)] == [64, 64, 48, 16, 32, 16, 48]
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fq._cols_g(40)
+
+
+@needs_interpret
 @pytest.mark.parametrize("wild", [False, True])
 def test_rht_cols_amax_is_the_finite_amax_of_the_rotation(wild):
     x = _data((32, 1024), 4) if wild else jax.random.normal(
@@ -216,7 +252,10 @@ def test_supported_shapes():
     assert not fq.supported_rows((34, 4096), bf, sr=True) and fq.supported_rows((34, 4096), bf)
     assert fq.supported_rows((36, 4096), bf, sr=True)
     assert fq.supported_cols((16, 1024), bf) and not fq.supported_cols((24, 1024), bf)
-    assert not fq.supported_cols((16, 512), bf)
+    # narrow matrices (strided register layout below 1024 columns): C % 256
+    assert fq.supported_cols((16, 512), bf) and fq.supported_cols((16, 768), bf)
+    assert fq.supported_cols((16, 256), bf) and not fq.supported_cols((16, 128), bf)
+    assert not fq.supported_cols((16, 640), bf)
     assert fq.supported_2d((32, 2048), bf) and not fq.supported_2d((8, 1024), bf)
     with pytest.raises(ValueError, match="fq_cols needs"):
         fq.fq_cols_scaled(jnp.zeros((24, 1024), bf), cm.scalars(jnp.float32(1), jnp.float32(1)),
@@ -224,7 +263,8 @@ def test_supported_shapes():
 
 
 @pytest.mark.parametrize("variant", ["rows", "rows_sr", "cols", "cols_rht_sr", "2d", "amax",
-                                     "amax2", "rows_sr_c1024", "rows_tiled", "cols_steps"])
+                                     "amax2", "rows_sr_c1024", "rows_tiled", "cols_steps",
+                                     "cols_c768", "cols_c256", "amax2_c512"])
 def test_kernels_lower_for_cuda(variant):
     key = jax.random.key(0)
     f = {
@@ -239,6 +279,10 @@ def test_kernels_lower_for_cuda(variant):
         "amax": lambda x: fq.rht_cols_amax(x, jnp.asarray(SIGNS)),
         "amax2": lambda x: fq.cols_amaxes(x, jnp.asarray(SIGNS)),
         "rows_sr_c1024": lambda x: fq.fq_rows(x.reshape(512, 1024), key),  # 64-block quads
+        # narrow matrices: strided-layout strips of 48, 16 and 32 column blocks
+        "cols_c768": lambda x: fq.fq_cols(x[:, :768], key, signs=jnp.asarray(SIGNS)),
+        "cols_c256": lambda x: fq.fq_cols(x[:, :256], key, signs=jnp.asarray(SIGNS)),
+        "amax2_c512": lambda x: fq.cols_amaxes(x[:, :512], jnp.asarray(SIGNS)),
     }[variant]
     exp = jax.export.export(jax.jit(f), platforms=["cuda"])(
         jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16))

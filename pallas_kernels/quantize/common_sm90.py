@@ -281,14 +281,30 @@ def _by_mode(sc_ref, mode: str, body):
 SUB = 256  # blocks per register sub-tile: (256, 8) words, 16 words per thread
 
 
-def _load_words(x_ref, rows, plain: bool):
+def _load_words(x_ref, rows, plain: bool, layout=None):
     """A (rows, 8) tile of uint32 words (bf16 pairs) as int32, in the WGMMA register
-    layout (a block = a row spread over a quad of lanes) unless ``plain`` (interpret)."""
+    layout (a block = a row spread over a quad of lanes) or ``layout`` (``strip_layout``)
+    unless ``plain`` (interpret)."""
     if plain:
         w = x_ref[rows, :]
     else:
-        w = plgpu.load(x_ref, (rows, slice(None)), layout=plgpu.Layout.WGMMA)
+        w = plgpu.load(x_ref, (rows, slice(None)), layout=layout or plgpu.Layout.WGMMA)
     return lax.bitcast_convert_type(w, jnp.int32)
+
+
+def strip_layout(g: int):
+    """The register layout of one (g, 8) word row of a column strip (``fq_cols`` and the
+    rotated-amax kernels, whose arithmetic is elementwise across the strip's 16 rows):
+    WGMMA when ``g % 64 == 0`` (its tile is 64 rows), else Mosaic GPU's strided layout
+    (the g * 8 words flattened over the warpgroup's 128 threads, ``g % 16 == 0``), so
+    strips of 256, 512 or 768 columns work as well."""
+    if g % 64 == 0:
+        return plgpu.Layout.WGMMA
+    if g % 16:
+        raise ValueError(f"strip_layout: g={g} must be a multiple of 16")
+    per_thread = g * 8 // 128
+    vec = 4 if per_thread % 4 == 0 else 2 if per_thread % 2 == 0 else 1
+    return plgpu.Layout.WG_STRIDED((g, 8), vec_size=vec)
 
 
 def _block_amax_bits(w):
@@ -410,10 +426,10 @@ def _sr_uniform(bits, i: int):
     return _f32((b & 0x7F8000) | 0x3F804000) - 1.0
 
 
-def _iota(shape, dim, plain: bool):
+def _iota(shape, dim, plain: bool, layout=None):
     if plain:
         return lax.broadcasted_iota(jnp.int32, shape, dim)
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=layout or plgpu.Layout.WGMMA)
 
 
 GR = (128, 64)  # blocks per row of an SR quad tile (fq_rows with a key)

@@ -72,6 +72,7 @@ from pallas_kernels.quantize.common_sm90 import (
     global_scales,
     key_words,
     scalars,
+    strip_layout,
     supported_rows,
 )
 
@@ -313,7 +314,8 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: 
     rotated low halves wait in ``o_ref`` and the high halves in ``x_ref`` (float32 bits,
     one word per element) between the two phases."""
     enc6 = sc_ref[0]
-    words = [_load_words(x_ref.at[k], slice(None), plain) for k in range(16)]
+    lay = None if plain else strip_layout(g)
+    words = [_load_words(x_ref.at[k], slice(None), plain, lay) for k in range(16)]
     scales = []
     for half, stash in ((0, o_ref), (1, x_ref)):
         v = [_f32(w << 16) if half == 0 else _f32(w & -0x10000) for w in words]
@@ -330,7 +332,7 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: 
     per = 4 if sr else 2  # rows per loop iteration
     if sr:  # draw of (rows row0 .. row0 + 3; the word's column pair); row0 % 16 == 0
         draw0 = (lax.shift_right_logical(row0, 2) * (n_cols // 2) + lax.shift_right_logical(
-            col0, 1) + (_iota((g, 8), 0, plain) << 3) + _iota((g, 8), 1, plain))
+            col0, 1) + (_iota((g, 8), 0, plain, lay) << 3) + _iota((g, 8), 1, plain, lay))
 
     @pl.loop(0, 16 // per)
     def _(p):
@@ -342,7 +344,7 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: 
             out = []
             for half, stash in ((0, o_ref), (1, x_ref)):
                 s_val, e, finite = scales[half]
-                v = _f32(_load_words(stash.at[k], slice(None), plain))
+                v = _f32(_load_words(stash.at[k], slice(None), plain, lay))
                 u = _sr_uniform(draws[r // 2], 2 * (r % 2) + half) if sr else None
                 out.append((_e2m1_value(v * e, u, plain) * s_val, finite))
             (lo, flo), (hi, fhi) = out
@@ -362,15 +364,25 @@ def _fq_strip_2d(sc_ref, x_ref, o_ref, *, g: int, plain: bool, mode: str):
                                             jnp.uint32)
 
 
-GC = (64,)  # column-block groups (of 16 columns) per fq_cols strip
+GC = (64, 48, 32, 16)  # column-block groups (of 16 columns) per fq_cols strip, preferred first
+COLS_MULTIPLE = 16 * GC[-1]  # fq_cols and the rotated amaxes: C a multiple of this (256)
+
+
+def _cols_g(nc: int) -> int:
+    """Column groups per strip of the column kernels for C/16 = ``nc`` (``GC``: 64, the
+    WGMMA layout, when it divides; else the largest strided-layout width that does)."""
+    g = _pick_block(nc, GC)
+    if g is None:
+        raise ValueError(f"C/16={nc} is not a multiple of {GC[-1]}")
+    return g
 
 
 def supported_cols(shape, dtype) -> bool:
-    """bf16 (R, C), R % 16 == 0, C % 1024 == 0, R*C < 2^31."""
+    """bf16 (R, C), R % 16 == 0, C % 256 == 0, R*C < 2^31."""
     if len(shape) != 2 or jnp.dtype(dtype) != jnp.bfloat16:
         return False
     r, c = shape
-    return r % 16 == 0 and c % (16 * GC[-1]) == 0 and r * c < 2**31
+    return r % 16 == 0 and c % COLS_MULTIPLE == 0 and r * c < 2**31
 
 
 def supported_2d(shape, dtype) -> bool:
@@ -445,11 +457,11 @@ def fq_cols_scaled(x, sc, kw, *, interpret: bool = False, recip: str = "rn",
     key_words(key)``. Returns bf16 (R, C): ``data * scale`` of 16x1 NVFP4 blocks along
     the rows of ``rht16(x)`` (rows rotated in tiles of 16 when ``rht``) or of ``x``."""
     if not supported_cols(x.shape, x.dtype):
-        raise ValueError(f"fq_cols needs bf16 (R, C), R % 16 == 0, C % {16 * GC[-1]} == 0, "
+        raise ValueError(f"fq_cols needs bf16 (R, C), R % 16 == 0, C % {COLS_MULTIPLE} == 0, "
                          f"got {x.dtype} {x.shape}")
     mode = _mode(recip, None)
     n_cols = x.shape[1]
-    g = g or (x.shape[1] // 16 if interpret else _pick_block(x.shape[1] // 16, GC))
+    g = g or (x.shape[1] // 16 if interpret else _cols_g(x.shape[1] // 16))
 
     def strip(sc_ref, kw_ref, x_ref, o_ref, g_, row0, col0, plain):
         _by_mode(sc_ref, mode, lambda md: _fq_strip_cols(
@@ -502,7 +514,8 @@ def _rht_cols_strip_amax(sc_ref, x_ref, a_ref, *, plain: bool, plain_amax: bool 
     rotation is ``_fwht16``, the very operations of ``_fq_strip_cols``. With
     ``plain_amax`` a_ref is (4, g, 8) and rows 2, 3 get the amax of the unrotated
     blocks (the same read serves ``fq_rows``' tensor scale)."""
-    words = [_load_words(x_ref.at[k], slice(None), plain) for k in range(16)]
+    lay = None if plain else strip_layout(x_ref.shape[1])
+    words = [_load_words(x_ref.at[k], slice(None), plain, lay) for k in range(16)]
     for half in (0, 1):
         v = [_f32(w << 16) if half == 0 else _f32(w & -0x10000) for w in words]
         if plain_amax:
@@ -530,9 +543,9 @@ def _max_f32(a):
 def _rht_strip_amaxes(x, signs, interpret, g, *, plain_amax: bool):
     name = "cols_amaxes" if plain_amax else "rht_cols_amax"
     if not supported_cols(x.shape, x.dtype):
-        raise ValueError(f"{name} needs bf16 (R, C), R % 16 == 0, C % {16 * GC[-1]} "
+        raise ValueError(f"{name} needs bf16 (R, C), R % 16 == 0, C % {COLS_MULTIPLE} "
                          f"== 0, got {x.dtype} {x.shape}")
-    g = g or (x.shape[1] // 16 if interpret else _pick_block(x.shape[1] // 16, GC))
+    g = g or (x.shape[1] // 16 if interpret else _cols_g(x.shape[1] // 16))
     sc = jnp.concatenate([jnp.zeros((_SC_SIGNS,), jnp.float32), signs.astype(jnp.float32)])
 
     def strip(sc_ref, kw_ref, x_ref, a_ref, g_, row0, col0, plain):
