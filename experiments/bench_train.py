@@ -1,0 +1,466 @@
+"""Training throughput and cold compile time of the harness's step, per recipe (issue 17).
+
+The table of issue 17 ("NVFP4 training at the speed of BF16") in one call. For each preset
+(``--presets``, default ``small 100m``) and each configuration (``--configs``, default
+``bf16 bf16:scan nvfp4:scan nvfp4 mxfp4:scan``; syntax ``SPEC[:scan]``, ``SPEC`` a recipe
+spec as ``fp4jax-train --recipe`` takes it, run-level keys included, ``:scan`` for
+``--scan-layers``) it builds the step ``fp4jax-train`` compiles, as
+``profile_step.build_step`` does (``TrainConfig``, ``run_recipe``, ``model_config``,
+``Llama``, ``make_policy``, ``make_optimizer``, ``make_mesh(1)``, ``make_init_state``,
+``make_train_step``; random int32 tokens ``(batch, seq_len + 1)`` below 256), and measures:
+
+* **cold compile**: the wall seconds of ``step.trace(state, batch, key)``, ``.lower()`` and
+  ``.compile()`` on the harness's own jitted step (donated state, its out_shardings), which
+  is what the first call of a training run pays before its first step: ``compile_s`` is the
+  sum, ``trace_s``, ``lower_s`` (to StableHLO) and ``xla_compile_s`` its parts. Every
+  configuration runs in a fresh process (this script re-invoked with ``--one``) with JAX's
+  persistent compilation cache off (``JAX_ENABLE_COMPILATION_CACHE=false``, no
+  ``JAX_COMPILATION_CACHE_DIR``, both also set by ``jax.config`` in the child) and
+  ``CUDA_CACHE_DISABLE=1``, so nothing compiled earlier is reused. ``first_call_s`` is the
+  first execution (kernels that compile at load time, e.g. Mosaic GPU's, land there).
+* **step time**: the compiled step called with the state threaded through (it is donated),
+  2 warm-up calls, then ``--iterations`` calls each timed from dispatch to
+  ``jax.block_until_ready`` of the new state and metrics: median, min, max seconds;
+  ``tokens_per_s`` = batch x seq_len / median. ``pipelined_step_s`` is the mean of as many
+  calls dispatched back to back with one wait at the end (as the training loop runs).
+
+A configuration that does not finish within ``--timeout-s`` (default 240; the whole child
+process: imports, init, compile, timing) gets a row with ``"status": "timeout"``, the seconds
+waited and whatever the child had measured (its compile seconds if it got that far); a
+child that fails gets ``"status": "error"`` and its error. Neither stops the script.
+
+Per preset the parent adds ``vs_fastest_bf16`` (tokens/s over the fastest configuration
+whose recipe quantizes nothing, the issue's "vs fastest bf16") and ``compile_vs_bf16``
+(``compile_s`` over that of the first unquantized configuration without ``:scan``), prints
+a markdown table per preset and writes ``bench_train.json`` to ``--out`` (default ``$OUT``,
+else ``./bench_out``): ``lab.run_info`` (device, JAX version, commit, command; the device
+fields come from the children, the parent never touches the accelerator) and the rows,
+rewritten after every configuration, so a call cut off keeps what finished.
+
+On the GPU machine, from the repository root (the defaults need several cold NVFP4 compiles:
+give one preset per call, or ``--time-limit``, to stay within a 600 s device call):
+
+    FP4JAX_COMMIT=<sha> PYTHONPATH=$PWD python3 experiments/bench_train.py \\
+        [--presets small 100m] [--configs bf16 bf16:scan nvfp4:scan nvfp4 mxfp4:scan] \\
+        [--batch-size 64 --seq-len 256 --iterations 20 --timeout-s 240 --time-limit S]
+
+On a CPU it runs as is, slowly (``--presets micro --batch-size 4 --seq-len 32``);
+``--dry-run`` checks the presets and configurations and prints the child commands without
+running them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import lab  # before fp4jax: puts the repository root on sys.path
+
+JSON_NAME = "bench_train.json"
+DEFAULT_PRESETS = ("small", "100m")
+DEFAULT_CONFIGS = ("bf16", "bf16:scan", "nvfp4:scan", "nvfp4", "mxfp4:scan")
+TAG = "@@bench_train "  # prefix of the child's JSON lines on stdout
+WARMUP = 2
+# the child's last stage line -> what it was doing when it stopped
+RUNNING = {"started": "building", "built": "compiling", "compiled": "running"}
+# what the child's environment gets (and loses) so that its compile is cold
+CHILD_ENV = {"JAX_ENABLE_COMPILATION_CACHE": "false", "CUDA_CACHE_DISABLE": "1"}
+CHILD_ENV_DROP = ("JAX_COMPILATION_CACHE_DIR",)
+
+
+# ---------------------------------------------------------------------------
+# Configurations.
+# ---------------------------------------------------------------------------
+
+
+def split_config(text: str) -> tuple[str, bool]:
+    """``"SPEC[:scan]"`` -> ``(SPEC, scan_layers)``; the spec is checked by
+    ``fp4jax.train.config.run_recipe`` (run-level keys and recipe spec).
+
+    Raises:
+      ValueError: an empty spec, a suffix other than ``:scan``, or a bad spec.
+    """
+    spec, sep, suffix = text.strip().rpartition(":")
+    if not sep:
+        spec, suffix = text.strip(), ""
+    elif suffix.strip() != "scan":
+        raise ValueError(f"{text!r}: the only suffix is ':scan' (SPEC or SPEC:scan)")
+    spec = spec.strip()
+    if not spec:
+        raise ValueError(f"{text!r}: empty recipe spec")
+    if ":" in spec:
+        raise ValueError(f"{text!r}: use SPEC or SPEC:scan")
+    quantized(spec)  # raises for a bad spec
+    return spec, bool(suffix)
+
+
+def quantized(spec: str) -> bool:
+    """Whether the recipe of ``spec`` quantizes any GEMM operand (``False``: a BF16 row).
+
+    Raises:
+      ValueError: a bad spec (``run_recipe``'s message).
+    """
+    from fp4jax.train.config import TrainConfig, run_recipe
+
+    try:
+        _, recipe = run_recipe(TrainConfig(recipe=spec))
+    except (TypeError, ValueError) as e:
+        raise ValueError(str(e)) from None
+    return recipe.quantized
+
+
+def _config_arg(text: str) -> str:
+    try:
+        split_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text.strip()
+
+
+def _preset_arg(name: str) -> str:
+    from fp4jax.models.llama import get_preset
+
+    try:
+        get_preset(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} < 1")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return v
+
+
+# ---------------------------------------------------------------------------
+# The child: one configuration in a fresh process.
+# ---------------------------------------------------------------------------
+
+
+def _emit(rec: dict[str, Any]) -> None:
+    print(TAG + json.dumps(rec, default=str), flush=True)
+
+
+def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
+                iterations: int) -> dict[str, Any]:
+    """Builds, cold-compiles and times one configuration in this process; emits a tagged
+    JSON line after each stage (the parent keeps the last one of a child it stops)."""
+    for name, value in (("jax_enable_compilation_cache", False),
+                        ("jax_compilation_cache_dir", None)):
+        try:  # the environment (CHILD_ENV) already says so; this also covers a config file
+            jax.config.update(name, value)
+        except (AttributeError, KeyError, ValueError):  # an option a later JAX dropped
+            pass
+    from profile_step import build_step  # the harness's step, as profile_step builds it
+
+    spec, scan = split_config(config)
+    dev = jax.devices()[0]
+    rec: dict[str, Any] = {
+        "preset": preset, "config": config, "spec": spec, "scan_layers": scan,
+        "quantized": quantized(spec), "batch_size": batch_size, "seq_len": seq_len,
+        "tokens_per_step": batch_size * seq_len, "device": str(dev.device_kind),
+        "platform": dev.platform, "device_count": jax.device_count(), "jax": jax.__version__,
+    }
+    try:
+        from jax._src import compilation_cache as cc
+
+        rec["persistent_cache"] = bool(cc.is_persistent_cache_enabled())
+    except (ImportError, AttributeError):
+        rec["persistent_cache"] = None
+    t = time.perf_counter()
+    step, state, batch, key, mc = build_step(preset, spec, scan, batch_size, seq_len)
+    jax.block_until_ready(state)
+    rec["params"] = mc.num_params()
+    rec["build_s"] = round(time.perf_counter() - t, 3)
+    _emit(rec | {"stage": "built"})
+
+    # the harness's own jitted step (donate_argnums=0, out_shardings): what train() compiles
+    t0 = time.perf_counter()
+    traced = step.trace(state, batch, key)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    rec.update(trace_s=round(t1 - t0, 3), lower_s=round(t2 - t1, 3),
+               xla_compile_s=round(t3 - t2, 3), compile_s=round(t3 - t0, 3))
+    try:
+        hlo = compiled.as_text()
+        rec["hlo_chars"] = len(hlo)
+        rec["fusions"] = hlo.count(" fusion(")
+    except Exception as e:  # noqa: BLE001 (informational only)
+        rec["hlo_error"] = lab.error_text(e, 200)
+    try:
+        mem = compiled.memory_analysis()
+        rec["temp_bytes"] = int(mem.temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 (not every backend reports it)
+        pass
+    _emit(rec | {"stage": "compiled"})
+
+    def call(s):
+        s, metrics = compiled(s, batch, key)
+        return s, metrics
+
+    t = time.perf_counter()
+    state, metrics = call(state)
+    jax.block_until_ready((state, metrics))
+    rec["first_call_s"] = round(time.perf_counter() - t, 4)
+    for _ in range(WARMUP - 1):
+        state, metrics = call(state)
+        jax.block_until_ready((state, metrics))
+    times = []
+    for _ in range(iterations):
+        t = time.perf_counter()
+        state, metrics = call(state)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    for _ in range(iterations):
+        state, metrics = call(state)
+    jax.block_until_ready((state, metrics))
+    pipelined = (time.perf_counter() - t) / iterations
+    med = statistics.median(times)
+    rec.update(step_median_s=med, step_min_s=min(times), step_max_s=max(times),
+               iterations=iterations, warmup=WARMUP, pipelined_step_s=pipelined,
+               tokens_per_s=batch_size * seq_len / med,
+               final_loss=float(metrics["loss"]), status="ok")
+    _emit(rec | {"stage": "done"})
+    return rec
+
+
+def child_main(args: argparse.Namespace) -> int:
+    preset, config = args.one
+    try:
+        measure_one(preset, config, args.batch_size, args.seq_len, args.iterations)
+    except Exception as e:  # noqa: BLE001 (reported to the parent as the row's error)
+        _emit({"error": lab.error_text(e)})  # the last stage line says where
+        raise
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# The parent: one child per configuration, ratios, table, JSON.
+# ---------------------------------------------------------------------------
+
+
+def _last_record(stdout: str | bytes | None) -> dict[str, Any]:
+    """The child's last tagged JSON line, merged over the earlier ones ({} if none)."""
+    if isinstance(stdout, bytes):
+        stdout = stdout.decode(errors="replace")
+    rec: dict[str, Any] = {}
+    for line in (stdout or "").splitlines():
+        if line.startswith(TAG):
+            try:
+                rec.update(json.loads(line[len(TAG):]))
+            except json.JSONDecodeError:
+                pass
+    return rec
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ, **CHILD_ENV)
+    for k in CHILD_ENV_DROP:
+        env.pop(k, None)
+    return env
+
+
+def child_command(args: argparse.Namespace, preset: str, config: str) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--one", preset, config,
+            "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+            "--iterations", str(args.iterations)]
+
+
+def run_child(args: argparse.Namespace, preset: str, config: str, timeout: float
+              ) -> dict[str, Any]:
+    """One configuration in a fresh process: its row (status ok, timeout or error)."""
+    spec, scan = split_config(config)
+    base = {"preset": preset, "config": config, "spec": spec, "scan_layers": scan,
+            "quantized": quantized(spec)}
+    t = time.perf_counter()
+    try:
+        r = subprocess.run(child_command(args, preset, config), env=child_env(),
+                           capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        rec = base | _last_record(e.stdout)
+        rec.update(status="timeout", waited_s=round(time.perf_counter() - t, 1),
+                   stopped_in=RUNNING.get(rec.pop("stage", "started"), "?"))
+        return rec
+    rec = base | _last_record(r.stdout)
+    rec["wall_s"] = round(time.perf_counter() - t, 1)
+    stage = rec.pop("stage", None)
+    if r.returncode != 0 or stage != "done":
+        rec["status"] = "error"
+        rec["stopped_in"] = RUNNING.get(stage or "started", "?")
+        rec["returncode"] = r.returncode
+        rec.setdefault("error", "no result")
+        rec["stderr_tail"] = (r.stderr or "")[-2000:]
+    return rec
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Per preset: ``vs_fastest_bf16`` and ``compile_vs_bf16`` on every row (None where a
+    row or its reference has no measurement)."""
+    for preset in dict.fromkeys(r["preset"] for r in rows):
+        mine = [r for r in rows if r["preset"] == preset]
+        bf16 = [r for r in mine if not r.get("quantized") and r.get("status") == "ok"]
+        fastest = max(bf16, key=lambda r: r["tokens_per_s"], default=None)
+        base = next((r for r in mine if not r.get("quantized") and not r.get("scan_layers")
+                     and r.get("compile_s")), None)
+        for r in mine:
+            r["fastest_bf16"] = fastest["config"] if fastest else None
+            r["vs_fastest_bf16"] = (r["tokens_per_s"] / fastest["tokens_per_s"]
+                                    if fastest and r.get("status") == "ok" else None)
+            r["compile_bf16"] = base["config"] if base else None
+            r["compile_vs_bf16"] = (r["compile_s"] / base["compile_s"]
+                                    if base and r.get("compile_s") else None)
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """A markdown table per preset."""
+    out = []
+    for preset in dict.fromkeys(r["preset"] for r in rows):
+        mine = [r for r in rows if r["preset"] == preset]
+        info = next((r for r in mine if "params" in r), {})
+        head = f"### {preset}"
+        if info:
+            head += (f" ({info['params'] / 1e6:.1f}M parameters, batch {info['batch_size']}"
+                     f" x seq {info['seq_len']}, {info.get('device', '?')})")
+        out += [head, "", "| configuration | tokens/s | vs fastest bf16 | compile s "
+                "| compile vs bf16 |", "| --- | ---: | ---: | ---: | ---: |"]
+        for r in mine:
+            st = r.get("status")
+            if st == "ok":
+                tps = f"{r['tokens_per_s']:,.0f}"
+            elif st == "timeout":
+                tps = f"timeout ({r['waited_s']:.0f} s, {r.get('stopped_in')})"
+            else:
+                tps = f"{st} ({r.get('error', '')[:60]})"
+            ratio = r.get("vs_fastest_bf16")
+            comp = r.get("compile_vs_bf16")
+            out.append(f"| `{r['config']}` | {tps} | {_fmt(ratio, '.2f')}"
+                       f"{'x' if ratio is not None else ''} | {_fmt(r.get('compile_s'), '.1f')}"
+                       f" | {_fmt(comp, '.2f')}{'x' if comp is not None else ''} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", nargs="+", type=_preset_arg, default=list(DEFAULT_PRESETS),
+                    metavar="PRESET", help="model presets (default: %(default)s)")
+    ap.add_argument("--configs", nargs="+", type=_config_arg, default=list(DEFAULT_CONFIGS),
+                    metavar="SPEC[:scan]", help="recipe specs, ':scan' for --scan-layers "
+                    "(default: %(default)s)")
+    ap.add_argument("--batch-size", type=_positive, default=64)
+    ap.add_argument("--seq-len", type=_positive, default=256)
+    ap.add_argument("--iterations", type=_positive, default=20,
+                    help=f"timed steps after {WARMUP} warm-up steps")
+    ap.add_argument("--timeout-s", type=_positive_float, default=240.0,
+                    help="limit of one configuration's process (default %(default)s)")
+    ap.add_argument("--time-limit", type=_positive_float, default=None,
+                    help="limit of the whole run: each configuration's timeout is cut to what "
+                         "is left, and those that cannot start are recorded as 'skipped'")
+    ap.add_argument("--out", default=None, help="output folder (default $OUT, else ./bench_out)")
+    ap.add_argument("--commit", default=None, help="git commit of the code (default: "
+                    "$FP4JAX_COMMIT, else git rev-parse HEAD)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="check the presets and configurations, print the child commands, exit")
+    ap.add_argument("--one", nargs=2, metavar=("PRESET", "CONFIG"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    from fp4jax.train.config import TrainConfig, run_recipe
+
+    for preset in [args.one[0]] if args.one else args.presets:
+        for config in [args.one[1]] if args.one else args.configs:
+            spec, scan = split_config(config)
+            try:  # the whole run's config, as build_step makes it (flags named in the message)
+                run_recipe(TrainConfig(preset=preset, recipe=spec, scan_layers=scan,
+                                       batch_size=args.batch_size, seq_len=args.seq_len))
+            except (TypeError, ValueError) as e:
+                ap.error(f"{preset} {config}: {e}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--one" in argv:  # the child: runs on the accelerator
+        return child_main(parse_args(argv))
+    # the parent stays off the accelerator (a GPU client would preallocate most of its
+    # memory under the children), so it validates and records on the CPU backend
+    jax.config.update("jax_platforms", "cpu")
+    args = parse_args(argv)
+    if args.dry_run:
+        for preset in args.presets:
+            for config in args.configs:
+                print(shlex.join(child_command(args, preset, config)))
+        return 0
+    out = args.out or os.environ.get("OUT") or "bench_out"
+    meta = lab.run_info(__file__, argv, args.commit)
+    meta.update(device=None, platform=None, device_count=None,  # filled from the children
+                presets=args.presets, configs=args.configs, batch_size=args.batch_size,
+                seq_len=args.seq_len, iterations=args.iterations, warmup=WARMUP,
+                timeout_s=args.timeout_s, time_limit=args.time_limit,
+                child_env=CHILD_ENV | {k: None for k in CHILD_ENV_DROP},
+                xla_flags=os.environ.get("XLA_FLAGS", ""))
+    res = lab.Results(os.path.join(out, JSON_NAME), meta)
+    rows: list[dict[str, Any]] = res.data.setdefault("rows", [])
+    start = time.monotonic()
+    for preset in args.presets:
+        for config in args.configs:
+            left = (None if args.time_limit is None
+                    else args.time_limit - (time.monotonic() - start))
+            if left is not None and left < 5:
+                spec, scan = split_config(config)
+                row = {"preset": preset, "config": config, "spec": spec, "scan_layers": scan,
+                       "quantized": quantized(spec), "status": "skipped",
+                       "error": "--time-limit reached"}
+            else:
+                print(f"[bench_train] {preset} {config} ...", flush=True)
+                row = run_child(args, preset, config,
+                                args.timeout_s if left is None else min(args.timeout_s, left))
+            if res.data.get("device") is None and row.get("device"):
+                res.data.update({k: row[k] for k in ("device", "platform", "device_count")})
+            rows.append(row)
+            add_ratios(rows)
+            res.save()
+            print(json.dumps({k: row.get(k) for k in (
+                "preset", "config", "status", "tokens_per_s", "step_median_s", "compile_s",
+                "lower_s", "xla_compile_s", "first_call_s", "waited_s", "error")
+                if row.get(k) is not None}), flush=True)
+    text = table(rows)
+    res.finish(table=text)
+    print()
+    print(text)
+    print(f"wrote {res.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
