@@ -24,8 +24,6 @@ import hashlib
 import json
 import os
 import sys
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -67,56 +65,6 @@ def host_leaves(state: Any) -> list[tuple[str, np.ndarray]]:
             for p, x in leaves]
 
 
-class BackgroundWriter:
-    """Runs one checkpoint write at a time in a background thread, so that training goes on
-    while a checkpoint is hashed, written and pruned (the state is copied to the host before,
-    in the training thread: the next step donates its device buffers).
-
-    ``submit(job)`` first waits for the previous job, then starts ``job()`` (which returns a
-    record dict or None); ``wait()`` waits for the running job and returns the records of
-    the finished ones, raising the first error a job raised (a failed write is never
-    silent: the run stops at its next checkpoint or at its end, the checkpoints written
-    before it intact). ``wait`` is called before anything else touches the checkpoints."""
-
-    def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._done: list[dict] = []
-        self._error: BaseException | None = None
-
-    def submit(self, job: Callable[[], dict | None]) -> list[dict]:
-        """Waits for the previous job (returning its records, as ``wait``), starts ``job``."""
-        records = self.wait()
-
-        def run() -> None:
-            t0 = time.perf_counter()
-            try:
-                rec = job()
-            except BaseException as e:  # noqa: BLE001 (re-raised by wait, in the caller)
-                self._error = e
-                return
-            if rec is not None:
-                self._done.append({**rec, "write_seconds": time.perf_counter() - t0})
-
-        self._thread = threading.Thread(target=run, name="fp4jax-checkpoint", daemon=False)
-        self._thread.start()
-        return records
-
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def wait(self) -> list[dict]:
-        """Waits for the running job; returns the finished jobs' records (once each)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            e, self._error = self._error, None
-            raise e
-        done, self._done = self._done, []
-        return done
-
-
 def state_checksum(state: Any) -> dict:
     """SHA-256 of every array of ``state`` (its path, dtype, shape and bytes) and of them all:
     ``{"algorithm": "sha256", "sha256": hex, "arrays": {path: hex}}``."""
@@ -124,7 +72,7 @@ def state_checksum(state: Any) -> dict:
     total, arrays = hashlib.sha256(), {}
     for name, a in leaves:
         h = hashlib.sha256(f"{a.dtype.name}{a.shape}".encode())
-        h.update(np.ascontiguousarray(a).tobytes())
+        h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8))  # the bytes, not copied
         arrays[name] = h.hexdigest()
         total.update(name.encode() + h.digest())
     return {"algorithm": "sha256", "sha256": total.hexdigest(), "arrays": arrays}

@@ -32,7 +32,6 @@ from fp4jax.data import ByteDataset
 from fp4jax.models.llama import Llama, layer_name, layer_order
 from fp4jax.recipes import Recipe
 from fp4jax.train.checkpoint import (
-    BackgroundWriter,
     CheckpointDamaged,
     Checkpointer,
     _history_from_metrics,
@@ -433,13 +432,6 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     window = {"t": time.perf_counter(), "tokens": 0}
     pending: list[tuple[int, dict]] = []
 
-    writer = BackgroundWriter()
-
-    def flush_checkpoints() -> None:
-        """Waits for the checkpoint being written; logs the records of those finished."""
-        for rec in writer.wait():
-            write(rec)
-
     def process() -> None:
         """Reads the metrics of dispatched steps (one step behind the device)."""
         while pending:
@@ -452,7 +444,6 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
                 timing["train_s"] += dt
                 timing["train_tokens"] += tokens_per_step
             if not (math.isfinite(loss) and math.isfinite(gnorm)):
-                flush_checkpoints()  # its record first: the divergence is the last
                 write({"type": "diverged", "step": s, "loss": loss, "grad_norm": gnorm})
                 raise TrainingDiverged(
                     f"[{recipe.name}] loss became {loss} (grad norm {gnorm}) at step {s} "
@@ -474,7 +465,6 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         t0 = time.perf_counter()
         v = float(np.mean([float(fn(state["params"], b, sr_key)) for b in val]))
         if not math.isfinite(v):
-            flush_checkpoints()  # its record first: the divergence is the last
             write({"type": "diverged", "step": s, "val_loss": v})
             raise TrainingDiverged(
                 f"[{recipe.name}] validation loss became {v} at step {s} (the state before "
@@ -505,7 +495,6 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         ``s`` itself: step ``s`` starts from it) and says which checkpoint is good."""
         if ckpt is None:
             return "no checkpoints are written (orbax-checkpoint is not installed)"
-        flush_checkpoints()
         bad = [c for c in ckpt.all_steps() if c >= s]
         for c in bad:
             ckpt.delete(c)
@@ -525,13 +514,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     def save(s: int) -> None:
         """Checks that the state before step ``s`` is finite, then checkpoints it (with its
         checksum) and prunes: the newest ``keep_checkpoints`` stay, and the newest older one,
-        known good (its step gave a finite loss) until this one is. Training stops only for
-        the copy to the host and the finiteness check (and for the previous checkpoint if
-        it is still being written); hashing, writing and pruning run in the background
-        (``BackgroundWriter``), and the checkpoint's record (``seconds``: the stall,
-        ``write_seconds``: the background write) is logged once it is written."""
+        known good (its step gave a finite loss) until this one is."""
         t0 = time.perf_counter()
-        flush_checkpoints()  # one write at a time; an error of the last one stops the run here
         leaves = host_leaves(state)
         bad = nonfinite_leaves(leaves)
         if bad:
@@ -540,28 +524,24 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
                 f"[{recipe.name}] the state became non-finite in step {s - 1} (0-based; NaN or "
                 f"Inf in {len(bad)} arrays: {', '.join(bad[:3])}{', ...' if bad[3:] else ''}); "
                 f"stopped, not checkpointed. {_drop_bad_checkpoints(s)}", s - 1)
-        stall = None
         if ckpt is not None:
             meta = {"config": cfg_dict, "step": s, "data_sha256": data_sha}
+            # the host copy just checked is what is saved (orbax does not copy it again)
             host = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state),
                                                 [a for _, a in leaves])
-
-            def job() -> dict:
-                try:
-                    ckpt.save(s, host, meta, checksum=state_checksum(leaves))
-                except Exception as e:
-                    raise OSError(
-                        f"checkpoint {s} could not be written to {ckpt.directory} ({e}); the "
-                        "checkpoints before it are intact: free the space or fix the folder, "
-                        "then rerun with --resume") from e
-                ckpt.prune(cfg.keep_checkpoints, max((c for c in ckpt.all_steps() if c < s),
-                                                     default=None))
-                return {"type": "checkpoint", "step": s, "seconds": stall}
-
-            # the training stall of this checkpoint (waiting for the previous write, the
-            # device-to-host copy, the finiteness check), kept out of tokens/s
-            stall = time.perf_counter() - t0
-            writer.submit(job)
+            try:
+                ckpt.save(s, host, meta, checksum=state_checksum(leaves))
+            except Exception as e:
+                raise OSError(
+                    f"checkpoint {s} could not be written to {ckpt.directory} ({e}); the "
+                    "checkpoints before it are intact: free the space or fix the folder, then "
+                    "rerun with --resume") from e
+            ckpt.prune(cfg.keep_checkpoints, max((c for c in ckpt.all_steps() if c < s),
+                                                 default=None))
+            # the training stall of this checkpoint (synchronous: device-to-host copy,
+            # finiteness check, checksum, write, prune), kept out of tokens/s. Writing in a
+            # background thread was measured and made training slower (issue 16's note).
+            write({"type": "checkpoint", "step": s, "seconds": time.perf_counter() - t0})
         timing["t"] += time.perf_counter() - t0
         window["t"] += time.perf_counter() - t0
 
@@ -611,23 +591,12 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
                 process()
                 save(done)
         process()
-        flush_checkpoints()
         if ckpt is not None:
             ckpt.prune(cfg.keep_checkpoints)  # the run ended good: the newest N stay
     except TrainingDiverged as e:
         result("diverged", e.step)
         raise
     finally:
-        stopping = sys.exc_info()[1]  # the error that stops the run, if any
-        try:  # a checkpoint being written is finished before the run exits, whatever stopped it
-            recs = writer.wait()
-        except Exception as e:  # noqa: BLE001 (reported; an error already raised goes on)
-            recs = []
-            if stopping is None:
-                raise
-            print(f"fp4jax-train: the checkpoint being written failed too: {e}", file=sys.stderr)
-        for rec in recs:
-            write(rec)
         pbar.close()
         log.close()
         if ckpt is not None:
