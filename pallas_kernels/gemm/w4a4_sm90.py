@@ -45,6 +45,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+# Lane semantics, what the decode kernel is written for (JAX 0.11 defaults to Warpgroup,
+# whose layout inference makes lowering slow: quantize/common_sm90.lane_params)
+_LANE = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+
 try:  # JAX 0.11 registers pallas_call's Mosaic GPU lowering only when this is imported.
     from jax._src.pallas.mosaic_gpu import pallas_call_registration as _  # noqa: F401
 except ImportError:  # pragma: no cover
@@ -245,7 +249,7 @@ def decode_operand(codes, sbits, *, tile_k: int = 256, stages: int = 2, out_swiz
 
         return pl.pallas_call(
             body_i, out_shape=jax.ShapeDtypeStruct((r, k), jnp.bfloat16),
-            interpret=interpret, compiler_params=plgpu.CompilerParams(),
+            interpret=interpret, compiler_params=_LANE,
         )(codes, sbits)
 
     if r % ROWS or k % tile_k or tile_k % 32:
@@ -284,6 +288,7 @@ def decode_operand(codes, sbits, *, tile_k: int = 256, stages: int = 2, out_swiz
         out_type=jax.ShapeDtypeStruct((r, k), jnp.bfloat16),
         grid=(r // ROWS,),
         grid_names=("r",),
+        compiler_params=_LANE,
     )(codes, sbits)
 
 

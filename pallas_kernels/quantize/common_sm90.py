@@ -281,6 +281,16 @@ def _by_mode(sc_ref, mode: str, body):
 SUB = 256  # blocks per register sub-tile: (256, 8) words, 16 words per thread
 
 
+def lane_params(**kw) -> plgpu.CompilerParams:
+    """The quantize kernels' compiler parameters: Mosaic GPU's Lane lowering semantics, which
+    they are written for (explicit register layouts on every load, elementwise code).
+    JAX 0.10 defaults to Lane, JAX 0.11 to Warpgroup, where the same kernels lower through
+    the dialect's layout inference: correct, but 2-4 s per kernel on the GPU machine (its
+    constraint solver sorts variables by a key that prints the whole module), ~30 s of an
+    NVFP4 train step's cold compile (experiments/results/training/2026-11-24_bench_train_h100/)."""
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, **kw)
+
+
 def _load_words(x_ref, rows, plain: bool, layout=None):
     """A (rows, 8) tile of uint32 words (bf16 pairs) as int32, in the WGMMA register
     layout (a block = a row spread over a quad of lanes) or ``layout`` (``strip_layout``)

@@ -71,6 +71,7 @@ from pallas_kernels.quantize.common_sm90 import (
     _word_scales,
     global_scales,
     key_words,
+    lane_params,
     scalars,
     strip_layout,
     supported_rows,
@@ -170,7 +171,7 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
 
         o = pl.pallas_call(
             interp_body, out_shape=jax.ShapeDtypeStruct((nbt, 8), jnp.uint32),
-            interpret=interpret, compiler_params=plgpu.CompilerParams())(sc, kw, xw)
+            interpret=interpret, compiler_params=lane_params())(sc, kw, xw)
         return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
 
     ns = nbt // SUB
@@ -207,7 +208,7 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
     o = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((ns, SUB, 8), jnp.uint32),
         grid=(ns // (kt * steps),), grid_names=("ctas",),
-        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
+        compiler_params=lane_params(unsafe_no_auto_barriers=True),
     )(sc, kw, xw.reshape(ns, SUB, 8))
     return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
 
@@ -251,7 +252,7 @@ def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
 
         return result(pl.pallas_call(
             interp_body, out_shape=out_type, interpret=interpret,
-            compiler_params=plgpu.CompilerParams())(sc, kw, xw))
+            compiler_params=lane_params())(sc, kw, xw))
 
     def body(sc_gmem, kw_gmem, x_gmem, o_gmem):
         i = lax.axis_index("rows")
@@ -273,7 +274,7 @@ def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
     o = plgpu.kernel(
         body, out_type=out_type,
         grid=(r // (4 * rq), nbr // g), grid_names=("rows", "cols"),
-        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
+        compiler_params=lane_params(unsafe_no_auto_barriers=True),
     )(sc, kw, xw)
     return result(o)
 
@@ -420,7 +421,7 @@ def _strip_call(x, sc, kw, strip, *, g: int, interpret: bool, name: str, out_row
 
         o = pl.pallas_call(
             interp_body, out_shape=out_type,
-            interpret=interpret, compiler_params=plgpu.CompilerParams())(sc, kw, xw)
+            interpret=interpret, compiler_params=lane_params())(sc, kw, xw)
         return result(o)
     if nc % (g * steps):
         raise ValueError(f"{name}: g={g} x steps={steps} must divide C/16={nc}")
@@ -444,7 +445,7 @@ def _strip_call(x, sc, kw, strip, *, g: int, interpret: bool, name: str, out_row
     o = plgpu.kernel(
         body, out_type=out_type,
         grid=(nr, nc // (g * steps)), grid_names=("rows", "cols"),
-        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
+        compiler_params=lane_params(unsafe_no_auto_barriers=True),
     )(sc, kw, xw)
     return result(o)
 

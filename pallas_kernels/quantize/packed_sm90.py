@@ -60,6 +60,7 @@ from pallas_kernels.quantize.common_sm90 import (
     global_scales,
     kernel_scalars,
     key_words,
+    lane_params,
     supported_rows,
 )
 
@@ -176,7 +177,7 @@ def quantize_nvfp4_1x16_scaled(
                 jax.ShapeDtypeStruct((nbt,), jnp.uint8),
             ),
             interpret=interpret,
-            compiler_params=plgpu.CompilerParams(),
+            compiler_params=lane_params(),
         )(sc, xw)
         return q.reshape(r, c // 2), s.reshape(r, c // 16)
 
@@ -225,7 +226,7 @@ def quantize_nvfp4_1x16_scaled(
         ),
         grid=(steps // spc,),
         grid_names=("ctas",),
-        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
+        compiler_params=lane_params(unsafe_no_auto_barriers=True),
     )(sc, xw.reshape(ns, SUB, 8))
     return q.reshape(r, c // 2), s.reshape(r, c // 16)
 
@@ -288,7 +289,7 @@ def quantize_nvfp4_2d_scaled(
                 jax.ShapeDtypeStruct((nr, nc), jnp.uint8),
             ),
             interpret=interpret,
-            compiler_params=plgpu.CompilerParams(),
+            compiler_params=lane_params(),
         )(sc, xw)
         return q.reshape(r, c // 2), s
 
@@ -324,7 +325,7 @@ def quantize_nvfp4_2d_scaled(
         ),
         grid=(nr, nc // g),
         grid_names=("rows", "cols"),
-        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
+        compiler_params=lane_params(unsafe_no_auto_barriers=True),
     )(sc, xw)
     return q.reshape(r, c // 2), s
 
@@ -461,7 +462,7 @@ def quantize_nvfp4_1x16_sr_scaled(x: jax.Array, enc: jax.Array, dec: jax.Array,
             interp_body,
             out_shape=(jax.ShapeDtypeStruct((r, nbr, 8), jnp.uint8),
                        jax.ShapeDtypeStruct((r, nbr), jnp.uint8)),
-            interpret=interpret, compiler_params=plgpu.CompilerParams())(sc, kw, xw)
+            interpret=interpret, compiler_params=lane_params())(sc, kw, xw)
         return q.reshape(r, c // 2), s
 
     def body(sc_gmem, kw_gmem, x_gmem, q_gmem, s_gmem):
@@ -489,7 +490,7 @@ def quantize_nvfp4_1x16_sr_scaled(x: jax.Array, enc: jax.Array, dec: jax.Array,
         out_type=(jax.ShapeDtypeStruct((r, c // 32, 16), jnp.uint8),
                   jax.ShapeDtypeStruct((r, nbr), jnp.uint8)),
         grid=(r // (4 * rq), nbr // g), grid_names=("rows", "cols"),
-        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
+        compiler_params=lane_params(unsafe_no_auto_barriers=True),
     )(sc, kw, xw)
     return q.reshape(r, c // 2), s
 
