@@ -516,7 +516,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         checksum) and prunes: the newest ``keep_checkpoints`` stay, and the newest older one,
         known good (its step gave a finite loss) until this one is."""
         t0 = time.perf_counter()
-        leaves = host_leaves(state)
+        host = jax.device_get(state)  # checked below, then saved as it is (one copy)
+        leaves = host_leaves(host)
         bad = nonfinite_leaves(leaves)
         if bad:
             write({"type": "diverged", "step": s, "nonfinite": bad})
@@ -526,9 +527,6 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
                 f"stopped, not checkpointed. {_drop_bad_checkpoints(s)}", s - 1)
         if ckpt is not None:
             meta = {"config": cfg_dict, "step": s, "data_sha256": data_sha}
-            # the host copy just checked is what is saved (orbax does not copy it again)
-            host = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state),
-                                                [a for _, a in leaves])
             try:
                 ckpt.save(s, host, meta, checksum=state_checksum(leaves))
             except Exception as e:
