@@ -38,6 +38,8 @@ import sys
 import jax
 import jax.numpy as jnp
 import lab  # before fp4jax: puts the repository root on sys.path
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from fp4jax.models.llama import Llama
 from fp4jax.train.comparison import slug
@@ -148,18 +150,22 @@ def kernel_category(kernel: str, instrs: dict, bodies: dict) -> str:
     return "pallas"  # Mosaic GPU kernels carry their Python function's name
 
 
-def build_step(preset: str, spec: str, scan_layers: bool, batch_size: int, seq_len: int):
-    """The harness's train step for one spec, its initial state and one batch."""
+def build_step(preset: str, spec: str, scan_layers: bool, batch_size: int, seq_len: int,
+               devices: int = 1):
+    """The harness's train step for one spec, its initial state and one batch (on
+    ``devices`` local devices: the data-parallel step, the batch split over them)."""
     cfg = TrainConfig(preset=preset, recipe=spec, scan_layers=scan_layers,
-                      batch_size=batch_size, seq_len=seq_len)
+                      batch_size=batch_size, seq_len=seq_len, devices=devices)
     rcfg, recipe = run_recipe(cfg)
     mc = model_config(cfg)
     model = Llama(mc, make_policy(rcfg, mc, recipe))
     tx = make_optimizer(cfg)
-    mesh = make_mesh(1)
-    state = jax.jit(make_init_state(model, tx, cfg))(jax.random.key(0))
+    mesh = make_mesh(devices)
+    repl = NamedSharding(mesh, P())
+    state = jax.jit(make_init_state(model, tx, cfg), out_shardings=repl)(jax.random.key(0))
     step = make_train_step(model, tx, None, mesh)
     batch = jax.random.randint(jax.random.key(1), (batch_size, seq_len + 1), 0, 256, jnp.int32)
+    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
     return step, state, batch, jax.random.key(2), mc
 
 

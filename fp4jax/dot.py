@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp4jax import quantize as qz
+from fp4jax import sharding
 from fp4jax.formats import NVFP4
 from fp4jax.hadamard import random_hadamard_transform, resolve_signs
 from fp4jax.recipes import GemmSpec, QuantSpec, Recipe, nvfp4
@@ -82,16 +83,17 @@ def _scoped(name: str):
 
 @_scoped("fp4_quantize")
 def _quant(x: jax.Array, spec: QuantSpec, axis: int, key: jax.Array,
-           use_kernels: bool = False) -> Operand:
+           use_kernels: bool = False, shard: Any = None) -> Operand:
     """Quantize one operand per its spec (or pass it through when unquantized).
 
     With ``use_kernels`` the dispatcher's packed NVFP4 quantize kernels take the cases
     they cover (round-to-nearest bf16; 1x16 blocks along the last axis, or 16x16 tiles;
     the ``"max"`` block scale rule only); everything else runs the XLA reference.
+    ``shard``: ``x`` is a row block of a data-parallel tensor (``fp4jax.sharding``).
     """
     if not spec.quantized:
         return x
-    if (spec.fmt == NVFP4 and spec.rounding == "nearest" and use_kernels
+    if (spec.fmt == NVFP4 and spec.rounding == "nearest" and use_kernels and shard is None
             and (spec.block_2d or axis % x.ndim == x.ndim - 1)):
         if dispatch.is_supported("quantize", x.shape, x.dtype, fmt=spec.fmt, axis=-1,
                                  block_2d=spec.block_2d,
@@ -99,7 +101,7 @@ def _quant(x: jax.Array, spec: QuantSpec, axis: int, key: jax.Array,
             return dispatch.quantize(x, spec.fmt, axis=-1, block_2d=spec.block_2d,
                                      backend="pallas")
     return qz._quantize_impl(x, key if spec.stochastic else None, spec.fmt, axis % x.ndim,
-                             spec.block_2d, spec.rounding, spec.block_scale_rule)
+                             spec.block_2d, spec.rounding, spec.block_scale_rule, shard)
 
 
 def _rht_signs(g: GemmSpec, key: jax.Array, gemm: str) -> jax.Array:
@@ -187,16 +189,17 @@ def _kernel_for(x: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: jax.
 
 
 @_scoped("fp4_operands")
-def _scaled_operands(x: jax.Array, ops: tuple, key: jax.Array, kmode: str
+def _scaled_operands(x: jax.Array, ops: tuple, key: jax.Array, kmode: str, shard: Any = None
                      ) -> list[tuple[jax.Array, jax.Array]]:
     """Operands made from one tensor ``x``, each ``(scaled_data(Q(x)) in bf16, tensor
     decode scale)``; ``ops``: ``(gemm_spec, quant_spec, axis, gemm, which)`` per operand.
     Each comes from a fused kernel when one covers it, else from the XLA path (the same
     bits either way). A rows operand and an RHT'd cols operand of the same tensor take
-    both tensor amaxes from one read (``cols_amaxes``)."""
+    both tensor amaxes from one read (``cols_amaxes``). ``shard``: as ``_quant``'s."""
     def xla(x, key, op):
         g, spec, axis, gemm, which = op
-        q = _quant(_rht(x, g, axis, key, gemm), spec, axis, _subkey(key, gemm, which))
+        q = _quant(_rht(x, g, axis, key, gemm), spec, axis, _subkey(key, gemm, which),
+                   shard=shard)
         return qz.scaled_data(q, jnp.bfloat16), q.global_scale
 
     kinds = [_kernel_for(x, op[0], op[1], op[2], key) for op in ops]
@@ -215,7 +218,7 @@ def _scaled_operands(x: jax.Array, ops: tuple, key: jax.Array, kmode: str
     # the XLA path (vmapped), which is what the unbatched kernels compute per example.
     f = jax.custom_batching.custom_vmap(
         lambda x, key: _kernel_operands(x, [ops[i] for i in todo], [kinds[i] for i in todo],
-                                        key, kmode))
+                                        key, kmode, shard))
 
     @f.def_vmap
     def _(axis_size, in_batched, x, key):
@@ -228,12 +231,12 @@ def _scaled_operands(x: jax.Array, ops: tuple, key: jax.Array, kmode: str
     return out
 
 
-def _kernel_operands(x, ops, kinds, key, kmode):
+def _kernel_operands(x, ops, kinds, key, kmode, shard=None):
     sr_keys = [_subkey(key, gemm, which) if spec.stochastic else None
                for (_, spec, _, gemm, which) in ops]
     signs = [_rht_signs(op[0], key, op[3]) if kind == "cols" and op[0].hadamard else None
              for op, kind in zip(ops, kinds, strict=True)]
-    return dispatch.make_operands(x, kinds, sr_keys, signs, kmode)
+    return dispatch.make_operands(x, kinds, sr_keys, signs, kmode, shard=shard)
 
 
 _GEMM_LAYOUTS = {"bmk,bkn->bmn": (False, False),  # fprop: x @ w
@@ -258,7 +261,7 @@ def _gemm_kernel_path(subscripts: str, av: jax.Array, bv: jax.Array, sa: Any, sb
 
 
 def _make_dot3_scaled(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any,
-                      kmode: str, gemm: str = "xla"):
+                      kmode: str, gemm: str = "xla", shard: Any = None):
     """The custom_vjp of ``_make_dot3`` for the kernel path: same GEMMs, same bits; the
     residuals are the bf16 ``data * scale`` operands (as many bytes as the bf16 baseline's
     ``x`` and ``w``; the XLA path keeps FP4 residuals instead)."""
@@ -270,7 +273,7 @@ def _make_dot3_scaled(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype:
 
     def forward(x, w, key, with_x_res=False):
         xops = (x_fprop, (wg, wg.lhs, 1, "wgrad", "lhs")) if with_x_res else (x_fprop,)
-        xo = _scaled_operands(x, xops, key, kmode)
+        xo = _scaled_operands(x, xops, key, kmode, shard)
         (xs, sx), = xo[:1]
         (ws, sw), = _scaled_operands(w, (w_fprop,), key, kmode)
         y = _gemm_kernel_path("bmk,bkn->bmn", xs, ws, sx, sw, out_dtype, kmode, gemm)
@@ -290,7 +293,8 @@ def _make_dot3_scaled(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype:
         (ws, sw), (xs, sx), key = res
         g = g.astype(jnp.float32) if g.dtype != jnp.bfloat16 else g
         (gs, sg), (gt, sgt) = _scaled_operands(
-            g, ((dg, dg.lhs, 2, "dgrad", "lhs"), (wg, wg.rhs, 1, "wgrad", "rhs")), key, kmode)
+            g, ((dg, dg.lhs, 2, "dgrad", "lhs"), (wg, wg.rhs, 1, "wgrad", "rhs")), key, kmode,
+            shard)
         dx = _gemm_kernel_path("bmn,bkn->bmk", gs, ws, sg, sw, lhs_dtype, kmode, gemm)
         dw = _gemm_kernel_path("bmk,bmn->bkn", xs, gt, sx, sgt, rhs_dtype, kmode, gemm)
         return dx, dw, None
@@ -301,12 +305,13 @@ def _make_dot3_scaled(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype:
 
 @functools.cache
 def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, precision: Any,
-               kmode: str = "off", forced: bool = False, gemm: str = "xla"):
+               kmode: str = "off", forced: bool = False, gemm: str = "xla", shard: Any = None):
     """The custom_vjp for canonical ``(B, M, K) @ (B, K, N)``, specialized on static args
     (``forced``: ``FP4JAX_KERNELS`` forces the kernels; ``gemm``: ``FP4JAX_KERNEL_GEMM``;
-    both part of the cache key)."""
+    ``shard``: the ``fp4jax.sharding.data_parallel`` axes, x and dy being row shards; all
+    part of the cache key)."""
     if kmode != "off" and _scaled_path_applies(recipe):
-        return _make_dot3_scaled(recipe, out_dtype, lhs_dtype, rhs_dtype, kmode, gemm)
+        return _make_dot3_scaled(recipe, out_dtype, lhs_dtype, rhs_dtype, kmode, gemm, shard)
     # the older packed-quantize kernels of _quant: only when explicitly forced
     use_kernels = kmode == "on" and forced
     fp, dg, wg = recipe.fprop, recipe.dgrad, recipe.wgrad
@@ -316,7 +321,7 @@ def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, p
 
     def forward(x, w, key):
         xq = _quant(_rht(x, fp, 2, key, "fprop"), fp.lhs, 2, _subkey(key, "fprop", "lhs"),
-                    use_kernels)
+                    use_kernels, shard)
         wq = _quant(_rht(w, fp, 1, key, "fprop"), fp.rhs, 1, _subkey(key, "fprop", "rhs"),
                     use_kernels)
         return _gemm("bmk,bkn->bmn", xq, wq, precision).astype(out_dtype), wq
@@ -333,17 +338,17 @@ def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, p
             wq_d = _quant(_rht(w, dg, 2, key, "dgrad"), dg.rhs, 2, _subkey(key, "dgrad", "rhs"),
                           use_kernels)
         xq_w = _quant(_rht(x, wg, 1, key, "wgrad"), wg.lhs, 1, _subkey(key, "wgrad", "lhs"),
-                      use_kernels)
+                      use_kernels, shard)
         return y, (wq_d, xq_w, key)
 
     def bwd(res, g):
         wq_d, xq_w, key = res
         g = g.astype(jnp.float32) if g.dtype != jnp.bfloat16 else g
         gq_d = _quant(_rht(g, dg, 2, key, "dgrad"), dg.lhs, 2, _subkey(key, "dgrad", "lhs"),
-                      use_kernels)
+                      use_kernels, shard)
         dx = _gemm("bmn,bkn->bmk", gq_d, wq_d, precision)
         gq_w = _quant(_rht(g, wg, 1, key, "wgrad"), wg.rhs, 1, _subkey(key, "wgrad", "rhs"),
-                      use_kernels)
+                      use_kernels, shard)
         dw = _gemm("bmk,bmn->bkn", xq_w, gq_w, precision)
         return dx.astype(lhs_dtype), dw.astype(rhs_dtype), None
 
@@ -455,12 +460,40 @@ def dot_general(
     x3 = jnp.transpose(lhs, list(lb) + lfree + list(lc)).reshape(B, M, K)
     w3 = jnp.transpose(rhs, list(rb) + list(rc) + rfree).reshape(B, K, N)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
+    shard = _data_parallel_axis(B, M) if recipe.quantized else None
     fn = _make_dot3(recipe, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype),
                     _hashable_precision(precision),
                     dispatch.kernel_mode(M * K * N if B == 1 else 0),  # kernels need B == 1
-                    dispatch.kernels_forced(), dispatch.gemm_backend())
+                    dispatch.kernels_forced(), dispatch.gemm_backend(), shard)
     y3 = fn(x3, w3, key)
     return y3.reshape(*bshape, *lfshape, *rfshape)
+
+
+def _data_parallel_axis(B: int, M: int) -> Any:
+    """The active ``fp4jax.sharding.data_parallel`` axes (None outside one), checked: the
+    call must be traced inside ``jax.shard_map`` over them, unbatched (``B == 1``: the
+    token rows ``M`` of ``x`` are what is split) with ``M % 16 == 0`` per device."""
+    shard = sharding.data_axis()
+    if shard is None:
+        return None
+    try:
+        jax.lax.axis_index(shard)
+    except NameError as e:
+        raise ValueError(
+            f"fp4jax.sharding.data_parallel({shard!r}) is active but fp4jax.dot is not traced "
+            f"inside jax.shard_map over {shard!r} ({e}): call it inside the shard_map'd "
+            "function, or leave the data_parallel block") from e
+    if B != 1:
+        raise ValueError(
+            f"fp4jax.dot_general with batch dimensions (B={B}) inside "
+            f"fp4jax.sharding.data_parallel({shard!r}): only unbatched calls (the token rows "
+            "of x split over devices, weights replicated) are supported there")
+    if M % 16:
+        raise ValueError(
+            f"fp4jax.dot inside fp4jax.sharding.data_parallel({shard!r}) got {M} token rows "
+            "per device: use a multiple of 16 (16-row blocks and the 16-point RHT along "
+            "tokens must not straddle devices), e.g. a larger per-device batch")
+    return shard
 
 
 def _hashable_precision(precision: Any) -> Any:

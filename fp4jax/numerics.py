@@ -318,7 +318,8 @@ def round_to_grid(v: jax.Array, grid: FloatGrid, mode: str = "nearest") -> jax.A
     return out
 
 
-def uniform_from_key(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def uniform_from_key(key: jax.Array, shape: tuple[int, ...],
+                     offset: jax.Array | None = None) -> jax.Array:
     """Uniform float32 in (0, 1) on the midpoint lattice ``(b + 1/2) * 2**-8``, 8 random
     bits per element, eight elements (four rows x two columns) per 64-bit draw.
 
@@ -341,6 +342,9 @@ def uniform_from_key(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     of other implementations (``rbg``, ...) take ``jax.random.bits(key, (D, 2),
     jnp.uint32)`` rows as ``(y0, y1)``. ``D < 2**32`` (N * K < 2**34) is required.
 
+    ``offset`` (uint32 scalar, threefry keys only) starts the draws at ``d = offset``:
+    the uniforms of a block of rows of a larger tensor, ``row_shard_draw_offset``.
+
     Why 8 bits: it is the random-bit budget of Transformer Engine's NVFP4 stochastic
     rounding on Blackwell, which feeds one 32-bit ``rbits`` word to each
     ``cvt.rs.satfinite.e2m1x4.f32`` (four values; TE ``common/util/ptx.cuh``, PTX ISA
@@ -356,7 +360,7 @@ def uniform_from_key(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     k = shape[-1] if shape else 1
     n = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
     nq, kh = -(-n // 4), -(-k // 2)
-    y0, y1 = draws_from_key(key, nq * kh)
+    y0, y1 = draws_from_key(key, nq * kh, offset)
     words = jnp.stack([y0.reshape(nq, kh), y1.reshape(nq, kh)], axis=1)  # (nq, 2, kh)
     shift = (8 * (2 * jnp.arange(2, dtype=jnp.uint32)[:, None]
                   + jnp.arange(2, dtype=jnp.uint32)[None, :]))  # [n % 2, k % 2]
@@ -366,11 +370,13 @@ def uniform_from_key(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return u.reshape(shape)
 
 
-def draws_from_key(key: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
+def draws_from_key(key: jax.Array, count: int, offset: jax.Array | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
     """The 64-bit draws ``0 .. count-1`` of ``uniform_from_key`` as two uint32 arrays
     ``(y0, y1)`` of shape (count,): ``threefry2x32(k1, k2, 0, d)`` for a threefry key
     (typed or raw) with key words ``(k1, k2)``, else ``jax.random.bits(key, (count, 2),
-    uint32)`` split into its columns."""
+    uint32)`` split into its columns. With ``offset`` (a uint32 scalar, threefry keys
+    only) the draws ``offset .. offset+count-1`` (counters wrap modulo 2**32)."""
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.wrap_key_data(key)  # raw uint32 key: the default implementation
     if count >= 2**32:
@@ -379,9 +385,36 @@ def draws_from_key(key: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
     if "threefry" in str(jax.random.key_impl(key)).lower():
         k1, k2 = jax.random.key_data(key).reshape(2)
         d = jnp.arange(count, dtype=jnp.uint32)
+        if offset is not None:
+            d = d + jnp.asarray(offset).astype(jnp.uint32)
         return threefry2x32(k1, k2, jnp.zeros_like(d), d)
+    if offset is not None:
+        raise ValueError(
+            f"stochastic rounding of a shard (data-parallel fp4jax.dot) draws its bits by "
+            f"position and needs a threefry key, got {jax.random.key_impl(key)}: make the "
+            "key with jax.random.key(seed) (the default implementation)")
     bits = jax.random.bits(key, (count, 2), jnp.uint32)
     return bits[:, 0], bits[:, 1]
+
+
+def row_shard_draw_offset(shape: tuple[int, ...], index: jax.Array) -> jax.Array:
+    """The first draw (uint32 scalar) of shard ``index`` when a tensor is split into equal
+    blocks of rows, each of ``shape`` (its local shape, laid out and padded as
+    ``uniform_from_key`` is called on it), so that shard ``i``'s
+    ``uniform_from_key(key, shape, offset)`` are rows ``i * N .. (i+1) * N - 1`` of the
+    whole tensor's uniforms (``N = prod(shape[:-1])``).
+
+    Rule: ``uniform_from_key``'s draw of row ``n`` is ``(n // 4) * ceil(K/2) + k // 2``, so
+    shard ``i`` starts at ``i * (N / 4) * ceil(K/2)``; ``N % 4 == 0`` is required (rows
+    4m .. 4m+3 share a draw). Used by data-parallel ``fp4jax.dot`` (``fp4jax.sharding``),
+    where activations and gradients are split along their token rows."""
+    shape = tuple(int(d) for d in shape)
+    n = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    if n % 4:
+        raise ValueError(f"a row shard of shape {shape} has {n} rows: stochastic rounding "
+                         "of a shard needs a multiple of 4 rows per device")
+    per = (n // 4) * (-(-(shape[-1] if shape else 1) // 2))
+    return jnp.asarray(index).astype(jnp.uint32) * jnp.uint32(per % 2**32)
 
 
 _THREEFRY_ROT = ((13, 15, 26, 6), (17, 29, 16, 24))

@@ -507,11 +507,21 @@ def _quantize_jit(x, key, fmt, axis, block_2d, rounding, block_scale_rule="max")
 
 
 def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding: str,
-                   block_scale_rule: str = "max"):
-    """The traced body of ``quantize`` (arguments already validated)."""
+                   block_scale_rule: str = "max", shard=None):
+    """The traced body of ``quantize`` (arguments already validated). ``shard``: the mesh
+    axis name(s) over which ``x`` is one block of rows of a larger tensor, inside
+    ``jax.shard_map`` (``fp4jax.sharding``): the tensor amax is the ``pmax`` over them and
+    the stochastic-rounding draws are taken at the block's rows in the whole tensor."""
     b = fmt.block_size
     xf = x.astype(jnp.float32)
     amax = _finite_amax(xf)
+    offset = None
+    if shard is not None:
+        amax = jax.lax.pmax(amax, shard)
+        if rounding == "stochastic":
+            padded = (_pad_to(_pad_to(xf, -2, b), -1, b).shape if block_2d
+                      else _padded_shape(x.shape, axis % x.ndim - x.ndim, b))
+            offset = numerics.row_shard_draw_offset(padded, jax.lax.axis_index(shard))
     four6 = block_scale_rule != "max"
     if not four6:
         enc = global_encode_scale(amax, fmt)
@@ -533,7 +543,7 @@ def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding
         e = element_encode_scale(s, dec)[..., :, None, :, None]
         u = None
         if rounding == "stochastic":
-            u = numerics.uniform_from_key(key, xp.shape).reshape(tiles.shape)
+            u = numerics.uniform_from_key(key, xp.shape, offset).reshape(tiles.shape)
         q = _round_elements(tiles * e, rounding, u).reshape(xp.shape)[..., :rows, :cols]
         return QuantizedArray(q.astype(_F4), s.astype(fmt.scale_dtype), dec, fmt, None, True)
 
@@ -550,7 +560,7 @@ def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding
         e = element_encode_scale(s, dec)[..., None]
         u = None
         if rounding == "stochastic":  # drawn in the stored order (uniform_from_key)
-            u = numerics.uniform_from_key(key, _padded_shape(x.shape, axis, b))
+            u = numerics.uniform_from_key(key, _padded_shape(x.shape, axis, b), offset)
             u = jnp.moveaxis(u, axis, -1).reshape(blocks.shape)
         q = _round_elements(blocks * e, rounding, u).reshape(xm.shape)[..., :n]
     q = jnp.moveaxis(q, -1, axis).astype(_F4)

@@ -46,6 +46,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fp4jax import sharding
 from fp4jax.formats import NVFP4, get_format
 
 # The module, not the function: ``from fp4jax import quantize`` gives the package's
@@ -153,6 +154,8 @@ def kernel_mode(mkn: int | None = None) -> str:
     not partitioned by XLA, so data-parallel runs keep the XLA path unless forced) and
     the GEMM is large: ``mkn`` (``M*K*N`` of an unbatched call; ``dot_general`` passes 0
     for batched ones, which the kernels do not cover) at least ``KERNEL_AUTO_MIN_MKN``.
+    Inside ``fp4jax.sharding.data_parallel`` (``jax.shard_map``: each device runs its own
+    program on its rows) the device count does not matter.
     Under ``jax.vmap`` the operands take the XLA path. Either way the results are the
     same bits (the kernels are tested against the XLA path). The setting is part of
     ``dot``'s trace cache key: a change takes effect on the next call of ``dot``.
@@ -167,7 +170,8 @@ def kernel_mode(mkn: int | None = None) -> str:
     if env not in ("", "auto"):
         raise ValueError(f"FP4JAX_KERNELS={env!r}: use auto, on or off")
     big = mkn is None or mkn >= KERNEL_AUTO_MIN_MKN
-    return "on" if big and on_sm90() and jax.device_count() == 1 else "off"
+    single = jax.device_count() == 1 or sharding.data_axis() is not None
+    return "on" if big and on_sm90() and single else "off"
 
 
 def operand_kernel(x: jax.Array, *, block_2d: bool, axis: int, stochastic: bool,
@@ -201,15 +205,22 @@ def operand_kernel(x: jax.Array, *, block_2d: bool, axis: int, stochastic: bool,
 
 
 def make_operands(x: jax.Array, kinds: list[str], sr_keys: list[Any], signs: list[Any],
-                  mode: str) -> list[tuple[jax.Array, jax.Array]]:
+                  mode: str, shard: Any = None) -> list[tuple[jax.Array, jax.Array]]:
     """Run the fused operand kernels on one tensor ``x`` (1, R, C) bfloat16.
 
     ``kinds[i]`` is ``operand_kernel``'s answer for operand ``i``, ``sr_keys[i]`` its
     stochastic-rounding key (None: round to nearest), ``signs[i]`` its RHT sign vector
     (``"cols"`` only; None: no RHT). Returns ``(scaled_data in bf16 (1, R, C), tensor
     decode scale)`` per operand. A rows operand and one RHT'd cols operand of the same
-    tensor take both tensor amaxes from one read (``cols_amaxes``)."""
+    tensor take both tensor amaxes from one read (``cols_amaxes``).
+
+    ``shard``: ``x`` is one device's token rows of a data-parallel tensor
+    (``fp4jax.sharding``): each tensor amax is the ``pmax`` over the mesh axes ``shard``
+    and the stochastic-rounding draws start at the rows' place in the whole tensor
+    (``numerics.row_shard_draw_offset``), so the operands are the whole tensor's rows."""
+    from fp4jax.numerics import row_shard_draw_offset
     from pallas_kernels.quantize import operand_sm90 as fq
+    from pallas_kernels.quantize.common_sm90 import finite_amax
 
     kw = _interpret_kw(mode)
     m = x[0]
@@ -217,15 +228,24 @@ def make_operands(x: jax.Array, kinds: list[str], sr_keys: list[Any], signs: lis
     rot = [i for i, sg in enumerate(signs) if sg is not None]
     if kinds.count("rows") == 1 and len(rot) == 1:  # x (fprop, wgrad) or dy (dgrad, wgrad)
         amax, rht_amax = fq.cols_amaxes(m, signs[rot[0]], **kw)
+    amaxes = [rht_amax if sg is not None else amax for sg in signs]
+    offset = None
+    if shard is not None:  # every amax explicit, then the whole tensor's
+        for i, sg in enumerate(signs):
+            if amaxes[i] is None:
+                amaxes[i] = (finite_amax(m) if sg is None
+                             else fq.rht_cols_amax(m, sg, **kw))
+        amaxes = [jax.lax.pmax(a, shard) for a in amaxes]
+        offset = row_shard_draw_offset(m.shape, jax.lax.axis_index(shard))
     res = []
-    for kind, sr_key, sg in zip(kinds, sr_keys, signs, strict=True):
+    for kind, sr_key, sg, a in zip(kinds, sr_keys, signs, amaxes, strict=True):
         if kind == "2d":
-            o, dec = fq.fq_2d(m, **kw)
+            o, dec = fq.fq_2d(m, amax=a, **kw)
         elif kind == "rows":
-            o, dec = fq.fq_rows(m, sr_key, amax=amax, **kw)
+            o, dec = fq.fq_rows(m, sr_key, amax=a, offset=offset, **kw)
         else:
-            o, dec = fq.fq_cols(m, sr_key, signs=sg, amax=rht_amax if sg is not None else None,
-                                **kw)
+            o, dec = fq.fq_cols(m, sr_key, signs=sg, amax=a if sg is not None or shard else None,
+                                offset=offset, **kw)
         res.append((o[None], dec))
     return res
 

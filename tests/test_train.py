@@ -130,13 +130,20 @@ def test_scan_layers_trains_and_old_configs_resume(text, tmp_path):
 
 
 def test_sharded_four_devices_matches_one(text, tmp_path):
-    # BF16 keeps this test cheap; tests/test_dot.py checks sharded FP4 GEMMs against unsharded.
+    # NVFP4 data-parallel in shard_map (fp4jax.sharding): every quantized operand is the
+    # single-device bits, so the first loss differs only by the order of its float32 mean
+    # (measured 9e-8 relative; quantizing each shard apart, without data_parallel: 1.6e-4).
+    # Later steps drift more: each device's weight-gradient partial is rounded to bf16
+    # before the sum and Adam's first steps amplify sign flips of tiny gradients.
+    # tests/test_sharding.py checks the GEMMs bit for bit.
     assert len(jax.devices()) >= 4, "tests/conftest.py should force 4 CPU devices"
-    one = T.train(_cfg(text, tmp_path / "one", devices=1, stop_at=6, recipe="bf16"))
-    four = T.train(_cfg(text, tmp_path / "four", devices=4, stop_at=6, recipe="bf16"))
+    one = T.train(_cfg(text, tmp_path / "one", devices=1, stop_at=5, recipe="nvfp4"))
+    four = T.train(_cfg(text, tmp_path / "four", devices=4, stop_at=5, recipe="nvfp4"))
     assert four["devices"] == 4
+    np.testing.assert_allclose(four["history"]["loss"][0], one["history"]["loss"][0],
+                               rtol=1e-6)
     np.testing.assert_allclose(four["history"]["loss"], one["history"]["loss"], rtol=2e-3)
-    assert len(one["history"]["loss"]) == 6
+    assert len(one["history"]["loss"]) == 5
     with pytest.raises(ValueError, match="not divisible by 4 devices"):
         T.train(_cfg(text, tmp_path / "bad", devices=4, batch_size=6))
 

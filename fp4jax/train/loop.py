@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fp4jax.recipes
+import fp4jax.sharding
 from fp4jax import diagnostics
 from fp4jax.data import ByteDataset
 from fp4jax.models.llama import Llama, layer_name, layer_order
@@ -127,15 +128,35 @@ def make_train_step(model: Llama, tx: optax.GradientTransformation,
     """A jit-compiled ``step(state, batch) -> (state, metrics)``; state stays replicated. The
     stochastic-rounding key of step ``s`` is ``fold_in(base_key, s)``. With ``base_key=None``
     (what ``train`` uses) the key is an argument, ``step(state, batch, base_key)``, so one
-    compilation serves every seed."""
+    compilation serves every seed.
+
+    On several devices the loss and gradients run data-parallel in ``jax.shard_map`` over
+    the mesh's ``"data"`` axis (``fp4jax.sharding.data_parallel``: each device its rows of
+    the batch, the Pallas kernels on, every quantized tensor's amax and random bits those
+    of the whole batch), the gradients averaged with ``pmean``; the optimizer update runs
+    replicated."""
+
+    def local_value_and_grad(params, batch, key, layer_key):
+        return jax.value_and_grad(
+            lambda p: loss_fn(model, p, batch, key, layer_key))(params)
+
+    value_and_grad = local_value_and_grad
+    if mesh.devices.size > 1:
+        def data_parallel(params, batch, key, layer_key):
+            with fp4jax.sharding.data_parallel("data"):
+                loss, grads = local_value_and_grad(params, batch, key, layer_key)
+            return jax.lax.pmean(loss, "data"), jax.lax.pmean(grads, "data")
+
+        value_and_grad = jax.shard_map(
+            data_parallel, mesh=mesh, in_specs=(P(), P("data"), P(), P()),
+            out_specs=(P(), P()), check_vma=False)
 
     def step(state, batch, key_arg=None):
         _traced("train")
         base = base_key if key_arg is None else key_arg
         key = jax.random.fold_in(base, state["step"])
         layer_key = jax.random.fold_in(base, LAYER_KEY_INDEX)
-        loss, grads = jax.value_and_grad(
-            lambda p: loss_fn(model, p, batch, key, layer_key))(state["params"])
+        loss, grads = value_and_grad(state["params"], batch, key, layer_key)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": _global_norm(grads)}

@@ -48,6 +48,13 @@ except ImportError:  # pragma: no cover
 FLT_MAX = float(np.finfo(np.float32).max)
 
 
+def finite_amax(x: jax.Array) -> jax.Array:
+    """``max |x|`` over the finite values of ``x`` (float32 scalar; an XLA reduction), the
+    core's tensor amax rule (``fp4jax.quantize._finite_amax``)."""
+    a = jnp.abs(x.astype(jnp.float32))
+    return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0))
+
+
 def global_scales(x: jax.Array | None, amax: jax.Array | None = None
                   ) -> tuple[jax.Array, jax.Array]:
     """NVFP4 tensor scales (enc, dec) from the finite amax of ``x`` (an XLA reduction), or
@@ -61,8 +68,7 @@ def global_scales(x: jax.Array | None, amax: jax.Array | None = None
     from fp4jax.quantize import global_encode_scale
 
     if amax is None:
-        a = jnp.abs(x.astype(jnp.float32))
-        amax = jnp.max(jnp.where(jnp.isfinite(a), a, 0.0))
+        amax = finite_amax(x)
     enc = global_encode_scale(amax, NVFP4)
     dec = div_rn(jnp.float32(1.0), enc)
     return enc, dec
@@ -382,11 +388,16 @@ def scalars(enc: jax.Array, dec: jax.Array, signs: jax.Array | None = None) -> j
     return jnp.concatenate([kernel_scalars(enc, dec), s.reshape(16)])
 
 
-def key_words(key: jax.Array | None) -> jax.Array:
-    """int32[2]: the two Threefry key words of ``key`` (zeros without a key)."""
+def key_words(key: jax.Array | None, offset: jax.Array | None = None) -> jax.Array:
+    """int32[3]: the two Threefry key words of ``key`` (zeros without a key) and the
+    counter of the first draw, ``offset`` (uint32 scalar, default 0: a shard's place in the
+    whole tensor, ``numerics.row_shard_draw_offset``; the packed kernels ignore it)."""
+    off = jnp.zeros((1,), jnp.int32) if offset is None else lax.bitcast_convert_type(
+        jnp.asarray(offset).astype(jnp.uint32).reshape(1), jnp.int32)
     if key is None:
-        return jnp.zeros((2,), jnp.int32)
-    return lax.bitcast_convert_type(jax.random.key_data(key).reshape(2), jnp.int32)
+        return jnp.concatenate([jnp.zeros((2,), jnp.int32), off])
+    return jnp.concatenate(
+        [lax.bitcast_convert_type(jax.random.key_data(key).reshape(2), jnp.int32), off])
 
 
 def _barrier(v, plain: bool):

@@ -123,11 +123,12 @@ def _fq_tile(sc_ref, kw_ref, x_ref, o_ref, *, nb: int, plain: bool, mode: str,
 def _fq_quad_tile(sc_ref, kw_ref, x_ref, o_ref, *, g: int, draw0, plain: bool, mode: str):
     """Stochastic rounding of the same ``g`` blocks of four neighbouring rows (4m ..
     4m+3): x_ref/o_ref (4, g, 8) words. The word (i, j) of the four rows shares the 64-bit
-    draw ``draw0 + 8 i + j`` (``numerics.uniform_from_key`` on (R, C): rows 4m, 4m+1 take
+    draw ``offset + draw0 + 8 i + j`` (``numerics.uniform_from_key`` on (R, C), ``offset =
+    kw_ref[2]``: the draw of row 0, ``numerics.row_shard_draw_offset``): rows 4m, 4m+1 take
     word y0, rows 4m+2, 4m+3 word y1; the even row bytes 0 (low element) and 1 (high), the
     odd row bytes 2 and 3); ``draw0 = m * C/2 + 8 * (first block of the tile in its
     row)``."""
-    d = draw0 + (_iota((g, 8), 0, plain) << 3) + _iota((g, 8), 1, plain)
+    d = draw0 + kw_ref[2] + (_iota((g, 8), 0, plain) << 3) + _iota((g, 8), 1, plain)
     words = threefry2x32(kw_ref[0], kw_ref[1], d - d, d)
     for r in range(4):
         w = _load_words(x_ref.at[r], slice(None), plain)
@@ -332,8 +333,9 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: 
     draw0 = None
     per = 4 if sr else 2  # rows per loop iteration
     if sr:  # draw of (rows row0 .. row0 + 3; the word's column pair); row0 % 16 == 0
-        draw0 = (lax.shift_right_logical(row0, 2) * (n_cols // 2) + lax.shift_right_logical(
-            col0, 1) + (_iota((g, 8), 0, plain, lay) << 3) + _iota((g, 8), 1, plain, lay))
+        draw0 = (kw_ref[2] + lax.shift_right_logical(row0, 2) * (n_cols // 2)
+                 + lax.shift_right_logical(col0, 1) + (_iota((g, 8), 0, plain, lay) << 3)
+                 + _iota((g, 8), 1, plain, lay))
 
     @pl.loop(0, 16 // per)
     def _(p):
@@ -567,28 +569,33 @@ def cols_amaxes(x, signs, *, interpret: bool = False, g: int | None = None):
     return _max_f32(a[:, 2:]), _max_f32(a[:, :2])
 
 
-def fq_rows(x, key=None, *, interpret: bool = False, amax=None, **kw):
+def fq_rows(x, key=None, *, interpret: bool = False, amax=None, offset=None, **kw):
     """bf16 ``data * scale`` of ``quantize(x, NVFP4, axis=-1)`` (SR with ``key``) and its
     tensor decode scale: ``(scaled (R, C) bf16, dec f32)``. ``amax``: x's finite amax if
-    already known (else an XLA reduction computes it)."""
+    already known (else an XLA reduction computes it). ``offset``: the first SR draw
+    (uint32 scalar, ``numerics.row_shard_draw_offset``; default 0)."""
     enc, dec = global_scales(x, amax)
-    return fq_rows_scaled(x, scalars(enc, dec), key_words(key), sr=key is not None,
+    return fq_rows_scaled(x, scalars(enc, dec), key_words(key, offset), sr=key is not None,
                           interpret=interpret, **kw), dec
 
 
-def fq_cols(x, key=None, *, signs=None, interpret: bool = False, amax=None, **kw):
+def fq_cols(x, key=None, *, signs=None, interpret: bool = False, amax=None, offset=None,
+            **kw):
     """bf16 ``data * scale`` of ``quantize(rht(x, axis=0, signs) if signs is not None else
     x, NVFP4, axis=0)`` (SR with ``key``) and its tensor decode scale. ``amax``: the
-    finite amax of the tensor that is quantized (rotated, with ``signs``) if known."""
+    finite amax of the tensor that is quantized (rotated, with ``signs``) if known.
+    ``offset``: as ``fq_rows``'s."""
     if amax is None and signs is not None:
         amax = rht_cols_amax(x, signs, interpret=interpret)
     enc, dec = global_scales(x, amax)
-    return fq_cols_scaled(x, scalars(enc, dec, signs), key_words(key), sr=key is not None,
+    return fq_cols_scaled(x, scalars(enc, dec, signs), key_words(key, offset),
+                          sr=key is not None,
                           rht=signs is not None, interpret=interpret, **kw), dec
 
 
-def fq_2d(x, *, interpret: bool = False, **kw):
-    """bf16 ``data * scale`` of ``quantize(x, NVFP4, block_2d=True)`` and its decode scale."""
-    enc, dec = global_scales(x)
+def fq_2d(x, *, interpret: bool = False, amax=None, **kw):
+    """bf16 ``data * scale`` of ``quantize(x, NVFP4, block_2d=True)`` and its decode scale
+    (``amax``: x's finite amax if known)."""
+    enc, dec = global_scales(x, amax)
     return fq_2d_scaled(x, scalars(enc, dec), interpret=interpret, **kw), dec
 

@@ -404,7 +404,8 @@ def quantize_nvfp4_1x16_sr_scaled(x: jax.Array, enc: jax.Array, dec: jax.Array,
     Args:
       x: (R, C) bfloat16, see ``supported_sr``.
       enc, dec: float32 tensor scales (``global_scales``).
-      kw: int32[2], the Threefry key words (``common_sm90.key_words(key)``).
+      kw: int32[3], the Threefry key words (``common_sm90.key_words(key)``; the third,
+        the draw offset, is ignored here).
       g, rq: blocks per row and row quads of a CTA tile (defaults: the GPU's choice,
         ``common_sm90.GR`` / ``QUAD_BLOCKS``, as ``fq_rows``' SR kernel; in
         interpret mode whole rows, one quad, unless given, so CPU tests can run the GPU
