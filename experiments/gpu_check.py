@@ -422,6 +422,53 @@ def check_amax(ctx: Ctx) -> None:
                                            judge))])
 
 
+@check("shards", "data-parallel operands: fq_rows / fq_cols (RHT too) with stochastic rounding "
+       "on each of 4 (or 2) row shards, given the whole tensor's amax and the shard's first "
+       "draw (numerics.row_shard_draw_offset), concatenated vs the XLA path on the whole "
+       "tensor, bit for bit (what fp4jax.sharding.data_parallel asks of the kernels)")
+def check_shards(ctx: Ctx) -> None:
+    from fp4jax.numerics import row_shard_draw_offset
+
+    key, kw = ctx.key, ctx.kw
+
+    def n_shards(x):
+        return 4 if x.shape[0] % 64 == 0 else 2
+
+    def sharded(kernel, rotated):
+        def run(x):
+            n = n_shards(x)
+            rows = x.shape[0] // n
+            amax = (fq.rht_cols_amax(x, ctx.signs, **kw) if rotated else _finite_amax(x))
+            parts = [kernel(x[i * rows:(i + 1) * rows], amax=amax,
+                            offset=row_shard_draw_offset((rows, x.shape[1]), i))
+                     for i in range(n)]
+            return jnp.concatenate([p[0] for p in parts]), parts[-1][1]
+        return run
+
+    def ok_shape(supported):
+        def f(x):
+            n = n_shards(x)
+            return x.shape[0] % (16 * n) == 0 and supported((x.shape[0] // n, x.shape[1]),
+                                                            x.dtype)
+        return f
+
+    def rows_sr(m, **k):
+        return fq.fq_rows(m, key, **kw, **k)
+
+    def cols(sg):
+        def f(m, **k):
+            return fq.fq_cols(m, key, signs=sg, **kw, **k)
+        return f
+
+    _input_cases(ctx, "shards", [
+        ("rows SR", ok_shape(lambda s, d: fq.supported_rows(s, d, True)),
+         _operand(sharded(rows_sr, False), axis=-1, key=key)),
+        ("cols SR", ok_shape(fq.supported_cols),
+         _operand(sharded(cols(None), False), axis=0, key=key)),
+        ("cols RHT SR", ok_shape(fq.supported_cols),
+         _operand(sharded(cols(ctx.signs), True), axis=0, key=key, signs=ctx.signs))])
+
+
 def _packed_check(ctx: Ctx, name: str, case: str, supported, kernel, reference, tile,
                   numpy_kind=None, numpy_fn=None) -> None:
     """Run ``kernel(x) -> (packed, scale bits, dec)`` against ``reference(x)`` (a
