@@ -54,6 +54,11 @@ def test_causal():
 def test_presets_and_errors():
     sizes = {k: c.num_params() for k, c in PRESETS.items()}
     assert 0.5e6 < sizes["tiny"] < 1.5e6 and 80e6 < sizes["100m"] < 120e6
+    c = PRESETS["1b"]  # NVIDIA paper's 1.2B ablation model, Appendix (byte vocabulary)
+    assert (c.n_layers, c.d_model, c.d_ff, c.n_heads, c.n_kv_heads, c.ffn) == (
+        20, 2048, 6144, 16, 8, "relu2")
+    assert sizes["1b"] == 20 * (2 * 2048 * 2048 + 2 * 2048 * 1024 + 2 * 2048 * 6144
+                                + 2 * 2048) + 2 * 256 * 2048 + 2048
     with pytest.raises(ValueError, match="valid presets: .*tiny"):
         get_preset("huge")
     with pytest.raises(ValueError, match="n_kv_heads"):

@@ -110,6 +110,10 @@ PRESETS: dict[str, LlamaConfig] = {
     "mini": LlamaConfig(d_model=256, n_layers=6, n_heads=8, n_kv_heads=4, d_ff=1024),
     "small": LlamaConfig(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, d_ff=2048),
     "100m": LlamaConfig(d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, d_ff=4096),
+    # the NVIDIA NVFP4 paper's 1.2B ablation model (20 blocks, d 2048, FFN 6144 squared
+    # ReLU, 16 query and 8 KV heads, RoPE) with the byte vocabulary: 0.76B parameters (the
+    # paper's 1.2B counts its 131k-token embedding and output layers)
+    "1b": LlamaConfig(d_model=2048, n_layers=20, n_heads=16, n_kv_heads=8, d_ff=6144),
 }
 
 

@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--checkpoint-every", type=int, default=d.checkpoint_every, help="0: only at the end")
     a("--seed", type=int, default=d.seed)
     a("--devices", type=int, default=d.devices, help="data-parallel devices (0: all local)")
+    a("--fsdp", type=int, default=d.fsdp,
+      help="shard parameters and optimizer state over groups of this many of the devices "
+           "(ZeRO-3 style; must divide --devices; 1: replicated)")
     a("--out", default=d.out, help="run directory; one that holds a run is refused without "
       "--resume or --overwrite")
     a("--resume", action="store_true",

@@ -30,7 +30,7 @@ SCHEDULES = ("wsd", "cosine")
 # Config keys that may change between a run and its resumption.
 RESUMABLE_KEYS = frozenset(
     {"out", "resume", "stop_at", "progress", "cache_dir", "checkpoint_every", "log_every",
-     "devices", "compare", "resume_override", "overwrite", "keep_checkpoints",
+     "devices", "fsdp", "compare", "resume_override", "overwrite", "keep_checkpoints",
      "stats_every"}
 )
 # Config keys that ``--resume-override`` may change (they leave the state's structure alone);
@@ -84,6 +84,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     seed: int = 0
     devices: int = 0
+    fsdp: int = 1
     out: str = "runs/train"
     resume: bool = False
     stop_at: int | None = None
@@ -219,7 +220,7 @@ def _is_real(v: Any) -> bool:
 _INT_MIN: dict[str, int] = {
     "seq_len": 2, "batch_size": 1, "steps": 1, "warmup_steps": 0, "first_bf16": 0,
     "last_bf16": -1, "eval_every": 0, "eval_batches": 1, "log_every": 1, "checkpoint_every": 0,
-    "devices": 0, "keep_checkpoints": 1, "stats_every": 0,
+    "devices": 0, "fsdp": 1, "keep_checkpoints": 1, "stats_every": 0,
 }
 # real field -> (low, low included?, high or None, high included?); NaN and infinities are
 # always refused

@@ -27,11 +27,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fp4jax.recipes
-import fp4jax.sharding
 from fp4jax import diagnostics
 from fp4jax.data import ByteDataset
 from fp4jax.models.llama import Llama, layer_name, layer_order
 from fp4jax.recipes import Recipe
+from fp4jax.train import parallel
 from fp4jax.train.checkpoint import (
     CheckpointDamaged,
     Checkpointer,
@@ -56,6 +56,7 @@ from fp4jax.train.config import (
     switched_recipe,
     validate_config,
 )
+from fp4jax.train.parallel import make_mesh
 from fp4jax.train.rundir import check_out, claim_out
 
 
@@ -67,15 +68,6 @@ class TrainingDiverged(RuntimeError):
         super().__init__(msg)
         self.step = step
 
-
-
-def make_mesh(n: int = 0) -> Mesh:
-    """A 1-D ``("data",)`` mesh over the first ``n`` local devices (0: all)."""
-    devs = jax.local_devices()
-    n = n or len(devs)
-    if not 1 <= n <= len(devs):
-        raise ValueError(f"--devices {n}: only {len(devs)} local devices ({devs[0].platform})")
-    return Mesh(np.array(devs[:n]), ("data",))
 
 
 # fold_in index of the run's layer key (constant per-layer RHT signs) under the base key;
@@ -124,32 +116,30 @@ def make_init_state(model: Llama, tx: optax.GradientTransformation,
 
 
 def make_train_step(model: Llama, tx: optax.GradientTransformation,
-                    base_key: jax.Array | None, mesh: Mesh) -> Callable:
-    """A jit-compiled ``step(state, batch) -> (state, metrics)``; state stays replicated. The
-    stochastic-rounding key of step ``s`` is ``fold_in(base_key, s)``. With ``base_key=None``
-    (what ``train`` uses) the key is an argument, ``step(state, batch, base_key)``, so one
-    compilation serves every seed.
+                    base_key: jax.Array | None, mesh: Mesh, specs: Any = None) -> Callable:
+    """A jit-compiled ``step(state, batch) -> (state, metrics)``. The stochastic-rounding key
+    of step ``s`` is ``fold_in(base_key, s)``. With ``base_key=None`` (what ``train`` uses)
+    the key is an argument, ``step(state, batch, base_key)``, so one compilation serves
+    every seed.
 
-    On several devices the loss and gradients run data-parallel in ``jax.shard_map`` over
-    the mesh's ``"data"`` axis (``fp4jax.sharding.data_parallel``: each device its rows of
-    the batch, the Pallas kernels on, every quantized tensor's amax and random bits those
-    of the whole batch), the gradients averaged with ``pmean``; the optimizer update runs
-    replicated."""
+    ``specs``: the state's ``PartitionSpec``s (``parallel.state_specs``; None: replicated,
+    which an ``fsdp`` axis larger than 1 does not allow). On several devices the loss and
+    gradients run in ``jax.shard_map`` (``parallel.sharded_value_and_grad``: each device its
+    rows of the batch, the Pallas kernels on, every quantized tensor's amax and random bits
+    those of the whole batch, parameters gathered over ``fsdp``); the optimizer update runs
+    on the state as it is laid out."""
+    if specs is None:
+        if mesh.shape["fsdp"] > 1:
+            raise ValueError("make_train_step on an fsdp mesh needs the state's specs "
+                             "(parallel.state_specs)")
+        specs = {"step": P(), "params": P(), "opt_state": P()}
 
-    def local_value_and_grad(params, batch, key, layer_key):
-        return jax.value_and_grad(
-            lambda p: loss_fn(model, p, batch, key, layer_key))(params)
+    def loss_of(params, batch, key, layer_key):
+        return loss_fn(model, params, batch, key, layer_key)
 
-    value_and_grad = local_value_and_grad
+    value_and_grad = jax.value_and_grad(loss_of)
     if mesh.devices.size > 1:
-        def data_parallel(params, batch, key, layer_key):
-            with fp4jax.sharding.data_parallel("data"):
-                loss, grads = local_value_and_grad(params, batch, key, layer_key)
-            return jax.lax.pmean(loss, "data"), jax.lax.pmean(grads, "data")
-
-        value_and_grad = jax.shard_map(
-            data_parallel, mesh=mesh, in_specs=(P(), P("data"), P(), P()),
-            out_specs=(P(), P()), check_vma=False)
+        value_and_grad = parallel.sharded_value_and_grad(loss_of, specs["params"], mesh)
 
     def step(state, batch, key_arg=None):
         _traced("train")
@@ -162,8 +152,8 @@ def make_train_step(model: Llama, tx: optax.GradientTransformation,
         metrics = {"loss": loss, "grad_norm": _global_norm(grads)}
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
-    repl = NamedSharding(mesh, P())
-    return jax.jit(step, out_shardings=(repl, repl), donate_argnums=0)
+    return jax.jit(step, out_shardings=(parallel.shardings(specs, mesh), NamedSharding(mesh, P())),
+                   donate_argnums=0)
 
 
 def make_eval_step(model: Llama, base_key: jax.Array | None, mesh: Mesh) -> Callable:
@@ -345,7 +335,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     rcfg, recipe = run_recipe(cfg)
     overrides = override_keys(cfg.resume_override)
     mc = model_config(cfg)
-    mesh = make_mesh(cfg.devices)
+    mesh = make_mesh(cfg.devices, cfg.fsdp)
     n_dev = mesh.devices.size
     if cfg.batch_size % n_dev:
         raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by {n_dev} devices")
@@ -365,14 +355,22 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     schedule = make_schedule(cfg)
     root = jax.random.key(cfg.seed)
     sr_key = jax.random.fold_in(root, 1)
-    repl, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    data_sharding = NamedSharding(mesh, parallel.BATCH)
+    init_fn = make_init_state(model, tx, cfg)
 
-    fns, reused = _step_fns(rcfg, recipe, mesh, lambda: {
-        "init": jax.jit(make_init_state(model, tx, cfg), out_shardings=repl),
-        "train": {False: make_train_step(model, tx, None, mesh),
-                  True: make_train_step(model2, tx, None, mesh)},
-        "eval": {False: make_eval_step(model, None, mesh),
-                 True: make_eval_step(model2, None, mesh)}})
+    def build() -> dict:
+        # the state's layout: replicated, or (--fsdp > 1) each array's fsdp_spec, from its
+        # shapes (an abstract evaluation of init: one more "init" trace)
+        specs = (parallel.state_specs(jax.eval_shape(init_fn, root), mesh)
+                 if mesh.shape["fsdp"] > 1 else {"step": P(), "params": P(), "opt_state": P()})
+        return {
+            "init": jax.jit(init_fn, out_shardings=parallel.shardings(specs, mesh)),
+            "train": {False: make_train_step(model, tx, None, mesh, specs),
+                      True: make_train_step(model2, tx, None, mesh, specs)},
+            "eval": {False: make_eval_step(model, None, mesh),
+                     True: make_eval_step(model2, None, mesh)}}
+
+    fns, reused = _step_fns(rcfg, recipe, mesh, build)
     state = fns["init"](root)
     n_params = sum(int(x.size) for x in jax.tree.leaves(state["params"]))
     cfg_dict = dataclasses.asdict(cfg)
