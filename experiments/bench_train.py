@@ -166,7 +166,7 @@ def _emit(rec: dict[str, Any]) -> None:
 
 
 def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
-                iterations: int, devices: int = 1) -> dict[str, Any]:
+                iterations: int, devices: int = 1, attention: str = "xla") -> dict[str, Any]:
     """Builds, cold-compiles and times one configuration in this process; emits a tagged
     JSON line after each stage (the parent keeps the last one of a child it stops)."""
     for name, value in (("jax_enable_compilation_cache", False),
@@ -184,7 +184,7 @@ def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
         "quantized": quantized(spec), "batch_size": batch_size, "seq_len": seq_len,
         "tokens_per_step": batch_size * seq_len, "device": str(dev.device_kind),
         "platform": dev.platform, "device_count": jax.device_count(), "jax": jax.__version__,
-        "devices": devices,
+        "devices": devices, "attention": attention,
     }
     try:
         from jax._src import compilation_cache as cc
@@ -193,7 +193,8 @@ def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
     except (ImportError, AttributeError):
         rec["persistent_cache"] = None
     t = time.perf_counter()
-    step, state, batch, key, mc = build_step(preset, spec, scan, batch_size, seq_len, devices)
+    step, state, batch, key, mc = build_step(preset, spec, scan, batch_size, seq_len, devices,
+                                             attention)
     jax.block_until_ready(state)
     rec["params"] = mc.num_params()
     rec["build_s"] = round(time.perf_counter() - t, 3)
@@ -257,7 +258,7 @@ def child_main(args: argparse.Namespace) -> int:
     preset, config = args.one
     try:
         measure_one(preset, config, args.batch_size, args.seq_len, args.iterations,
-                    args.devices)
+                    args.devices, args.attention)
     except Exception as e:  # noqa: BLE001 (reported to the parent as the row's error)
         _emit({"error": lab.error_text(e)})  # the last stage line says where
         raise
@@ -293,7 +294,8 @@ def child_env() -> dict[str, str]:
 def child_command(args: argparse.Namespace, preset: str, config: str) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--one", preset, config,
             "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-            "--iterations", str(args.iterations), "--devices", str(args.devices)]
+            "--iterations", str(args.iterations), "--devices", str(args.devices),
+            "--attention", args.attention]
 
 
 def run_child(args: argparse.Namespace, preset: str, config: str, timeout: float
@@ -388,6 +390,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--devices", type=_positive, default=1,
                     help="local devices of the data-parallel step (the batch split over "
                          "them; default 1)")
+    ap.add_argument("--attention", default="xla", choices=("xla", "cudnn"),
+                    help="the model's attention, as fp4jax-train --attention (default xla)")
     ap.add_argument("--timeout-s", type=_positive_float, default=240.0,
                     help="limit of one configuration's process (default %(default)s)")
     ap.add_argument("--time-limit", type=_positive_float, default=None,
@@ -408,7 +412,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             try:  # the whole run's config, as build_step makes it (flags named in the message)
                 run_recipe(TrainConfig(preset=preset, recipe=spec, scan_layers=scan,
                                        batch_size=args.batch_size, seq_len=args.seq_len,
-                                       devices=args.devices))
+                                       devices=args.devices, attention=args.attention))
             except (TypeError, ValueError) as e:
                 ap.error(f"{preset} {config}: {e}")
     return args
@@ -431,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = lab.run_info(__file__, argv, args.commit)
     meta.update(device=None, platform=None, device_count=None,  # filled from the children
                 presets=args.presets, configs=args.configs, batch_size=args.batch_size,
-                seq_len=args.seq_len, devices=args.devices, iterations=args.iterations,
+                seq_len=args.seq_len, devices=args.devices, attention=args.attention,
+                iterations=args.iterations,
                 warmup=WARMUP,
                 timeout_s=args.timeout_s, time_limit=args.time_limit,
                 child_env=CHILD_ENV | {k: None for k in CHILD_ENV_DROP},

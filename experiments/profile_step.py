@@ -151,11 +151,13 @@ def kernel_category(kernel: str, instrs: dict, bodies: dict) -> str:
 
 
 def build_step(preset: str, spec: str, scan_layers: bool, batch_size: int, seq_len: int,
-               devices: int = 1):
+               devices: int = 1, attention: str = "xla"):
     """The harness's train step for one spec, its initial state and one batch (on
-    ``devices`` local devices: the data-parallel step, the batch split over them)."""
+    ``devices`` local devices: the data-parallel step, the batch split over them;
+    ``attention`` as ``--attention``)."""
     cfg = TrainConfig(preset=preset, recipe=spec, scan_layers=scan_layers,
-                      batch_size=batch_size, seq_len=seq_len, devices=devices)
+                      batch_size=batch_size, seq_len=seq_len, devices=devices,
+                      attention=attention)
     rcfg, recipe = run_recipe(cfg)
     mc = model_config(cfg)
     model = Llama(mc, make_policy(rcfg, mc, recipe))
@@ -171,7 +173,8 @@ def build_step(preset: str, spec: str, scan_layers: bool, batch_size: int, seq_l
 
 def profile_spec(args, spec: str) -> dict:
     step, state, batch, key, mc = build_step(args.preset, spec, args.scan_layers,
-                                             args.batch_size, args.seq_len)
+                                             args.batch_size, args.seq_len,
+                                             attention=args.attention)
     # The harness's step donates the state, and CUPTI's measure calls the function several
     # times on the same arguments: profile the same step function compiled without donation
     # (measure takes the compiled object as it is; wrapping it in another jit fails).
@@ -217,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--specs", nargs="+", default=["bf16", "nvfp4"])
     ap.add_argument("--scan-layers", action="store_true")
+    ap.add_argument("--attention", default="xla", choices=("xla", "cudnn"))
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--iterations", type=int, default=10)

@@ -111,3 +111,22 @@ def test_scan_layers_is_the_same_function():
     # a policy with every block in one recipe scans all of them (parameter shapes suffice)
     m2 = Llama(cfg.replace(scan_layers=True), PrecisionPolicy(fp4jax.recipes.nvfp4()))
     assert "blocks_0_4" in jax.eval_shape(m2.init, jax.random.key(0), tok)["params"]
+
+
+def test_attention_implementations_agree():
+    # the cudnn option calls jax.nn.dot_product_attention; its XLA implementation (CPU) must
+    # read the same key/value head for each query head and mask the same positions as the
+    # einsum path, up to the bf16 rounding of the probabilities (float32 inputs here)
+    from fp4jax.models.llama import causal_attention
+
+    ks = jax.random.split(jax.random.key(4), 3)
+    q = jax.random.normal(ks[0], (2, 16, 8, 16))
+    k, v = (jax.random.normal(kk, (2, 16, 2, 16)) for kk in ks[1:])
+    want = causal_attention(q, k, v)
+    got = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    # a head mapping off by one group, or no mask, is far away
+    swapped = causal_attention(q, k[:, :, ::-1], v[:, :, ::-1])
+    assert np.abs(np.asarray(swapped) - np.asarray(want)).max() > 0.1
+    with pytest.raises(ValueError, match="attention must be one of"):
+        LlamaConfig(attention="flash")

@@ -186,6 +186,15 @@ def test_fsdp_shards_the_state_and_resumes_exactly(text, tmp_path):
         T.train(_cfg(text, tmp_path / "bad", fsdp=0))
 
 
+def test_cudnn_attention_needs_a_gpu(text, tmp_path):
+    if jax.devices()[0].platform == "gpu":
+        pytest.skip("runs on a GPU")
+    with pytest.raises(ValueError, match="--attention cudnn needs NVIDIA GPUs"):
+        T.train(_cfg(text, tmp_path, attention="cudnn"))
+    with pytest.raises(ValueError, match="attention"):
+        T.train(_cfg(text, tmp_path, attention="flash"))
+
+
 def test_fsdp_spec_rule():
     from fp4jax.train.parallel import fsdp_spec
 

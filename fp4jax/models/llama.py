@@ -29,6 +29,9 @@ from fp4jax.nn.linen import COTANGENT_COLLECTION, PERTURB_COLLECTION, STATS_COLL
 from fp4jax.nn.linen import Dense as Fp4Dense
 from fp4jax.nn.policy import PrecisionPolicy
 
+ATTENTION = ("xla", "cudnn")
+"""``LlamaConfig.attention`` values (``causal_attention``'s implementations)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
@@ -47,6 +50,10 @@ class LlamaConfig:
       norm_eps: RMSNorm epsilon.
       dtype: compute dtype name (``"bfloat16"`` or ``"float32"``).
       init_std: std of the normal init; output projections use ``init_std/sqrt(2*n_layers)``.
+      attention: how the (unquantized) causal attention runs: ``"xla"`` (the default:
+        einsums with float32 scores and softmax, ``causal_attention``) or ``"cudnn"``
+        (``jax.nn.dot_product_attention`` on cuDNN's fused flash attention, NVIDIA GPUs
+        only: bf16 inputs, float32 softmax inside, no (B, H, T, T) tensor in memory).
       scan_layers: run each maximal run of consecutive blocks that share their recipes
         as one ``flax.linen.scan`` (parameters stacked along a leading axis, in
         ``blocks_{first}_{last}``), so XLA compiles one block body per run instead of one
@@ -66,11 +73,14 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     dtype: str = "bfloat16"
     init_std: float = 0.02
+    attention: str = "xla"
     scan_layers: bool = False
 
     def __post_init__(self) -> None:
         if self.ffn not in ("relu2", "swiglu"):
             raise ValueError(f"ffn must be 'relu2' or 'swiglu', got {self.ffn!r}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -139,6 +149,30 @@ class RMSNorm(nn.Module):
         return (y * scale).astype(self.dtype)
 
 
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str = "xla"
+                     ) -> jax.Array:
+    """Causal grouped-query attention. ``q (B, T, H, hd)``, ``k, v (B, T, KV, hd)`` in the
+    compute dtype (query head ``h`` reads key/value head ``h // (H / KV)``) -> ``(B, T, H,
+    hd)`` in that dtype; scale ``hd**-0.5``.
+
+    ``impl="xla"``: scores and softmax in float32 (einsums accumulating in float32), the
+    probabilities rounded to the compute dtype for the value product. Otherwise
+    ``jax.nn.dot_product_attention(..., is_causal=True, implementation=impl)`` (``"cudnn"``:
+    cuDNN's fused kernel on NVIDIA GPUs)."""
+    B, T, H, hd = q.shape
+    KV = k.shape[2]
+    if impl != "xla":
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    q = q.reshape(B, T, KV, H // KV, hd)
+    s = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    s = s * (hd**-0.5)
+    mask = jnp.tril(jnp.ones((T, T), dtype=bool))
+    s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+    a = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=jnp.float32)
+    return a.reshape(B, T, H, hd).astype(q.dtype)
+
+
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Rotary embedding (rotate-half form). ``x (B, T, H, hd)``, ``positions (T,)`` int."""
     hd = x.shape[-1]
@@ -177,15 +211,8 @@ class Block(nn.Module):
         k = _linear(cfg, r["attn.k"], KV * hd, "k", std)(h).reshape(B, T, KV, hd)
         v = _linear(cfg, r["attn.v"], KV * hd, "v", std)(h).reshape(B, T, KV, hd)
         q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
-        # Grouped-query attention in high precision: scores and softmax in float32.
-        q = q.reshape(B, T, KV, H // KV, hd)
-        s = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-        s = s * (hd**-0.5)
-        mask = jnp.tril(jnp.ones((T, T), dtype=bool))
-        s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
-        p = jax.nn.softmax(s, axis=-1).astype(cfg.dtype)
-        a = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=jnp.float32)
-        a = a.reshape(B, T, H * hd).astype(cfg.dtype)
+        # Grouped-query attention in high precision (causal_attention).
+        a = causal_attention(q, k, v, cfg.attention).reshape(B, T, H * hd)
         x = x + _linear(cfg, r["attn.o"], cfg.d_model, "o", out_std)(a)
 
         h = RMSNorm(cfg.norm_eps, cfg.dtype, name="mlp_norm")(x)

@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 
 import fp4jax.recipes
-from fp4jax.models.llama import PRESETS
+from fp4jax.models.llama import ATTENTION, PRESETS
 from fp4jax.train.comparison import SweepFailed, compare, parse_seeds
 from fp4jax.train.config import (
     OVERRIDABLE_KEYS,
@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-progress", dest="progress", action="store_false", help="no progress bar")
     a("--scan-layers", action="store_true",
       help="compile each run of same-recipe blocks once (flax scan): much faster compiles")
+    a("--attention", default=d.attention, choices=ATTENTION,
+      help="the causal attention (not quantized): xla (float32 scores and softmax, "
+           "einsums) or cudnn (jax.nn.dot_product_attention on cuDNN's fused kernel; "
+           "NVIDIA GPUs)")
     a("--stats-every", type=int, default=d.stats_every,
       help="every N steps (0: never), measure each quantized linear layer on that step's "
            "batch: per GEMM (fprop, dgrad, wgrad) the relative error of the quantized "

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 
 import fp4jax.recipes
-from fp4jax.models.llama import LlamaConfig, get_preset
+from fp4jax.models.llama import ATTENTION, LlamaConfig, get_preset
 from fp4jax.nn.policy import PrecisionPolicy
 from fp4jax.recipes import GemmSpec, Recipe
 
@@ -92,6 +92,7 @@ class TrainConfig:
     compare: str | None = None
     resume_override: str | None = None
     scan_layers: bool = False
+    attention: str = "xla"
     overwrite: bool = False
     keep_checkpoints: int = 3
     stats_every: int = 0
@@ -278,6 +279,9 @@ def validate_config(cfg: TrainConfig) -> None:
         split_run_spec(cfg.recipe)
     except ValueError as e:
         raise ConfigError("recipe", str(e)) from None
+    if cfg.attention not in ATTENTION:
+        raise ConfigError("attention", f"must be one of {list(ATTENTION)}, got "
+                          f"{cfg.attention!r}")
     if cfg.ffn is not None and cfg.ffn not in ("relu2", "swiglu"):
         raise ConfigError("ffn", f"must be 'relu2' or 'swiglu', got {cfg.ffn!r}")
     if cfg.dtype is not None:
@@ -345,6 +349,8 @@ def model_config(cfg: TrainConfig) -> LlamaConfig:
         changes["dtype"] = cfg.dtype
     if cfg.scan_layers:
         changes["scan_layers"] = True
+    if cfg.attention != "xla":
+        changes["attention"] = cfg.attention
     return mc.replace(**changes)
 
 

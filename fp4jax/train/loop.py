@@ -337,6 +337,9 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     mc = model_config(cfg)
     mesh = make_mesh(cfg.devices, cfg.fsdp)
     n_dev = mesh.devices.size
+    if cfg.attention == "cudnn" and mesh.devices.flat[0].platform != "gpu":
+        raise ValueError(f"--attention cudnn needs NVIDIA GPUs (this run has "
+                         f"{mesh.devices.flat[0].platform} devices): use --attention xla")
     if cfg.batch_size % n_dev:
         raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by {n_dev} devices")
     ds = dataset or ByteDataset.load(cfg.data, cfg.seq_len, cfg.val_fraction, cfg.cache_dir)
