@@ -21,6 +21,7 @@ use float32 with ``Precision.HIGHEST``.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -460,7 +461,7 @@ def dot_general(
     x3 = jnp.transpose(lhs, list(lb) + lfree + list(lc)).reshape(B, M, K)
     w3 = jnp.transpose(rhs, list(rb) + list(rc) + rfree).reshape(B, K, N)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
-    shard = _data_parallel_axis(B, M) if recipe.quantized else None
+    shard = _data_parallel_axis(B, M, recipe) if recipe.quantized else None
     fn = _make_dot3(recipe, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype),
                     _hashable_precision(precision),
                     dispatch.kernel_mode(M * K * N if B == 1 else 0),  # kernels need B == 1
@@ -469,10 +470,25 @@ def dot_general(
     return y3.reshape(*bshape, *lfshape, *rfshape)
 
 
-def _data_parallel_axis(B: int, M: int) -> Any:
+def token_row_multiple(recipe: Recipe) -> int:
+    """The multiple of token rows a device's shard needs under
+    ``fp4jax.sharding.data_parallel`` so that no quantization block or RHT along the tokens
+    straddles two devices (each device would zero-pad its own): the least common multiple
+    of 16 (also a multiple of the 4 rows a stochastic-rounding draw spans), the wgrad RHT
+    size and the block size of every quantized ``x``/``dy`` operand (its 2D tiles and
+    16x1/32x1 wgrad blocks run along the tokens)."""
+    sizes = [16, recipe.wgrad.hadamard or 1]
+    for q in (recipe.fprop.lhs, recipe.dgrad.lhs, recipe.wgrad.lhs, recipe.wgrad.rhs):
+        if q.quantized:
+            sizes.append(q.fmt.block_size)
+    return math.lcm(*sizes)
+
+
+def _data_parallel_axis(B: int, M: int, recipe: Recipe) -> Any:
     """The active ``fp4jax.sharding.data_parallel`` axes (None outside one), checked: the
     call must be traced inside ``jax.shard_map`` over them, unbatched (``B == 1``: the
-    token rows ``M`` of ``x`` are what is split) with ``M % 16 == 0`` per device."""
+    token rows ``M`` of ``x`` are what is split) with ``M`` per device a multiple of
+    ``token_row_multiple(recipe)``."""
     shard = sharding.data_axis()
     if shard is None:
         return None
@@ -488,11 +504,12 @@ def _data_parallel_axis(B: int, M: int) -> Any:
             f"fp4jax.dot_general with batch dimensions (B={B}) inside "
             f"fp4jax.sharding.data_parallel({shard!r}): only unbatched calls (the token rows "
             "of x split over devices, weights replicated) are supported there")
-    if M % 16:
+    mult = token_row_multiple(recipe)
+    if M % mult:
         raise ValueError(
             f"fp4jax.dot inside fp4jax.sharding.data_parallel({shard!r}) got {M} token rows "
-            "per device: use a multiple of 16 (16-row blocks and the 16-point RHT along "
-            "tokens must not straddle devices), e.g. a larger per-device batch")
+            f"per device: recipe {recipe.name!r} needs a multiple of {mult} (its blocks and "
+            "RHT along the tokens must not straddle devices), e.g. a larger per-device batch")
     return shard
 
 

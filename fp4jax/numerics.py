@@ -397,7 +397,8 @@ def draws_from_key(key: jax.Array, count: int, offset: jax.Array | None = None
     return bits[:, 0], bits[:, 1]
 
 
-def row_shard_draw_offset(shape: tuple[int, ...], index: jax.Array) -> jax.Array:
+def row_shard_draw_offset(shape: tuple[int, ...], index: jax.Array,
+                          n_shards: int | None = None) -> jax.Array:
     """The first draw (uint32 scalar) of shard ``index`` when a tensor is split into equal
     blocks of rows, each of ``shape`` (its local shape, laid out and padded as
     ``uniform_from_key`` is called on it), so that shard ``i``'s
@@ -407,13 +408,19 @@ def row_shard_draw_offset(shape: tuple[int, ...], index: jax.Array) -> jax.Array
     Rule: ``uniform_from_key``'s draw of row ``n`` is ``(n // 4) * ceil(K/2) + k // 2``, so
     shard ``i`` starts at ``i * (N / 4) * ceil(K/2)``; ``N % 4 == 0`` is required (rows
     4m .. 4m+3 share a draw). Used by data-parallel ``fp4jax.dot`` (``fp4jax.sharding``),
-    where activations and gradients are split along their token rows."""
+    where activations and gradients are split along their token rows. With ``n_shards``
+    (the number of shards) the whole tensor's draws are checked to number fewer than
+    ``2**32``, as ``draws_from_key`` checks one tensor's (else the counters would wrap)."""
     shape = tuple(int(d) for d in shape)
     n = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
     if n % 4:
         raise ValueError(f"a row shard of shape {shape} has {n} rows: stochastic rounding "
                          "of a shard needs a multiple of 4 rows per device")
     per = (n // 4) * (-(-(shape[-1] if shape else 1) // 2))
+    if n_shards is not None and n_shards * per >= 2**32:
+        raise ValueError(f"stochastic rounding of {n_shards} row shards of shape {shape} "
+                         f"({n_shards * per} draws >= 2**32): quantize a tensor of fewer "
+                         "than 2**34 elements per call")
     return jnp.asarray(index).astype(jnp.uint32) * jnp.uint32(per % 2**32)
 
 

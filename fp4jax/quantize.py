@@ -521,7 +521,8 @@ def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding
         if rounding == "stochastic":
             padded = (_pad_to(_pad_to(xf, -2, b), -1, b).shape if block_2d
                       else _padded_shape(x.shape, axis % x.ndim - x.ndim, b))
-            offset = numerics.row_shard_draw_offset(padded, jax.lax.axis_index(shard))
+            offset = numerics.row_shard_draw_offset(padded, jax.lax.axis_index(shard),
+                                                    jax.lax.axis_size(shard))
     four6 = block_scale_rule != "max"
     if not four6:
         enc = global_encode_scale(amax, fmt)

@@ -29,9 +29,17 @@ So the forward output, the input gradient and every quantized operand are the
 single-device bits; the weight gradient's contraction over tokens is split: each device
 returns its rows' partial product in the weight's dtype, and the caller's ``pmean``/``psum``
 adds them in float32 (the weight gradient agrees with one device up to that summation and
-the partials' rounding, as XLA's own partitioning of the XLA path does). Shards must hold
-a multiple of 16 token rows (blocks of 16 along tokens and the 16-point RHT must not
-straddle devices). Outside ``shard_map`` over these axes a traced ``dot`` raises.
+the partials' rounding, as XLA's own partitioning of the XLA path does).
+
+Requirements (checked where they can be): unbatched ``dot_general`` calls; each device
+holds a multiple of ``fp4jax.dot.token_row_multiple(recipe)`` token rows (16 for
+``nvfp4()``, 32 for ``mxfp4()`` or a 32-point RHT: no block or RHT along the tokens may
+straddle devices); outside ``shard_map`` over these axes a traced ``dot`` raises. Not
+detectable, so up to the caller: the split is of ``x``'s leading rows, as ``shard_map``
+with ``P(axis)`` on the batch dimension makes it (not under a ``jax.vmap`` over the split
+examples, not a split of the sequence axis with several examples per device), and a
+``jax.jit``-wrapped function that calls ``dot`` is traced anew inside the block (a trace
+made outside it is reused by JAX and ignores the context).
 """
 
 from __future__ import annotations

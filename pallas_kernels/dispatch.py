@@ -236,7 +236,8 @@ def make_operands(x: jax.Array, kinds: list[str], sr_keys: list[Any], signs: lis
                 amaxes[i] = (finite_amax(m) if sg is None
                              else fq.rht_cols_amax(m, sg, **kw))
         amaxes = [jax.lax.pmax(a, shard) for a in amaxes]
-        offset = row_shard_draw_offset(m.shape, jax.lax.axis_index(shard))
+        offset = row_shard_draw_offset(m.shape, jax.lax.axis_index(shard),
+                                       jax.lax.axis_size(shard))
     res = []
     for kind, sr_key, sg, a in zip(kinds, sr_keys, signs, amaxes, strict=True):
         if kind == "2d":

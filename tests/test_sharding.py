@@ -78,6 +78,26 @@ def test_sharded_dot_equals_one_device(mesh, name):
     _check(one, sharded, dw_rtol=1e-6)
 
 
+def test_blocks_and_rht_along_tokens_must_not_straddle_devices(mesh):
+    # mxfp4's 32x1 wgrad blocks and a 32-point RHT need 32 rows per device: 16 would be
+    # zero-padded per device (dw off by ~20%), so it is refused; 32 gives the single-device
+    # bits
+    from fp4jax.dot import token_row_multiple
+
+    rht32 = fp4jax.recipes.nvfp4().replace(rht=32)
+
+    assert token_row_multiple(fp4jax.recipes.nvfp4()) == 16
+    assert token_row_multiple(fp4jax.recipes.mxfp4()) == 32
+    assert token_row_multiple(rht32) == 32
+    for recipe in (fp4jax.recipes.mxfp4(), rht32):
+        x, w, g = _data(64, 64, 32)  # 16 rows per device
+        with pytest.raises(ValueError, match="needs a multiple of 32"):
+            _one_and_sharded(mesh, recipe, x, w, g, jax.random.key(3))
+        x, w, g = _data(128, 64, 32)  # 32 rows per device
+        one, sharded = _one_and_sharded(mesh, recipe, x, w, g, jax.random.key(3))
+        _check(one, sharded, dw_rtol=1e-6)
+
+
 def test_without_the_context_shards_quantize_apart(mesh):
     # the same shard_map without data_parallel quantizes each shard with its own amax and
     # draws: not the single-device bits (what the context exists to fix)
@@ -101,6 +121,9 @@ def test_row_shard_draw_offset_matches_whole_tensor():
                 whole.reshape(n * rows, -1)[i * rows:(i + 1) * rows])
     with pytest.raises(ValueError, match="multiple of 4 rows"):
         numerics.row_shard_draw_offset((6, 16), 1)
+    numerics.row_shard_draw_offset((4, 2**20), 0, n_shards=2**12)  # 2**31 draws in all
+    with pytest.raises(ValueError, match="2\\*\\*32"):  # the counters would wrap
+        numerics.row_shard_draw_offset((4, 2**20), 0, n_shards=2**13)
     with pytest.raises(ValueError, match="threefry key"):
         numerics.draws_from_key(jax.random.key(0, impl="rbg"), 8, jnp.uint32(4))
 

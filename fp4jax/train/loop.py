@@ -128,6 +128,9 @@ def make_train_step(model: Llama, tx: optax.GradientTransformation,
     rows of the batch, the Pallas kernels on, every quantized tensor's amax and random bits
     those of the whole batch, parameters gathered over ``fsdp``); the optimizer update runs
     on the state as it is laid out."""
+    if tuple(mesh.axis_names) != parallel.AXES:
+        raise ValueError(f"make_train_step needs a mesh with axes {parallel.AXES} "
+                         f"(parallel.make_mesh), got {tuple(mesh.axis_names)}")
     if specs is None:
         if mesh.shape["fsdp"] > 1:
             raise ValueError("make_train_step on an fsdp mesh needs the state's specs "
