@@ -519,7 +519,7 @@ def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding
     if shard is not None:
         amax = jax.lax.pmax(amax, shard)
         if rounding == "stochastic":
-            padded = (_pad_to(_pad_to(xf, -2, b), -1, b).shape if block_2d
+            padded = (_padded_shape(_padded_shape(x.shape, -2, b), -1, b) if block_2d
                       else _padded_shape(x.shape, axis % x.ndim - x.ndim, b))
             offset = numerics.row_shard_draw_offset(padded, jax.lax.axis_index(shard),
                                                     jax.lax.axis_size(shard))

@@ -245,8 +245,7 @@ def make_operands(x: jax.Array, kinds: list[str], sr_keys: list[Any], signs: lis
         elif kind == "rows":
             o, dec = fq.fq_rows(m, sr_key, amax=a, offset=offset, **kw)
         else:
-            o, dec = fq.fq_cols(m, sr_key, signs=sg, amax=a if sg is not None or shard else None,
-                                offset=offset, **kw)
+            o, dec = fq.fq_cols(m, sr_key, signs=sg, amax=a, offset=offset, **kw)
         res.append((o[None], dec))
     return res
 

@@ -115,6 +115,10 @@ def make_init_state(model: Llama, tx: optax.GradientTransformation,
     return init_state
 
 
+# The train state's layout without --fsdp: every array replicated (a prefix of the state).
+_REPLICATED = {"step": P(), "params": P(), "opt_state": P()}
+
+
 def make_train_step(model: Llama, tx: optax.GradientTransformation,
                     base_key: jax.Array | None, mesh: Mesh, specs: Any = None) -> Callable:
     """A jit-compiled ``step(state, batch) -> (state, metrics)``. The stochastic-rounding key
@@ -135,7 +139,7 @@ def make_train_step(model: Llama, tx: optax.GradientTransformation,
         if mesh.shape["fsdp"] > 1:
             raise ValueError("make_train_step on an fsdp mesh needs the state's specs "
                              "(parallel.state_specs)")
-        specs = {"step": P(), "params": P(), "opt_state": P()}
+        specs = _REPLICATED
 
     def loss_of(params, batch, key, layer_key):
         return loss_fn(model, params, batch, key, layer_key)
@@ -368,7 +372,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         # the state's layout: replicated, or (--fsdp > 1) each array's fsdp_spec, from its
         # shapes (an abstract evaluation of init: one more "init" trace)
         specs = (parallel.state_specs(jax.eval_shape(init_fn, root), mesh)
-                 if mesh.shape["fsdp"] > 1 else {"step": P(), "params": P(), "opt_state": P()})
+                 if mesh.shape["fsdp"] > 1 else _REPLICATED)
         return {
             "init": jax.jit(init_fn, out_shardings=parallel.shardings(specs, mesh)),
             "train": {False: make_train_step(model, tx, None, mesh, specs),

@@ -49,10 +49,11 @@ FLT_MAX = float(np.finfo(np.float32).max)
 
 
 def finite_amax(x: jax.Array) -> jax.Array:
-    """``max |x|`` over the finite values of ``x`` (float32 scalar; an XLA reduction), the
-    core's tensor amax rule (``fp4jax.quantize._finite_amax``)."""
-    a = jnp.abs(x.astype(jnp.float32))
-    return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0))
+    """``max |x|`` over the finite values of ``x`` (float32 scalar; an XLA reduction): the
+    core's tensor amax rule itself (``fp4jax.quantize._finite_amax``)."""
+    from fp4jax.quantize import _finite_amax
+
+    return _finite_amax(x.astype(jnp.float32))
 
 
 def global_scales(x: jax.Array | None, amax: jax.Array | None = None
