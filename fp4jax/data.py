@@ -346,15 +346,21 @@ class ByteDataset:
         n = (len(self.train) - self.seq_len) // self.seq_len
         return n if n >= 1 else (len(self.train) - 1) // self.seq_len
 
-    def train_batch(self, step: int, batch_size: int, seed: int) -> np.ndarray:
-        """Batch ``step``: ``(batch_size, seq_len + 1)`` int32, a pure function of its args."""
-        rows = []
-        for g in range(step * batch_size, (step + 1) * batch_size):
+    def train_batch(self, step: int, batch_size: int, seed: int,
+                    rows: slice | None = None) -> np.ndarray:
+        """Batch ``step``: ``(batch_size, seq_len + 1)`` int32, a pure function of its args.
+        ``rows``: only these rows of it (``(len(rows), seq_len + 1)``; a process of a
+        multi-process run reads the rows its devices hold)."""
+        first, last, _ = (rows or slice(None)).indices(batch_size)
+        picked = []
+        for g in range(step * batch_size + first, step * batch_size + max(first, last)):
             epoch, pos = divmod(g, self.windows_per_epoch())
             offset, perm = self._epoch(seed, epoch)
             start = offset + int(perm[pos]) * self.seq_len  # pos < len(perm) always
-            rows.append(self.train[start : start + self.seq_len + 1])
-        return np.stack(rows).astype(np.int32)
+            picked.append(self.train[start : start + self.seq_len + 1])
+        if not picked:
+            return np.zeros((0, self.seq_len + 1), np.int32)
+        return np.stack(picked).astype(np.int32)
 
     def val_batches(self, n_batches: int, batch_size: int) -> list[np.ndarray]:
         """``n_batches`` fixed validation batches spread evenly over the validation split."""

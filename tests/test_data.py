@@ -59,6 +59,9 @@ def test_batches_are_deterministic_and_shuffled(tmp_path):
     np.testing.assert_array_equal(b, ds2.train_batch(7, 8, seed=3))
     assert not np.array_equal(b, ds1.train_batch(7, 8, seed=4))
     assert not np.array_equal(b, ds1.train_batch(8, 8, seed=3))
+    # a process of a multi-process run reads only its rows: the same rows as the whole batch
+    for r in (slice(0, 3), slice(3, 8), slice(5, None), slice(4, 4)):
+        np.testing.assert_array_equal(ds1.train_batch(7, 8, seed=3, rows=r), b[r])
     # rows are contiguous windows of the training stream
     text = bytes(ds1.train)
     for row in b:

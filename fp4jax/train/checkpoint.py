@@ -145,11 +145,19 @@ class Checkpointer:
 
         self._ocp = ocp
         self.directory = Path(directory).absolute()
+        extra: dict[str, Any] = {}
+        if jax.distributed.is_initialized() and jax.process_count() > 1:
+            # a multi-process run: process 0 alone writes host copies of the whole state
+            # (fp4jax.train.processes), so orbax must not wait for the other processes
+            pid = jax.process_index()
+            self.directory.mkdir(parents=True, exist_ok=True)
+            extra["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
+                primary_host=pid, active_processes={pid})
         self.mngr = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
-            ),
+                max_to_keep=max_to_keep, create=not extra, enable_async_checkpointing=False,
+                **extra),
         )
 
     def all_steps(self) -> list[int]:

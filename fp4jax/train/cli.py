@@ -24,6 +24,7 @@ import jax
 
 import fp4jax.recipes
 from fp4jax.models.llama import ATTENTION, PRESETS
+from fp4jax.train import processes
 from fp4jax.train.comparison import SweepFailed, compare, parse_seeds
 from fp4jax.train.config import (
     OVERRIDABLE_KEYS,
@@ -193,9 +194,34 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(a rerun of a seed then gives the same bits on the same GPU model; "
                         "measured ~10-25%% fewer tokens/s on an H100 at the mini preset). "
                         "Recorded in result.json ('xla_flags')")
+    g = p.add_argument_group(
+        "several processes (jax.distributed; one per host or per GPU; the same command on "
+        "every process, each with its --process-id)")
+    g.add_argument("--coordinator", default=None,
+                   help="HOST:PORT of process 0 (a free port), the same on every process "
+                        "(default: $JAX_COORDINATOR_ADDRESS or the cluster's, as JAX detects "
+                        "them: Slurm, Open MPI)")
+    g.add_argument("--num-processes", type=int, default=None,
+                   help="processes in the run (default: detected from the cluster)")
+    g.add_argument("--process-id", type=int, default=None,
+                   help="this process's index, 0..N-1; process 0 writes --out (default: "
+                        "detected from the cluster)")
+    g.add_argument("--distributed", action="store_true",
+                   help="start jax.distributed with the values JAX detects (implied by any "
+                        "of the three flags above)")
     args = vars(p.parse_args(argv))
     if args.pop("deterministic"):
         set_deterministic()
+    dist = {k: args.pop(k) for k in ("coordinator", "num_processes", "process_id")}
+    if args.pop("distributed") or any(v is not None for v in dist.values()):
+        if args["compare"] or args["seeds"] is not None or args["jobs"] != 1:
+            p.error("--compare, --seeds and --jobs train several runs in one command: a "
+                    "multi-process launch trains one run (launch each spec or seed as its own "
+                    "multi-process run, each with its --out)")
+        try:
+            processes.initialize(**dist)
+        except ValueError as e:
+            p.error(str(e))
     compile_cache = args.pop("compile_cache")
     seeds_arg = args.pop("seeds")
     jobs = args.pop("jobs")
@@ -203,9 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"argument --jobs: must be >= 1, got {jobs}")
     try:  # every value checked in one place (TrainConfig), then the output directory
         cfg = TrainConfig(**args)
-        check_out(cfg.out)
+        processes.on_main(lambda: check_out(cfg.out), what="checking --out")
     except ConfigError as e:
         p.error(f"argument {e.flag}: {e.reason}")
+    except ValueError as e:  # process 0's ConfigError, on the other processes
+        p.error(str(e))
     if jobs > 1 and not cfg.compare and seeds_arg is None:
         p.error("argument --jobs: trains the runs of a sweep in parallel; give --compare or "
                 "--seeds (one run has nothing to parallelize)")
@@ -223,7 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             compare(cfg, [cfg.recipe], seeds, jobs=jobs)
         else:
             r = train(cfg)
-            print(json.dumps({k: v for k, v in r.items() if k != "history"}))
+            if processes.is_main():
+                print(json.dumps({k: v for k, v in r.items() if k != "history"}))
     except TrainingDiverged as e:
         print(f"fp4jax-train: training diverged: {e}", file=sys.stderr)
         return 1

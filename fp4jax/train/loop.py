@@ -31,7 +31,7 @@ from fp4jax import diagnostics
 from fp4jax.data import ByteDataset
 from fp4jax.models.llama import Llama, layer_name, layer_order
 from fp4jax.recipes import Recipe
-from fp4jax.train import parallel
+from fp4jax.train import parallel, processes
 from fp4jax.train.checkpoint import (
     CheckpointDamaged,
     Checkpointer,
@@ -235,8 +235,10 @@ def _step_fns(cfg: TrainConfig, recipe: Recipe, mesh: Mesh,
 
 
 class _Progress:
-    def __init__(self, total: int, initial: int, enabled: bool, desc: str) -> None:
+    def __init__(self, total: int, initial: int, enabled: bool, desc: str,
+                 quiet: bool = False) -> None:
         self.bar = None
+        self.quiet = quiet  # a process other than 0 of a multi-process run: says nothing
         if enabled:
             try:
                 from tqdm.auto import tqdm
@@ -253,6 +255,8 @@ class _Progress:
             self.bar.update(1)
 
     def write(self, msg: str) -> None:
+        if self.quiet:
+            return
         if self.bar is not None:
             self.bar.write(msg, file=sys.stderr)
         else:
@@ -333,10 +337,12 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         checkpoint that restores.
     """
     validate_config(cfg)
-    check_out(cfg.out)
+    # several processes (jax.distributed): process 0 owns --out; its errors stop every process
+    main = processes.is_main()
+    processes.on_main(lambda: check_out(cfg.out), what="checking --out")
     out = Path(cfg.out)
-    if not cfg.resume:
-        claim_out(cfg, dry_run=True)  # refuse before loading data and compiling
+    if not cfg.resume:  # refuse before loading data and compiling
+        processes.on_main(lambda: claim_out(cfg, dry_run=True), what="checking --out")
     # run-level keys of the spec (nvfp4(last_bf16=0, switch_at=0.8)) applied: rcfg builds
     # the model; cfg (the spec as given) is what results and checkpoints record
     rcfg, recipe = run_recipe(cfg)
@@ -386,33 +392,54 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     cfg_dict = dataclasses.asdict(cfg)
     data_sha = ds.fingerprint()
     metrics_path = out / "metrics.jsonl"
-    if cfg.resume:
-        read_metrics(metrics_path, note=lambda _: None)  # a damaged log stops before any change
-    else:
-        claim_out(cfg)  # --overwrite: moves an earlier run aside
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        ckpt: Checkpointer | None = Checkpointer(out / "checkpoints")
-    except ImportError:  # orbax-checkpoint is optional: train without checkpoints
-        ckpt = None
-        print("fp4jax-train: orbax-checkpoint is not installed: no checkpoints will be written "
-              "(pip install orbax-checkpoint)", file=sys.stderr)
+    ckpt: Checkpointer | None = None
+
+    def open_run() -> None:
+        nonlocal ckpt
+        if cfg.resume:  # a damaged log stops before any change
+            read_metrics(metrics_path, note=lambda _: None)
+        else:
+            claim_out(cfg)  # --overwrite: moves an earlier run aside
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            ckpt = Checkpointer(out / "checkpoints")
+        except ImportError:  # orbax-checkpoint is optional: train without checkpoints
+            print("fp4jax-train: orbax-checkpoint is not installed: no checkpoints will be "
+                  "written (pip install orbax-checkpoint)", file=sys.stderr)
+
+    processes.on_main(open_run, what="opening --out")
     start = 0
     overridden: dict[str, list] = {}
     damaged: list[CheckpointDamaged] = []
     if cfg.resume:
-        if ckpt is None:
-            raise ValueError("--resume needs orbax-checkpoint (pip install orbax-checkpoint)")
-        state, saved_meta, damaged = _restore_newest(ckpt, state, cfg_dict, overrides,
-                                                     data_sha, out)
-        saved_cfg = saved_meta["config"]
-        overridden = {k: [saved_cfg.get(k), cfg_dict[k]] for k in overrides
-                      if saved_cfg.get(k) != cfg_dict[k]}
-        saved_sha = saved_meta.get("data_sha256")
-        if "data" in overrides and saved_sha not in (None, data_sha):
-            overridden["data_sha256"] = [saved_sha, data_sha]
-        start = int(state["step"])
-        _truncate_metrics(metrics_path, start)
+        multi = processes.count() > 1
+        # several processes: process 0 restores host arrays and broadcasts them
+        host_target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state) if multi else None
+
+        def restore() -> Any:
+            nonlocal damaged, overridden
+            if ckpt is None:
+                raise ValueError("--resume needs orbax-checkpoint (pip install "
+                                 "orbax-checkpoint)")
+            restored, saved_meta, damaged = _restore_newest(
+                ckpt, host_target if multi else state, cfg_dict, overrides, data_sha, out)
+            saved_cfg = saved_meta["config"]
+            overridden = {k: [saved_cfg.get(k), cfg_dict[k]] for k in overrides
+                          if saved_cfg.get(k) != cfg_dict[k]}
+            saved_sha = saved_meta.get("data_sha256")
+            if "data" in overrides and saved_sha not in (None, data_sha):
+                overridden["data_sha256"] = [saved_sha, data_sha]
+            return restored
+
+        restored = processes.on_main(restore, template=host_target, what="restoring --resume")
+        if multi:  # host arrays -> the state's layout over every process's devices
+            state = jax.tree.map(lambda h, d: jax.make_array_from_callback(
+                h.shape, d.sharding, lambda idx, h=h: h[idx]), restored, state)
+        else:
+            state = restored
+        start = int(processes.host_value(state["step"]))
+        if main:
+            _truncate_metrics(metrics_path, start)
     end = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
 
     steps_fn, evals_fn = fns["train"], fns["eval"]
@@ -421,7 +448,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
                                          True: make_stats_step(model2, mesh)})
                 if cfg.stats_every else None)
     val_np = ds.val_batches(cfg.eval_batches, cfg.batch_size)
-    val = [jax.device_put(b, data_sharding) for b in val_np]
+    val = [processes.global_array(b.shape, data_sharding, lambda r, b=b: b[r]) for b in val_np]
     tokens_per_step = cfg.batch_size * cfg.seq_len
 
     summary = model.summary()
@@ -436,13 +463,16 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         header += f"; switch_at {rcfg.switch_at}: never switches (past the last step)"
     if cfg.stats_every:
         header += f"; per-layer stats every {cfg.stats_every} steps"
-    pbar = _Progress(end, start, cfg.progress, recipe.name)
+    if processes.count() > 1:
+        header += f"; {processes.count()} processes"
+    pbar = _Progress(end, start, cfg.progress and main, recipe.name, quiet=not main)
     pbar.write(header)
-    log = metrics_path.open("a")
+    log = metrics_path.open("a") if main else None
 
     def write(rec: dict) -> None:
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
+        if log is not None:  # process 0 writes the run's files
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
 
     if overridden or damaged:
         rec: dict[str, Any] = {"type": "resume", "step": start}
@@ -455,7 +485,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         pbar.write(f"[{recipe.name}] resuming at step {start} with overrides: "
                    + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in overridden.items()))
     # resumed runs continue the recorded curves (truncated to the checkpoint above)
-    history = _history_from_metrics(metrics_path) if cfg.resume else {
+    history = _history_from_metrics(metrics_path) if cfg.resume and main else {
         "step": [], "loss": [], "val_step": [], "val_loss": []}
     timing = {"t": time.perf_counter(), "train_s": 0.0, "train_tokens": 0, "seen": 0}
     window = {"t": time.perf_counter(), "tokens": 0}
@@ -465,6 +495,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         """Reads the metrics of dispatched steps (one step behind the device)."""
         while pending:
             s, m = pending.pop(0)
+            m = processes.host_value(m)
             loss, gnorm = float(m["loss"]), float(m["grad_norm"])
             now = time.perf_counter()
             dt, timing["t"] = now - timing["t"], now
@@ -492,7 +523,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     def evaluate(s: int) -> float:
         fn = evals_fn[s >= switch_step]
         t0 = time.perf_counter()
-        v = float(np.mean([float(fn(state["params"], b, sr_key)) for b in val]))
+        v = float(np.mean([float(processes.host_value(fn(state["params"], b, sr_key)))
+                           for b in val]))
         if not math.isfinite(v):
             write({"type": "diverged", "step": s, "val_loss": v})
             raise TrainingDiverged(
@@ -510,8 +542,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         """Writes the per-layer statistics of step ``s`` (the state before it, its batch and
         keys) as a ``"stats"`` record; their time stays out of the throughput."""
         t0 = time.perf_counter()
-        st = jax.device_get(stats_fn[s >= switch_step](state["params"], batch, sr_key,
-                                                        state["step"]))
+        st = processes.host_value(stats_fn[s >= switch_step](state["params"], batch, sr_key,
+                                                              state["step"]))
         layers = {name: diagnostics.flatten_stats(st[name])
                   for name in sorted(st, key=layer_order)}
         dt = time.perf_counter() - t0
@@ -522,6 +554,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     def _drop_bad_checkpoints(s: int) -> str:
         """Deletes checkpoints whose parameters give the non-finite step ``s`` (checkpoint
         ``s`` itself: step ``s`` starts from it) and says which checkpoint is good."""
+        if not main:
+            return "process 0 says which checkpoint is good"
         if ckpt is None:
             return "no checkpoints are written (orbax-checkpoint is not installed)"
         bad = [c for c in ckpt.all_steps() if c >= s]
@@ -545,7 +579,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         checksum) and prunes: the newest ``keep_checkpoints`` stay, and the newest older one,
         known good (its step gave a finite loss) until this one is."""
         t0 = time.perf_counter()
-        host = jax.device_get(state)  # checked below, then saved as it is (one copy)
+        host = processes.host_value(state)  # checked below, then saved as it is (one copy)
         leaves = host_leaves(host)
         bad = nonfinite_leaves(leaves)
         if bad:
@@ -554,7 +588,10 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
                 f"[{recipe.name}] the state became non-finite in step {s - 1} (0-based; NaN or "
                 f"Inf in {len(bad)} arrays: {', '.join(bad[:3])}{', ...' if bad[3:] else ''}); "
                 f"stopped, not checkpointed. {_drop_bad_checkpoints(s)}", s - 1)
-        if ckpt is not None:
+
+        def write_checkpoint() -> None:
+            if ckpt is None:
+                return
             meta = {"config": cfg_dict, "step": s, "data_sha256": data_sha}
             try:
                 ckpt.save(s, host, meta, checksum=state_checksum(leaves))
@@ -569,6 +606,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
             # finiteness check, checksum, write, prune), kept out of tokens/s. Writing in a
             # background thread was measured and made training slower (issue 16's note).
             write({"type": "checkpoint", "step": s, "seconds": time.perf_counter() - t0})
+
+        processes.on_main(write_checkpoint, what=f"writing checkpoint {s}")
         timing["t"] += time.perf_counter() - t0
         window["t"] += time.perf_counter() - t0
 
@@ -585,14 +624,16 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
             "final_val_loss": vl[-1] if finished else None,
             "last_val_step": vs[-1] if vs else None, "last_val_loss": vl[-1] if vl else None,
             "final_train_loss": history["loss"][-1] if history["loss"] else None,
-            "tokens_per_s": tps, "devices": n_dev, "platform": mesh.devices.flat[0].platform,
+            "tokens_per_s": tps, "devices": n_dev, "processes": processes.count(),
+            "platform": mesh.devices.flat[0].platform,
             "device_kind": mesh.devices.flat[0].device_kind, "wall_s": wall,
             "data_sha256": data_sha, "config": cfg_dict, "history": history,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
         }
-        tmp = out / "result.json.tmp"
-        tmp.write_text(json.dumps(res, indent=1))
-        os.replace(tmp, out / "result.json")
+        if main:
+            tmp = out / "result.json.tmp"
+            tmp.write_text(json.dumps(res, indent=1))
+            os.replace(tmp, out / "result.json")
         return res
 
     t_start = time.perf_counter()
@@ -603,7 +644,9 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
               and history["val_step"][-1:] != [start]):
             evaluate(start)  # its record was lost (a torn metrics.jsonl): the same value again
         for s in range(start, end):
-            batch = jax.device_put(ds.train_batch(s, cfg.batch_size, cfg.seed), data_sharding)
+            batch = processes.global_array(  # each process reads the rows it holds
+                (cfg.batch_size, cfg.seq_len + 1), data_sharding,
+                lambda r, s=s: ds.train_batch(s, cfg.batch_size, cfg.seed, r))
             if stats_fn is not None and s % cfg.stats_every == 0:
                 process()
                 measure(s, batch)  # before the step, which donates the state
@@ -625,7 +668,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         raise
     finally:
         pbar.close()
-        log.close()
+        if log is not None:
+            log.close()
         if ckpt is not None:
             ckpt.close()
     return result("finished" if end == cfg.steps else "stopped")

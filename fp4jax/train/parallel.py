@@ -36,12 +36,20 @@ BATCH = P(AXES)
 
 
 def make_mesh(n: int = 0, fsdp: int = 1) -> Mesh:
-    """The ``(n / fsdp, fsdp)`` mesh, axes ``AXES``, over the first ``n`` local devices
-    (0: all)."""
-    devs = jax.local_devices()
+    """The ``(n / fsdp, fsdp)`` mesh, axes ``AXES``, over the first ``n`` devices (0: all).
+
+    With several processes (``jax.distributed``) the mesh spans every process's devices
+    (``jax.devices()``, process-major as JAX orders them, so process 0 holds the first rows
+    of every batch), and ``n`` must be 0 or their total: a device left out would leave its
+    process without work in the step."""
+    devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    n_proc = jax.process_count()
+    if n_proc > 1 and n not in (0, len(devs)):
+        raise ValueError(f"--devices {n}: a run of {n_proc} processes uses all their "
+                         f"{len(devs)} devices: pass --devices 0 (or {len(devs)})")
     n = n or len(devs)
     if not 1 <= n <= len(devs):
-        raise ValueError(f"--devices {n}: only {len(devs)} local devices ({devs[0].platform})")
+        raise ValueError(f"--devices {n}: only {len(devs)} devices ({devs[0].platform})")
     if fsdp < 1 or n % fsdp:
         raise ValueError(f"--fsdp {fsdp} must divide the number of devices ({n}); e.g. "
                          f"--fsdp {n} (all devices hold a shard of the state) or 1 (replicated)")
