@@ -215,7 +215,10 @@ MXFP8_E4M3_UP = MXFP8_E4M3.replace(name="mxfp8_e4m3_up", scale_rule="up")
 Transformer Engine's MXFP8 quantizer computes it: scale ``float_to_e8m0(amax * (1/448))``
 rounded toward +inf (``quantize_mxfp8.cuh``; ``ptx::float_to_e8m0`` is
 ``cvt.rp.satfinite.ue8m0x2.f32``), elements the ``satfinite`` RNE cast of ``x * 2**-e``.
-The formula is the same float32 arithmetic; it is not tested against TE itself here."""
+The formula is the same float32 arithmetic (not tested against TE itself here); where TE's
+scale would be 2**-127 (all-zero blocks, and blocks with ``amax * (1/448) <= 2**-127``,
+i.e. amax below ~6e-36) fp4jax's is 2**-126, its smallest float32-normal E8M0 value: the
+same zeros for all-zero blocks, possibly other elements for such tiny ones."""
 MXFP8_E5M2_UP = MXFP8_E5M2.replace(name="mxfp8_e5m2_up", scale_rule="up")
 """MXFP8 E5M2 with the scale rounded up (TE's MXFP8 rule with E5M2's max 57,344)."""
 MXFP6_E2M3_UP = MXFP6_E2M3.replace(name="mxfp6_e2m3_up", scale_rule="up")

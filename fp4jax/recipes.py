@@ -417,7 +417,8 @@ def mxfp8() -> Recipe:
     """The MXFP8 baseline, as Transformer Engine's ``MXFP8BlockScaling`` recipe runs it by
     default (``fp8_format=Format.E4M3``: "MXFP8 uses the E4M3 FP8 format exclusively for
     both forward and backward passes"; TE commit 000b637e,
-    ``transformer_engine/common/recipe/__init__.py``, and its MXFP8 docs page).
+    ``transformer_engine/common/recipe/__init__.py``, and
+    ``docs/features/low_precision_training/mxfp8/mxfp8.rst``).
 
     All six operands are MXFP8 E4M3 (``fp4jax.formats.MXFP8_E4M3_UP``: blocks of 32,
     UE8M0 scale rounded up, TE's ``float_to_e8m0(amax * (1/448))``), 1D blocks along each
