@@ -1,11 +1,14 @@
 """fp4jax: 4-bit floating point (NVFP4, MXFP4) training numerics for JAX.
 
 Public API (see ``README.md``):
-  formats   ``NVFP4``, ``MXFP4``, ``MXFP4_OCP``, ``BlockFormat``
+  formats   ``NVFP4``, ``MXFP4``, ``MXFP4_OCP``, ``MXFP8_E4M3``, ``MXFP8_E5M2``,
+            ``MXFP6_E2M3``, ``MXFP6_E3M2`` (OCP MX; ``formats.FORMATS`` adds their
+            rounded-up-scale ``_up`` variants), ``BlockFormat``
   tensors   ``quantize``, ``dequantize``, ``QuantizedArray``, ``pack_e2m1``, ``unpack_e2m1``
   GEMMs     ``dot``, ``dot_general`` (custom_vjp, FP4 forward and backward)
   recipes   ``recipes.nvfp4()``, ``.fp4_all_the_way()``, ``.mxfp4()``, ``.bf16()``,
-            ``.nvfp4_fwd_only()``; ``Recipe``, ``GemmSpec``, ``QuantSpec``
+            ``.nvfp4_fwd_only()``, ``.mxfp8()``, ``.mxfp8_fwd_nvfp4_bwd()``; ``Recipe``,
+            ``GemmSpec``, ``QuantSpec``
   RHT       ``random_hadamard_transform``
   Flax      ``fp4jax.nn`` (linen/NNX layers, ``PrecisionPolicy``), ``fp4jax.models`` (Llama),
             ``fp4jax.data`` (byte-level corpora): imported on first use, so the core
@@ -18,7 +21,17 @@ import importlib
 
 from fp4jax import numerics, recipes
 from fp4jax.dot import dot, dot_general
-from fp4jax.formats import MXFP4, MXFP4_OCP, NVFP4, BlockFormat, get_format
+from fp4jax.formats import (
+    MXFP4,
+    MXFP4_OCP,
+    MXFP6_E2M3,
+    MXFP6_E3M2,
+    MXFP8_E4M3,
+    MXFP8_E5M2,
+    NVFP4,
+    BlockFormat,
+    get_format,
+)
 from fp4jax.hadamard import TE_SIGN_VECTOR, random_hadamard_transform
 from fp4jax.quantize import (
     QuantizedArray,
@@ -44,6 +57,10 @@ __all__ = [
     "GemmSpec",
     "MXFP4",
     "MXFP4_OCP",
+    "MXFP6_E2M3",
+    "MXFP6_E3M2",
+    "MXFP8_E4M3",
+    "MXFP8_E5M2",
     "NVFP4",
     "QuantSpec",
     "QuantizedArray",

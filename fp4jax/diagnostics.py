@@ -12,7 +12,8 @@ of its three quantized GEMMs adds on a given batch, and how its operands use the
   ``x, dy``), as the recipe quantizes it (after the GEMM's RHT, along its blocked axis):
   ``underflow`` (fraction of the nonzero finite elements that quantize to 0),
   ``saturation`` (fraction whose encoded magnitude, times the quantizer's element encode
-  scale, exceeds 6, the largest E2M1 value: rounding clips them; with NVFP4's
+  scale, exceeds the element format's largest value, 6 for E2M1, 448 for E4M3
+  (``BlockFormat.elem_max``): rounding clips them; with NVFP4's
   round-to-nearest block scales, the block maxima whose scale rounded down),
   ``scale_min``/``scale_max`` (range of the nonzero block decode scales times the tensor
   decode scale: the magnitudes the blocks resolve) and ``amax`` (of the tensor as
@@ -63,7 +64,6 @@ qz = importlib.import_module("fp4jax.quantize")  # the module (fp4jax.quantize i
 __all__ = ["flatten_stats", "gemm_stats", "layer_stats", "read_stats",
            "recommend_high_precision_layers", "stats_from_metrics"]
 
-E2M1_MAX = 6.0  # largest E2M1 magnitude (NVFP4 paper Appendix B)
 
 
 def _operand_stats(t: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: jax.Array,
@@ -76,12 +76,12 @@ def _operand_stats(t: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: j
         return {"amax": amax}
     q = _quant(r, spec, axis, _subkey(key, gemm, which))
     # each element in the quantizer's encoded domain (its encode scale, Eq. 4): beyond the
-    # E2M1 maximum there, rounding clipped it
+    # element maximum there (6 for E2M1), rounding clipped it
     enc = qz.element_encode_scale(qz._expand_scale(q), q.global_scale)
     finite_nz = jnp.isfinite(r) & (r != 0)
     n_nz = jnp.maximum(jnp.sum(finite_nz), 1)
     under = jnp.sum(finite_nz & (q.data.astype(jnp.float32) == 0)) / n_nz
-    sat = jnp.sum(finite_nz & (jnp.abs(r * enc) > E2M1_MAX)) / n_nz
+    sat = jnp.sum(finite_nz & (jnp.abs(r * enc) > spec.fmt.elem_max)) / n_nz
     dec = q.scale.astype(jnp.float32) * q.global_scale
     used = jnp.isfinite(dec) & (dec > 0)
     return {"underflow": under.astype(jnp.float32), "saturation": sat.astype(jnp.float32),

@@ -13,9 +13,12 @@ wgrad-ready (Hadamard-rotated, token-blocked) activation, not ``x`` and ``w``.
 
 GEMM emulation follows the tensor-core semantics of NVFP4 (paper Eq. 5):
 ``sum_k (q_a s_a)(q_b s_b)`` accumulated in float32, then times the two global
-decode scales. ``q * s`` (E2M1 times a scale of <= 5 mantissa bits) is exact in
-bfloat16, so that GEMM runs in bf16 with f32 accumulation; other scale formats
-use float32 with ``Precision.HIGHEST``.
+decode scales. ``q * s`` has at most ``fmt.scaled_bits`` significant bits (element plus
+scale significand bits): where both operands have <= 8 (E2M1 times a scale of <= 5
+mantissa bits, MXFP8/MXFP6 with E8M0 scales, E4M3 x E4M3) it is exact in bfloat16 and
+the GEMM runs in bf16 with f32 accumulation; otherwise in float32 with
+``Precision.HIGHEST``. Either way the operands and each product of two (at most
+``2 * 12 = 24`` bits) are exact; only the float32 accumulation rounds.
 """
 
 from __future__ import annotations
@@ -132,8 +135,10 @@ def _rht(x: jax.Array, g: GemmSpec, axis: int, key: jax.Array, gemm: str) -> jax
 
 
 def _bf16_exact(op: Operand) -> bool:
+    """Whether ``op`` (its ``data * scale`` for a quantized one) is exact in bfloat16: 8
+    significant bits at most (``BlockFormat.scaled_bits``)."""
     if isinstance(op, qz.QuantizedArray):
-        return op.fmt.scale_man_bits <= 5
+        return op.fmt.scaled_bits <= 8
     return op.dtype == jnp.bfloat16
 
 
@@ -186,7 +191,7 @@ def _kernel_for(x: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: jax.
     return dispatch.operand_kernel(x, block_2d=spec.block_2d, axis=axis,
                                    stochastic=spec.stochastic, rht=g.hadamard,
                                    key=_step_key(key),
-                                   block_scale_rule=spec.block_scale_rule)
+                                   block_scale_rule=spec.block_scale_rule, fmt=spec.fmt)
 
 
 @_scoped("fp4_operands")

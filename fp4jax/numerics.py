@@ -2,9 +2,9 @@
 
 All functions are elementwise, pure, jit/vmap/grad-safe, and exact in float32:
 they never round twice. They are written with integer exponent extraction and
-power-of-two arithmetic so that the same code serves E2M1 elements, E4M3 and
-UE8M0 block scales, and any unsigned ExMy scale format of the FP4-all-the-way
-sweeps.
+power-of-two arithmetic so that the same code serves the OCP MX element formats (E2M1,
+E2M3, E3M2, E4M3, E5M2), E4M3 and UE8M0 block scales, and any unsigned ExMy scale format
+of the FP4-all-the-way sweeps.
 
 References:
   * NVIDIA, "Pretraining Large Language Models with NVFP4" (arXiv 2509.25149),
@@ -12,7 +12,10 @@ References:
   * Transformer Engine, ``transformer_engine/common/cast/nvfp4/core_nvfp4.cuh``
     (``compute_global_encode_scaling_factor_FP4``, the E4M3 ``satfinite``
     scale cast and the FP4 ``cvt.rn.satfinite.e2m1x2.f32`` conversion).
-  * OCP Microscaling Formats (MX) v1.0, section 6.3 (the OCP MX scale rule).
+  * OCP Microscaling Formats (MX) v1.0, section 5.3 (the element data types: 5.3.1 FP8,
+    5.3.2 FP6, 5.3.3 FP4) and section 6.3 (the OCP MX scale rule).
+  * OCP 8-bit Floating Point Specification (OFP8) v1.0 (E4M3 and E5M2 encodings), and
+    IEEE 754-2019 section 3.4 (the all-ones exponent field encodes Inf and NaN).
 """
 
 from __future__ import annotations
@@ -28,8 +31,14 @@ FLT_MAX = float(np.finfo(np.float32).max)
 __all__ = [
     "FloatGrid",
     "E2M1",
+    "E2M3",
+    "E3M2",
     "E4M3",
+    "E5M2",
     "E8M0",
+    "ELEMENT_FORMATS",
+    "unsigned_grid",
+    "element_grid",
     "floor_log2",
     "pow2",
     "round_to_grid",
@@ -48,26 +57,30 @@ __all__ = [
 class FloatGrid:
     """A small unsigned floating-point grid ``ExMy`` (the sign is handled apart).
 
-    ``bias = 2**(exp_bits-1) - 1``. With ``man_bits > 0`` the format has
-    subnormals (exponent code 0) and zero; the largest finite value follows the
-    "fn" convention of ``float8_e4m3fn``/``float4_e2m1fn``: only the all-ones code
-    is NaN (E2M1 has no NaN at all, so its top code is finite: 6.0). With
-    ``man_bits == 0`` (E8M0-like) there is no zero and no subnormal; the
-    all-ones exponent code is NaN, the smallest value used is ``max(2**-bias, 2**-126)``
-    (float32 normals only), and round-to-nearest ties go to the larger value.
+    ``bias = 2**(exp_bits-1) - 1``. With ``man_bits > 0`` the format has subnormals
+    (exponent code 0) and zero. Which codes are finite is ``specials`` (the convention,
+    see ``unsigned_grid``): ``"fn"`` (only the all-ones code is NaN: ``float8_e4m3fn``),
+    ``"ieee"`` (the whole all-ones exponent field is Inf/NaN: ``float8_e5m2``) or
+    ``"none"`` (every code is finite: E2M1, E2M3, E3M2). With ``man_bits == 0``
+    (E8M0-like) there is no zero and no subnormal; the all-ones exponent code is NaN
+    (``"fn"`` and ``"ieee"`` coincide there), the smallest value used is
+    ``max(2**-bias, 2**-126)`` (float32 normals only), and round-to-nearest ties go to
+    the larger value.
 
     Attributes:
       exp_bits: exponent bits (1..8).
-      man_bits: mantissa bits (0..6).
+      man_bits: mantissa bits (0..7).
       max_value: largest finite magnitude.
       min_exp: exponent of the smallest normal binade (subnormal quantum is
         ``2**(min_exp - man_bits)``).
+      specials: ``"fn"``, ``"ieee"`` or ``"none"``.
     """
 
     exp_bits: int
     man_bits: int
     max_value: float
     min_exp: int
+    specials: str = "fn"
 
     @property
     def name(self) -> str:
@@ -84,23 +97,48 @@ class FloatGrid:
 
     @property
     def max_exp(self) -> int:
-        return int(np.floor(np.log2(self.max_value)))
+        """Exponent of the largest binade in use: ``floor(log2(max_value))`` (the OCP MX
+        ``emax`` of an element format, section 6.3), or ``min_exp`` for a grid of
+        subnormals only (IEEE-style E1My, whose one normal exponent code is reserved)."""
+        return max(int(np.floor(np.log2(self.max_value))), self.min_exp)
 
 
-def unsigned_grid(exp_bits: int, man_bits: int, *, has_nan_code: bool = True) -> FloatGrid:
-    """The unsigned ``E{exp_bits}M{man_bits}`` grid with the conventions above.
+def unsigned_grid(exp_bits: int, man_bits: int, *, has_nan_code: bool = True,
+                  ieee: bool = False) -> FloatGrid:
+    """The unsigned ``E{exp_bits}M{man_bits}`` grid under one of three conventions for
+    its special codes (bias ``2**(exp_bits-1) - 1``, subnormals at exponent code 0):
+
+    * ``"fn"`` (the default): only the all-ones code (exponent and mantissa) is NaN; the
+      rest of the top binade is finite. OCP OFP8 v1.0's E4M3 (``S.1111.111`` is NaN, max
+      448: ``float8_e4m3fn``) and fp4jax's convention for every ExMy block scale
+      (FP4-all-the-way's sweep, whose paper does not say). E5M2 scales then reach 98,304.
+    * ``"ieee"`` (``ieee=True``): IEEE 754-2019 section 3.4: the whole all-ones exponent
+      field encodes Inf (mantissa 0) and NaN, so the largest finite value is
+      ``2**emax * (2 - 2**-man_bits)``: E5M2 57,344 (OCP OFP8 E5M2, ``float8_e5m2``),
+      E4M3 240, E3M4 15.5. For ``man_bits == 0`` this is the ``"fn"`` grid (the all-ones
+      code is the whole all-ones exponent field). An IEEE-style E1My has no normal
+      numbers: its values are the subnormals ``k * 2**(1 - man_bits)``, ``k < 2**man_bits``.
+    * ``"none"`` (``has_nan_code=False``): every code is finite, the all-ones code is the
+      maximum. OCP MX v1.0 section 5.3.2-5.3.3: FP6 E2M3 (max 7.5), E3M2 (28) and FP4
+      E2M1 (6) have no Inf or NaN.
 
     Args:
       exp_bits: 1..8.
       man_bits: 0..7 (``exp_bits + man_bits <= 8``).
-      has_nan_code: whether the all-ones code is reserved for NaN. E4M3 (fn) and
-        E8M0 reserve it; E2M1 does not (its top code 0b111 is 6.0).
+      has_nan_code: whether special codes are reserved at all (False: ``"none"``).
+      ieee: the IEEE convention (needs ``has_nan_code=True``).
+    Returns:
+      the ``FloatGrid`` (``specials`` records the convention).
     """
     if not (1 <= exp_bits <= 8 and 0 <= man_bits <= 7 and exp_bits + man_bits <= 8):
         raise ValueError(
             f"unsupported scale format E{exp_bits}M{man_bits}: need 1 <= exp_bits <= 8, "
             "0 <= man_bits and exp_bits + man_bits <= 8"
         )
+    if ieee and not has_nan_code:
+        raise ValueError("unsigned_grid: ieee=True reserves the all-ones exponent for Inf/NaN; "
+                         "it cannot be combined with has_nan_code=False")
+    specials = "none" if not has_nan_code else ("ieee" if ieee else "fn")
     bias = 2 ** (exp_bits - 1) - 1
     top_exp = (2**exp_bits - 1) - bias
     if man_bits == 0:
@@ -111,15 +149,54 @@ def unsigned_grid(exp_bits: int, man_bits: int, *, has_nan_code: bool = True) ->
         # smallest scale used is therefore the smallest normal float32, 2**-126.
         min_exp = max(-bias, -126)
     else:
-        top_man = 2**man_bits - 1 - (1 if has_nan_code else 0)
-        max_value = 2.0**top_exp * (1.0 + top_man / 2**man_bits)
         min_exp = 1 - bias
-    return FloatGrid(exp_bits, man_bits, float(max_value), int(min_exp))
+        if specials == "ieee":
+            if top_exp - 1 < min_exp:  # E1My: exponent code 1 is reserved, subnormals only
+                max_value = 2.0 ** (min_exp - man_bits) * (2**man_bits - 1)
+            else:
+                max_value = 2.0 ** (top_exp - 1) * (2.0 - 2.0**-man_bits)
+        else:
+            top_man = 2**man_bits - 1 - (1 if has_nan_code else 0)
+            max_value = 2.0**top_exp * (1.0 + top_man / 2**man_bits)
+    return FloatGrid(exp_bits, man_bits, float(max_value), int(min_exp), specials)
 
 
 E2M1 = unsigned_grid(2, 1, has_nan_code=False)  # {0, .5, 1, 1.5, 2, 3, 4, 6}
+E2M3 = unsigned_grid(2, 3, has_nan_code=False)  # FP6, max 7.5, min 2**-3
+E3M2 = unsigned_grid(3, 2, has_nan_code=False)  # FP6, max 28, min 2**-4
 E4M3 = unsigned_grid(4, 3)  # float8_e4m3fn magnitudes, max 448, min 2**-9
+E5M2 = unsigned_grid(5, 2, ieee=True)  # float8_e5m2 magnitudes, max 57344, min 2**-16
 E8M0 = unsigned_grid(8, 0)  # UE8M0: 2**-127 .. 2**127
+
+ELEMENT_FORMATS = {(2, 1): E2M1, (2, 3): E2M3, (3, 2): E3M2, (4, 3): E4M3, (5, 2): E5M2}
+"""The OCP MX v1.0 element grids by ``(exp_bits, man_bits)`` (``element_grid``)."""
+
+
+def element_grid(exp_bits: int, man_bits: int) -> FloatGrid:
+    """The magnitudes of an OCP MX v1.0 element data type (section 5.3; the FP8 encodings
+    are OCP OFP8 v1.0's):
+
+    * FP4 E2M1 (5.3.3): 0 .. 6, no Inf/NaN;
+    * FP6 E2M3 (5.3.2): 0 .. 7.5 (subnormal quantum 2**-3), no Inf/NaN;
+    * FP6 E3M2 (5.3.2): 0 .. 28 (subnormal quantum 2**-4), no Inf/NaN;
+    * FP8 E4M3 (5.3.1): 0 .. 448 (quantum 2**-9), NaN only at ``S.1111.111``, no Inf;
+    * FP8 E5M2 (5.3.1): 0 .. 57,344 (quantum 2**-16), IEEE Inf and NaN (exponent 11111).
+
+    Conversion onto them (``round_to_grid``, ``stochastic_round_to_grid``) saturates to
+    the maximum: OCP MX v1.0 section 6.3 leaves overflow implementation-defined, and the
+    OCP reference library clamps (``microsoft/microxcaling``, ``mx/mx_ops.py``
+    ``_quantize_mx``: ``_quantize_elemwise_core(..., saturate_normals=True)``), as
+    Transformer Engine's ``satfinite`` conversions do. So no element is ever Inf or NaN.
+
+    Raises:
+      ValueError for any other ``(exp_bits, man_bits)``, listing the valid ones.
+    """
+    key = (exp_bits, man_bits)
+    if key not in ELEMENT_FORMATS:
+        valid = ", ".join(f"({e}, {m}) {g.name}" for (e, m), g in ELEMENT_FORMATS.items())
+        raise ValueError(f"E{exp_bits}M{man_bits} is not an OCP MX element format; valid "
+                         f"(exp_bits, man_bits): {valid}")
+    return ELEMENT_FORMATS[key]
 
 
 def floor_log2(v: jax.Array) -> jax.Array:

@@ -1,4 +1,5 @@
-"""Quantize / dequantize tensors to block-scaled FP4 (the XLA reference backend).
+"""Quantize / dequantize tensors to block-scaled formats (the XLA reference backend): FP4
+(NVFP4, MXFP4), and the OCP MX FP6/FP8 element types of ``BlockFormat``.
 
 The scale formulas live in ``global_encode_scale``, ``block_decode_scale`` and
 ``element_encode_scale``, each citing its source; Transformer Engine's 4over6 adaptive
@@ -52,17 +53,19 @@ FOUR_OVER_SIX_VARIANTS: dict[str, tuple[str, int]] = {
 its ``MSE`` metric and its 448 bound (``nvfp4_4over6_e4m3_use_256="none"``)."""
 
 BLOCK_SCALE_RULES = ("max", *FOUR_OVER_SIX_VARIANTS)
-"""How a block's decode scale is chosen: ``"max"`` (the block amax maps to the E2M1
-maximum 6: NVFP4 paper Appendix B.2) or a 4over6 rule (``four_over_six``)."""
+"""How a block's decode scale is chosen: ``"max"`` (the block amax maps to the element
+maximum, 6 for E2M1: NVFP4 paper Appendix B.2) or a 4over6 rule (``four_over_six``)."""
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedArray:
-    """A block-scaled FP4 tensor (a pytree; ``fmt``, ``axis``, ``block_2d`` are static).
+    """A block-scaled tensor (a pytree; ``fmt``, ``axis``, ``block_2d`` are static).
 
     Attributes:
-      data: ``float4_e2m1fn``, the logical (unpacked) shape of the source tensor.
+      data: the elements in ``fmt.data_dtype`` (``float4_e2m1fn`` for E2M1, ``float8_e4m3fn``
+        for E4M3 and the FP6 types, ``float8_e5m2`` for E5M2), the logical (unpacked)
+        shape of the source tensor.
       scale: block decode scales in ``fmt.scale_dtype``. 1D: ``data.shape`` with
         ``axis`` of length ``ceil(n / block)``. 2D: ``(..., ceil(R/b), ceil(C/b))``
         over the last two axes. A block holding NaN/Inf has a NaN scale.
@@ -95,9 +98,10 @@ class QuantizedArray:
         return dequantize(self, dtype)
 
     def nbytes_packed(self) -> int:
-        """Bytes in packed storage: 4 bits an element, the scales, the tensor scale."""
+        """Bytes in packed storage: ``fmt.elem_bits`` bits an element (4, 6 or 8, rounded up
+        to whole bytes), the scales (their storage dtype), the tensor scale (4)."""
         n = int(np.prod(self.shape))
-        return (n + 1) // 2 + int(np.prod(self.scale.shape)) * jnp.dtype(
+        return (n * self.fmt.elem_bits + 7) // 8 + int(np.prod(self.scale.shape)) * jnp.dtype(
             self.scale.dtype
         ).itemsize + 4
 
@@ -111,12 +115,13 @@ def global_encode_scale(amax: jax.Array, fmt: BlockFormat,
                         target: float | None = None) -> jax.Array:
     """Per-tensor FP32 encode scale ``enc`` (NVFP4 paper Appendix B.1, Eq. 1).
 
-    ``enc = (target * 6) / amax`` in float32, clamped to ``2**126``, and 1.0 when
+    ``enc = (target * elem_max) / amax`` in float32, clamped to ``2**126``, and 1.0 when
     ``amax == 0`` or the result is 0; exactly Transformer Engine's
     ``compute_global_encode_scaling_factor_FP4`` (``core_nvfp4.cuh``) with
-    ``target = 448`` for NVFP4 (``BlockFormat.tensor_scale_target``: the scale
-    format's max, capped for very wide formats). Formats without a tensor scale
-    return 1.0.
+    ``target = 448`` and ``elem_max = 6`` for NVFP4 (``BlockFormat.tensor_scale_target``:
+    the scale format's max, capped for very wide formats; ``BlockFormat.elem_max``: the
+    element format's max, Eq. 1's ``M_FP4``, for other element types the same rule).
+    Formats without a tensor scale return 1.0.
 
     The clamp: TE clamps ``enc`` to FLT_MAX; fp4jax clamps it to ``2**126`` so that the
     decode scale ``1/enc`` stays a normal float32. Otherwise a tensor with amax below
@@ -134,7 +139,7 @@ def global_encode_scale(amax: jax.Array, fmt: BlockFormat,
         return jnp.float32(1.0)
     target = fmt.tensor_scale_target if target is None else float(target)
     amax = amax.astype(jnp.float32)
-    enc = numerics.div_rn(jnp.float32(target * 6.0), amax)
+    enc = numerics.div_rn(jnp.float32(target * fmt.elem_max), amax)
     enc = jnp.minimum(enc, jnp.float32(2.0**126))
     return jnp.where((amax == 0) | (enc == 0), jnp.float32(1.0), enc)
 
@@ -142,12 +147,19 @@ def global_encode_scale(amax: jax.Array, fmt: BlockFormat,
 def block_decode_scale(amax_block: jax.Array, enc: jax.Array, fmt: BlockFormat) -> jax.Array:
     """Block decode scale on the format's scale grid (NVFP4 paper Appendix B.2, Eq. 2-3).
 
-    * ``"nearest"`` (NVFP4): ``s = rne_satfinite(amax_block * (enc * (1/6)))``, the
+    With ``M = fmt.elem_max`` (6 for E2M1) and ``1/M`` the float32 constant:
+
+    * ``"nearest"`` (NVFP4): ``s = rne_satfinite(amax_block * (enc * (1/M)))``, the
       float32 product in that order, as Transformer Engine's ``core_nvfp4.cuh``.
     * ``"up"`` (the paper's MXFP4, Appendix B.4): the same value rounded up onto
-      the scale grid, so the block amax never saturates.
-    * ``"ocp"`` (OCP MX v1.0 sec. 6.3): ``2**(floor(log2(amax_block * enc)) - 2)``
-      (2 = emax of E2M1), clamped to the scale range.
+      the scale grid, so the block amax never saturates (it lands at most on ``M``, up to
+      the float32 rounding of the scale arithmetic, which rounds back to ``M``). Without
+      a tensor scale (``enc = 1``) and with E8M0 scales this is Transformer Engine's MXFP8
+      scale, ``float_to_e8m0(amax * max_norm_rcp)`` rounded toward +inf
+      (``quantize_mxfp8.cuh``).
+    * ``"ocp"`` (OCP MX v1.0 sec. 6.3): ``2**(floor(log2(amax_block * enc)) - emax)``,
+      ``emax = floor(log2 M)`` the element format's largest exponent (2 for E2M1 and
+      E2M3, 4 for E3M2, 8 for E4M3, 15 for E5M2), clamped to the scale range.
 
     A block with a non-finite amax gets a NaN scale, so it dequantizes to NaN.
 
@@ -161,10 +173,11 @@ def block_decode_scale(amax_block: jax.Array, enc: jax.Array, fmt: BlockFormat) 
     amax_block = amax_block.astype(jnp.float32)
     if fmt.scale_rule == "ocp":
         w = amax_block * enc
-        e = jnp.clip(numerics.floor_log2(w) - 2, grid.min_exp, grid.max_exp)
+        e = jnp.clip(numerics.floor_log2(w) - fmt.elem_grid.max_exp, grid.min_exp,
+                     grid.max_exp)
         s = numerics.pow2(e)
     else:
-        v = amax_block * (enc * jnp.float32(1.0 / 6.0))
+        v = amax_block * (enc * jnp.float32(1.0 / fmt.elem_max))
         s = numerics.round_to_grid(v, grid, fmt.scale_rule)
     return jnp.where(jnp.isfinite(amax_block), s, jnp.float32(jnp.nan))
 
@@ -184,13 +197,16 @@ def element_encode_scale(s: jax.Array, dec: jax.Array) -> jax.Array:
     return jnp.where(s == 0, jnp.float32(0.0), e)
 
 
-def _round_elements(y: jax.Array, rounding: str, u: jax.Array | None) -> jax.Array:
-    """E2M1 conversion of scaled elements ``y`` (sign kept), RNE-satfinite or SR."""
+def _round_elements(y: jax.Array, grid: numerics.FloatGrid, rounding: str,
+                    u: jax.Array | None) -> jax.Array:
+    """Conversion of scaled elements ``y`` (sign kept) onto the element ``grid``,
+    RNE-satfinite or SR, saturating to its max (``numerics.element_grid``); non-finite
+    ``y`` become 0 (their block's NaN scale carries the NaN)."""
     mag = jnp.abs(y)
     if rounding == "nearest":
-        r = numerics.round_to_grid(mag, numerics.E2M1, "nearest")
+        r = numerics.round_to_grid(mag, grid, "nearest")
     else:
-        r = numerics.stochastic_round_to_grid(mag, numerics.E2M1, u)
+        r = numerics.stochastic_round_to_grid(mag, grid, u)
     r = jnp.where(jnp.isfinite(y), r, 0.0)  # the block scale carries the NaN
     return jnp.where(jnp.signbit(y), -r, r)
 
@@ -282,7 +298,8 @@ def four_over_six(blocks: jax.Array, amax: jax.Array, rule: str = "4over6", *,
     s = numerics.round_to_grid(jnp.minimum(v, f32(numerics.E4M3.max_value)), numerics.E4M3,
                                "nearest")
     s = jnp.where(finite, s, f32(jnp.nan))
-    q = _round_elements(blocks * per_element(element_encode_scale(s, dec)), "nearest", None)
+    q = _round_elements(blocks * per_element(element_encode_scale(s, dec)), numerics.E2M1,
+                        "nearest", None)
     val = numerics.div_rn_integer((q * per_element(s)) * amax, f32(6.0 * bound))
     d = val - blocks
     if metric == "mae":
@@ -321,14 +338,16 @@ def check_block_scale_rule(rule: str, fmt: BlockFormat | None, rounding: str = "
             f"{arg}={rule!r} needs a quantized operand, got fmt=None (high precision): set "
             f"fmt=fp4jax.NVFP4 or {arg}='max'")
     nvfp4_like = (fmt.scale_exp_bits, fmt.scale_man_bits, fmt.block_size, fmt.tensor_scale,
-                  fmt.scale_rule) == (4, 3, 16, True, "nearest")
+                  fmt.scale_rule, fmt.elem_exp_bits, fmt.elem_man_bits, fmt.scale_ieee) == (
+                      4, 3, 16, True, "nearest", 2, 1, False)
     if not nvfp4_like:
         raise ValueError(
-            f"{arg}={rule!r} is defined for NVFP4 only (E4M3 scales, blocks of 16, an FP32 "
-            f"tensor scale: {_TE_4OVER6}), got format {fmt.name!r} (e{fmt.scale_exp_bits}"
-            f"m{fmt.scale_man_bits}, block {fmt.block_size}, tensor_scale="
-            f"{fmt.tensor_scale}, scale_rule={fmt.scale_rule!r}): use fmt=fp4jax.NVFP4 or "
-            f"{arg}='max'")
+            f"{arg}={rule!r} is defined for NVFP4 only (E2M1 elements, E4M3 scales, blocks of "
+            f"16, an FP32 tensor scale: {_TE_4OVER6}), got format {fmt.name!r} (elements "
+            f"e{fmt.elem_exp_bits}m{fmt.elem_man_bits}, scales e{fmt.scale_exp_bits}"
+            f"m{fmt.scale_man_bits}{' ieee' if fmt.scale_ieee else ''}, block "
+            f"{fmt.block_size}, tensor_scale={fmt.tensor_scale}, scale_rule="
+            f"{fmt.scale_rule!r}): use fmt=fp4jax.NVFP4 or {arg}='max'")
     if rounding != "nearest":
         raise ValueError(
             f"{arg}={rule!r} needs {rnd}='nearest', got {rounding!r}: Transformer Engine "
@@ -456,18 +475,21 @@ def quantize(
     key: jax.Array | None = None,
     block_scale_rule: str = "max",
 ) -> QuantizedArray:
-    """Quantize ``x`` to a block-scaled FP4 format.
+    """Quantize ``x`` to a block-scaled format (FP4, or the FP6/FP8 elements of OCP MX).
 
     Args:
       x: float array (float32, bfloat16, float16), any shape (>= 1 dim; >= 2 for 2D).
-      fmt: a ``BlockFormat`` or a name (``"nvfp4"``, ``"mxfp4"``, ``"mxfp4_ocp"``).
+      fmt: a ``BlockFormat`` or a name (``"nvfp4"``, ``"mxfp4"``, ``"mxfp4_ocp"``,
+        ``"mxfp8_e4m3"``, ``"mxfp8_e5m2"``, ``"mxfp6_e2m3"``, ``"mxfp6_e3m2"`` and their
+        ``"_up"`` variants: ``fp4jax.formats.FORMATS``).
       axis: the axis along which contiguous blocks of ``fmt.block_size`` are formed
         (1D scaling). Lengths that are not a multiple of the block are zero-padded
         in the last block.
       block_2d: one scale per ``block x block`` tile over the last two axes
         (NVFP4 paper sec. 4.2: weights, so that ``Q(W).T == Q(W.T)``); ``axis``
         is then ignored.
-      rounding: ``"nearest"`` (RNE) or ``"stochastic"`` (unbiased SR, needs ``key``).
+      rounding: ``"nearest"`` (RNE) or ``"stochastic"`` (unbiased SR, needs ``key``), onto
+        the format's element grid, saturating to its max.
       key: a ``jax.random`` key for stochastic rounding.
       block_scale_rule: ``"max"`` (the block amax maps to 6) or a 4over6 rule
         (``"4over6"``, ``"4over6-mse"``, ``"4over6-448"``, ``"4over6-mse-448"``:
@@ -475,7 +497,8 @@ def quantize(
         NVFP4 and round-to-nearest only, 1D or 2D).
 
     Returns:
-      A ``QuantizedArray``. Formulas: ``global_encode_scale``, ``block_decode_scale``,
+      A ``QuantizedArray`` (``data`` in ``fmt.data_dtype``, ``scale`` in
+      ``fmt.scale_dtype``). Formulas: ``global_encode_scale``, ``block_decode_scale``,
       ``element_encode_scale`` and ``numerics.round_to_grid`` (NVFP4 paper App. B;
       bit-exact with Transformer Engine for NVFP4), or ``four_over_six``.
 
@@ -545,8 +568,10 @@ def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding
         u = None
         if rounding == "stochastic":
             u = numerics.uniform_from_key(key, xp.shape, offset).reshape(tiles.shape)
-        q = _round_elements(tiles * e, rounding, u).reshape(xp.shape)[..., :rows, :cols]
-        return QuantizedArray(q.astype(_F4), s.astype(fmt.scale_dtype), dec, fmt, None, True)
+        q = _round_elements(tiles * e, fmt.elem_grid, rounding, u).reshape(xp.shape)
+        q = q[..., :rows, :cols]
+        return QuantizedArray(q.astype(fmt.data_dtype), s.astype(fmt.scale_dtype), dec, fmt,
+                              None, True)
 
     axis = axis % x.ndim - x.ndim  # stored negative: it survives vmap's leading batch dims
     n = x.shape[axis]
@@ -563,8 +588,8 @@ def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding
         if rounding == "stochastic":  # drawn in the stored order (uniform_from_key)
             u = numerics.uniform_from_key(key, _padded_shape(x.shape, axis, b), offset)
             u = jnp.moveaxis(u, axis, -1).reshape(blocks.shape)
-        q = _round_elements(blocks * e, rounding, u).reshape(xm.shape)[..., :n]
-    q = jnp.moveaxis(q, -1, axis).astype(_F4)
+        q = _round_elements(blocks * e, fmt.elem_grid, rounding, u).reshape(xm.shape)[..., :n]
+    q = jnp.moveaxis(q, -1, axis).astype(fmt.data_dtype)
     scale = jnp.moveaxis(s, -1, axis).astype(fmt.scale_dtype)
     return QuantizedArray(q, scale, dec, fmt, axis, False)
 
@@ -599,11 +624,19 @@ def _global_scale_like(q: QuantizedArray) -> jax.Array:
 def scaled_data(q: QuantizedArray, dtype: Any = jnp.float32) -> jax.Array:
     """``data * scale`` without the tensor scale: what a block-scaled tensor core sees.
 
-    For E2M1 times a scale with at most 5 mantissa bits the product has at most
-    8 significant bits, so it is exact in bfloat16 (the GEMM emulation uses this).
-    Products beyond ``dtype``'s largest finite value (only possible with large power-of-two
-    scales: MXFP4's rounded-up scale of a tensor near the float32 maximum) saturate to it
-    (``_satfinite``); blocks that held NaN/Inf stay NaN.
+    The product has at most ``q.fmt.scaled_bits`` significant bits (element and scale
+    significands: 8 or fewer for E2M1 times a scale of <= 5 mantissa bits, or E4M3 times
+    E8M0), so it is exact in bfloat16 when that is <= 8 and always exact in float32 (the
+    GEMM emulation picks the dtype by this, ``fp4jax.dot``). Products beyond ``dtype``'s
+    largest finite value (only possible with large power-of-two scales: MXFP4's rounded-up
+    scale of a tensor near the float32 maximum) saturate to it (``_satfinite``); blocks
+    that held NaN/Inf stay NaN.
+
+    Args:
+      q: a ``QuantizedArray`` of any format.
+      dtype: output dtype (float32: exact for every format).
+    Returns:
+      array of ``q.shape`` in ``dtype``.
     """
     return _satfinite(q.data.astype(jnp.float32) * _expand_scale(q), dtype)
 
@@ -659,7 +692,10 @@ def pack_e2m1(data: jax.Array, axis: int = -1) -> jax.Array:
     padded with a +0 code. Returns uint8 with ``axis`` of length ``ceil(n/2)``.
     """
     if data.dtype != _F4:
-        raise TypeError(f"pack_e2m1 expects float4_e2m1fn data, got {data.dtype}")
+        raise TypeError(
+            f"pack_e2m1 expects float4_e2m1fn data (4-bit E2M1 elements), got {data.dtype}: "
+            "FP8 and FP6 formats keep one element per byte in QuantizedArray.data "
+            "(fmt.data_dtype) and are not packed")
     axis = axis % data.ndim
     c = _pad_to(jnp.moveaxis(e2m1_codes(data), axis, -1), -1, 2)
     c = c.reshape(*c.shape[:-1], c.shape[-1] // 2, 2)

@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from fp4jax.formats import FORMATS, MXFP4, NVFP4, BlockFormat, get_format
+from fp4jax.formats import FORMATS, MXFP4, MXFP8_E4M3_UP, NVFP4, BlockFormat, get_format
 from fp4jax.quantize import BLOCK_SCALE_RULES, check_block_scale_rule
 
 __all__ = [
@@ -33,6 +33,8 @@ __all__ = [
     "mxfp4",
     "bf16",
     "nvfp4_fwd_only",
+    "mxfp8",
+    "mxfp8_fwd_nvfp4_bwd",
     "get",
     "names",
     "parse",
@@ -53,7 +55,7 @@ class QuantSpec:
       block_2d: 2D ``b x b`` tiles (weights; NVFP4 paper sec. 4.2) instead of 1D
         blocks along the contraction axis.
       block_scale_rule: how each block's scale is chosen: ``"max"`` (the block amax
-        maps to the E2M1 maximum 6; the default) or Transformer Engine's 4over6
+        maps to the element maximum, 6 for E2M1; the default) or Transformer Engine's 4over6
         (``"4over6"``: per block the better of map-to-6 and map-to-4 by absolute error,
         tensor amax mapped to 256 * 6, TE's defaults; ``"4over6-mse"``, ``"4over6-448"``,
         ``"4over6-mse-448"``: its squared-error metric and its 448 bound;
@@ -339,7 +341,7 @@ def _operand_str(q: QuantSpec) -> str:
         return "bf16"
     f = q.fmt
     shape = f"{f.block_size}x{f.block_size}" if q.block_2d else f"1x{f.block_size}"
-    scale = f"e{f.scale_exp_bits}m{f.scale_man_bits}"
+    scale = f"e{f.scale_exp_bits}m{f.scale_man_bits}{'-ieee' if f.scale_ieee else ''}"
     rnd = "SR" if q.stochastic else "RtN"
     rule = "" if q.block_scale_rule == "max" else f" {q.block_scale_rule}"
     return f"{f.name} {shape} {scale} {rnd}{rule}"
@@ -411,12 +413,54 @@ def nvfp4_fwd_only() -> Recipe:
     return nvfp4().replace(name="nvfp4_fwd_only", dgrad=GemmSpec(), wgrad=GemmSpec())
 
 
+def mxfp8() -> Recipe:
+    """The MXFP8 baseline, as Transformer Engine's ``MXFP8BlockScaling`` recipe runs it by
+    default (``fp8_format=Format.E4M3``: "MXFP8 uses the E4M3 FP8 format exclusively for
+    both forward and backward passes"; TE commit 000b637e,
+    ``transformer_engine/common/recipe/__init__.py``, and
+    ``docs/features/low_precision_training/mxfp8/mxfp8.rst``).
+
+    All six operands are MXFP8 E4M3 (``fp4jax.formats.MXFP8_E4M3_UP``: blocks of 32,
+    UE8M0 scale rounded up, TE's ``float_to_e8m0(amax * (1/448))``), 1D blocks along each
+    GEMM's contraction axis (TE: 1x32 blocks, the rowwise and columnwise copies each
+    quantized from the high-precision tensor, no 2D scaling), round-to-nearest, no RHT.
+    TE's ``Format.HYBRID`` option (E5M2 gradients) is
+    ``parse("mxfp8(dgrad.lhs.fmt=mxfp8_e5m2_up, wgrad.rhs.fmt=mxfp8_e5m2_up)")``.
+    """
+    f = MXFP8_E4M3_UP
+    return Recipe(
+        name="mxfp8",
+        fprop=GemmSpec(lhs=_rtn(f), rhs=_rtn(f)),
+        dgrad=GemmSpec(lhs=_rtn(f), rhs=_rtn(f)),
+        wgrad=GemmSpec(lhs=_rtn(f), rhs=_rtn(f)),
+    )
+
+
+def mxfp8_fwd_nvfp4_bwd() -> Recipe:
+    """MXFP8 forward, NVFP4 backward: Transformer Engine's hybrid quantizer factory
+    ``mxfp8_fwd_nvfp4_bwd_quantizer_factory`` (TE commit 0043a63c,
+    ``transformer_engine/pytorch/custom_recipes/quantization_factory_zoo.py``): "fprop:
+    weight.row(MXFP8) x input.row(MXFP8); dgrad: weight.col(NVFP4) x
+    grad_output.row(NVFP4); wgrad: input.col(NVFP4) x grad_output.col(NVFP4)", the NVFP4
+    side with NVFP4's role settings (2D weights; RHT and SR as the NVFP4 recipe).
+
+    fprop: x and w MXFP8 E4M3 1x32 RtN (as ``mxfp8()``). dgrad and wgrad: ``nvfp4()``'s
+    (dy 1x16 SR with w 16x16 RtN, quantized from the high-precision weight; wgrad RHT-16,
+    x RtN, dy SR).
+    """
+    f = MXFP8_E4M3_UP
+    return nvfp4().replace(name="mxfp8_fwd_nvfp4_bwd",
+                           fprop=GemmSpec(lhs=_rtn(f), rhs=_rtn(f)))
+
+
 _NAMED: dict[str, Callable[[], Recipe]] = {
     "nvfp4": nvfp4,
     "fp4_all_the_way": fp4_all_the_way,
     "mxfp4": mxfp4,
     "bf16": bf16,
     "nvfp4_fwd_only": nvfp4_fwd_only,
+    "mxfp8": mxfp8,
+    "mxfp8_fwd_nvfp4_bwd": mxfp8_fwd_nvfp4_bwd,
 }
 
 
@@ -484,27 +528,35 @@ def _split_top(text: str, spec: str) -> list[str]:
 
 def _block_format(node: ast.Call, spec: str) -> BlockFormat:
     """``BlockFormat(...)`` of a spec: the constructor's arguments as literals; ``scale="e4m3"``
-    may stand for ``scale_exp_bits=4, scale_man_bits=3``; the name defaults to one made of
-    the scale format and block size (e.g. ``e4m3-b32``)."""
+    may stand for ``scale_exp_bits=4, scale_man_bits=3`` and ``elem="e4m3"`` for
+    ``elem_exp_bits=4, elem_man_bits=3``; the name defaults to one made of the element
+    format (when not E2M1), the scale format and block size (e.g. ``e4m3-b32``,
+    ``e4m3_e8m0-b32``; ``-ieee`` for IEEE-convention scales)."""
     try:
         args = [ast.literal_eval(a) for a in node.args]
         kw = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
     except ValueError as e:
         raise ValueError(f"recipe spec {spec!r}: BlockFormat(...) takes literal arguments") from e
-    scale = kw.pop("scale", None)
-    if scale is not None:
-        m = re.fullmatch(r"[eE](\d)[mM](\d)", str(scale))
+    for short, prefix in (("scale", "scale"), ("elem", "elem")):
+        bits = kw.pop(short, None)
+        if bits is None:
+            continue
+        m = re.fullmatch(r"[eE](\d)[mM](\d)", str(bits))
         if not m:
-            raise ValueError(f"recipe spec {spec!r}: scale={scale!r}: use 'eXmY', e.g. 'e4m3'")
-        kw["scale_exp_bits"], kw["scale_man_bits"] = int(m[1]), int(m[2])
+            raise ValueError(f"recipe spec {spec!r}: {short}={bits!r}: use 'eXmY', e.g. "
+                             f"{'e4m3' if short == 'scale' else 'e2m1'!r}")
+        kw[f"{prefix}_exp_bits"], kw[f"{prefix}_man_bits"] = int(m[1]), int(m[2])
     if not args and "name" not in kw:
         e, mb = kw.get("scale_exp_bits", 4), kw.get("scale_man_bits", 3)
-        kw["name"] = f"e{e}m{mb}-b{kw.get('block_size', 16)}"
+        ee, em = kw.get("elem_exp_bits", 2), kw.get("elem_man_bits", 1)
+        elem = "" if (ee, em) == (2, 1) else f"e{ee}m{em}_"
+        ieee = "-ieee" if kw.get("scale_ieee") else ""
+        kw["name"] = f"{elem}e{e}m{mb}-b{kw.get('block_size', 16)}{ieee}"
     fields = [f.name for f in dataclasses.fields(BlockFormat)]
     bad = [k for k in kw if k not in fields]
     if bad:
         raise ValueError(f"recipe spec {spec!r}: BlockFormat has no argument {bad[0]!r}; "
-                         f"valid: {fields} and scale='eXmY'")
+                         f"valid: {fields}, scale='eXmY' and elem='eXmY'")
     return BlockFormat(*args, **kw)
 
 
@@ -549,13 +601,16 @@ def parse(spec: str | Recipe) -> Recipe:
     ``wgrad.hadamard_signs``) or one quantization point (``dgrad.lhs.rounding``,
     ``fprop.rhs.block_2d``, ``wgrad.rhs.fmt``, ``fprop.lhs.block_scale_rule``).
     Values are Python literals (``False``, ``0``, ``'random'``),
-    format names (``fmt=mxfp4``), ``BlockFormat(...)`` (its arguments, with
-    ``scale='e4m3'`` as a shorthand for the scale bits) or bare words (``nearest``,
+    format names (``fmt=mxfp4``, ``fmt=mxfp8_e4m3``), ``BlockFormat(...)`` (its arguments,
+    with ``scale='e4m3'`` and ``elem='e4m3'`` as shorthands for the scale and element
+    bits, and ``scale_ieee=True`` for IEEE-convention scales) or bare words (``nearest``,
     ``stochastic``). Overrides apply left to right. A ``Recipe`` is returned unchanged.
 
     Examples:
       >>> parse("nvfp4")
+      >>> parse("mxfp8(dgrad.lhs.fmt=mxfp8_e5m2_up, wgrad.rhs.fmt=mxfp8_e5m2_up)")
       >>> parse("nvfp4(fmt=BlockFormat(block_size=32, scale='e4m3'))")
+      >>> parse("nvfp4(fmt=BlockFormat(scale='e5m2', scale_ieee=True))")  # max 57344
       >>> parse("nvfp4(dgrad.lhs.rounding=nearest, wgrad.lhs.rounding=stochastic)")
       >>> parse("nvfp4(rht=0, block_scale_rule=4over6)")       # TE's 4over6 on x and w
       >>> parse("nvfp4(fprop.lhs.block_scale_rule=4over6-mse)")
@@ -595,11 +650,14 @@ def parse(spec: str | Recipe) -> Recipe:
 
 
 def _format_spec(fmt: BlockFormat | None) -> str:
+    """A format in a spec: its name when it is a named format, else ``BlockFormat(...)``
+    with its name and every field that differs from the default."""
     if fmt is None:
         return "None"
     if fmt.name in FORMATS and FORMATS[fmt.name] == fmt:
         return fmt.name
-    args = ", ".join(f"{f.name}={getattr(fmt, f.name)!r}" for f in dataclasses.fields(fmt))
+    args = ", ".join(f"{f.name}={getattr(fmt, f.name)!r}" for f in dataclasses.fields(fmt)
+                     if f.name == "name" or getattr(fmt, f.name) != f.default)
     return f"BlockFormat({args})"
 
 

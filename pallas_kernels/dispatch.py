@@ -108,7 +108,19 @@ def _resolve(backend: str) -> str:
 
 
 def _nvfp4(fmt) -> bool:
+    """Whether ``fmt`` is NVFP4 itself: the only format of the quantize, operand and W4A16
+    kernels (any other element type, FP6/FP8 included, takes the XLA path)."""
     return fmt == NVFP4 or fmt == "nvfp4"
+
+
+def _e2m1_reason(fmt) -> str | None:
+    """None when ``fmt`` stores E2M1 elements, else why the Hopper kernels cannot take it:
+    they quantize to and decode 4-bit E2M1 codes only (FP6/FP8 formats run on XLA)."""
+    f = get_format(fmt)
+    if (f.elem_exp_bits, f.elem_man_bits) != (2, 1):
+        return (f"the kernels implement E2M1 (FP4) elements only, got format {f.name!r} with "
+                f"E{f.elem_exp_bits}M{f.elem_man_bits} elements: it runs on the XLA path")
+    return None
 
 
 def _interpret_kw(mode: str) -> dict:
@@ -175,7 +187,8 @@ def kernel_mode(mkn: int | None = None) -> str:
 
 
 def operand_kernel(x: jax.Array, *, block_2d: bool, axis: int, stochastic: bool,
-                   rht: int, key: jax.Array, block_scale_rule: str = "max") -> str | None:
+                   rht: int, key: jax.Array, block_scale_rule: str = "max",
+                   fmt: Any = None) -> str | None:
     """Which fused kernel of ``quantize/operand_sm90`` makes the NVFP4 GEMM operand
     ``scaled_data(quantize(RHT(x)), bfloat16)``: ``"rows"`` (1x16 along the last axis),
     ``"cols"`` (16x1 along the token axis, with the 16-point RHT if ``rht``), ``"2d"``
@@ -185,9 +198,12 @@ def operand_kernel(x: jax.Array, *, block_2d: bool, axis: int, stochastic: bool,
     axis; ``rht`` the RHT size (0: none) along ``axis``; ``key`` the call's key (SR
     kernels compute Threefry draws, so other key implementations take the XLA path);
     ``block_scale_rule`` the operand's ``QuantSpec.block_scale_rule`` (the kernels
-    implement ``"max"`` only: 4over6 operands take the XLA path)."""
+    implement ``"max"`` only: 4over6 operands take the XLA path); ``fmt`` the operand's
+    format (None: NVFP4; any other format, e.g. MXFP8, takes the XLA path)."""
     if block_scale_rule != "max":
         return None  # the kernels compute the "max" rule's scales, not 4over6's
+    if fmt is not None and not _nvfp4(fmt):
+        return None  # NVFP4 kernels: E2M1 elements, E4M3 scales, tensor scale
     from pallas_kernels.quantize import operand_sm90 as fq
 
     if x.shape[0] != 1 or x.dtype != jnp.bfloat16:
@@ -311,7 +327,7 @@ def quantize_unsupported_reason(shape, dtype, *, fmt=None, axis=-1, block_2d=Fal
     from pallas_kernels.quantize import packed_sm90 as qk
 
     if fmt is not None and not _nvfp4(fmt):
-        return "kernel implements NVFP4 only"
+        return _e2m1_reason(fmt) or "kernel implements NVFP4 only"
     if rounding not in ("nearest", "stochastic"):
         return f"unknown rounding {rounding!r}"
     sr = rounding == "stochastic"
@@ -509,7 +525,7 @@ def w4a4_unsupported_reason(m: int, k: int, n: int, qa=None, qb=None) -> str | N
     for name, q, ax in (("A", qa, 1), ("B", qb, 0)):
         if q is None:
             continue
-        reason = operand_unsupported_reason(q, ax)
+        reason = _e2m1_reason(q.fmt) or operand_unsupported_reason(q, ax)
         if reason is not None:
             return f"{reason} ({name})"
     if m % 64 or n % 64 or k % 256:

@@ -16,12 +16,17 @@ F32 = np.float32
 FLT_MAX = np.finfo(np.float32).max
 
 
-def grid_values(exp_bits: int, man_bits: int, nan_code: bool) -> np.ndarray:
-    """All finite non-negative values of unsigned ExMy, indexed by code (float64)."""
+def grid_values(exp_bits: int, man_bits: int, nan_code: bool, ieee: bool = False) -> np.ndarray:
+    """All finite non-negative values of unsigned ExMy, indexed by code (float64).
+
+    ``nan_code``: the all-ones code is NaN (``e4m3fn``); ``ieee``: every code whose exponent
+    field is all ones is Inf/NaN (IEEE 754; ``float8_e5m2``); neither: all codes finite."""
     bias = 2 ** (exp_bits - 1) - 1
     vals = []
     for code in range(2 ** (exp_bits + man_bits)):
         e, m = code >> man_bits, code & (2**man_bits - 1)
+        if ieee and e == 2**exp_bits - 1:
+            continue  # Inf / NaN
         if man_bits == 0:
             v = 2.0 ** (e - bias)
         elif e == 0:
@@ -29,7 +34,7 @@ def grid_values(exp_bits: int, man_bits: int, nan_code: bool) -> np.ndarray:
         else:
             v = 2.0 ** (e - bias) * (1 + m / 2**man_bits)
         vals.append(v)
-    if nan_code:
+    if nan_code and not ieee:
         vals = vals[:-1]
     vals = np.array(vals, np.float64)
     if man_bits == 0:  # fp4jax uses float32-normal power-of-two scales only (>= 2**-126)
@@ -43,6 +48,31 @@ E4M3 = grid_values(4, 3, nan_code=True)
 # cross-check the enumeration with ml_dtypes' own float8_e4m3fn
 _all = np.arange(128, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
 assert np.array_equal(E4M3, _all[np.isfinite(_all)])
+
+# The OCP MX element types (OCP MX v1.0 sec. 5.3), by (exp_bits, man_bits): enumerated from
+# their bit codes, each cross-checked with the ml_dtypes dtype of the same name (all of its
+# non-negative finite codes).
+ELEMENTS = {
+    (2, 1): (E2M1, ml_dtypes.float4_e2m1fn, 8),
+    (2, 3): (grid_values(2, 3, nan_code=False), ml_dtypes.float6_e2m3fn, 32),
+    (3, 2): (grid_values(3, 2, nan_code=False), ml_dtypes.float6_e3m2fn, 32),
+    (4, 3): (E4M3, ml_dtypes.float8_e4m3fn, 128),
+    (5, 2): (grid_values(5, 2, nan_code=True, ieee=True), ml_dtypes.float8_e5m2, 128),
+}
+for _g, _dt, _n in ELEMENTS.values():
+    _v = np.arange(_n, dtype=np.uint8).view(_dt).astype(np.float64)
+    assert np.array_equal(_g, _v[np.isfinite(_v)]), _dt
+ELEM_GRIDS = {k: v[0] for k, v in ELEMENTS.items()}
+assert [g[-1] for g in ELEM_GRIDS.values()] == [6, 7.5, 28, 448, 57344]
+
+
+def round_elem_saturating_ml_dtypes(v: np.ndarray, elem: tuple[int, int]) -> np.ndarray:
+    """An independent element RNE: clamp ``|v|`` to the element max, then ml_dtypes' own
+    round-to-nearest-even cast (its float8 casts overflow to NaN/Inf rather than saturate,
+    hence the clamp)."""
+    g, dt, _ = ELEMENTS[elem]
+    return np.minimum(np.abs(np.asarray(v, np.float32)), np.float32(g[-1])).astype(dt).astype(
+        np.float64)
 
 
 def round_nearest(v: np.ndarray, grid: np.ndarray, ties_up: bool = False) -> np.ndarray:
@@ -81,31 +111,39 @@ def round_up(v: np.ndarray, grid: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(v), np.nan, grid[np.minimum(idx, len(grid) - 1)])
 
 
-def ref_global_encode(amax: float, scale_max: float, tensor_scale: bool) -> np.float32:
+def ref_global_encode(amax: float, scale_max: float, tensor_scale: bool,
+                      elem_max: float = 6.0) -> np.float32:
     if not tensor_scale:
         return F32(1.0)
     amax = F32(amax)
     if amax == 0:
         return F32(1.0)
     with np.errstate(divide="ignore", over="ignore"):
-        enc = F32(F32(scale_max * 6.0) / amax)
+        enc = F32(F32(scale_max * elem_max) / amax)
     enc = min(enc, F32(2.0**126))  # fp4jax keeps the decode scale a normal float32
     return F32(1.0) if enc == 0 else F32(enc)
 
 
 def ref_quantize(x, exp_bits=4, man_bits=3, block=16, tensor_scale=True, rule="nearest",
-                 axis=-1, block_2d=False, sr_key_words=None):
+                 axis=-1, block_2d=False, sr_key_words=None, elem=(2, 1), scale_ieee=False):
     """Returns (data float64 with signed zeros, scale float64 per block, dec float32).
 
-    ``sr_key_words=(k1, k2)``: stochastic rounding of the elements (E2M1 only) with the
-    uniforms of ``ref_sr_uniform`` over the padded array in its stored order (moved along
-    with the data to the blocked-axis-last view)."""
+    ``elem``: the element type's (exp_bits, man_bits) (``ELEM_GRIDS``); the block amax maps
+    to its max ``M`` (``rule`` ``"nearest"``/``"up"``: ``amax_b * f32(enc * f32(1/M))`` onto
+    the scale grid; ``"ocp"``: ``2**(floor(log2(amax_b * enc)) - floor(log2 M))``), a
+    tensor scale maps the tensor amax to ``min(scale_max, 2**17) * M``, and elements round
+    to nearest even (or stochastically) onto the element grid, saturating to ``M``.
+    ``scale_ieee``: the scale grid reserves its whole top exponent (IEEE).
+    ``sr_key_words=(k1, k2)``: stochastic rounding of the elements with the uniforms of
+    ``ref_sr_uniform`` over the padded array in its stored order (moved along with the
+    data to the blocked-axis-last view)."""
     x = np.asarray(x, np.float32)
-    sgrid = grid_values(exp_bits, man_bits, nan_code=True)
+    sgrid = grid_values(exp_bits, man_bits, nan_code=True, ieee=scale_ieee)
+    egrid = ELEM_GRIDS[tuple(elem)]
     a = np.abs(x)
     fin = np.isfinite(a)
     amax = a[fin].max() if fin.any() else F32(0)
-    enc = ref_global_encode(amax, min(sgrid[-1], 2.0**17), tensor_scale)
+    enc = ref_global_encode(amax, min(sgrid[-1], 2.0**17), tensor_scale, egrid[-1])
     dec = F32(F32(1.0) / enc)
 
     if block_2d:
@@ -115,12 +153,12 @@ def ref_quantize(x, exp_bits=4, man_bits=3, block=16, tensor_scale=True, rule="n
         xp = np.pad(xm, [(0, 0)] * (x.ndim - 2) + [(0, pr), (0, pc)])
         t = xp.reshape(*xp.shape[:-2], xp.shape[-2] // block, block, xp.shape[-1] // block, block)
         amax_b = np.abs(t).max(axis=(-3, -1))
-        s = _block_scale(amax_b, enc, sgrid, rule, man_bits)
+        s = _block_scale(amax_b, enc, sgrid, rule, man_bits, egrid)
         e = _elem_scale(s, dec)
         y = (t.astype(F32) * e[..., :, None, :, None].astype(F32)).astype(F32)
         u = None if sr_key_words is None else ref_sr_uniform(*sr_key_words, xp.shape)
-        q = _e2m1(y, None if u is None else u.reshape(t.shape)).reshape(xp.shape)[..., :R, :C]
-        return q, s, dec
+        q = _round_elem(y, egrid, None if u is None else u.reshape(t.shape))
+        return q.reshape(xp.shape)[..., :R, :C], s, dec
 
     axis = axis % x.ndim
     xm = np.moveaxis(x, axis, -1)
@@ -128,7 +166,7 @@ def ref_quantize(x, exp_bits=4, man_bits=3, block=16, tensor_scale=True, rule="n
     xp = np.pad(xm, [(0, 0)] * (x.ndim - 1) + [(0, (-n) % block)])
     blocks = xp.reshape(*xp.shape[:-1], -1, block)
     amax_b = np.abs(blocks).max(axis=-1)
-    s = _block_scale(amax_b, enc, sgrid, rule, man_bits)
+    s = _block_scale(amax_b, enc, sgrid, rule, man_bits, egrid)
     e = _elem_scale(s, dec)
     y = (blocks.astype(F32) * e[..., None].astype(F32)).astype(F32)
     u = None
@@ -136,21 +174,23 @@ def ref_quantize(x, exp_bits=4, man_bits=3, block=16, tensor_scale=True, rule="n
         padded = list(x.shape)
         padded[axis] = xp.shape[-1]
         u = np.moveaxis(ref_sr_uniform(*sr_key_words, padded), axis, -1)
-    q = _e2m1(y, None if u is None else u.reshape(blocks.shape)).reshape(xp.shape)[..., :n]
+    q = _round_elem(y, egrid, None if u is None else u.reshape(blocks.shape))
+    q = q.reshape(xp.shape)[..., :n]
     return np.moveaxis(q, -1, axis), np.moveaxis(s, -1, axis), dec
 
 
-def _block_scale(amax_b, enc, sgrid, rule, man_bits):
+def _block_scale(amax_b, enc, sgrid, rule, man_bits, egrid=E2M1):
     amax_b = amax_b.astype(F32)
+    emax = np.floor(np.log2(egrid[-1]))  # the element's largest exponent (OCP MX "emax")
     with np.errstate(over="ignore", invalid="ignore"):
         if rule == "ocp":
             w = (amax_b * enc).astype(F32)
             with np.errstate(divide="ignore"):
-                ex = np.floor(np.log2(w.astype(np.float64))) - 2
+                ex = np.floor(np.log2(w.astype(np.float64))) - emax
             lo, hi = np.log2(sgrid[0]), np.log2(sgrid[-1])
             s = 2.0 ** np.clip(ex, lo, hi)
         else:
-            v = (amax_b * F32(enc * F32(1.0 / 6.0))).astype(F32)
+            v = (amax_b * F32(enc * F32(1.0 / egrid[-1]))).astype(F32)
             if rule == "nearest":
                 s = round_nearest(v.astype(np.float64), sgrid, ties_up=(man_bits == 0))
             else:
@@ -166,18 +206,20 @@ def _elem_scale(s, dec):
     return np.where(s32 == 0, F32(0), e).astype(F32)
 
 
-def _e2m1(y, u=None):
+def _round_elem(y, grid=E2M1, u=None):
+    """Elements onto ``grid`` (sign kept; non-finite -> 0): nearest (ties to the even code,
+    saturating) or, with uniforms ``u``, stochastic."""
     a = np.abs(y).astype(np.float64)
     if u is None:
-        mag = round_nearest(a, E2M1)
+        mag = round_nearest(a, grid)
     else:  # stochastic: the upper neighbour with probability P(u < (a - lo) / (hi - lo))
-        idx = np.clip(np.searchsorted(E2M1, a, side="right") - 1, 0, len(E2M1) - 1)
-        lo = E2M1[idx]
-        hi = E2M1[np.minimum(idx + 1, len(E2M1) - 1)]
+        idx = np.clip(np.searchsorted(grid, a, side="right") - 1, 0, len(grid) - 1)
+        lo = grid[idx]
+        hi = grid[np.minimum(idx + 1, len(grid) - 1)]
         with np.errstate(invalid="ignore", divide="ignore"):
             frac = np.where(hi > lo, (a - lo) / (hi - lo), 0.0)
         mag = np.where(u.astype(np.float64) < frac, hi, lo)
-        mag = np.where(a >= E2M1[-1], E2M1[-1], mag)
+        mag = np.where(a >= grid[-1], grid[-1], mag)
     mag = np.where(np.isfinite(y), mag, 0.0)
     return np.where(np.signbit(y), -mag, mag)
 

@@ -32,6 +32,19 @@ from fp4jax import recipes as R
      lambda: R.fp4_all_the_way().replace(name="fp4-rtn", sr=False)),
     ("bf16(fprop.lhs.fmt=nvfp4)", lambda: R.bf16().replace(**{"fprop.lhs.fmt": "nvfp4"})),
     ("MXFP4", lambda: R.mxfp4()),
+    ("mxfp8", lambda: R.mxfp8()),
+    ("mxfp8_fwd_nvfp4_bwd", lambda: R.mxfp8_fwd_nvfp4_bwd()),
+    ("nvfp4(fmt=mxfp6_e2m3)", lambda: R.nvfp4().replace(fmt=fp4jax.MXFP6_E2M3)),
+    ("mxfp8(dgrad.lhs.fmt=mxfp8_e5m2_up, wgrad.rhs.fmt=mxfp8_e5m2_up)",
+     lambda: R.mxfp8().replace(**{"dgrad.lhs.fmt": fp4jax.formats.MXFP8_E5M2_UP,
+                                  "wgrad.rhs.fmt": fp4jax.formats.MXFP8_E5M2_UP})),
+    ("nvfp4(fmt=BlockFormat(elem='e4m3', scale='e8m0', block_size=32, tensor_scale=False, "
+     "scale_rule='ocp'))",
+     lambda: R.nvfp4().replace(fmt=fp4jax.BlockFormat(
+         "e4m3_e8m0-b32", 32, 8, 0, False, "ocp", elem_exp_bits=4, elem_man_bits=3))),
+    ("fp4_all_the_way(fmt=BlockFormat(scale='e5m2', scale_ieee=True))",
+     lambda: R.fp4_all_the_way().replace(fmt=fp4jax.BlockFormat(
+         "e5m2-b16-ieee", 16, 5, 2, scale_ieee=True))),
 ])
 def test_parse_equals_the_expression(text, expr):
     assert R.parse(text) == expr()
@@ -44,7 +57,11 @@ def _variants():
             n.replace(fmt=fp4jax.MXFP4), n.replace(fmt=fp4jax.BlockFormat("e8m0-b16", 16, 8, 0)),
             n.replace(name="custom", **{"wgrad.hadamard_signs": "random"}),
             n.replace(**{"fprop.lhs.fmt": fp4jax.MXFP4_OCP, "wgrad.hadamard_signs": (1.0,) * 16}),
-            R.bf16().replace(name="my recipe", **{"fprop.lhs.fmt": "nvfp4"})]
+            R.bf16().replace(name="my recipe", **{"fprop.lhs.fmt": "nvfp4"}),
+            n.replace(fmt=fp4jax.BlockFormat("e3m4-ieee", 16, 3, 4, scale_ieee=True)),
+            R.mxfp8().replace(fmt=fp4jax.MXFP8_E4M3),
+            n.replace(**{"fprop.lhs.fmt": fp4jax.BlockFormat("e2m3-b16", 16, elem_exp_bits=2,
+                                                             elem_man_bits=3)})]
     return out
 
 
@@ -86,6 +103,10 @@ def test_str_is_one_readable_line():
     ("nvfp4(fmt=BlockFormat(blocksize=32))", "no argument 'blocksize'"),
     ("nvfp4(fmt=BlockFormat(block_size=4))", "block_size must be an int in 8..128"),
     ("nvfp4(rht=len('abc'))", "not a literal"),
+    ("nvfp4(fmt=BlockFormat(elem='e3m3'))", r"elem_exp_bits=3, elem_man_bits=3\) is not an "
+                                            "OCP MX element format"),
+    ("nvfp4(fmt=BlockFormat(elem='fp8'))", "elem='fp8': use 'eXmY'"),
+    ("mxfp8(block_scale_rule=4over6)", "NVFP4 only"),
 ])
 def test_bad_specs_name_the_problem(bad, match):
     with pytest.raises(ValueError, match=match):

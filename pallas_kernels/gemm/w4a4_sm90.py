@@ -76,8 +76,11 @@ def native_from_codes(codes_rk: jax.Array, sbits_rk: jax.Array):
 def scale_format(fmt) -> str | None:
     """``"e4m3"`` for NVFP4, ``"ue8m0"`` for MXFP4 (blocks of 32, UE8M0 scale, no tensor
     scale: ``fp4jax.MXFP4`` and ``MXFP4_OCP``, which differ only in how they choose the
-    scale), else None (no kernel)."""
+    scale), else None (no kernel; so for every format with non-E2M1 elements, MXFP8 and
+    MXFP6 included)."""
     bits = (fmt.scale_exp_bits, fmt.scale_man_bits)
+    if (fmt.elem_exp_bits, fmt.elem_man_bits) != (2, 1):
+        return None  # the kernels decode E2M1 codes only (FP6/FP8 elements: XLA)
     if fmt.block_size == 16 and fmt.tensor_scale and bits == (4, 3):
         return "e4m3"
     if fmt.block_size == 32 and not fmt.tensor_scale and bits == (8, 0):
