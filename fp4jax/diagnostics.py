@@ -73,7 +73,8 @@ STATS_COLLECTION = "fp4_stats"
 
 qz = importlib.import_module("fp4jax.quantize")  # the module (fp4jax.quantize is a function)
 
-__all__ = ["SQRT3", "SwitchMonitor", "auto_switch_step", "flatten_noise", "flatten_stats",
+__all__ = ["SQRT3", "SwitchMonitor", "auto_switch_step", "combine_noise", "flatten_noise",
+           "flatten_stats",
            "gemm_stats",
            "gradient_noise", "layer_stats", "mean_layer_stats", "read_stats",
            "recommend_high_precision_layers", "stats_from_metrics"]
@@ -448,6 +449,21 @@ def flatten_noise(result: Mapping[str, Any]) -> dict[str, Any]:
 
     return {**one(result["global"]),
             "layers": {name: one(e) for name, e in result["layers"].items()}}
+
+
+def combine_noise(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The ``gradient_noise`` entry of the union of disjoint parameter groups, from their
+    flattened entries (``flatten_noise``): norms combine as root sums of squares, ``d`` adds
+    up, ``ratio = ||grads|| / ||eps||`` (e.g. the ratio over the layers a recipe quantizes,
+    beside the global one over every parameter). Empty: NaN norms, ``d`` 0."""
+    def rss(k: str) -> float:
+        return math.sqrt(sum(float(e[k]) ** 2 for e in entries)) if entries else math.nan
+
+    g, e, q = rss("grad_norm"), rss("noise_norm"), rss("grad_q_norm")
+    d = sum(int(x["d"]) for x in entries)
+    ratio = g / e if e > 0 else (math.inf if g > 0 else math.nan)
+    return {"ratio": ratio, "grad_norm": g, "noise_norm": e,
+            "sigma_q": e / math.sqrt(d) if d else math.nan, "grad_q_norm": q, "d": d}
 
 
 @dataclasses.dataclass

@@ -493,6 +493,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     stats_fn = (fns.setdefault("stats", {False: make_stats_step(model, mesh),
                                          True: make_stats_step(model2, mesh)})
                 if cfg.stats_every else None)
+    fp4_names = precision.fp4_layer_names(mc, model.policy)
     noise_fn = (fns.setdefault("noise", {k: make_grad_noise_step(
         m, Llama(mc, m.policy.replace(recipe=switched_recipe(m.policy.recipe, "bwd"))), mesh)
         for k, m in ((False, model), (True, model2))}) if rcfg.grad_noise_every else None)
@@ -514,7 +515,9 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     elif rcfg.switch_at is not None:
         header += f"; switch_at {rcfg.switch_at}: never switches (past the last step)"
     if rcfg.grad_noise_every:
-        header += f"; gradient-to-noise ratio every {rcfg.grad_noise_every} steps"
+        header += (f"; gradient-to-noise ratio every {rcfg.grad_noise_every} steps"
+                   if _quantized_backward(model) else "; gradient-to-noise ratio: not "
+                   "measured (the recipe quantizes no backward GEMM)")
     if bf16 is not None:
         header += f"; BF16 layers ({bf16['source']}): {', '.join(bf16['layers']) or 'none'}"
     if cfg.stats_every:
@@ -611,6 +614,9 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         t0 = time.perf_counter()
         r = diagnostics.flatten_noise(jax.device_get(noise_fn[s >= switch_step](
             state["params"], batch, sr_key, state["step"])))
+        # beside the global ratio (the paper's, over every parameter): the FP4 layers'
+        r["fp4_layers"] = diagnostics.combine_noise([r["layers"][n] for n in fp4_names
+                                                     if n in r["layers"]])
         dt = time.perf_counter() - t0
         write({"type": "grad_noise", "step": s, "wall_s": dt, **r})
         timing["t"] += dt
@@ -700,7 +706,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
             "bf16_layers": bf16["layers"] if bf16 is not None else None,
             "switch_step": switch_step if switch_step < end else None,
             "bf16_gemm_fraction": precision.bf16_gemm_fraction(
-                mc, model.policy, model2.policy, end, switch_step),
+                mc, model.policy, model2.policy, end if diverged_at is None else diverged_at,
+                switch_step),
         }
         tmp = out / "result.json.tmp"
         tmp.write_text(json.dumps(res, indent=1))

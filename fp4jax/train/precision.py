@@ -218,6 +218,19 @@ def gemm_work(mc: LlamaConfig, policy: PrecisionPolicy) -> dict[str, float]:
     return {"total": total, "high_precision": hp}
 
 
+def fp4_layer_names(mc: LlamaConfig, policy: PrecisionPolicy) -> list[str]:
+    """The block linear layers (``block_layer_names``) whose recipe under ``policy``
+    quantizes a GEMM."""
+    full = {n.split(".")[1]: n for n in mc.linear_layers}
+    out = []
+    for name in block_layer_names(mc):
+        block, mod = name.split("/")
+        r = policy.recipe_for(int(block.split("_")[1]), mc.n_layers, full[mod])
+        if r is not None and r.quantized:
+            out.append(name)
+    return out
+
+
 def bf16_gemm_fraction(mc: LlamaConfig, policy: PrecisionPolicy, switched: PrecisionPolicy,
                        steps: int, switch_step: int | None) -> float:
     """The fraction of a run's linear-layer GEMM FLOPs (``gemm_work``) that ran in high
