@@ -32,17 +32,30 @@ writes ``flatten_stats`` of it to ``metrics.jsonl`` as a ``"stats"`` record, whi
 
 ``recommend_high_precision_layers(stats, budget)`` ranks layers by their measured wgrad
 error (then dgrad, then fprop: the order NVIDIA's Appendix E.2 observed to matter) and
-returns the names to keep in BF16, at most ``budget`` of them (a fraction of the layers).
+returns the names to keep in BF16, at most ``budget`` of them (a fraction of the layers);
+``mean_layer_stats(records)`` averages the statistics of several ``"stats"`` records first
+(what ``fp4jax-train --bf16-layers auto`` ranks).
+
+The gradient-to-noise monitor (FP4-all-the-way, Chmiel et al. 2025, Section 4 and Appendix
+B.1): ``gradient_noise(grads, grads_q)`` measures ``r = ||grad L|| / (sigma_q sqrt(d))``,
+globally and per layer, from the gradient ``grads_q`` of the recipe's quantized backward
+pass and ``grads`` of the same step with the backward GEMMs in high precision (see its
+docstring for the exact definition); below ``sqrt(3)`` (``SQRT3``) quantized gradients stop
+helping. ``SwitchMonitor`` (and its pure form ``auto_switch_step``) decides, from the
+measured ratios, when to switch precision: once the ratio has stayed below a threshold for a
+window of steps (``fp4jax-train --switch-at auto``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
+import numbers
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -61,9 +74,13 @@ STATS_COLLECTION = "fp4_stats"
 
 qz = importlib.import_module("fp4jax.quantize")  # the module (fp4jax.quantize is a function)
 
-__all__ = ["flatten_stats", "gemm_stats", "layer_stats", "read_stats",
+__all__ = ["SQRT3", "SwitchMonitor", "auto_switch_step", "combine_noise", "flatten_noise",
+           "flatten_stats",
+           "gemm_stats",
+           "gradient_noise", "layer_stats", "mean_layer_stats", "read_stats",
            "recommend_high_precision_layers", "stats_from_metrics"]
 
+SQRT3 = math.sqrt(3.0)  # FP4-all-the-way Section 4.1: the critical gradient-to-noise ratio
 
 
 def _operand_stats(t: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: jax.Array,
@@ -294,8 +311,9 @@ def recommend_high_precision_layers(stats: dict[str, dict], budget: float = 0.15
       budget: the fraction of layers that may stay in high precision, in [0, 1].
 
     Returns:
-      layer names, largest error first (the form ``PrecisionPolicy.high_precision_layers``
-      takes for names inside a block, e.g. ``"mlp.down"``).
+      layer names, largest error first, as ``stats`` names them (``layer_stats`` of the
+      harness's Llama: ``"block_3/q"``; ``fp4jax.models.llama.policy_layer_name`` turns those
+      into ``PrecisionPolicy.high_precision_layers`` patterns).
     """
     if not 0.0 <= budget <= 1.0 or math.isnan(budget):
         raise ValueError(f"budget must be a fraction in [0, 1], got {budget!r}")
@@ -306,3 +324,223 @@ def recommend_high_precision_layers(stats: dict[str, dict], budget: float = 0.15
         return tuple(-float(s[g]["rel_error"]) for g in ("wgrad", "dgrad", "fprop"))
 
     return sorted(stats, key=lambda name: (rank(name), name))[:n]
+
+
+def mean_layer_stats(records: list[Mapping[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """The per-layer statistics of several ``"stats"`` records (``read_stats``) averaged:
+    ``{layer: {gemm: {stat: mean over the records that measured it}}}`` (NaN and infinite
+    values are left out of a mean; a statistic with no finite value is NaN). The record at
+    step 0, taken on the untrained initialization, is left out when later ones exist.
+
+    Raises:
+      ValueError: no records.
+    """
+    if not records:
+        raise ValueError("mean_layer_stats: no stats records (train with --stats-every N)")
+    recs = [r for r in records if r.get("step", 0) > 0] or list(records)
+    sums: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for r in recs:
+        for name, layer in r["layers"].items():
+            for gemm, row in layer.items():
+                for k, v in row.items():
+                    sums.setdefault(name, {}).setdefault(gemm, {}).setdefault(k, []).append(
+                        float(v))
+    return {name: {gemm: {k: (float(np.mean([x for x in v if math.isfinite(x)]))
+                              if any(math.isfinite(x) for x in v) else math.nan)
+                          for k, v in row.items()} for gemm, row in layer.items()}
+            for name, layer in sums.items()}
+
+
+def _noise_entry(g_sq: jax.Array, e_sq: jax.Array, q_sq: jax.Array, d: int
+                 ) -> dict[str, jax.Array]:
+    """The monitor's numbers from ``||grad||^2``, ``||eps||^2``, ``||grad_q||^2`` and ``d``."""
+    g_norm, e_norm = jnp.sqrt(g_sq), jnp.sqrt(e_sq)
+    sigma = jnp.sqrt(e_sq / d)
+    ratio = jnp.where(e_norm > 0, g_norm / jnp.where(e_norm > 0, e_norm, 1.0),
+                      jnp.where(g_norm > 0, jnp.inf, jnp.nan))
+    # d exactly (an int32 while it fits, the count of a ~1e9-parameter model as float32)
+    return {"ratio": ratio, "grad_norm": g_norm, "noise_norm": e_norm, "sigma_q": sigma,
+            "grad_q_norm": jnp.sqrt(q_sq),
+            "d": jnp.asarray(d, jnp.int32 if d < 2**31 else jnp.float32)}
+
+
+def gradient_noise(grads: Any, grads_q: Any, *,
+                   name_fn: Callable[[tuple[str, ...], tuple[int, ...]], str] | None = None
+                   ) -> dict[str, Any]:
+    """The gradient-to-noise ratio of FP4-all-the-way (Chmiel et al. 2025, Section 4.1 and
+    Appendix B.1), globally and per layer. Traceable: call it inside ``jax.jit``.
+
+    The paper models the quantized gradient of the parameters ``theta`` in ``R^d`` as
+    ``g_q = grad L + eps`` with stochastic-rounding noise ``E[eps] = 0``,
+    ``E[eps eps^T] = sigma_q^2 I``, and shows that quantized training stops making progress
+    once ``r = ||grad L||_2 / (sigma_q sqrt(d)) < sqrt(3)`` (Section 4.1; "we monitor the ratio
+    ||grad L|| / (sigma_q sqrt(d))", Section 4.2, Figure 5). Measured here on one batch:
+
+    * ``grad L`` = ``grads``: the full-precision gradient, i.e. the same step's gradient
+      (same parameters, batch, forward pass and keys) with the backward GEMMs (dgrad, wgrad)
+      in high precision: what a switch of the backward pass (QAF) would use;
+    * ``eps = grads_q - grads``: ``grads_q`` the gradient of the recipe's quantized backward
+      pass (the train step's own), so ``eps`` is all the noise that the backward pass's
+      quantization adds, propagated through the dgrad chain as in training;
+    * ``d``: the number of coordinates (all parameters for ``"global"``; a layer's kernel
+      elements for ``"layers"``);
+    * ``sigma_q^2 = (1/d) sum_i eps_i^2``: the measured variance of the noise with its mean
+      known to be 0 (the paper's assumption for SR), so ``sigma_q sqrt(d) = ||eps||_2`` and
+      ``r = ||grads|| / ||grads_q - grads||``: the inverse relative error of the gradient.
+
+    With round-to-nearest gradients ``eps`` is biased, not the zero-mean noise the threshold
+    assumes (the paper's Appendix B.2): the number is still computed, its meaning differs.
+
+    Args:
+      grads: the high-precision-backward gradient, a pytree of float arrays.
+      grads_q: the quantized-backward gradient, the same structure.
+      name_fn: ``name_fn(path, index) -> str`` names a layer from the path of its
+        ``"kernel"`` leaf (without ``"kernel"``) and, for a kernel with leading axes
+        (``flax.linen.scan``: ``(n, K, N)``), the index along them (as for ``layer_stats``;
+        default ``"/".join(path)`` plus ``"[i]"``).
+
+    Returns:
+      ``{"global": entry, "layers": {name: entry}}``, each entry ``{"ratio", "grad_norm"
+      (||grads||), "noise_norm" (||eps||), "sigma_q", "grad_q_norm" (||grads_q||), "d"}``
+      (float32 scalars, ``d`` an int32), ``ratio`` infinite
+      where the noise is 0 (a layer kept in high precision whose gradient no quantized
+      GEMM reaches) and NaN where both are 0. ``"layers"`` holds every ``"kernel"`` leaf
+      (2D or more).
+
+    Raises:
+      ValueError: the two pytrees differ in structure or shapes.
+    """
+    name_fn = name_fn or _default_name
+    leaves, tree = jax.tree_util.tree_flatten_with_path(grads)
+    leaves_q, tree_q = jax.tree_util.tree_flatten(grads_q)
+    if tree != tree_q or any(jnp.shape(a) != jnp.shape(b[1]) for a, b in zip(leaves_q, leaves,
+                                                                             strict=True)):
+        raise ValueError("gradient_noise: grads and grads_q must have the same structure and "
+                         "shapes (the same model's parameters)")
+    g_tot = e_tot = q_tot = jnp.zeros((), jnp.float32)
+    d_tot = 0
+    layers: dict[str, dict] = {}
+    for (path, g), gq in zip(leaves, leaves_q, strict=True):
+        g32, q32 = jnp.asarray(g, jnp.float32), jnp.asarray(gq, jnp.float32)
+        e32 = q32 - g32
+        keys = tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                     for k in path)
+        if keys and keys[-1] == "kernel" and g32.ndim >= 2:
+            lead = g32.ndim - 2
+            gs, es, qs = (jnp.sum(jnp.square(a), axis=(-2, -1)) for a in (g32, e32, q32))
+            n = g32.shape[-2] * g32.shape[-1]
+            for index in np.ndindex(*g32.shape[:lead]):
+                layers[name_fn(keys[:-1], tuple(int(i) for i in index))] = _noise_entry(
+                    gs[index], es[index], qs[index], n)
+        g_tot = g_tot + jnp.sum(jnp.square(g32))
+        e_tot = e_tot + jnp.sum(jnp.square(e32))
+        q_tot = q_tot + jnp.sum(jnp.square(q32))
+        d_tot += int(np.prod(g32.shape))
+    return {"global": _noise_entry(g_tot, e_tot, q_tot, max(d_tot, 1)), "layers": layers}
+
+
+def flatten_noise(result: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``gradient_noise`` result as plain numbers, the global entry at the top level:
+    ``{"ratio", "grad_norm", "noise_norm", "sigma_q", "grad_q_norm", "d", "layers": {name:
+    {...}}}`` (the
+    form of a ``metrics.jsonl`` ``"grad_noise"`` record; ``d`` an int)."""
+    def one(e: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: (int(round(float(v))) if k == "d" else float(v)) for k, v in e.items()}
+
+    return {**one(result["global"]),
+            "layers": {name: one(e) for name, e in result["layers"].items()}}
+
+
+def combine_noise(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The ``gradient_noise`` entry of the union of disjoint parameter groups, from their
+    flattened entries (``flatten_noise``): norms combine as root sums of squares, ``d`` adds
+    up, ``ratio = ||grads|| / ||eps||`` (e.g. the ratio over the layers a recipe quantizes,
+    beside the global one over every parameter). Empty: NaN norms, ``d`` 0."""
+    def rss(k: str) -> float:
+        return math.sqrt(sum(float(e[k]) ** 2 for e in entries)) if entries else math.nan
+
+    g, e, q = rss("grad_norm"), rss("noise_norm"), rss("grad_q_norm")
+    d = sum(int(x["d"]) for x in entries)
+    ratio = g / e if e > 0 else (math.inf if g > 0 else math.nan)
+    return {"ratio": ratio, "grad_norm": g, "noise_norm": e,
+            "sigma_q": e / math.sqrt(d) if d else math.nan, "grad_q_norm": q, "d": d}
+
+
+@dataclasses.dataclass
+class SwitchMonitor:
+    """The automatic precision switch's decision (``fp4jax-train --switch-at auto``): fed
+    the gradient-to-noise ratio measured every few steps (``update``), it fires at the
+    first measurement at which the ratio has stayed below ``threshold`` for ``window``
+    steps: the measurements at steps ``a, ..., s`` are all below it (none above in between)
+    and ``s - a >= window``. A NaN ratio counts as not below, an infinite one too. It fires
+    once; the state (``state``/``from_state``) is a small JSON dict, kept in checkpoints so a
+    resumed run continues the same decision.
+
+    Attributes:
+      threshold: the ratio below which quantized gradients stop helping (default
+        ``sqrt(3)``, FP4-all-the-way Section 4.1).
+      window: steps the ratio must stay below the threshold (0: the first measurement
+        below it fires).
+      below_since: step of the first measurement of the current run below the threshold.
+      switched_at: the step it fired at (None: not yet).
+      last_step: the step of the last measurement fed.
+    """
+
+    threshold: float = SQRT3
+    window: int = 0
+    below_since: int | None = None
+    switched_at: int | None = None
+    last_step: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.threshold
+        if not (isinstance(t, numbers.Real) and not isinstance(t, bool) and math.isfinite(t)
+                and t > 0):
+            raise ValueError(f"SwitchMonitor: threshold must be a finite number > 0, got "
+                             f"{self.threshold!r}")
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
+            raise ValueError(f"SwitchMonitor: window must be an integer >= 0, got "
+                             f"{self.window!r}")
+
+    def update(self, step: int, ratio: float) -> bool:
+        """Feeds the ratio measured at ``step``; True when the switch fires at this step
+        (then, and after it fired, further measurements change nothing).
+
+        Raises:
+          ValueError: ``step`` is not after the last one fed.
+        """
+        if self.switched_at is not None:
+            return False
+        if self.last_step is not None and step <= self.last_step:
+            raise ValueError(f"SwitchMonitor.update: step {step} is not after the last "
+                             f"measurement's ({self.last_step})")
+        self.last_step = step
+        if not float(ratio) < self.threshold:  # NaN: not below
+            self.below_since = None
+            return False
+        if self.below_since is None:
+            self.below_since = step
+        if step - self.below_since >= self.window:
+            self.switched_at = step
+            return True
+        return False
+
+    def state(self) -> dict[str, Any]:
+        """The monitor as a JSON-ready dict (``from_state`` reads it back)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> SwitchMonitor:
+        return cls(**{f.name: state[f.name] for f in dataclasses.fields(cls)
+                      if f.name in state})
+
+
+def auto_switch_step(trace: Sequence[tuple[int, float]], threshold: float = SQRT3,
+                     window: int = 0) -> int | None:
+    """The step at which ``SwitchMonitor(threshold, window)`` fires on the measurements
+    ``trace`` (``(step, ratio)`` pairs, steps increasing), or None when it does not."""
+    m = SwitchMonitor(threshold, window)
+    for step, ratio in trace:
+        if m.update(step, ratio):
+            return step
+    return None

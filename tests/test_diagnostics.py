@@ -3,6 +3,8 @@ against NumPy computations from the public quantizer (float64 products)."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,3 +137,90 @@ def test_recommend_ranks_by_wgrad_then_dgrad_within_budget():
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match="budget"):
             D.recommend_high_precision_layers(stats, budget=bad)
+
+
+# -- the gradient-to-noise monitor and the automatic switch's decision (FP4-all-the-way 4) --
+
+def test_gradient_noise_matches_a_numpy_hand_computation():
+    """``r = ||g|| / (sigma_q sqrt(d))``, ``sigma_q^2 = mean(eps^2)``, ``eps = g_q - g``:
+    globally over every parameter, and per ``kernel`` (a scanned kernel split per layer)."""
+    rng = np.random.default_rng(0)
+    g = {"embed": {"embedding": rng.normal(size=(10, 4))},
+         "blocks": {"mix": {"kernel": rng.normal(size=(3, 4, 6)) * [[[1.0]], [[0.1]], [[5.0]]],
+                            "bias": rng.normal(size=(3, 6))}},
+         "head": {"kernel": rng.normal(size=(6, 2)) * 0.01}}
+    eps = jax.tree.map(lambda a: rng.normal(size=a.shape) * 0.05, g)
+    eps["head"]["kernel"] = np.zeros((6, 2))  # a high-precision layer: no noise
+    g_q = jax.tree.map(lambda a, e: a + e, g, eps)
+    got = jax.jit(D.gradient_noise)(*jax.tree.map(jnp.float32, (g, g_q)))
+
+    def want(gs, es):
+        gv = np.concatenate([np.ravel(a) for a in gs]).astype(np.float32).astype(np.float64)
+        ev = np.concatenate([np.ravel(a) for a in es])
+        d = gv.size
+        sigma = np.sqrt(np.mean(ev**2))
+        return {"d": d, "sigma_q": sigma, "grad_norm": np.linalg.norm(gv),
+                "ratio": np.linalg.norm(gv) / (sigma * np.sqrt(d))}
+
+    cases = {"global": want(jax.tree.leaves(g), jax.tree.leaves(eps)),
+             "blocks/mix[1]": want([g["blocks"]["mix"]["kernel"][1]],
+                                   [eps["blocks"]["mix"]["kernel"][1]])}
+    flat = D.flatten_noise(jax.device_get(got))
+    assert sorted(flat["layers"]) == ["blocks/mix[0]", "blocks/mix[1]", "blocks/mix[2]", "head"]
+    for name, w in cases.items():
+        e = flat if name == "global" else flat["layers"][name]
+        assert e["d"] == w["d"] and isinstance(e["d"], int)
+        for k in ("sigma_q", "grad_norm", "ratio"):
+            np.testing.assert_allclose(e[k], w[k], rtol=2e-5, err_msg=f"{name} {k}")
+    # the three scanned layers differ by their gradient's scale: 1, 0.1, 5
+    r = [flat["layers"][f"blocks/mix[{i}]"]["ratio"] for i in range(3)]
+    assert r[1] < r[0] < r[2]
+    assert flat["layers"]["head"]["ratio"] == np.inf  # no noise
+    np.testing.assert_allclose(flat["grad_q_norm"], np.linalg.norm(np.concatenate(
+        [np.ravel(a) for a in jax.tree.leaves(g_q)])), rtol=2e-5)
+    with pytest.raises(ValueError, match="same structure"):
+        D.gradient_noise(g, {"embed": g["embed"]})
+
+
+def test_auto_switch_fires_exactly_after_its_window():
+    """The ratio must stay below the threshold at every measurement over ``window`` steps:
+    a dip shorter than the window, or one interrupted by a measurement above (or NaN),
+    does not fire; the step it fires at is the first with ``s - first_below >= window``."""
+    t = D.SQRT3
+    assert t == pytest.approx(1.7320508)
+    steps = list(range(0, 200, 10))
+    ratios = [9.0, 5.0, 1.7, 1.6, 2.0, 1.0, float("nan"), 1.5, 1.4, 1.3, 1.2, 1.1,
+              1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]
+    trace = list(zip(steps, ratios, strict=True))
+    # below from step 20 (broken at 40 by 2.0, at 60 by NaN), then from 70 on
+    assert D.auto_switch_step(trace, t, window=0) == 20
+    assert D.auto_switch_step(trace, t, window=10) == 30
+    assert D.auto_switch_step(trace, t, window=20) == 90  # 70, 80, 90: 90 - 70 = 20
+    assert D.auto_switch_step(trace, t, window=25) == 100  # not at 90 (20 < 25)
+    assert D.auto_switch_step(trace, t, window=120) == 190
+    assert D.auto_switch_step(trace, t, window=121) is None
+    assert D.auto_switch_step(trace, 0.3, window=0) is None  # never strictly below 0.3
+    # fed one at a time, with the state saved and restored between any two measurements
+    # (a resumed run), it fires at the same step, once
+    for cut in range(len(trace) + 1):
+        m = D.SwitchMonitor(t, 20)
+        fired = [s for s, r in trace[:cut] if m.update(s, r)]
+        m = D.SwitchMonitor.from_state(json.loads(json.dumps(m.state())))
+        fired += [s for s, r in trace[cut:] if m.update(s, r)]
+        assert fired == [90] and m.switched_at == 90, cut
+    with pytest.raises(ValueError, match="not after"):
+        D.SwitchMonitor(last_step=5).update(5, 1.0)
+    for bad in (dict(threshold=0.0), dict(threshold=float("inf")), dict(window=-1),
+                dict(window=1.5)):
+        with pytest.raises(ValueError):
+            D.SwitchMonitor(**bad)
+
+
+def test_mean_layer_stats_leaves_out_the_initialization():
+    rec = lambda s, w: {"type": "stats", "step": s,  # noqa: E731
+                        "layers": {"a": {"wgrad": {"rel_error": w}}}}
+    m = D.mean_layer_stats([rec(0, 9.0), rec(5, 0.2), rec(10, 0.4), rec(15, float("nan"))])
+    assert m["a"]["wgrad"]["rel_error"] == pytest.approx(0.3)
+    assert D.mean_layer_stats([rec(0, 9.0)])["a"]["wgrad"]["rel_error"] == 9.0
+    with pytest.raises(ValueError, match="--stats-every"):
+        D.mean_layer_stats([])

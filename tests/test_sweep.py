@@ -97,7 +97,8 @@ def test_sweep_two_specs_two_seeds_rerun_resume(tmp_path, monkeypatch, capsys):
     assert T.main(args) == 0
     traced = {k: loop.TRACE_COUNTS[k] - before[k] for k in before}
     # one compiled init, train and eval step per spec, shared by its two seeds
-    assert traced == {"init": 2, "train": 2, "eval": 2, "stats": 0}, traced
+    assert traced == {"init": 2, "train": 2, "eval": 2, "stats": 0, "noise": 0}, (
+        traced)
     assert capsys.readouterr().err.count("compiled steps reused") == 2  # the seed-1 runs
 
     runs = {(sp, s): out / d / f"seed{s}" for sp, d in

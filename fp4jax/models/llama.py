@@ -261,6 +261,31 @@ def layer_order(name: str) -> tuple[int, int, str]:
     return 2**31, 0, name
 
 
+def block_layer_names(cfg: LlamaConfig) -> list[str]:
+    """Every linear layer of the blocks of a model of ``cfg``, named as ``layer_name``
+    names them (``"block_0/q"``, ..., ``"block_{n-1}/down"``), in ``layer_order``."""
+    mods = [n.split(".")[1] for n in cfg.linear_layers]
+    return sorted((f"block_{b}/{m}" for b in range(cfg.n_layers) for m in mods),
+                  key=layer_order)
+
+
+def policy_layer_name(name: str, cfg: LlamaConfig) -> str:
+    """The ``PrecisionPolicy.high_precision_layers`` pattern of the layer ``layer_name``
+    calls ``name``: ``"block_3/q"`` -> ``"block_3/attn.q"``, ``"block_0/down"`` ->
+    ``"block_0/mlp.down"``.
+
+    Raises:
+      ValueError: ``name`` is not a linear layer of a block of ``cfg`` (listing the form).
+    """
+    m = re.fullmatch(r"block_(\d+)/(\w+)", name)
+    full = {n.split(".")[1]: n for n in cfg.linear_layers}
+    if not m or int(m[1]) >= cfg.n_layers or m[2] not in full:
+        raise ValueError(
+            f"{name!r} is not a linear layer of this model's blocks: give block_I/NAME with I "
+            f"in 0..{cfg.n_layers - 1} and NAME one of {list(full)} (e.g. block_0/q)")
+    return f"block_{int(m[1])}/{full[m[2]]}"
+
+
 class Llama(nn.Module):
     """The decoder. ``__call__(tokens (B, T) int32) -> logits (B, T, vocab) float32``.
 

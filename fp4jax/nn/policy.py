@@ -34,8 +34,11 @@ class PrecisionPolicy:
       recipe: the recipe of the quantized linear layers (e.g. ``fp4jax.recipes.nvfp4()``).
       first_high_precision: number of leading blocks whose linear layers stay high precision.
       last_high_precision: number of trailing blocks whose linear layers stay high precision.
-      high_precision_layers: ``fnmatch`` patterns of layer names (inside a block, e.g.
-        ``"attn.o"`` or ``"mlp.*"``) that stay high precision in every block.
+      high_precision_layers: ``fnmatch`` patterns of layer names that stay high precision:
+        a name inside a block (``"attn.o"``, ``"mlp.*"``) matches in every block; a pattern
+        with a ``/`` is matched against the block-qualified name ``"block_{i}/{layer}"``
+        (``"block_3/attn.q"``, ``"block_*/mlp.down"``), so one layer of one block can be
+        named (what ``fp4jax-train --bf16-layers`` uses).
       high_precision: the recipe of high-precision linear layers; ``None`` means a plain
         ``jax.lax.dot_general`` in the layer's compute dtype (no fp4jax involvement).
 
@@ -70,7 +73,9 @@ class PrecisionPolicy:
         """The recipe of linear layer ``layer`` (e.g. ``"attn.q"``) in block ``block``."""
         if self.block_is_high_precision(block, n_blocks):
             return self.high_precision
-        if any(fnmatch.fnmatchcase(layer, p) for p in self.high_precision_layers):
+        qualified = f"block_{block}/{layer}"
+        if any(fnmatch.fnmatchcase(qualified if "/" in p else layer, p)
+               for p in self.high_precision_layers):
             return self.high_precision
         if not recipe_quantizes(self.recipe):
             return self.recipe if self.recipe is not None else self.high_precision

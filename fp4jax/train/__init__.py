@@ -12,6 +12,11 @@ step ``N`` (steps are 0-based), so it is known good once step ``N`` gave a finit
 checkpoint whose step diverges is deleted. ``--stats-every N`` adds a ``"stats"`` record
 every N steps: the per-GEMM quantization statistics of every quantized linear layer on that
 step's batch (``fp4jax.diagnostics.layer_stats``, in a separate jitted function).
+``--bf16-layers auto`` keeps in BF16 the layers with the largest measured quantization error
+(an FP4 warm-up, or ``auto:RUN_DIR``'s stats; the set is recorded and reused on resume);
+``--grad-noise-every N`` logs the gradient-to-noise ratio of FP4-all-the-way and
+``--switch-at auto`` switches precision when it stays below sqrt(3) (``precision``,
+``fp4jax.diagnostics.gradient_noise``, ``SwitchMonitor``).
 ``--compare`` trains each recipe (a name or a spec such as ``nvfp4(sr=False, rht=0)``) on the
 same data and seed into ``OUT/<slug>/`` and writes ``OUT/compare.png``, ``OUT/compare.md`` and
 ``OUT/compare.json``; with ``--seeds 0,1,2`` every spec trains with every seed (the same batch
@@ -40,7 +45,8 @@ What is guaranteed:
   newest one known to be good.
 
 Modules: ``config`` (``TrainConfig``, its checks, schedules, optimizer, precision policy),
-``rundir`` (the output directory: writable, holds a run, moved aside), ``checkpoint`` (orbax
+``rundir`` (the output directory: writable, holds a run, moved aside), ``precision`` (the
+BF16 layer set of ``--bf16-layers``, the GEMM work run in BF16), ``checkpoint`` (orbax
 checkpoints and their verification, ``metrics.jsonl`` helpers), ``loop`` (train/eval steps,
 ``train``), ``comparison`` (``compare``, the table and the plot) and ``cli`` (``main``). Every
 public name is re-exported here: ``from fp4jax import train as T; T.train(T.TrainConfig(...))``.
@@ -83,6 +89,7 @@ from fp4jax.train.loop import (
     TrainingDiverged,
     loss_fn,
     make_eval_step,
+    make_grad_noise_step,
     make_init_state,
     make_mesh,
     make_stats_step,
@@ -123,6 +130,7 @@ __all__ = [
     "loss_fn",
     "main",
     "make_eval_step",
+    "make_grad_noise_step",
     "make_init_state",
     "make_mesh",
     "make_optimizer",

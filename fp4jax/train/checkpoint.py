@@ -302,7 +302,8 @@ def _note(msg: str) -> None:
 
 # keys a record of each type must have (besides "type" and "step")
 _RECORD_KEYS = {"train": ("loss",), "eval": ("val_loss",), "stats": ("layers",),
-                "checkpoint": ("seconds",)}
+                "checkpoint": ("seconds",), "grad_noise": ("ratio", "layers"),
+                "switch": ("mode",), "bf16_layers": ("layers",)}
 
 
 def _record_problem(raw: bytes) -> tuple[dict | None, str | None]:

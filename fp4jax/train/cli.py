@@ -7,6 +7,8 @@ The ``fp4jax-train`` command (also ``python -m fp4jax.train``): its argument par
     fp4jax-train --compare bf16,nvfp4                 # CPU main job: tiny preset, < 5 min
     fp4jax-train --recipe nvfp4 --preset small --steps 2000 --out runs/nvfp4
     fp4jax-train --recipe nvfp4 --switch-at 0.8 --switch fwd   # BF16 forward for the last 20%
+    fp4jax-train --recipe nvfp4 --switch-at auto --switch bwd --grad-noise-every 10
+    fp4jax-train --recipe nvfp4 --bf16-layers auto --bf16-budget 0.15
     fp4jax-train --data my_corpus/ --compare bf16,nvfp4,mxfp4
     fp4jax-train --compare "bf16,nvfp4,nvfp4(sr=False, rht=0)" --seeds 0,1,2 --out runs/abl
 """
@@ -24,7 +26,7 @@ import jax
 
 import fp4jax.recipes
 from fp4jax.models.llama import ATTENTION, PRESETS
-from fp4jax.train import processes
+from fp4jax.train import precision, processes
 from fp4jax.train.comparison import SweepFailed, compare, parse_seeds
 from fp4jax.train.config import (
     OVERRIDABLE_KEYS,
@@ -34,6 +36,7 @@ from fp4jax.train.config import (
     ConfigError,
     TrainConfig,
     compare_names,
+    switch_at_arg,
 )
 from fp4jax.train.loop import TrainingDiverged, train
 from fp4jax.train.rundir import check_out
@@ -83,8 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--first-bf16", type=int, default=d.first_bf16, help="leading blocks kept in BF16")
     a("--last-bf16", type=int, default=d.last_bf16,
       help="trailing blocks kept in BF16 (-1: ceil(15%% of blocks), the paper's default)")
-    a("--switch-at", type=float, default=None, help="fraction of training to switch at")
+    a("--switch-at", type=switch_at_arg, default=None,
+      help="fraction of training to switch at, or 'auto': when the gradient-to-noise ratio "
+           "(--grad-noise-every) stays below --switch-threshold for --switch-window steps")
     a("--switch", default=d.switch, choices=SWITCH_MODES, help="GEMMs switched to BF16")
+    precision.add_flags(a, d)  # --switch-threshold/-window, --grad-noise-every, --bf16-*
     a("--eval-every", type=int, default=d.eval_every)
     a("--eval-batches", type=int, default=d.eval_batches)
     a("--log-every", type=int, default=d.log_every)

@@ -18,6 +18,7 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -448,6 +449,8 @@ def plot_sweep(results: Sequence[dict], path: Path, baseline: str | None = None)
             line, = ax.plot(x, y.mean(0), label=f"{sp} (n={len(mine)})",
                             marker="o" if ys == "val_loss" else None, ms=3)
             ax.fill_between(x, y.min(0), y.max(0), color=line.get_color(), alpha=0.2)
+            for r in mine:
+                _mark_switch(r, (ax,), line.get_color())
             if ys == "val_loss":
                 lo = min(lo, float(y.min()))
     ax1.set(xlabel="step", ylabel="train loss (EMA 0.9, nats/byte)",
@@ -466,6 +469,15 @@ def plot_sweep(results: Sequence[dict], path: Path, baseline: str | None = None)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _mark_switch(r: dict, axes: Sequence[Any], color: Any) -> None:
+    """A dotted vertical line at the step where run ``r`` switched precision
+    (``result.json``'s ``switch_step``: a fixed ``--switch-at`` or the auto switch)."""
+    step = r.get("switch_step")
+    if step is not None:
+        for ax in axes:
+            ax.axvline(step, color=color, ls=":", lw=1.0)
 
 
 def _ema(xs: Sequence[float]) -> np.ndarray:
@@ -542,7 +554,8 @@ def plot_losses(results: Sequence[dict], path: Path) -> Path | None:
     for r in results:
         h = r["history"]
         label = r.get("spec") or r["recipe"]
-        ax1.plot(h["step"], ema(h["loss"]), label=label)
+        line, = ax1.plot(h["step"], ema(h["loss"]), label=label)
+        _mark_switch(r, (ax1, ax2), line.get_color())
         v = r.get("final_val_loss")
         v = r.get("last_val_loss") if v is None else v
         ax2.plot(h["val_step"], h["val_loss"], marker="o", ms=3,

@@ -76,8 +76,14 @@ class TrainConfig:
     clip_norm: float = 1.0
     first_bf16: int = 0
     last_bf16: int = -1
-    switch_at: float | None = None
+    switch_at: float | str | None = None
     switch: str = "both"
+    switch_threshold: float = math.sqrt(3.0)
+    switch_window: int = 50
+    grad_noise_every: int = 0
+    bf16_layers: str | None = None
+    bf16_budget: float = 0.15
+    bf16_warmup: int = 50
     eval_every: int = 20
     eval_batches: int = 4
     log_every: int = 10
@@ -121,8 +127,17 @@ RUN_KEYS: dict[str, str] = {
     "first_bf16": "leading blocks kept in BF16 (int >= 0)",
     "last_bf16": "trailing blocks kept in BF16 (int >= -1; -1: the last ~15%)",
     "switch_at": "fraction of training after which the GEMMs of `switch` run in BF16 "
-                 "(number in [0, 1], as --switch-at)",
+                 "(number in [0, 1], or auto: by the gradient-to-noise monitor; as "
+                 "--switch-at)",
     "switch": f"GEMMs switched to BF16 at switch_at: one of {list(SWITCH_MODES)}",
+    "bf16_layers": "linear layers kept in BF16 (as --bf16-layers: auto, auto:PATH, or "
+                   "quoted comma-separated names such as 'block_3/q,block_5/down')",
+    "bf16_budget": "fraction of the measured layers --bf16-layers auto keeps in BF16 "
+                   "(number in [0, 1])",
+    "grad_noise_every": "steps between gradient-to-noise measurements (int >= 0, as "
+                        "--grad-noise-every)",
+    "switch_threshold": "ratio below which switch_at=auto switches (number > 0)",
+    "switch_window": "steps the ratio must stay below the threshold (int >= 0)",
 }
 
 
@@ -142,12 +157,20 @@ def _run_value(spec: str, key: str, text: str) -> Any:
     ok = {
         "first_bf16": _is_int(v) and v >= 0,
         "last_bf16": _is_int(v) and v >= -1,
-        "switch_at": _is_real(v) and math.isfinite(v) and 0.0 <= v <= 1.0,
+        "switch_at": v == "auto" or (_is_real(v) and math.isfinite(v) and 0.0 <= v <= 1.0),
         "switch": v in SWITCH_MODES,
+        "bf16_layers": isinstance(v, str) and bool(v.strip()),
+        "bf16_budget": _is_real(v) and math.isfinite(v) and 0.0 <= v <= 1.0,
+        "grad_noise_every": _is_int(v) and v >= 0,
+        "switch_threshold": _is_real(v) and math.isfinite(v) and v > 0,
+        "switch_window": _is_int(v) and v >= 0,
     }[key]
     if not ok:
         raise ValueError(f"recipe spec {spec!r}: {key}={text}: {key} is {want}")
-    return float(v) if key == "switch_at" else v
+    if key == "bf16_layers":
+        return v.strip()
+    return (float(v) if key in ("switch_at", "bf16_budget", "switch_threshold") and v != "auto"
+            else v)
 
 
 def split_run_spec(spec: str) -> tuple[str, dict[str, Any]]:
@@ -222,6 +245,7 @@ _INT_MIN: dict[str, int] = {
     "seq_len": 2, "batch_size": 1, "steps": 1, "warmup_steps": 0, "first_bf16": 0,
     "last_bf16": -1, "eval_every": 0, "eval_batches": 1, "log_every": 1, "checkpoint_every": 0,
     "devices": 0, "fsdp": 1, "keep_checkpoints": 1, "stats_every": 0,
+    "switch_window": 0, "grad_noise_every": 0, "bf16_warmup": 1,
 }
 # real field -> (low, low included?, high or None, high included?); NaN and infinities are
 # always refused
@@ -230,6 +254,7 @@ _REAL_RANGES: dict[str, tuple[float, bool, float | None, bool]] = {
     "min_lr_ratio": (0.0, True, None, False), "decay_fraction": (0.0, True, 1.0, True),
     "weight_decay": (0.0, True, None, False), "beta1": (0.0, True, 1.0, False),
     "beta2": (0.0, True, 1.0, False), "clip_norm": (0.0, False, None, False),
+    "switch_threshold": (0.0, False, None, False), "bf16_budget": (0.0, True, 1.0, True),
 }
 
 
@@ -264,7 +289,10 @@ def validate_config(cfg: TrainConfig) -> None:
         raise ConfigError("seed", f"must be an integer, got {cfg.seed!r}")
     if cfg.stop_at is not None and (not _is_int(cfg.stop_at) or cfg.stop_at < 0):
         raise ConfigError("stop_at", f"must be an integer >= 0 (or None), got {cfg.stop_at!r}")
-    if cfg.switch_at is not None:
+    if cfg.switch_at is not None and cfg.switch_at != "auto":
+        if isinstance(cfg.switch_at, str):
+            raise ConfigError("switch_at", f"must be a number in [0, 1] or 'auto', got "
+                              f"{cfg.switch_at!r}")
         _check_real("switch_at", cfg.switch_at, 0.0, True, 1.0, True)
     for field in ("resume", "progress", "scan_layers", "overwrite"):
         if not isinstance(getattr(cfg, field), bool):
@@ -336,6 +364,121 @@ def validate_config(cfg: TrainConfig) -> None:
     if cfg.resume and cfg.overwrite:
         raise ConfigError("overwrite", "--overwrite starts afresh and --resume continues: "
                           "give one of them")
+    validate_precision(cfg)
+
+
+AUTO = "auto"
+
+
+def switch_at_arg(text: str) -> float | str:
+    """``--switch-at``'s value: ``"auto"`` or a number (range checked by ``TrainConfig``).
+
+    Raises:
+      argparse.ArgumentTypeError: neither.
+    """
+    import argparse
+
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a fraction of the steps in [0, 1] or 'auto', got {text!r}") from None
+
+
+def explicit_bf16_layers(value: str | None) -> list[str] | None:
+    """The layer names of a ``bf16_layers`` value: ``[]`` for None, the comma-separated
+    names of a list (``"block_3/q, block_5/down"``), None for ``"auto"``/``"auto:PATH"``
+    (chosen by measurement, ``fp4jax.train.precision.resolve_bf16_layers``)."""
+    if value is None:
+        return []
+    if value == AUTO or value.startswith(AUTO + ":"):
+        return None
+    return [x.strip() for x in value.split(",") if x.strip()]
+
+
+def bf16_layer_patterns(cfg: TrainConfig, mc: LlamaConfig) -> tuple[str, ...]:
+    """The ``PrecisionPolicy.high_precision_layers`` patterns of ``cfg.bf16_layers``.
+
+    Raises:
+      ValueError: ``bf16_layers`` is still ``auto`` (resolve it first) or names a layer the
+        model does not have.
+    """
+    from fp4jax.models.llama import policy_layer_name
+
+    names = explicit_bf16_layers(cfg.bf16_layers)
+    if names is None:
+        raise ValueError(f"bf16_layers={cfg.bf16_layers!r} must be resolved to layer names "
+                         "first (fp4jax.train.precision.resolve_bf16_layers)")
+    return tuple(policy_layer_name(n, mc) for n in names)
+
+
+def gradient_noise_problem(recipe: Recipe) -> str | None:
+    """Why the gradient-to-noise criterion (FP4-all-the-way Section 4: unbiased stochastic
+    rounding of the gradients) does not apply to ``recipe``, or None when it does: the
+    recipe must quantize a backward GEMM and round every quantized gradient operand (dy, in
+    dgrad and wgrad) stochastically."""
+    dys = {"dgrad": recipe.dgrad.lhs, "wgrad": recipe.wgrad.rhs}
+    if not (recipe.dgrad.quantized or recipe.wgrad.quantized):
+        return ("quantizes no backward GEMM (dgrad, wgrad): its gradients carry no "
+                "quantization noise to monitor")
+    rtn = [g for g, q in dys.items() if q.quantized and not q.stochastic]
+    if rtn:
+        return (f"rounds the gradient dy of {' and '.join(rtn)} to nearest: the sqrt(3) "
+                "criterion assumes the zero-mean noise of stochastic rounding "
+                "(FP4-all-the-way Section 4.1); round-to-nearest errors are biased (its "
+                "Appendix B.2)")
+    if not any(q.stochastic for q in dys.values()):
+        return ("does not quantize the gradient dy in dgrad or wgrad: the sqrt(3) criterion "
+                "is about the stochastic-rounding noise of the gradients")
+    return None
+
+
+def validate_precision(cfg: TrainConfig) -> None:
+    """The checks of the automatic precision keys (``bf16_layers``, ``switch_at="auto"``),
+    for ``cfg.recipe`` and every ``compare`` spec with its run-level keys applied.
+
+    Raises:
+      ConfigError: naming the field, why, and the fix.
+    """
+    from fp4jax.models.llama import policy_layer_name
+
+    specs = [cfg.recipe] + (compare_names(cfg.compare) if cfg.compare else [])
+    for spec in specs:
+        rest, run = split_run_spec(spec)
+        eff = {k: run.get(k, getattr(cfg, k)) for k in RUN_KEYS}
+        where = f" (recipe spec {spec!r})" if run or cfg.compare else ""
+        bl = eff["bf16_layers"]
+        if bl is not None:
+            if not isinstance(bl, str) or not bl.strip():
+                raise ConfigError("bf16_layers", f"must be auto, auto:PATH or comma-separated "
+                                  f"layer names (e.g. block_3/q,block_5/down), got {bl!r}")
+            names = explicit_bf16_layers(bl)
+            if names is None and bl != AUTO and not bl[len(AUTO) + 1:].strip():
+                raise ConfigError("bf16_layers", f"{bl!r}: give the run directory or "
+                                  "metrics.jsonl after auto: (auto:runs/nvfp4)")
+            if names is not None:
+                mc = model_config(cfg)
+                for n in names or [""]:
+                    try:
+                        policy_layer_name(n, mc)
+                    except ValueError as e:
+                        raise ConfigError("bf16_layers", f"{e}{where}") from None
+            if bl == AUTO and cfg.bf16_warmup > cfg.steps:
+                raise ConfigError("bf16_warmup", f"the FP4 warm-up of --bf16-layers auto "
+                                  f"({cfg.bf16_warmup} steps) is longer than the run "
+                                  f"({cfg.steps} steps): give --bf16-warmup <= --steps")
+        if eff["switch_at"] == AUTO:
+            if not eff["grad_noise_every"]:
+                raise ConfigError("switch_at", "auto decides on the gradient-to-noise ratio, "
+                                  "measured every --grad-noise-every N steps: give "
+                                  f"--grad-noise-every N (e.g. 10){where}")
+            problem = gradient_noise_problem(fp4jax.recipes.parse(rest))
+            if problem:
+                raise ConfigError("switch_at", f"auto needs a recipe with stochastically "
+                                  f"rounded FP4 gradients; recipe {rest!r} {problem}. Use "
+                                  f"a fixed --switch-at FRACTION instead{where}")
 
 
 
@@ -355,8 +498,11 @@ def model_config(cfg: TrainConfig) -> LlamaConfig:
 
 
 def last_bf16_blocks(cfg: TrainConfig, n_layers: int) -> int:
-    """``last_bf16``, or when negative the paper's default: the last ~15% of the blocks."""
-    return math.ceil(0.15 * n_layers) if cfg.last_bf16 < 0 else cfg.last_bf16
+    """``last_bf16``, or when negative the paper's default: the last ~15% of the blocks, or
+    none when ``bf16_layers`` chooses the BF16 layers instead."""
+    if cfg.last_bf16 >= 0:
+        return cfg.last_bf16
+    return 0 if cfg.bf16_layers else math.ceil(0.15 * n_layers)
 
 
 def switched_recipe(recipe: Recipe, mode: str) -> Recipe:
@@ -373,10 +519,13 @@ def switched_recipe(recipe: Recipe, mode: str) -> Recipe:
 
 
 def make_policy(cfg: TrainConfig, mc: LlamaConfig, recipe: Recipe) -> PrecisionPolicy:
-    """The precision policy of a run: ``recipe`` except the first/last BF16 blocks."""
+    """The precision policy of a run: ``recipe`` except the first/last BF16 blocks and the
+    ``bf16_layers`` (names; ``"auto"`` must have been resolved first, see
+    ``fp4jax.train.precision.resolve_bf16_layers``)."""
     return PrecisionPolicy(
         recipe, first_high_precision=cfg.first_bf16,
         last_high_precision=last_bf16_blocks(cfg, mc.n_layers),
+        high_precision_layers=bf16_layer_patterns(cfg, mc),
     )
 
 

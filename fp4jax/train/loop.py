@@ -31,7 +31,7 @@ from fp4jax import diagnostics
 from fp4jax.data import ByteDataset
 from fp4jax.models.llama import Llama, layer_name, layer_order
 from fp4jax.recipes import Recipe
-from fp4jax.train import parallel, processes
+from fp4jax.train import parallel, precision, processes
 from fp4jax.train.checkpoint import (
     CheckpointDamaged,
     Checkpointer,
@@ -47,6 +47,7 @@ from fp4jax.train.checkpoint import (
 from fp4jax.train.config import (
     OVERRIDABLE_KEYS,
     TrainConfig,
+    last_bf16_blocks,
     make_optimizer,
     make_policy,
     make_schedule,
@@ -90,8 +91,8 @@ def _global_norm(tree: Any) -> jax.Array:
 
 
 # Times each step function was traced (once per compilation):
-# {"init", "train", "eval", "stats"}.
-TRACE_COUNTS: dict[str, int] = {"init": 0, "train": 0, "eval": 0, "stats": 0}
+# {"init", "train", "eval", "stats", "noise"}.
+TRACE_COUNTS: dict[str, int] = {"init": 0, "train": 0, "eval": 0, "stats": 0, "noise": 0}
 
 
 def _traced(kind: str) -> None:
@@ -201,12 +202,49 @@ def make_stats_step(model: Llama, mesh: Mesh) -> Callable:
     return jax.jit(stats, out_shardings=NamedSharding(mesh, P()))
 
 
+def noise_gradients(model: Llama, model_hp: Llama) -> Callable:
+    """``grads(params, batch, base_key, step) -> (g, g_q)``: the gradients of the loss of
+    train step ``step`` (its SR key ``fold_in(base_key, step)`` and the run's layer key, as
+    ``make_train_step`` derives them) through ``model_hp`` (``g``) and ``model`` (``g_q``)."""
+
+    def grads(params, batch, key_arg, step):
+        key = jax.random.fold_in(key_arg, step)
+        layer_key = jax.random.fold_in(key_arg, LAYER_KEY_INDEX)
+        g_q = jax.grad(lambda p: loss_fn(model, p, batch, key, layer_key))(params)
+        g = jax.grad(lambda p: loss_fn(model_hp, p, batch, key, layer_key))(params)
+        return g, g_q
+
+    return grads
+
+
+def make_grad_noise_step(model: Llama, model_hp: Llama, mesh: Mesh) -> Callable:
+    """A jit-compiled ``noise(params, batch, base_key, step) ->
+    fp4jax.diagnostics.gradient_noise(g, g_q)``: the gradient-to-noise ratio of train step
+    ``step`` (FP4-all-the-way Section 4), globally and per layer (named as ``layer_name``
+    does). ``g_q`` is the gradient of ``model`` (the train step's own: the same batch, SR
+    key ``fold_in(base_key, step)`` and layer key), ``g`` that of ``model_hp``, the same
+    model with its backward GEMMs in high precision (``switched_recipe(recipe, "bwd")``: the
+    same forward pass and parameters). Float32 scalars, replicated. A function apart from
+    the train step, which it leaves unchanged."""
+
+    grads = noise_gradients(model, model_hp)
+
+    def noise(params, batch, key_arg, step):
+        _traced("noise")
+        g, g_q = grads(params, batch, key_arg, step)
+        return diagnostics.gradient_noise(g, g_q, name_fn=layer_name)
+
+    return jax.jit(noise, out_shardings=NamedSharding(mesh, P()))
+
+
 # Config keys that leave the compiled init/train/eval functions unchanged (the seed enters as
 # a key argument); runs whose other keys agree share them (``_step_fns``).
 _NOT_COMPILED = frozenset({"seed", "out", "resume", "stop_at", "progress", "cache_dir",
                            "checkpoint_every", "log_every", "compare", "resume_override",
                            "overwrite", "keep_checkpoints", "data", "val_fraction",
-                           "eval_every", "eval_batches", "switch_at", "stats_every"})
+                           "eval_every", "eval_batches", "switch_at", "stats_every",
+                           "switch_threshold", "switch_window", "grad_noise_every",
+                           "bf16_budget", "bf16_warmup"})
 _STEP_CACHE: dict[tuple, dict] = {}
 _STEP_CACHE_SIZE = 4
 
@@ -320,6 +358,31 @@ def _restore_newest(ckpt: Checkpointer, target: dict, cfg_dict: dict, overrides:
         f"{where} and resume again")
 
 
+def _quantized_backward(model: Llama) -> bool:
+    """Whether ``model``'s recipe quantizes a backward GEMM (else its gradients carry no
+    quantization noise to measure)."""
+    r = model.policy.recipe
+    return r is not None and (r.dgrad.quantized or r.wgrad.quantized)
+
+
+def _resume_precision(meta: dict, bf16: dict | None, monitor: Any, switch_step: int
+                      ) -> tuple[Any, int]:
+    """The auto switch's state from the checkpoint's ``meta`` (the switch step, if it
+    fired), after checking that the checkpoint used the BF16 layers ``bf16``."""
+    saved = meta.get("bf16_layers")
+    if bf16 is not None and saved is not None and saved.get("layers") != bf16["layers"]:
+        raise ValueError(f"refusing to resume: checkpoint {meta['step']} trained with BF16 "
+                         f"layers {saved.get('layers')}, the run's record says "
+                         f"{bf16['layers']} ({precision.RECORD} changed?)")
+    if monitor is None:
+        return None, switch_step
+    st = meta.get("auto_switch") or {}
+    monitor = diagnostics.SwitchMonitor(monitor.threshold, monitor.window,
+                                        **{k: st.get(k) for k in ("below_since", "switched_at",
+                                                                  "last_step")})
+    return monitor, (switch_step if monitor.switched_at is None else monitor.switched_at)
+
+
 def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     """Runs one training run; returns its result dict (also written to ``out/result.json``).
 
@@ -355,17 +418,35 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
                          f"{mesh.devices.flat[0].platform} devices): use --attention xla")
     if cfg.batch_size % n_dev:
         raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by {n_dev} devices")
+    if processes.count() > 1:
+        # these keep host-side state in --out (records, warm-up sub-runs) that only process 0
+        # would see: not wired for several processes yet
+        used = [flag for flag, on in (("--bf16-layers", rcfg.bf16_layers is not None),
+                                      ("--switch-at auto", rcfg.switch_at == "auto"),
+                                      ("--grad-noise-every", bool(rcfg.grad_noise_every))) if on]
+        if used:
+            raise ValueError(f"{', '.join(used)}: not supported in a multi-process run yet; "
+                             "run them in one process (any number of its devices)")
     ds = dataset or ByteDataset.load(cfg.data, cfg.seq_len, cfg.val_fraction, cfg.cache_dir)
     if ds.seq_len != cfg.seq_len:
         raise ValueError(f"dataset seq_len {ds.seq_len} != config seq_len {cfg.seq_len}")
+    # --bf16-layers: names, or measured once (auto: an FP4 warm-up sub-run; resumed: the
+    # recorded set); rcfg then names them, its BF16 blocks explicit
+    bf16 = precision.resolve_bf16_layers(cfg, rcfg, recipe, mc, train, ds)
+    if bf16 is not None:
+        rcfg = rcfg.replace(last_bf16=last_bf16_blocks(rcfg, mc.n_layers),
+                            bf16_layers=",".join(bf16["layers"]) or None)
 
     policy = make_policy(rcfg, mc, recipe)
     model = Llama(mc, policy)
-    switch_step = (cfg.steps + 1 if rcfg.switch_at is None
+    switch_step = (cfg.steps + 1 if rcfg.switch_at in (None, "auto")
                    else int(round(rcfg.switch_at * cfg.steps)))
     if switch_step >= cfg.steps:  # --switch-at 1.0 (or rounding to the end): never switches
         switch_step = cfg.steps + 1
     model2 = Llama(mc, policy.replace(recipe=switched_recipe(recipe, rcfg.switch)))
+    # --switch-at auto: the host-side decision on the measured gradient-to-noise ratio
+    monitor = (diagnostics.SwitchMonitor(rcfg.switch_threshold, rcfg.switch_window)
+               if rcfg.switch_at == "auto" else None)
 
     tx = make_optimizer(cfg)
     schedule = make_schedule(cfg)
@@ -417,7 +498,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         host_target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state) if multi else None
 
         def restore() -> Any:
-            nonlocal damaged, overridden
+            nonlocal damaged, overridden, monitor, switch_step
             if ckpt is None:
                 raise ValueError("--resume needs orbax-checkpoint (pip install "
                                  "orbax-checkpoint)")
@@ -429,6 +510,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
             saved_sha = saved_meta.get("data_sha256")
             if "data" in overrides and saved_sha not in (None, data_sha):
                 overridden["data_sha256"] = [saved_sha, data_sha]
+            monitor, switch_step = _resume_precision(saved_meta, bf16, monitor, switch_step)
             return restored
 
         restored = processes.on_main(restore, template=host_target, what="restoring --resume")
@@ -447,6 +529,10 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     stats_fn = (fns.setdefault("stats", {False: make_stats_step(model, mesh),
                                          True: make_stats_step(model2, mesh)})
                 if cfg.stats_every else None)
+    fp4_names = precision.fp4_layer_names(mc, model.policy)
+    noise_fn = (fns.setdefault("noise", {k: make_grad_noise_step(
+        m, Llama(mc, m.policy.replace(recipe=switched_recipe(m.policy.recipe, "bwd"))), mesh)
+        for k, m in ((False, model), (True, model2))}) if rcfg.grad_noise_every else None)
     val_np = ds.val_batches(cfg.eval_batches, cfg.batch_size)
     val = [processes.global_array(b.shape, data_sharding, lambda r, b=b: b[r]) for b in val_np]
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -459,8 +545,17 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         header += "; compiled steps reused from an earlier run (the seed is an argument)"
     if switch_step <= cfg.steps:
         header += f"; switch {rcfg.switch} to BF16 at step {switch_step}"
+    elif monitor is not None:
+        header += (f"; switch {rcfg.switch} to BF16 once the gradient-to-noise ratio stays "
+                   f"below {rcfg.switch_threshold:.4g} for {rcfg.switch_window} steps")
     elif rcfg.switch_at is not None:
         header += f"; switch_at {rcfg.switch_at}: never switches (past the last step)"
+    if rcfg.grad_noise_every:
+        header += (f"; gradient-to-noise ratio every {rcfg.grad_noise_every} steps"
+                   if _quantized_backward(model) else "; gradient-to-noise ratio: not "
+                   "measured (the recipe quantizes no backward GEMM)")
+    if bf16 is not None:
+        header += f"; BF16 layers ({bf16['source']}): {', '.join(bf16['layers']) or 'none'}"
     if cfg.stats_every:
         header += f"; per-layer stats every {cfg.stats_every} steps"
     if processes.count() > 1:
@@ -474,6 +569,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
             log.write(json.dumps(rec) + "\n")
             log.flush()
 
+    if bf16 is not None and not cfg.resume:
+        write({"type": "bf16_layers", "step": 0, **bf16})
     if overridden or damaged:
         rec: dict[str, Any] = {"type": "resume", "step": start}
         if overridden:
@@ -551,6 +648,30 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         timing["t"] += dt
         window["t"] += dt
 
+    def measure_noise(s: int, batch: jax.Array) -> bool:
+        """Writes the gradient-to-noise ratio of step ``s`` (the state before it, its batch
+        and keys) as a ``"grad_noise"`` record (its time kept out of the throughput) and
+        feeds the auto switch; True when the switch fires at ``s``."""
+        t0 = time.perf_counter()
+        r = diagnostics.flatten_noise(jax.device_get(noise_fn[s >= switch_step](
+            state["params"], batch, sr_key, state["step"])))
+        # beside the global ratio (the paper's, over every parameter): the FP4 layers'
+        r["fp4_layers"] = diagnostics.combine_noise([r["layers"][n] for n in fp4_names
+                                                     if n in r["layers"]])
+        dt = time.perf_counter() - t0
+        write({"type": "grad_noise", "step": s, "wall_s": dt, **r})
+        timing["t"] += dt
+        window["t"] += dt
+        if monitor is None or not monitor.update(s, r["ratio"]):
+            return False
+        write({"type": "switch", "step": s, "mode": rcfg.switch, "ratio": r["ratio"],
+               "threshold": monitor.threshold, "window": monitor.window,
+               "below_since": monitor.below_since})
+        pbar.write(f"[{recipe.name}] step {s}: gradient-to-noise ratio {r['ratio']:.3f} below "
+                   f"{monitor.threshold:.4g} since step {monitor.below_since}: switching "
+                   f"{rcfg.switch} to BF16 from step {s}")
+        return True
+
     def _drop_bad_checkpoints(s: int) -> str:
         """Deletes checkpoints whose parameters give the non-finite step ``s`` (checkpoint
         ``s`` itself: step ``s`` starts from it) and says which checkpoint is good."""
@@ -592,7 +713,9 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         def write_checkpoint() -> None:
             if ckpt is None:
                 return
-            meta = {"config": cfg_dict, "step": s, "data_sha256": data_sha}
+            meta = {"config": cfg_dict, "step": s, "data_sha256": data_sha,
+                    **({"bf16_layers": bf16} if bf16 is not None else {}),
+                    **({"auto_switch": monitor.state()} if monitor is not None else {})}
             try:
                 ckpt.save(s, host, meta, checksum=state_checksum(leaves))
             except Exception as e:
@@ -629,6 +752,11 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
             "device_kind": mesh.devices.flat[0].device_kind, "wall_s": wall,
             "data_sha256": data_sha, "config": cfg_dict, "history": history,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "bf16_layers": bf16["layers"] if bf16 is not None else None,
+            "switch_step": switch_step if switch_step < end else None,
+            "bf16_gemm_fraction": precision.bf16_gemm_fraction(
+                mc, model.policy, model2.policy, end if diverged_at is None else diverged_at,
+                switch_step),
         }
         if main:
             tmp = out / "result.json.tmp"
@@ -647,6 +775,11 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
             batch = processes.global_array(  # each process reads the rows it holds
                 (cfg.batch_size, cfg.seq_len + 1), data_sharding,
                 lambda r, s=s: ds.train_batch(s, cfg.batch_size, cfg.seed, r))
+            if (noise_fn is not None and s % rcfg.grad_noise_every == 0
+                    and _quantized_backward(model2 if s >= switch_step else model)):
+                process()
+                if measure_noise(s, batch):  # the auto switch fired: step s runs switched
+                    switch_step = s
             if stats_fn is not None and s % cfg.stats_every == 0:
                 process()
                 measure(s, batch)  # before the step, which donates the state
