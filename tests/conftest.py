@@ -40,3 +40,15 @@ def _shared_compile_cache(tmp_path_factory):
     for n, v in old.items():
         jax.config.update(n, v)
     cc.reset_cache()
+
+
+@pytest.fixture
+def keep_compile_cache():
+    """``--compile-cache off`` (``fp4jax.train.cli.main``) turns JAX's process-wide persistent
+    cache off: put the session's setting back after the test."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    old = {n: getattr(jax.config, n) for n in names}
+    yield
+    for n, v in old.items():
+        jax.config.update(n, v)

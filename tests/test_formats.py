@@ -543,16 +543,6 @@ def test_diagnostics_saturation_uses_the_element_max():
 # ----------------------------------------------------------------------------- training
 
 
-@pytest.fixture
-def keep_compile_cache():
-    """``--compile-cache off`` turns JAX's process-wide persistent cache off: put it back."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    old = {n: getattr(jax.config, n) for n in names}
-    yield
-    for n, v in old.items():
-        jax.config.update(n, v)
-
 
 def test_train_cli_runs_the_hybrid_recipe(tmp_path, keep_compile_cache):
     """``fp4jax-train --recipe mxfp8_fwd_nvfp4_bwd --preset micro``: two steps, finite losses,

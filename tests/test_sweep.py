@@ -11,7 +11,6 @@ import re
 import shutil
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
@@ -26,15 +25,7 @@ CLI = ["--preset", "micro", "--steps", "4", "--lr", "0.01", "--batch-size", "4",
 SPECS = "bf16,bf16(name=twin)"  # two specs with the same numerics
 
 
-@pytest.fixture(autouse=True)
-def keep_compile_cache():
-    """``--compile-cache off`` turns JAX's process-wide persistent cache off: put it back."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    old = {n: getattr(jax.config, n) for n in names}
-    yield
-    for n, v in old.items():
-        jax.config.update(n, v)
+pytestmark = pytest.mark.usefixtures("keep_compile_cache")  # conftest
 
 
 def test_split_specs_and_slugs():

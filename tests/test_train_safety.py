@@ -27,16 +27,7 @@ CLI = ["--preset", "micro", "--recipe", "bf16", "--steps", "30", "--lr", "0.01",
        "--log-every", "1", "--warmup-steps", "3", "--no-progress", "--compile-cache", "off"]
 
 
-@pytest.fixture(autouse=True)
-def keep_compile_cache():
-    """``T.main(... "--compile-cache", "off")`` turns JAX's process-wide persistent cache off:
-    put the session's setting back after each test."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    old = {n: getattr(jax.config, n) for n in names}
-    yield
-    for n, v in old.items():
-        jax.config.update(n, v)
+pytestmark = pytest.mark.usefixtures("keep_compile_cache")  # conftest
 
 
 @pytest.fixture(scope="module")
