@@ -150,14 +150,16 @@ def _check_grad_noise_uses_the_train_steps_own_gradients(runs):
 
 def test_grad_noise_is_the_train_steps_sr_noise_and_matches_numpy():
     """``noise_gradients``' quantized gradient is the train step's own (same SR draws: the
-    step's gradient, read off its Adam first moment, is within 5% of ``||eps||`` of it;
+    step's gradient, read off its Adam first moment, is within 5% of ``||eps||`` of it, also
+    when the step runs data-parallel on several devices, as the harness's does here;
     another step's draws are ~1.4 ``||eps||`` away), and ``gradient_noise`` of the pair is
     the NumPy computation of ``||g|| / (sigma_q sqrt(d))`` on them, globally and per layer.
     (The config of tests/test_stats.py's runs: their compiled train step is reused.)"""
     import optax
+    from jax.sharding import NamedSharding
 
     from fp4jax.models.llama import Llama, layer_name
-    from fp4jax.train import loop
+    from fp4jax.train import loop, parallel
 
     cfg = T.TrainConfig(**BASE)
     mc, recipe = T.model_config(cfg), fp4jax.recipes.nvfp4()
@@ -165,11 +167,15 @@ def test_grad_noise_is_the_train_steps_sr_noise_and_matches_numpy():
     model = Llama(mc, policy)
     model_hp = Llama(mc, policy.replace(recipe=T.switched_recipe(recipe, "bwd")))
     tx = T.make_optimizer(cfg)
-    state = jax.jit(loop.make_init_state(model, tx, cfg))(jax.random.key(0))
+    mesh = loop.make_mesh(cfg.devices)  # all devices (4 under tests/conftest.py), as train()
+    # laid out as train() lays them out: the same compiled (data-parallel) train step
+    state = jax.jit(loop.make_init_state(model, tx, cfg), out_shardings=parallel.shardings(
+        loop._REPLICATED, mesh))(jax.random.key(0))
     params = jax.tree.map(np.asarray, state["params"])
-    batch = jax.random.randint(jax.random.key(1), (8, 65), 0, 256)
+    batch = jax.device_put(jax.random.randint(jax.random.key(1), (8, 65), 0, 256),
+                           NamedSharding(mesh, parallel.BATCH))
     base = jax.random.key(7)
-    new, m = loop.make_train_step(model, tx, None, loop.make_mesh(1))(state, batch, base)
+    new, m = loop.make_train_step(model, tx, None, mesh)(state, batch, base)
     # step 0: mu = (1 - beta1) * g * clip_norm / max(||g||, clip_norm)
     adam = next(x for x in jax.tree.leaves(new["opt_state"], is_leaf=lambda x: isinstance(
         x, optax.ScaleByAdamState)) if isinstance(x, optax.ScaleByAdamState))
