@@ -387,14 +387,18 @@ def test_validation_script_rows_and_report(tmp_path):
                     {"type": "grad_noise", "step": 0, "ratio": 9.0, "fp4_layers": {"ratio": 5.0},
                      "layers": {"block_0/q": {"ratio": 4.0}, "lm_head": {"ratio": "inf"}}})
                     .replace('"inf"', "Infinity") + "\n")
-        (tmp_path / "overhead.json").write_text(json.dumps({"setup": {"overhead_steps": 4},
-            "settings": [{"kind": "stats", "every": 0, "recipe": "nvfp4", "wall_s": 2.0,
-                          "calls": 0, "first_call_s": None, "call_s": None, "measure_s": 0.0,
-                          "measure_share": 0.0, "overhead_vs_off": 0.0},
+        off = {"every": 0, "recipe": "nvfp4", "wall_s": 2.0, "calls": 0, "first_call_s": None,
+               "call_s": None, "measure_s": 0.0, "measure_share": 0.0, "overhead_vs_off": 0.0}
+        # two calls' files (one overhead kind each) are read together
+        (tmp_path / "overhead-stats.json").write_text(json.dumps({
+            "setup": {"overhead_steps": 4},
+            "settings": [{**off, "kind": "stats"},
                          {"kind": "stats", "every": 1, "recipe": "nvfp4", "wall_s": 3.0,
                           "calls": 4, "first_call_s": 5.0, "call_s": 0.25,
                           "measure_s": 0.75, "measure_share": 0.375,
                           "overhead_vs_off": 0.5}]}))
+        (tmp_path / "overhead-grad_noise.json").write_text(json.dumps({
+            "setup": {"overhead_steps": 4}, "settings": [{**off, "kind": "grad_noise"}]}))
         md = ap.report(tmp_path, ap.SETUP)
     finally:
         sys.modules.pop("auto_precision", None)
@@ -404,4 +408,5 @@ def test_validation_script_rows_and_report(tmp_path):
     # the switch row: per seed the switch step and the last ratio (smallest layer's)
     assert "| 480/480 | 9.00, 5.00, 4.00 / 9.00, 5.00, 4.00 |" in md
     assert "| stats | 1 | `nvfp4` | 3.00 | 4 | 5.00 | 0.2500 | 37.5% | +50.0% |" in md
+    assert "| grad_noise | off | `nvfp4` | 2.00 |" in md
     assert "not run" in md and (tmp_path / "report.png").stat().st_size > 1000
