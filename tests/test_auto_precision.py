@@ -339,7 +339,8 @@ def _check_bf16_layers_from_a_stats_file(runs, tmp_path):
     run ``a``) and stops after the record is written when told to (``stop_at=0``)."""
     out_a, a = runs["a"]
     cfg = T.TrainConfig(**BASE, data=runs["text"], out=str(tmp_path / "p"), stop_at=0,
-                        bf16_layers=f"auto:{out_a / 'bf16_warmup'}", bf16_budget=0.25)
+                        bf16_layers=f"auto:{out_a / 'bf16_warmup'}", bf16_budget=0.25,
+                        switch="bwd")  # run a's compiled functions, reused
     r = T.train(cfg)
     rec = json.loads((tmp_path / "p" / precision.RECORD).read_text())
     assert r["bf16_layers"] == rec["layers"] == a["bf16_layers"]
