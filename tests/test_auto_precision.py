@@ -150,14 +150,16 @@ def _check_grad_noise_uses_the_train_steps_own_gradients(runs):
 
 def test_grad_noise_is_the_train_steps_sr_noise_and_matches_numpy():
     """``noise_gradients``' quantized gradient is the train step's own (same SR draws: the
-    step's gradient, read off its Adam first moment, is within 5% of ``||eps||`` of it;
+    step's gradient, read off its Adam first moment, is within 5% of ``||eps||`` of it, also
+    when the step runs data-parallel on several devices, as the harness's does here;
     another step's draws are ~1.4 ``||eps||`` away), and ``gradient_noise`` of the pair is
     the NumPy computation of ``||g|| / (sigma_q sqrt(d))`` on them, globally and per layer.
     (The config of tests/test_stats.py's runs: their compiled train step is reused.)"""
     import optax
+    from jax.sharding import NamedSharding
 
     from fp4jax.models.llama import Llama, layer_name
-    from fp4jax.train import loop
+    from fp4jax.train import loop, parallel
 
     cfg = T.TrainConfig(**BASE)
     mc, recipe = T.model_config(cfg), fp4jax.recipes.nvfp4()
@@ -165,11 +167,15 @@ def test_grad_noise_is_the_train_steps_sr_noise_and_matches_numpy():
     model = Llama(mc, policy)
     model_hp = Llama(mc, policy.replace(recipe=T.switched_recipe(recipe, "bwd")))
     tx = T.make_optimizer(cfg)
-    state = jax.jit(loop.make_init_state(model, tx, cfg))(jax.random.key(0))
+    mesh = loop.make_mesh(cfg.devices)  # all devices (4 under tests/conftest.py), as train()
+    # laid out as train() lays them out: the same compiled (data-parallel) train step
+    state = jax.jit(loop.make_init_state(model, tx, cfg), out_shardings=parallel.shardings(
+        loop._REPLICATED, mesh))(jax.random.key(0))
     params = jax.tree.map(np.asarray, state["params"])
-    batch = jax.random.randint(jax.random.key(1), (8, 65), 0, 256)
+    batch = jax.device_put(jax.random.randint(jax.random.key(1), (8, 65), 0, 256),
+                           NamedSharding(mesh, parallel.BATCH))
     base = jax.random.key(7)
-    new, m = loop.make_train_step(model, tx, None, loop.make_mesh(1))(state, batch, base)
+    new, m = loop.make_train_step(model, tx, None, mesh)(state, batch, base)
     # step 0: mu = (1 - beta1) * g * clip_norm / max(||g||, clip_norm)
     adam = next(x for x in jax.tree.leaves(new["opt_state"], is_leaf=lambda x: isinstance(
         x, optax.ScaleByAdamState)) if isinstance(x, optax.ScaleByAdamState))
@@ -333,7 +339,8 @@ def _check_bf16_layers_from_a_stats_file(runs, tmp_path):
     run ``a``) and stops after the record is written when told to (``stop_at=0``)."""
     out_a, a = runs["a"]
     cfg = T.TrainConfig(**BASE, data=runs["text"], out=str(tmp_path / "p"), stop_at=0,
-                        bf16_layers=f"auto:{out_a / 'bf16_warmup'}", bf16_budget=0.25)
+                        bf16_layers=f"auto:{out_a / 'bf16_warmup'}", bf16_budget=0.25,
+                        switch="bwd")  # run a's compiled functions, reused
     r = T.train(cfg)
     rec = json.loads((tmp_path / "p" / precision.RECORD).read_text())
     assert r["bf16_layers"] == rec["layers"] == a["bf16_layers"]
@@ -381,14 +388,18 @@ def test_validation_script_rows_and_report(tmp_path):
                     {"type": "grad_noise", "step": 0, "ratio": 9.0, "fp4_layers": {"ratio": 5.0},
                      "layers": {"block_0/q": {"ratio": 4.0}, "lm_head": {"ratio": "inf"}}})
                     .replace('"inf"', "Infinity") + "\n")
-        (tmp_path / "overhead.json").write_text(json.dumps({"setup": {"overhead_steps": 4},
-            "settings": [{"kind": "stats", "every": 0, "recipe": "nvfp4", "wall_s": 2.0,
-                          "calls": 0, "first_call_s": None, "call_s": None, "measure_s": 0.0,
-                          "measure_share": 0.0, "overhead_vs_off": 0.0},
+        off = {"every": 0, "recipe": "nvfp4", "wall_s": 2.0, "calls": 0, "first_call_s": None,
+               "call_s": None, "measure_s": 0.0, "measure_share": 0.0, "overhead_vs_off": 0.0}
+        # two calls' files (one overhead kind each) are read together
+        (tmp_path / "overhead-stats.json").write_text(json.dumps({
+            "setup": {"overhead_steps": 4},
+            "settings": [{**off, "kind": "stats"},
                          {"kind": "stats", "every": 1, "recipe": "nvfp4", "wall_s": 3.0,
                           "calls": 4, "first_call_s": 5.0, "call_s": 0.25,
                           "measure_s": 0.75, "measure_share": 0.375,
                           "overhead_vs_off": 0.5}]}))
+        (tmp_path / "overhead-grad_noise.json").write_text(json.dumps({
+            "setup": {"overhead_steps": 4}, "settings": [{**off, "kind": "grad_noise"}]}))
         md = ap.report(tmp_path, ap.SETUP)
     finally:
         sys.modules.pop("auto_precision", None)
@@ -398,4 +409,5 @@ def test_validation_script_rows_and_report(tmp_path):
     # the switch row: per seed the switch step and the last ratio (smallest layer's)
     assert "| 480/480 | 9.00, 5.00, 4.00 / 9.00, 5.00, 4.00 |" in md
     assert "| stats | 1 | `nvfp4` | 3.00 | 4 | 5.00 | 0.2500 | 37.5% | +50.0% |" in md
+    assert "| grad_noise | off | `nvfp4` | 2.00 |" in md
     assert "not run" in md and (tmp_path / "report.png").stat().st_size > 1000
