@@ -101,6 +101,12 @@ def compile_one(spec: str, a) -> dict:
         log.seek(0)
         text = log.read().decode(errors="replace")
     hlo = compiled.as_text()
+    if a.dump:
+        import gzip
+        name = re.sub(r"[^A-Za-z0-9=,_-]+", "_", spec).strip("_")
+        os.makedirs(a.dump, exist_ok=True)
+        with gzip.open(os.path.join(a.dump, f"{name}_L{a.layers}.hlo.gz"), "wt") as f:
+            f.write(hlo)
     return {"spec": spec, "lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
             "fusions": hlo.count(" fusion("), "hlo_chars": len(hlo),
             "custom_calls": hlo.count("custom-call("), **parse_log(text)}
@@ -113,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=512)
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--dump", default=None, help="write each optimized HLO here (gzip)")
     ap.add_argument("--kernels", default=None, help="FP4JAX_KERNELS for every spec")
     a = ap.parse_args(argv)
     if a.kernels is not None:
