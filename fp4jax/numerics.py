@@ -43,6 +43,7 @@ __all__ = [
     "pow2",
     "round_to_grid",
     "div_rn",
+    "div_rn_f64",
     "div_rn_integer",
     "recip_scaled_rn",
     "stochastic_round_to_grid",
@@ -237,12 +238,58 @@ def div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
 
     On CPU, XLA's float32 division is IEEE-exact, so it is used directly (the
     integer path costs ~2 s of compile time per quantized layer there). On every
-    other platform the quotient comes from ``div_rn_integer``. The choice is made by
-    ``jax.lax.platform_dependent`` when the computation is lowered for its device.
+    other platform the quotient comes from ``div_rn_f64`` (one float64 division, where
+    the JAX version can trace one) or else ``div_rn_integer``: the same bits. The choice
+    is made by ``jax.lax.platform_dependent`` when the computation is lowered for its
+    device.
     """
     a = jnp.asarray(a, jnp.float32)
     b = jnp.asarray(b, jnp.float32)
-    return jax.lax.platform_dependent(a, b, cpu=jnp.divide, default=div_rn_integer)
+    default = div_rn_f64 if hasattr(jax, "enable_x64") else div_rn_integer
+    return jax.lax.platform_dependent(a, b, cpu=jnp.divide, default=default)
+
+
+def _div_rn_normal(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Where ``div_rn_integer`` computes the quotient itself (bool, broadcast shape): both
+    operands normal float32 numbers and the quotient, rounded to 24 significant bits,
+    a normal float32 number; elsewhere it returns the backend's ``a / b``."""
+    ea = (jax.lax.bitcast_convert_type(a, jnp.int32) >> 23) & 0xFF
+    eb = (jax.lax.bitcast_convert_type(b, jnp.int32) >> 23) & 0xFF
+    return (ea > 0) & (ea < 255) & (eb > 0) & (eb < 255)
+
+
+def div_rn_f64(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``div_rn_integer``'s bits with one float64 division and one rounding to float32.
+
+    For float32 ``a``, ``b`` (24-bit significands) the float64 quotient is the correctly
+    rounded 53-bit quotient (IEEE division, ``div.rn.f64`` on NVIDIA GPUs), and rounding
+    it again to 24 bits gives the correctly rounded float32 quotient: double rounding is
+    innocuous for division when the intermediate precision is at least twice the final
+    one plus two (53 >= 2 * 24 + 2; S. A. Figueroa, "When is double rounding
+    innocuous?", SIGNUM Newsletter 30(3), 1995). The integer long division needs ~150
+    integer operations per quotient, inlined into every quantization: on an H100 its
+    chains were the largest fusions of an NVFP4 layer's compiled step, and XLA's fusion
+    pass spent most of the compile time on them (issue 17,
+    ``experiments/results/training/2026-11-25_compile_passes_h100``).
+
+    Where ``div_rn_integer`` falls back to the backend's ``a / b`` (an operand zero,
+    subnormal, infinite or NaN; a quotient that, rounded to 24 significant bits, is not a
+    normal float32 number), so does this, so the bits are the same everywhere. (No
+    quotient of two normal float32 numbers lies less than ``2**-24`` relative below a
+    power of two, ``A = B (1 - d)`` with 24-bit integers ``A``, ``B`` needing
+    ``d >= 1/B``, so none rounds up into the normal range: comparing the float64
+    quotient with ``2**-126`` is the integer path's test.) The float64 values are traced
+    under ``jax.enable_x64``, whatever the global setting.
+    """
+    a = a.astype(jnp.float32)
+    b = b.astype(jnp.float32)
+    a, b = jnp.broadcast_arrays(a, b)
+    with jax.enable_x64(True):
+        q64 = jax.lax.div(a.astype(jnp.float64), b.astype(jnp.float64))
+        q = q64.astype(jnp.float32)  # infinite iff the rounded quotient is >= 2**128
+        normal = jnp.abs(q64) >= jnp.float64(2.0**-126)
+    ok = _div_rn_normal(a, b) & normal & jnp.isfinite(q)
+    return jnp.where(ok, q, a / b)
 
 
 def div_rn_integer(a: jax.Array, b: jax.Array) -> jax.Array:

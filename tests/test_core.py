@@ -412,14 +412,38 @@ def test_div_rn_is_correctly_rounded():
     b = (r.standard_normal(n) * 10.0 ** r.integers(-15, 15, n)).astype(np.float32)
     a[:1000] = 1.0  # reciprocals, as in the encode scales
     want = (a.astype(np.float64) / b.astype(np.float64)).astype(np.float32)  # RN of exact
-    for fn in (numerics.div_rn, numerics.div_rn_integer):  # the integer path is the GPU's
+    # the GPU's paths: float64 division rounded once more, and the integer long division
+    for fn in (numerics.div_rn, numerics.div_rn_f64, numerics.div_rn_integer):
         got = np.asarray(jax.jit(fn)(jnp.asarray(a), jnp.asarray(b)))
         np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
     # exact quotients and round-half-even ties of the significand
     for x, y in [(3.0, 2.0), (1.0, 4.0), (2688.0, 448.0), (1.0, 3.0), (-7.0, 3.0)]:
-        for fn in (numerics.div_rn, numerics.div_rn_integer):
+        for fn in (numerics.div_rn, numerics.div_rn_f64, numerics.div_rn_integer):
             assert float(fn(jnp.float32(x), jnp.float32(y))) == float(
                 np.float32(x) / np.float32(y))
+
+
+def test_div_rn_f64_has_the_integer_paths_bits():
+    """``div_rn_f64`` (the GPU's division since issue 17's compile-time work) returns
+    ``div_rn_integer``'s bits on random bit patterns (every class: zeros, subnormals,
+    Inf, NaN) and on quotients at the edges of the normal range, where both fall back to
+    the backend's division: around ``2**-126`` and near ``2**128``."""
+    r = np.random.default_rng(21)
+    a = r.integers(0, 2**32, 300_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    b = r.integers(0, 2**32, 300_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    c = r.uniform(1, 2, 50_000).astype(np.float32)
+    wobble = 1 + r.uniform(-2.0**-23, 2.0**-23, c.size)
+    near = (c.astype(np.float64) * 2.0**-126 * wobble).astype(np.float32)  # near/c ~ 2**-126
+    a = np.concatenate([a, near, c * np.float32(2.0**100)])
+    b = np.concatenate([b, c, np.full_like(c, 2.0**-27.999)])
+    got = np.asarray(jax.jit(numerics.div_rn_f64)(a, b))
+    want = np.asarray(jax.jit(numerics.div_rn_integer)(a, b))
+    same = (got.view(np.int32) == want.view(np.int32)) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), (a[~same][:4], b[~same][:4], got[~same][:4], want[~same][:4])
+    # the edge cases are really there: quotients on both sides of 2**-126, and overflows
+    q = np.abs(a.astype(np.float64) / b.astype(np.float64))[300_000:350_000]
+    assert (q < 2.0**-126).sum() > 1000 and (q >= 2.0**-126).sum() > 1000
+    assert (np.isinf(want) & np.isfinite(a) & (b != 0)).any()
 
 
 def _grid_scales() -> np.ndarray:
