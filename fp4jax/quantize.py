@@ -395,10 +395,10 @@ def ms_eden(groups: jax.Array, amax: jax.Array, u: jax.Array
     with a bit-mask rule, and rounds scales below 2**-6 to nearest); the E4M3 grid's
     subnormal scales are rounded stochastically too; the sums have this fixed order (theirs
     is the hardware's); divisions are correctly rounded (``numerics.div_rn``); a non-finite
-    element gives its block a NaN scale and counts as 0 in its group's sums (theirs: NaN for
-    the group). Their newer ``rht128_eden.cu`` kernel computes the correction per block of
-    16 from truncated bf16 scales and derives the tensor scale from the largest corrected
-    scale in a second pass: not implemented.
+    element gives its block a NaN scale and +0 elements and counts as 0 in its group's sums
+    (theirs: NaN for the group). Their newer ``rht128_eden.cu`` kernel computes the
+    correction per block of 16 from truncated bf16 scales and derives the tensor scale from
+    the largest corrected scale in a second pass: not implemented.
 
     Args:
       groups: float32 ``(..., ng, G // 16, 16)``: the elements, blocks of 16 along the last
@@ -423,6 +423,7 @@ def ms_eden(groups: jax.Array, amax: jax.Array, u: jax.Array
     s = jnp.where(finite & (s == 0), f32(1.0), s)
     y = groups * element_encode_scale(s, dec)[..., None]
     q = _round_elements(y, numerics.E2M1, "nearest", None)
+    q = jnp.where(finite[..., None], q, f32(0.0))  # a NaN block: NaN scale, +0 elements
     y = jnp.where(jnp.isfinite(y), y, f32(0.0))
     flat = (*y.shape[:-2], y.shape[-2] * y.shape[-1])
     # the selects keep XLA from fusing the products into FMAs with the sums below

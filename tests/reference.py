@@ -320,7 +320,7 @@ def ref_ms_eden(x, group: int, u_blocks) -> tuple[np.ndarray, np.ndarray, np.flo
     pairwise (element i + element i + G/2, halving; non-finite y count as 0; ``c = 1`` when
     the denominator is 0), final scale ``s * c`` rounded onto the enumerated E4M3 grid up
     with probability ``(s*c - lo) / (hi - lo)`` (up iff ``u < that``, in float64, where it
-    is exact), saturating at 448; NaN for blocks holding NaN/Inf.
+    is exact), saturating at 448; NaN scales and +0 elements for blocks holding NaN/Inf.
     Returns (elements float64 with signed zeros, scales float64, dec float32)."""
     x = np.asarray(x, F32)
     a = np.abs(x)
@@ -342,7 +342,7 @@ def ref_ms_eden(x, group: int, u_blocks) -> tuple[np.ndarray, np.ndarray, np.flo
         s = np.where(finite & (s == 0), 1.0, s)
         e = _elem_scale(s, dec)
         y = (blocks * e[..., None]).astype(F32)
-        q = _round_elem(y)
+        q = np.where(finite[..., None], _round_elem(y), 0.0)
         y0 = np.where(np.isfinite(y), y, F32(0)).astype(F32)
         yy = (y0 * y0).astype(F32).reshape(*y.shape[:-2], -1, group)
         yq = (y0 * q.astype(F32)).astype(F32).reshape(*y.shape[:-2], -1, group)
