@@ -87,13 +87,14 @@ def _scoped(name: str):
 
 @_scoped("fp4_quantize")
 def _quant(x: jax.Array, spec: QuantSpec, axis: int, key: jax.Array,
-           use_kernels: bool = False, shard: Any = None) -> Operand:
+           use_kernels: bool = False, shard: Any = None, group: int = 0) -> Operand:
     """Quantize one operand per its spec (or pass it through when unquantized).
 
     With ``use_kernels`` the dispatcher's packed NVFP4 quantize kernels take the cases
     they cover (round-to-nearest bf16; 1x16 blocks along the last axis, or 16x16 tiles;
-    the ``"max"`` block scale rule only); everything else runs the XLA reference.
-    ``shard``: ``x`` is a row block of a data-parallel tensor (``fp4jax.sharding``).
+    the ``"max"`` block scale rule, one tensor scale); everything else runs the XLA
+    reference. ``shard``: ``x`` is a row block of a data-parallel tensor
+    (``fp4jax.sharding``). ``group``: MS-EDEN's group, the GEMM's RHT size.
     """
     if not spec.quantized:
         return x
@@ -101,11 +102,14 @@ def _quant(x: jax.Array, spec: QuantSpec, axis: int, key: jax.Array,
             and (spec.block_2d or axis % x.ndim == x.ndim - 1)):
         if dispatch.is_supported("quantize", x.shape, x.dtype, fmt=spec.fmt, axis=-1,
                                  block_2d=spec.block_2d,
-                                 block_scale_rule=spec.block_scale_rule):
+                                 block_scale_rule=spec.block_scale_rule,
+                                 row_scaled=spec.row_scaled):
             return dispatch.quantize(x, spec.fmt, axis=-1, block_2d=spec.block_2d,
                                      backend="pallas")
-    return qz._quantize_impl(x, key if spec.stochastic else None, spec.fmt, axis % x.ndim,
-                             spec.block_2d, spec.rounding, spec.block_scale_rule, shard)
+    return qz._quantize_impl(x, key if spec.random else None, spec.fmt, axis % x.ndim,
+                             spec.block_2d, spec.rounding, spec.block_scale_rule, shard,
+                             row_scaled=spec.row_scaled,
+                             eden_group=group if spec.rounding == "ms_eden" else 0)
 
 
 def _rht_signs(g: GemmSpec, key: jax.Array, gemm: str) -> jax.Array:
@@ -162,16 +166,40 @@ def _gemm(subscripts: str, a: Operand, b: Operand, precision: Any) -> jax.Array:
 
 def _einsum_scaled(subscripts: str, av: jax.Array, bv: jax.Array, sa: Any, sb: Any,
                    precision: Any) -> jax.Array:
-    """``einsum(av, bv)`` accumulated in f32, times the tensor decode scales present."""
+    """``einsum(av, bv)`` accumulated in f32, times the tensor decode scales present.
+
+    A row-scaled operand's decode scales (one per row: its shape with the contracted axis
+    of length 1, ``fp4jax.quantize.global_encode_scale``) are indexed by its free and batch
+    axes only, so they factor out of the sum over the contracted axis exactly: they are laid
+    out along the output's axes (``_scale_to_output``) and multiplied in with the other
+    operand's scale as one factor per output element, ``y * (dec_a[m] * dec_b[n])``, as a
+    scalar pair is (Transformer Engine's row-scaled GEMM, ``pytorch/cpp_extensions/
+    gemm.py`` l. 341-353, folds the two into one factor likewise when one side is a scalar;
+    with row scales on both sides it multiplies twice)."""
     y = jnp.einsum(subscripts, av, bv, preferred_element_type=jnp.float32, precision=precision)
     # cuBLAS-style alpha = dec_a * dec_b (NVFP4 paper Eq. 5). Applying the two scales one
     # at a time would avoid the underflow of alpha for two tiny tensors
     # (amax_a * amax_b < ~1e-31), but XLA may re-associate it differently per call site,
     # which breaks bit-reproducibility between equivalent programs.
-    scales = [s for s in (sa, sb) if s is not None]
+    ins, out = subscripts.split("->")
+    scales = [_scale_to_output(s, sub, out) for s, sub in zip((sa, sb), ins.split(","),
+                                                              strict=True) if s is not None]
     if scales:
         y = y * functools.reduce(jnp.multiply, scales)
     return y
+
+
+def _scale_to_output(s: jax.Array, sub: str, out: str) -> jax.Array:
+    """An operand's decode scale(s) broadcastable against the einsum output ``out``: a
+    scalar as is; per-row scales (the operand's shape, ``sub``, with its contracted axes of
+    length 1) with those axes dropped and the rest moved to their output positions."""
+    if jnp.ndim(s) == 0:
+        return s
+    letters = [c for c in sub if c in out]
+    s = s.reshape([d for d, c in zip(s.shape, sub, strict=True) if c in out])
+    order = [c for c in out if c in letters]
+    s = jnp.transpose(s, [letters.index(c) for c in order])
+    return s.reshape([s.shape[order.index(c)] if c in order else 1 for c in out])
 
 
 # ---------------------------------------------------------------------------
@@ -180,8 +208,10 @@ def _einsum_scaled(subscripts: str, av: jax.Array, bv: jax.Array, sa: Any, sb: A
 
 
 def _scaled_path_applies(recipe: Recipe) -> bool:
-    """The kernel path covers recipes whose six operands are all NVFP4."""
-    return all(q.quantized and q.fmt == NVFP4
+    """The kernel path covers recipes whose six operands are all NVFP4 with one tensor
+    scale each and no MS-EDEN rounding (row-scaled and MS-EDEN operands make the whole
+    call take the XLA path: its GEMMs need their per-row scales, ``_einsum_scaled``)."""
+    return all(q.quantized and q.fmt == NVFP4 and not q.row_scaled and q.rounding != "ms_eden"
                for g in (recipe.fprop, recipe.dgrad, recipe.wgrad) for q in (g.lhs, g.rhs))
 
 
@@ -191,7 +221,8 @@ def _kernel_for(x: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: jax.
     return dispatch.operand_kernel(x, block_2d=spec.block_2d, axis=axis,
                                    stochastic=spec.stochastic, rht=g.hadamard,
                                    key=_step_key(key),
-                                   block_scale_rule=spec.block_scale_rule, fmt=spec.fmt)
+                                   block_scale_rule=spec.block_scale_rule, fmt=spec.fmt,
+                                   row_scaled=spec.row_scaled, rounding=spec.rounding)
 
 
 @_scoped("fp4_operands")
@@ -205,7 +236,7 @@ def _scaled_operands(x: jax.Array, ops: tuple, key: jax.Array, kmode: str, shard
     def xla(x, key, op):
         g, spec, axis, gemm, which = op
         q = _quant(_rht(x, g, axis, key, gemm), spec, axis, _subkey(key, gemm, which),
-                   shard=shard)
+                   shard=shard, group=g.hadamard)
         return qz.scaled_data(q, jnp.bfloat16), q.global_scale
 
     kinds = [_kernel_for(x, op[0], op[1], op[2], key) for op in ops]
@@ -327,9 +358,9 @@ def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, p
 
     def forward(x, w, key):
         xq = _quant(_rht(x, fp, 2, key, "fprop"), fp.lhs, 2, _subkey(key, "fprop", "lhs"),
-                    use_kernels, shard)
+                    use_kernels, shard, fp.hadamard)
         wq = _quant(_rht(w, fp, 1, key, "fprop"), fp.rhs, 1, _subkey(key, "fprop", "rhs"),
-                    use_kernels)
+                    use_kernels, group=fp.hadamard)
         return _gemm("bmk,bkn->bmn", xq, wq, precision).astype(out_dtype), wq
 
     @jax.custom_vjp
@@ -342,19 +373,19 @@ def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, p
             wq_d = wq
         else:
             wq_d = _quant(_rht(w, dg, 2, key, "dgrad"), dg.rhs, 2, _subkey(key, "dgrad", "rhs"),
-                          use_kernels)
+                          use_kernels, group=dg.hadamard)
         xq_w = _quant(_rht(x, wg, 1, key, "wgrad"), wg.lhs, 1, _subkey(key, "wgrad", "lhs"),
-                      use_kernels, shard)
+                      use_kernels, shard, wg.hadamard)
         return y, (wq_d, xq_w, key)
 
     def bwd(res, g):
         wq_d, xq_w, key = res
         g = g.astype(jnp.float32) if g.dtype != jnp.bfloat16 else g
         gq_d = _quant(_rht(g, dg, 2, key, "dgrad"), dg.lhs, 2, _subkey(key, "dgrad", "lhs"),
-                      use_kernels, shard)
+                      use_kernels, shard, dg.hadamard)
         dx = _gemm("bmn,bkn->bmk", gq_d, wq_d, precision)
         gq_w = _quant(_rht(g, wg, 1, key, "wgrad"), wg.rhs, 1, _subkey(key, "wgrad", "rhs"),
-                      use_kernels, shard)
+                      use_kernels, shard, wg.hadamard)
         dw = _gemm("bmk,bmn->bkn", xq_w, gq_w, precision)
         return dx.astype(lhs_dtype), dw.astype(rhs_dtype), None
 
@@ -369,7 +400,8 @@ def _call_key(recipe: Recipe, key: Any, rht_key: Any) -> jax.Array:
     if recipe.needs_key:
         if key is None:
             raise ValueError(
-                f"recipe {recipe.name!r} uses stochastic rounding: pass key=jax.random.key(seed) "
+                f"recipe {recipe.name!r} draws random bits (stochastic rounding, MS-EDEN or "
+                "random RHT signs): pass key=jax.random.key(seed) "
                 "(a fresh key per step and layer, e.g. from jax.random.split or a Flax RNG stream)"
             )
         key = qz.normalize_key(key)

@@ -3,8 +3,8 @@
 
 The scale formulas live in ``global_encode_scale``, ``block_decode_scale`` and
 ``element_encode_scale``, each citing its source; Transformer Engine's 4over6 adaptive
-block scaling lives in ``four_over_six``; the element rounding lives in
-``fp4jax.numerics``. This module only arranges blocks.
+block scaling lives in ``four_over_six``, Quartet II's MS-EDEN rounding in ``ms_eden``; the
+element rounding lives in ``fp4jax.numerics``. This module only arranges blocks.
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ __all__ = [
     "block_decode_scale",
     "element_encode_scale",
     "four_over_six",
+    "ms_eden",
+    "row_amax",
     "BLOCK_SCALE_RULES",
+    "ROUNDINGS",
     "FOUR_OVER_SIX_VARIANTS",
     "pack_e2m1",
     "unpack_e2m1",
@@ -39,7 +42,11 @@ E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 """Magnitudes of the eight non-negative E2M1 codes 0b0000 .. 0b0111."""
 
 _F4 = jnp.float4_e2m1fn
-_ROUNDINGS = ("nearest", "stochastic")
+ROUNDINGS = ("nearest", "stochastic", "ms_eden")
+"""Element rounding modes: round-to-nearest-even, stochastic rounding (unbiased per element,
+``numerics.stochastic_round_to_grid``) and Quartet II's MS-EDEN (``ms_eden``: RNE elements,
+a per-group EDEN correction of the block scales, stochastically rounded scales)."""
+_ROUNDINGS = ROUNDINGS
 
 FOUR_OVER_SIX_VARIANTS: dict[str, tuple[str, int]] = {
     "4over6": ("mae", 256),
@@ -69,14 +76,17 @@ class QuantizedArray:
       scale: block decode scales in ``fmt.scale_dtype``. 1D: ``data.shape`` with
         ``axis`` of length ``ceil(n / block)``. 2D: ``(..., ceil(R/b), ceil(C/b))``
         over the last two axes. A block holding NaN/Inf has a NaN scale.
-      global_scale: float32 scalar decode scale (``1/enc``; 1.0 without a tensor scale).
+      global_scale: float32 decode scale (``1/enc``; 1.0 without a tensor scale): a scalar,
+        or for a row-scaled tensor (``quantize(..., row_scaled=True)``) one per row, shaped
+        like ``data`` with the blocked axis of length 1.
       fmt: the ``BlockFormat``.
       axis: the blocked axis for 1D scaling, counted from the end (negative, so that a
         ``QuantizedArray`` batched by ``vmap``/``scan`` still names the right axis);
         ``None`` for 2D.
       block_2d: whether scales are per ``b x b`` tile over the last two axes.
 
-    The represented value of element ``i`` is ``(data[i] * scale[block(i)]) * global_scale``.
+    The represented value of element ``i`` is ``(data[i] * scale[block(i)]) * global_scale``
+    (``global_scale[row(i)]`` when row-scaled).
     """
 
     data: jax.Array
@@ -99,11 +109,12 @@ class QuantizedArray:
 
     def nbytes_packed(self) -> int:
         """Bytes in packed storage: ``fmt.elem_bits`` bits an element (4, 6 or 8, rounded up
-        to whole bytes), the scales (their storage dtype), the tensor scale (4)."""
+        to whole bytes), the scales (their storage dtype), the tensor scale(s) (4 each: one,
+        or one per row when row-scaled)."""
         n = int(np.prod(self.shape))
         return (n * self.fmt.elem_bits + 7) // 8 + int(np.prod(self.scale.shape)) * jnp.dtype(
             self.scale.dtype
-        ).itemsize + 4
+        ).itemsize + 4 * int(np.prod(jnp.shape(self.global_scale)))
 
 
 # ---------------------------------------------------------------------------
@@ -130,8 +141,17 @@ def global_encode_scale(amax: jax.Array, fmt: BlockFormat,
     from TE (their block scales no longer reach 448).
     The decode scale stored in ``QuantizedArray.global_scale`` is ``1/enc``.
 
+    Row-scaled NVFP4 (``quantize(..., row_scaled=True)``): the same formula applied to each
+    row's amax (``row_amax``), one FP32 scale per row of the blocked axis instead of one per
+    tensor: Transformer Engine's ``row_scaled_nvfp4`` (PR #2931, TE commit ``c74e5aa3``;
+    read at ``d0067d0d``: ``quantize_transpose_nvfp4.cuh`` l. 711-733,
+    ``S_enc_rowwise_block = compute_global_encode_scaling_factor_FP4(amax_rowwise_ptr[row])``,
+    and ``pytorch/custom_recipes/reference_nvfp4.py`` l. 704-724, ``global_amax`` of shape
+    ``(m, 1, 1)``). ``amax`` is then an array and the result has its shape.
+
     Args:
-      amax: float32 scalar, max |x| over the finite entries of the tensor.
+      amax: float32 scalar, max |x| over the finite entries of the tensor (or an array of
+        row amaxes: elementwise).
       target: the block-scale value the tensor amax maps to, instead of
         ``fmt.tensor_scale_target`` (4over6 maps it to 256: ``four_over_six``).
     """
@@ -190,9 +210,14 @@ def element_encode_scale(s: jax.Array, dec: jax.Array) -> jax.Array:
     ``block_scale_inverse``. The correctly rounded reciprocal comes from
     ``numerics.recip_scaled_rn``: a per-tensor table of 128 ``div_rn`` reciprocals and one
     exponent subtraction per block, the same bits as ``numerics.div_rn(1, s * dec)``
-    (which on GPUs is an integer long division of ~130 operations per block).
+    (which on GPUs is an integer long division of ~130 operations per block). A
+    non-scalar ``dec`` (row-scaled tensors: one decode scale per row, broadcastable
+    against ``s``) takes ``numerics.div_rn(1, s * dec)`` itself: the same bits.
     """
-    e = numerics.recip_scaled_rn(s, dec)
+    if jnp.ndim(dec) == 0:
+        e = numerics.recip_scaled_rn(s, dec)
+    else:
+        e = numerics.div_rn(jnp.float32(1.0), jnp.asarray(s, jnp.float32) * dec)
     e = jnp.minimum(e, jnp.float32(numerics.FLT_MAX))
     return jnp.where(s == 0, jnp.float32(0.0), e)
 
@@ -269,11 +294,15 @@ def four_over_six(blocks: jax.Array, amax: jax.Array, rule: str = "4over6", *,
       blocks: float32 blocks with the elements last, ``(..., nb, 16)``; with
         ``block_2d``, tiles ``(..., nr, 16, nc, 16)`` (rows, then columns). Zero padding
         adds nothing to the errors.
-      amax: float32 scalar, the tensor's max ``|x|`` over finite entries.
+      amax: float32 scalar, the tensor's max ``|x|`` over finite entries; or, row-scaled
+        (1D blocks only: TE's ``ROW_SCALED_NVFP4`` 4over6 path, ``global_amax =
+        amax[global_row]``, ``quantize_4over6_nvfp4.cuh`` l. 478-481), one amax per row,
+        shaped ``blocks.shape[:-2] + (1,)``: every formula above then uses its row's.
       rule: a key of ``FOUR_OVER_SIX_VARIANTS``.
       block_2d: whether ``blocks`` are 16x16 tiles.
     Returns:
-      ``(dec, s, q)``: the tensor decode scale (float32 scalar), the chosen block scales
+      ``(dec, s, q)``: the tensor decode scale (float32 scalar; row-scaled: shaped like
+        ``amax``), the chosen block scales
       (float32 on the E4M3 grid, NaN for non-finite blocks; ``(..., nb)`` or
       ``(..., nr, nc)``) and the elements (float32 E2M1 values, shaped like ``blocks``).
     """
@@ -300,7 +329,8 @@ def four_over_six(blocks: jax.Array, amax: jax.Array, rule: str = "4over6", *,
     s = jnp.where(finite, s, f32(jnp.nan))
     q = _round_elements(blocks * per_element(element_encode_scale(s, dec)), numerics.E2M1,
                         "nearest", None)
-    val = numerics.div_rn_integer((q * per_element(s)) * amax, f32(6.0 * bound))
+    amax_e = amax if amax.ndim == 0 else amax[..., None]  # row-scaled: (..., 1, 1)
+    val = numerics.div_rn_integer((q * per_element(s)) * amax_e, f32(6.0 * bound))
     d = val - blocks
     if metric == "mae":
         t = jnp.abs(d)
@@ -317,6 +347,165 @@ def four_over_six(blocks: jax.Array, amax: jax.Array, rule: str = "4over6", *,
         err = err[..., 0, :]
     pick4 = finite & (err[0] < err[1])
     return dec, jnp.where(pick4, s[0], s[1]), jnp.where(per_element(pick4), q[0], q[1])
+
+
+_QUARTET2 = ("IST-DASLab/Quartet-II commit 8776a90b7aa0c0a400ad858a3c05a66f7ec55b73, "
+             "src/models/quantization/schemes/quartet_2.py")
+EDEN_SCALE_OVERRIDE = (17 / 16) * 0.93
+"""Quartet II's ``backward_scale_override`` (``quartet_2.py``, ``Quartet_II_fn``): the block
+amax maps to ``6 / EDEN_SCALE_OVERRIDE`` (~6.072), leaving the EDEN correction room."""
+_EDEN_VAL_MAX = float(np.float32(6.0 / EDEN_SCALE_OVERRIDE))  # Triton: 6.0 / scale_override
+_EDEN_SCALES_MAX = float(np.float32(255.99))  # "Not 448 because eden needs space to rescale"
+
+
+def ms_eden(groups: jax.Array, amax: jax.Array, u: jax.Array
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Quartet II's MS-EDEN rounding of NVFP4 (Panferov et al., "Quartet II", arXiv
+    2601.22813): elements rounded to nearest, then per group of ``G`` elements (the RHT tile:
+    128 in Quartet II) the EDEN correction ``<x, x> / <x, q>`` rescales the group's E4M3 block
+    scales, which are then rounded stochastically, so that in expectation over the random
+    rotation and the scale rounding the dequantized tensor is unbiased.
+
+    Source: IST-DASLab/Quartet-II commit ``8776a90b``
+    (8776a90b7aa0c0a400ad858a3c05a66f7ec55b73), ``src/models/quantization/schemes/
+    quartet_2.py``, ``eden_1x16s_fp4_kernel`` (the scheme the repository's README points to),
+    with the element conversion and product order of its CUDA kernel
+    ``kernels/csrc/round_eden_fp4.cu`` (``eden_fp4_kernel``). In float32, in this order,
+    with ``V = f32(6 / EDEN_SCALE_OVERRIDE)`` (~6.072, ``EDEN_SCALE_OVERRIDE`` = 17/16 * 0.93)
+    and ``S = f32(255.99)``:
+
+    * tensor decode scale ``dec = (amax / S) / V`` (1 when ``amax == 0``; clamped to
+      ``>= 2**-126`` so it stays a normal float32, as ``global_encode_scale``'s clamp);
+    * block scale ``s = e4m3_rne((amax_b / V) / dec)`` (never above ``S``, so never
+      saturated), and ``s = 1`` where that is 0;
+    * scaled elements ``y = x * element_encode_scale(s, dec)`` (the CUDA kernel's ``x *
+      (1 / (s * scale))``) and ``q = e2m1_rne_satfinite(y)`` (``cudaRoundNearest``);
+    * per group, ``num = sum y*y`` and ``den = sum y*q`` over its ``G`` elements, in a fixed
+      pairwise order (element ``i`` plus element ``i + G/2``, then halves again, as the
+      kernel's xor-shuffle reduction), products kept out of an FMA with the sums;
+      ``c = num / den`` (1 when ``den == 0``);
+    * the block's final scale is ``s * c`` rounded stochastically onto the E4M3 grid
+      (``numerics.stochastic_round_to_grid``: up with probability ``(s*c - lo) / (hi - lo)``,
+      the Triton kernel's ``prob_up``), with the uniform ``u`` of the block;
+    * the elements stay ``q``: the value is ``(q * s_final) * dec``.
+
+    Differences from their code: the uniforms are fp4jax's (``u``: 8-bit lattice uniforms
+    from ``numerics.uniform_from_key``, so the scale rounding's bias is at most 2**-9 of an
+    E4M3 step; their Triton kernel draws ``tl.rand`` per block, their CUDA kernel 16 bits
+    with a bit-mask rule, and rounds scales below 2**-6 to nearest); the E4M3 grid's
+    subnormal scales are rounded stochastically too; the sums have this fixed order (theirs
+    is the hardware's); divisions are correctly rounded (``numerics.div_rn``); a non-finite
+    element gives its block a NaN scale and +0 elements and counts as 0 in its group's sums
+    (theirs: NaN for the group). Their newer ``rht128_eden.cu`` kernel computes the
+    correction per block of 16 from truncated bf16 scales and derives the tensor scale from
+    the largest corrected scale in a second pass: not implemented.
+
+    Args:
+      groups: float32 ``(..., ng, G // 16, 16)``: the elements, blocks of 16 along the last
+        axis, ``G // 16`` blocks per EDEN group (zero padding adds nothing to the sums).
+      amax: float32 scalar, the tensor's max ``|x|`` over finite entries (after the RHT).
+      u: float32 uniforms in (0, 1), one per block, ``(..., ng, G // 16)``.
+    Returns:
+      ``(dec, s, q)``: the tensor decode scale (float32 scalar), the block scales (float32 on
+      the E4M3 grid, NaN for blocks holding NaN/Inf; ``(..., ng, G // 16)``) and the elements
+      (float32 E2M1 values shaped like ``groups``).
+    """
+    f32 = jnp.float32
+    amax = jnp.asarray(amax, f32)
+    val_max = f32(_EDEN_VAL_MAX)
+    dec = numerics.div_rn_integer(numerics.div_rn_integer(amax, f32(_EDEN_SCALES_MAX)),
+                                  val_max)
+    dec = jnp.where(amax == 0, f32(1.0), jnp.maximum(dec, f32(2.0**-126)))
+    amax_b = block_amax(groups, axis=-1)  # (..., ng, G/16)
+    finite = jnp.isfinite(amax_b)
+    s = numerics.round_to_grid(numerics.div_rn(numerics.div_rn_integer(amax_b, val_max), dec),
+                               numerics.E4M3, "nearest")
+    s = jnp.where(finite & (s == 0), f32(1.0), s)
+    y = groups * element_encode_scale(s, dec)[..., None]
+    q = _round_elements(y, numerics.E2M1, "nearest", None)
+    q = jnp.where(finite[..., None], q, f32(0.0))  # a NaN block: NaN scale, +0 elements
+    y = jnp.where(jnp.isfinite(y), y, f32(0.0))
+    flat = (*y.shape[:-2], y.shape[-2] * y.shape[-1])
+    # the selects keep XLA from fusing the products into FMAs with the sums below
+    yy = jnp.where(jnp.isnan(y), y, y * y).reshape(flat)
+    yq = jnp.where(jnp.isnan(y), y, y * q).reshape(flat)
+    n = flat[-1]
+    while n > 1:  # pairwise: element i + element i + n/2
+        n //= 2
+        yy = yy[..., :n] + yy[..., n:]
+        yq = yq[..., :n] + yq[..., n:]
+    num, den = yy[..., 0], yq[..., 0]
+    c = jnp.where(den == 0, f32(1.0), numerics.div_rn(num, jnp.where(den == 0, 1.0, den)))
+    s = numerics.stochastic_round_to_grid(s * c[..., None], numerics.E4M3, u)
+    return dec, jnp.where(finite, s, f32(jnp.nan)), q
+
+
+def check_row_scaled(row_scaled: bool, fmt: BlockFormat | None, *, block_2d: bool = False,
+                     rounding: str = "nearest", where: str = "quantize") -> None:
+    """Raise a ValueError naming the argument and the fix when row-scaling (one FP32 tensor
+    scale per row, ``global_encode_scale``) does not apply: it needs a quantized format
+    with a tensor scale, 1D blocks (Transformer Engine: "Row-scaled NVFP4 quantization does
+    not support 2D quantization", ``quantize_transpose_nvfp4.cuh`` l. 1419-1420) and not
+    MS-EDEN (which has its own tensor scale rule, ``ms_eden``)."""
+    if not isinstance(row_scaled, (bool, np.bool_)):
+        raise TypeError(f"{_arg('row_scaled', where)} must be a bool, got {row_scaled!r}")
+    if not row_scaled:
+        return
+    arg = _arg("row_scaled", where)
+    if fmt is None:
+        raise ValueError(f"{arg}=True needs a quantized operand, got fmt=None (high "
+                         f"precision): set fmt=fp4jax.NVFP4 or {arg}=False")
+    if not fmt.tensor_scale:
+        raise ValueError(
+            f"{arg}=True replaces the FP32 tensor scale by one per row, but format "
+            f"{fmt.name!r} has no tensor scale (tensor_scale=False): use a two-level format "
+            f"such as fp4jax.NVFP4, or {arg}=False")
+    if block_2d:
+        raise ValueError(
+            f"{arg}=True with {_arg('block_2d', where)}=True: row scales need 1D blocks "
+            "(Transformer Engine: 'Row-scaled NVFP4 quantization does not support 2D "
+            f"quantization'); set {_arg('block_2d', where)}=False or {arg}=False")
+    if rounding == "ms_eden":
+        raise ValueError(
+            f"{arg}=True with {_arg('rounding', where)}='ms_eden': MS-EDEN has its own tensor "
+            f"scale rule (fp4jax.quantize.ms_eden); set {arg}=False or another rounding")
+
+
+def check_ms_eden(fmt: BlockFormat | None, *, block_2d: bool = False,
+                  block_scale_rule: str = "max", where: str = "quantize") -> None:
+    """Raise a ValueError naming the argument and the fix when MS-EDEN rounding (``ms_eden``)
+    does not apply: it is defined for NVFP4 (E2M1 elements, E4M3 scales, blocks of 16, a
+    tensor scale: Quartet II's ``eden_1x16s_fp4_kernel``), 1D blocks, the ``"max"`` block
+    scale rule."""
+    arg = _arg("rounding", where)
+    if fmt is None:
+        raise ValueError(f"{arg}='ms_eden' needs a quantized operand, got fmt=None: set "
+                         "fmt=fp4jax.NVFP4")
+    if not _nvfp4_like(fmt):
+        raise ValueError(
+            f"{arg}='ms_eden' is defined for NVFP4 only (E2M1 elements, E4M3 scales, blocks "
+            f"of 16, an FP32 tensor scale: {_QUARTET2}), got format {fmt.name!r}: use "
+            f"fmt=fp4jax.NVFP4 or {arg}='stochastic'")
+    if block_2d:
+        raise ValueError(
+            f"{arg}='ms_eden' with {_arg('block_2d', where)}=True: MS-EDEN scales 1x16 blocks "
+            f"(Quartet II); set {_arg('block_2d', where)}=False or {arg}='nearest'")
+    if block_scale_rule != "max":
+        raise ValueError(
+            f"{arg}='ms_eden' with {_arg('block_scale_rule', where)}={block_scale_rule!r}: "
+            f"MS-EDEN sets the block scales itself; use {_arg('block_scale_rule', where)}="
+            "'max'")
+
+
+def _arg(name: str, where: str) -> str:
+    """An argument's name in an error: ``name`` for ``quantize``, ``where.name`` else."""
+    return name if where == "quantize" else f"{where}.{name}"
+
+
+def _nvfp4_like(fmt: BlockFormat) -> bool:
+    return (fmt.scale_exp_bits, fmt.scale_man_bits, fmt.block_size, fmt.tensor_scale,
+            fmt.scale_rule, fmt.elem_exp_bits, fmt.elem_man_bits, fmt.scale_ieee) == (
+                4, 3, 16, True, "nearest", 2, 1, False)
 
 
 def check_block_scale_rule(rule: str, fmt: BlockFormat | None, rounding: str = "nearest",
@@ -337,10 +526,7 @@ def check_block_scale_rule(rule: str, fmt: BlockFormat | None, rounding: str = "
         raise ValueError(
             f"{arg}={rule!r} needs a quantized operand, got fmt=None (high precision): set "
             f"fmt=fp4jax.NVFP4 or {arg}='max'")
-    nvfp4_like = (fmt.scale_exp_bits, fmt.scale_man_bits, fmt.block_size, fmt.tensor_scale,
-                  fmt.scale_rule, fmt.elem_exp_bits, fmt.elem_man_bits, fmt.scale_ieee) == (
-                      4, 3, 16, True, "nearest", 2, 1, False)
-    if not nvfp4_like:
+    if not _nvfp4_like(fmt):
         raise ValueError(
             f"{arg}={rule!r} is defined for NVFP4 only (E2M1 elements, E4M3 scales, blocks of "
             f"16, an FP32 tensor scale: {_TE_4OVER6}), got format {fmt.name!r} (elements "
@@ -383,10 +569,10 @@ def _check_float(x: Any, argname: str, where: str = "") -> jax.Array:
 def _check_rounding(rounding: str, key: Any, argname: str = "key") -> None:
     if rounding not in _ROUNDINGS:
         raise ValueError(f"rounding must be one of {_ROUNDINGS}, got {rounding!r}")
-    if rounding == "stochastic" and key is None:
+    if rounding != "nearest" and key is None:
         raise ValueError(
-            f"stochastic rounding needs a PRNG key: pass {argname}=jax.random.key(seed) "
-            "(a new key per call, e.g. from jax.random.split)"
+            f"{rounding!r} rounding draws random bits and needs a PRNG key: pass "
+            f"{argname}=jax.random.key(seed) (a new key per call, e.g. from jax.random.split)"
         )
 
 
@@ -474,6 +660,8 @@ def quantize(
     rounding: str = "nearest",
     key: jax.Array | None = None,
     block_scale_rule: str = "max",
+    row_scaled: bool = False,
+    eden_group: int = 128,
 ) -> QuantizedArray:
     """Quantize ``x`` to a block-scaled format (FP4, or the FP6/FP8 elements of OCP MX).
 
@@ -489,12 +677,22 @@ def quantize(
         (NVFP4 paper sec. 4.2: weights, so that ``Q(W).T == Q(W.T)``); ``axis``
         is then ignored.
       rounding: ``"nearest"`` (RNE) or ``"stochastic"`` (unbiased SR, needs ``key``), onto
-        the format's element grid, saturating to its max.
-      key: a ``jax.random`` key for stochastic rounding.
+        the format's element grid, saturating to its max; or ``"ms_eden"`` (Quartet II's
+        MS-EDEN, ``ms_eden``: NVFP4 and 1D only, needs ``key``; unbiased in expectation
+        over a random Hadamard rotation of ``x`` along ``axis``, which the caller applies:
+        ``fp4jax.dot`` does, with the GEMM's RHT).
+      key: a ``jax.random`` key for stochastic rounding and MS-EDEN.
       block_scale_rule: ``"max"`` (the block amax maps to 6) or a 4over6 rule
         (``"4over6"``, ``"4over6-mse"``, ``"4over6-448"``, ``"4over6-mse-448"``:
         Transformer Engine's adaptive map-to-4 / map-to-6 choice, ``four_over_six``;
         NVFP4 and round-to-nearest only, 1D or 2D).
+      row_scaled: one FP32 tensor scale per row (each vector along ``axis``: the tokens
+        when ``axis`` is the last one) instead of one per tensor, from the row's amax
+        (Transformer Engine's row-scaled NVFP4, ``global_encode_scale``); formats with a
+        tensor scale, 1D blocks. ``global_scale`` then has ``x``'s shape with ``axis`` of
+        length 1.
+      eden_group: elements per MS-EDEN correction group along ``axis`` (the RHT tile: 128
+        in Quartet II; a power of two >= 16); ``axis`` is zero-padded to a multiple of it.
 
     Returns:
       A ``QuantizedArray`` (``data`` in ``fmt.data_dtype``, ``scale`` in
@@ -519,35 +717,71 @@ def quantize(
     if not block_2d and not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis={axis} is out of range for x of shape {x.shape}")
     check_block_scale_rule(block_scale_rule, fmt, rounding)
-    key = normalize_key(key) if rounding == "stochastic" else None
+    check_row_scaled(row_scaled, fmt, block_2d=block_2d, rounding=rounding)
+    if rounding == "ms_eden":
+        check_ms_eden(fmt, block_2d=block_2d, block_scale_rule=block_scale_rule)
+        check_eden_group(eden_group)
+    key = normalize_key(key) if rounding != "nearest" else None
     return _quantize_jit(x, key, fmt, axis % x.ndim - x.ndim, bool(block_2d), rounding,
-                         block_scale_rule)
+                         block_scale_rule, bool(row_scaled),
+                         int(eden_group) if rounding == "ms_eden" else 0)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
-def _quantize_jit(x, key, fmt, axis, block_2d, rounding, block_scale_rule="max"):
-    return _quantize_impl(x, key, fmt, axis, block_2d, rounding, block_scale_rule)
+def check_eden_group(eden_group: Any, where: str = "eden_group") -> None:
+    """ValueError naming ``where`` unless ``eden_group`` is a power of two in 16..256."""
+    if (isinstance(eden_group, bool) or not isinstance(eden_group, (int, np.integer))
+            or eden_group < 16 or eden_group > 256 or eden_group & (eden_group - 1)):
+        raise ValueError(f"{where} must be a power of two in 16..256 (a multiple of the "
+                         f"16-element blocks; Quartet II: 128), got {eden_group!r}")
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8))
+def _quantize_jit(x, key, fmt, axis, block_2d, rounding, block_scale_rule="max",
+                  row_scaled=False, eden_group=0):
+    return _quantize_impl(x, key, fmt, axis, block_2d, rounding, block_scale_rule,
+                          row_scaled=row_scaled, eden_group=eden_group)
+
+
+def row_amax(x: jax.Array, axis: int) -> jax.Array:
+    """Each row's max ``|x|`` over its finite entries (a row: the vector along ``axis``), as
+    float32 shaped like ``x`` with ``axis`` of length 1: the amax of row-scaled NVFP4
+    (Transformer Engine's ``reference_nvfp4.py`` l. 877: ``torch.max(torch.abs(row_input),
+    dim=1)``; fp4jax skips NaN/Inf, as the tensor amax does)."""
+    a = jnp.abs(x.astype(jnp.float32))
+    return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), axis=axis, keepdims=True, initial=0.0)
 
 
 def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding: str,
-                   block_scale_rule: str = "max", shard=None):
+                   block_scale_rule: str = "max", shard=None, *, row_scaled: bool = False,
+                   eden_group: int = 0):
     """The traced body of ``quantize`` (arguments already validated). ``shard``: the mesh
     axis name(s) over which ``x`` is one block of rows of a larger tensor, inside
     ``jax.shard_map`` (``fp4jax.sharding``): the tensor amax is the ``pmax`` over them and
-    the stochastic-rounding draws are taken at the block's rows in the whole tensor."""
+    the stochastic-rounding draws are taken at the block's rows in the whole tensor.
+    ``row_scaled``: one tensor scale per row along ``axis`` (``row_amax``); with ``shard``
+    the row amaxes are reduced over the shards only when ``axis`` is the sharded token axis
+    (``x.ndim - 2``, the canonical ``(B, M, K)`` of ``fp4jax.dot``): a row along the last
+    axis lies on one device, so it needs no cross-device reduction (TE's point). ``eden_group``:
+    MS-EDEN's group size (``rounding="ms_eden"``)."""
     b = fmt.block_size
     xf = x.astype(jnp.float32)
-    amax = _finite_amax(xf)
+    if row_scaled:
+        amax = row_amax(xf, axis)
+        if shard is not None and axis % x.ndim == x.ndim - 2:
+            amax = jax.lax.pmax(amax, shard)
+    else:
+        amax = _finite_amax(xf)
+        if shard is not None:
+            amax = jax.lax.pmax(amax, shard)
     offset = None
     if shard is not None:
-        amax = jax.lax.pmax(amax, shard)
-        if rounding == "stochastic":
+        if rounding != "nearest":
             padded = (_padded_shape(_padded_shape(x.shape, -2, b), -1, b) if block_2d
                       else _padded_shape(x.shape, axis % x.ndim - x.ndim, b))
             offset = numerics.row_shard_draw_offset(padded, jax.lax.axis_index(shard),
                                                     jax.lax.axis_size(shard))
     four6 = block_scale_rule != "max"
-    if not four6:
+    if not four6 and not row_scaled and rounding != "ms_eden":
         enc = global_encode_scale(amax, fmt)
         dec = numerics.div_rn(jnp.float32(1.0), enc)
 
@@ -575,8 +809,15 @@ def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding
 
     axis = axis % x.ndim - x.ndim  # stored negative: it survives vmap's leading batch dims
     n = x.shape[axis]
+    if rounding == "ms_eden":
+        return _quantize_ms_eden(xf, key, fmt, axis, amax, eden_group, offset)
     xm = _pad_to(jnp.moveaxis(xf, axis, -1), -1, b)
     blocks = xm.reshape(*xm.shape[:-1], xm.shape[-1] // b, b)
+    if row_scaled:  # one tensor scale per row: (..., 1) against the blocks (..., nb)
+        amax = jnp.moveaxis(amax, axis, -1)
+        if not four6:
+            enc = global_encode_scale(amax, fmt)
+            dec = numerics.div_rn(jnp.float32(1.0), enc)
     if four6:
         dec, s, q = four_over_six(blocks, amax, block_scale_rule)
         q = q.reshape(xm.shape)[..., :n]
@@ -591,7 +832,31 @@ def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding
         q = _round_elements(blocks * e, fmt.elem_grid, rounding, u).reshape(xm.shape)[..., :n]
     q = jnp.moveaxis(q, -1, axis).astype(fmt.data_dtype)
     scale = jnp.moveaxis(s, -1, axis).astype(fmt.scale_dtype)
+    if row_scaled:
+        dec = jnp.moveaxis(dec, -1, axis)
     return QuantizedArray(q, scale, dec, fmt, axis, False)
+
+
+def _quantize_ms_eden(xf, key, fmt: BlockFormat, axis: int, amax, group: int, offset):
+    """MS-EDEN (``ms_eden``) of ``xf`` (float32) with 1x16 blocks along ``axis`` (negative),
+    groups of ``group`` elements, zero-padded. Each block's scale uniform is the
+    stochastic-rounding uniform (``numerics.uniform_from_key``, drawn over the array padded
+    to whole blocks in its stored order, as SR draws them) of the block's first element."""
+    b = fmt.block_size
+    n = xf.shape[axis]
+    u = numerics.uniform_from_key(key, _padded_shape(xf.shape, axis, b), offset)
+    u = jnp.moveaxis(u, axis, -1)[..., ::b]  # (..., nb): each block's first element
+    xm = _pad_to(jnp.moveaxis(xf, axis, -1), -1, group)
+    per = group // b
+    u = _pad_to(u, -1, per)
+    groups = xm.reshape(*xm.shape[:-1], xm.shape[-1] // group, per, b)
+    dec, s, q = ms_eden(groups, amax, u.reshape(groups.shape[:-1]))
+    nb = -(-n // b)
+    q = q.reshape(xm.shape)[..., :n]
+    s = s.reshape(*xm.shape[:-1], -1)[..., :nb]
+    return QuantizedArray(jnp.moveaxis(q, -1, axis).astype(fmt.data_dtype),
+                          jnp.moveaxis(s, -1, axis).astype(fmt.scale_dtype), dec, fmt, axis,
+                          False)
 
 
 def _padded_shape(shape: tuple[int, ...], axis: int, b: int) -> tuple[int, ...]:

@@ -22,7 +22,13 @@ from collections.abc import Callable
 from typing import Any
 
 from fp4jax.formats import FORMATS, MXFP4, MXFP8_E4M3_UP, NVFP4, BlockFormat, get_format
-from fp4jax.quantize import BLOCK_SCALE_RULES, check_block_scale_rule
+from fp4jax.quantize import (
+    BLOCK_SCALE_RULES,
+    ROUNDINGS,
+    check_block_scale_rule,
+    check_ms_eden,
+    check_row_scaled,
+)
 
 __all__ = [
     "QuantSpec",
@@ -35,6 +41,7 @@ __all__ = [
     "nvfp4_fwd_only",
     "mxfp8",
     "mxfp8_fwd_nvfp4_bwd",
+    "quartet2",
     "get",
     "names",
     "parse",
@@ -42,7 +49,7 @@ __all__ = [
     "HIGH_PRECISION",
 ]
 
-_ROUNDINGS = ("nearest", "stochastic")
+_ROUNDINGS = ROUNDINGS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +58,10 @@ class QuantSpec:
 
     Attributes:
       fmt: a ``BlockFormat`` (or its name); ``None`` keeps the operand in high precision.
-      rounding: ``"nearest"`` (RNE) or ``"stochastic"`` (unbiased SR).
+      rounding: ``"nearest"`` (RNE), ``"stochastic"`` (unbiased SR) or ``"ms_eden"``
+        (Quartet II's MS-EDEN, ``fp4jax.quantize.ms_eden``: NVFP4, 1D, the ``"max"`` rule;
+        its GEMM must have an RHT of 16 or more, whose tile is the EDEN group and whose
+        random signs make it unbiased).
       block_2d: 2D ``b x b`` tiles (weights; NVFP4 paper sec. 4.2) instead of 1D
         blocks along the contraction axis.
       block_scale_rule: how each block's scale is chosen: ``"max"`` (the block amax
@@ -61,12 +71,19 @@ class QuantSpec:
         ``"4over6-mse-448"``: its squared-error metric and its 448 bound;
         ``fp4jax.quantize.four_over_six``). 4over6 needs an NVFP4 format and
         round-to-nearest, and no RHT on its GEMM (TE refuses both combinations).
+      row_scaled: one FP32 tensor scale per row of the operand (each vector along its
+        contraction axis: per token for ``fprop.lhs``) instead of one per tensor:
+        Transformer Engine's row-scaled NVFP4 (``NVFP4BlockScaling(row_scaled_activation=
+        True)``, on the forward activation; ``fp4jax.quantize.global_encode_scale``). 1D
+        blocks and a format with a tensor scale only; the GEMM applies the row scales to
+        its output exactly (``fp4jax.dot``).
     """
 
     fmt: BlockFormat | None = NVFP4
     rounding: str = "nearest"
     block_2d: bool = False
     block_scale_rule: str = "max"
+    row_scaled: bool = False
 
     def __post_init__(self):
         if self.fmt is not None:
@@ -76,6 +93,11 @@ class QuantSpec:
                 f"QuantSpec.rounding must be one of {_ROUNDINGS}, got {self.rounding!r}"
             )
         check_block_scale_rule(self.block_scale_rule, self.fmt, self.rounding, "QuantSpec")
+        check_row_scaled(self.row_scaled, self.fmt, block_2d=self.block_2d,
+                         rounding=self.rounding, where="QuantSpec")
+        if self.rounding == "ms_eden":
+            check_ms_eden(self.fmt, block_2d=self.block_2d,
+                          block_scale_rule=self.block_scale_rule, where="QuantSpec")
 
     @property
     def quantized(self) -> bool:
@@ -83,7 +105,13 @@ class QuantSpec:
 
     @property
     def stochastic(self) -> bool:
+        """Per-element stochastic rounding (``rounding="stochastic"``)."""
         return self.quantized and self.rounding == "stochastic"
+
+    @property
+    def random(self) -> bool:
+        """Whether quantizing draws random bits (SR, or MS-EDEN's scale rounding)."""
+        return self.quantized and self.rounding != "nearest"
 
     def replace(self, **changes: Any) -> QuantSpec:
         return dataclasses.replace(self, **changes)
@@ -128,6 +156,13 @@ class GemmSpec:
                 f"GemmSpec.hadamard_signs={s!r}: use None, an int, 'layer', 'random' or a tuple"
             )
         for side in ("lhs", "rhs"):
+            if getattr(self, side).rounding == "ms_eden" and self.hadamard < 16:
+                raise ValueError(
+                    f"GemmSpec: {side}.rounding='ms_eden' needs an RHT of 16 or more on its "
+                    f"GEMM, got hadamard={self.hadamard}: MS-EDEN's correction is unbiased "
+                    "only in expectation over a random rotation, and its group is the RHT "
+                    "tile (Quartet II: hadamard=128, hadamard_signs='random'); set hadamard "
+                    f"or {side}.rounding='stochastic'")
             rule = getattr(self, side).block_scale_rule
             if self.hadamard and rule != "max":
                 raise ValueError(
@@ -171,6 +206,8 @@ class Recipe:
         Transformer Engine's ``nvfp4_4over6="all"`` scope); ``"max"``: on all six.
         The RHT and stochastic rounding must be off there first, e.g.
         ``nvfp4().replace(rht=0, block_scale_rule="4over6")``.
+      * ``row_scaled=True``: per-row tensor scales on the forward activation
+        (``fprop.lhs``; TE's ``row_scaled_activation``); ``False``: off on all six.
       * dotted paths, e.g. ``**{"dgrad.lhs.rounding": "nearest", "wgrad.hadamard": 0}``.
 
     Example:
@@ -188,9 +225,10 @@ class Recipe:
 
     @property
     def needs_key(self) -> bool:
-        """True when some operand uses stochastic rounding or RHT signs come from the key."""
+        """True when some operand draws random bits (stochastic rounding, MS-EDEN) or RHT
+        signs come from the key."""
         return any(
-            g.lhs.stochastic or g.rhs.stochastic or (g.hadamard and g.hadamard_signs == "random")
+            g.lhs.random or g.rhs.random or (g.hadamard and g.hadamard_signs == "random")
             for g in self.gemms.values()
         )
 
@@ -230,13 +268,15 @@ class Recipe:
                 r = r._map(functools.partial(_set_fmt, get_format(v)))
             elif k == "block_scale_rule":
                 r = r._set_block_scale_rule(v)
+            elif k == "row_scaled":
+                r = r._set_row_scaled(v)
             elif "." in k:
                 r = r._replace_path(k.split("."), v)
             else:
                 raise ValueError(
                     f"Recipe.replace: unknown key {k!r}; use {sorted(fields)}, 'sr', 'rht', "
-                    "'block_2d', 'fmt', 'block_scale_rule' or a dotted path like "
-                    "'dgrad.lhs.rounding'"
+                    "'block_2d', 'fmt', 'block_scale_rule', 'row_scaled' or a dotted path "
+                    "like 'dgrad.lhs.rounding'"
                 )
         return r
 
@@ -275,6 +315,21 @@ class Recipe:
             gemms[gname] = g.replace(**{side: q.replace(block_scale_rule=rule)})
         return dataclasses.replace(self, **gemms)
 
+    def _set_row_scaled(self, on: bool) -> Recipe:
+        """``replace(row_scaled=on)``: True sets it on the forward activation ``fprop.lhs``
+        (TE's ``row_scaled_activation``: "forward activation quantizers emit row-scaled
+        NVFP4 tensors"), False clears it on all six operands."""
+        if not isinstance(on, bool):
+            raise TypeError(f"Recipe.replace: row_scaled must be True or False, got {on!r}")
+        if not on:
+            return self._map(lambda q: q.replace(row_scaled=False) if q.row_scaled else q)
+        try:
+            return dataclasses.replace(
+                self, fprop=self.fprop.replace(lhs=self.fprop.lhs.replace(row_scaled=True)))
+        except ValueError as e:
+            raise ValueError(f"Recipe.replace(row_scaled=True) sets fprop.lhs (x): {e}"
+                             ) from None
+
     def _map(self, fn: Callable[[QuantSpec], QuantSpec]) -> Recipe:
         return dataclasses.replace(
             self,
@@ -307,9 +362,9 @@ class Recipe:
             if not q.quantized:
                 return "high precision"
             dims = "2D" if q.block_2d else "1D"
-            rnd = "SR" if q.rounding == "stochastic" else "RtN"
             rule = "" if q.block_scale_rule == "max" else f" {q.block_scale_rule}"
-            return f"{q.fmt.name} {dims} {rnd}{rule}"
+            rows = " row-scaled" if q.row_scaled else ""
+            return f"{q.fmt.name} {dims} {_ROUNDING_NAMES[q.rounding]}{rule}{rows}"
 
         lines = [f"recipe {self.name}"]
         for gname, g in self.gemms.items():
@@ -342,9 +397,12 @@ def _operand_str(q: QuantSpec) -> str:
     f = q.fmt
     shape = f"{f.block_size}x{f.block_size}" if q.block_2d else f"1x{f.block_size}"
     scale = f"e{f.scale_exp_bits}m{f.scale_man_bits}{'-ieee' if f.scale_ieee else ''}"
-    rnd = "SR" if q.stochastic else "RtN"
     rule = "" if q.block_scale_rule == "max" else f" {q.block_scale_rule}"
-    return f"{f.name} {shape} {scale} {rnd}{rule}"
+    rows = " row-scaled" if q.row_scaled else ""
+    return f"{f.name} {shape} {scale} {_ROUNDING_NAMES[q.rounding]}{rule}{rows}"
+
+
+_ROUNDING_NAMES = {"nearest": "RtN", "stochastic": "SR", "ms_eden": "MS-EDEN"}
 
 
 def _set_fmt(fmt: BlockFormat, q: QuantSpec) -> QuantSpec:
@@ -453,6 +511,32 @@ def mxfp8_fwd_nvfp4_bwd() -> Recipe:
                            fprop=GemmSpec(lhs=_rtn(f), rhs=_rtn(f)))
 
 
+def quartet2() -> Recipe:
+    """Quartet II (Panferov et al., 2026, arXiv 2601.22813; IST-DASLab/Quartet-II commit
+    8776a90b, ``src/models/quantization/schemes/quartet_2.py`` and
+    ``kernels/python/quartet2/linear.py``): NVFP4 everywhere, 1x16 blocks along each GEMM's
+    contraction axis.
+
+    fprop: x and w round-to-nearest with 4over6 block scaling (their ``NVFP4QuantMode.
+    FOUR_SIX`` kernel, ``round_four_six.cu``: squared error, tensor amax mapped to 256 x 6,
+    so ``"4over6-mse"``, Transformer Engine's arithmetic of that rule). dgrad and wgrad: a
+    128-point RHT along the contraction axis on both operands, signs re-drawn every step
+    and layer (``hadamard_signs="random"``: their ``rerotate_hadamard`` per backward call),
+    and MS-EDEN rounding of all four operands (``fp4jax.quantize.ms_eden``) in place of SR.
+
+    Differences from their code: their backward re-quantizes the forward's dequantized x
+    and w (``rht128_requant``), fp4jax quantizes dgrad's w and wgrad's x from the
+    high-precision tensors (as every fp4jax recipe); their RHT multiplies ``H`` by the signs
+    on the right, fp4jax's by ``diag(signs)`` on the left (both a random orthogonal
+    rotation), and draws separate signs for dgrad and wgrad (theirs: one per step for
+    both); MS-EDEN's own differences are in ``ms_eden``.
+    """
+    four6 = QuantSpec(NVFP4, "nearest", block_scale_rule="4over6-mse")
+    eden = QuantSpec(NVFP4, "ms_eden")
+    bwd = GemmSpec(lhs=eden, rhs=eden, hadamard=128, hadamard_signs="random")
+    return Recipe(name="quartet2", fprop=GemmSpec(lhs=four6, rhs=four6), dgrad=bwd, wgrad=bwd)
+
+
 _NAMED: dict[str, Callable[[], Recipe]] = {
     "nvfp4": nvfp4,
     "fp4_all_the_way": fp4_all_the_way,
@@ -461,6 +545,7 @@ _NAMED: dict[str, Callable[[], Recipe]] = {
     "nvfp4_fwd_only": nvfp4_fwd_only,
     "mxfp8": mxfp8,
     "mxfp8_fwd_nvfp4_bwd": mxfp8_fwd_nvfp4_bwd,
+    "quartet2": quartet2,
 }
 
 
@@ -483,9 +568,9 @@ def get(name: str | Recipe) -> Recipe:
 # Recipe spec strings: "nvfp4(sr=False, dgrad.lhs.rounding=nearest)".
 # ---------------------------------------------------------------------------
 
-_SPEC_KNOBS = ("sr", "rht", "block_2d", "fmt", "block_scale_rule", "name")
+_SPEC_KNOBS = ("sr", "rht", "block_2d", "fmt", "block_scale_rule", "row_scaled", "name")
 _GEMM_KEYS = ("hadamard", "hadamard_signs")
-_QUANT_KEYS = ("fmt", "rounding", "block_2d", "block_scale_rule")
+_QUANT_KEYS = ("fmt", "rounding", "block_2d", "block_scale_rule", "row_scaled")
 _RULE_RE = re.compile(r"[A-Za-z0-9_-]+$")  # a bare block_scale_rule value: 4over6-mse
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*$")
 # a spec: NAME, optionally followed by (key=value, ...) overrides
@@ -614,6 +699,8 @@ def parse(spec: str | Recipe) -> Recipe:
       >>> parse("nvfp4(dgrad.lhs.rounding=nearest, wgrad.lhs.rounding=stochastic)")
       >>> parse("nvfp4(rht=0, block_scale_rule=4over6)")       # TE's 4over6 on x and w
       >>> parse("nvfp4(fprop.lhs.block_scale_rule=4over6-mse)")
+      >>> parse("nvfp4(row_scaled=True)")   # TE's row-scaled NVFP4 on the forward x
+      >>> parse("quartet2(wgrad.hadamard=16)")
 
     Raises:
       ValueError naming the bad name, key or value and listing the valid ones.

@@ -188,7 +188,8 @@ def kernel_mode(mkn: int | None = None) -> str:
 
 def operand_kernel(x: jax.Array, *, block_2d: bool, axis: int, stochastic: bool,
                    rht: int, key: jax.Array, block_scale_rule: str = "max",
-                   fmt: Any = None) -> str | None:
+                   fmt: Any = None, row_scaled: bool = False,
+                   rounding: str | None = None) -> str | None:
     """Which fused kernel of ``quantize/operand_sm90`` makes the NVFP4 GEMM operand
     ``scaled_data(quantize(RHT(x)), bfloat16)``: ``"rows"`` (1x16 along the last axis),
     ``"cols"`` (16x1 along the token axis, with the 16-point RHT if ``rht``), ``"2d"``
@@ -199,9 +200,13 @@ def operand_kernel(x: jax.Array, *, block_2d: bool, axis: int, stochastic: bool,
     kernels compute Threefry draws, so other key implementations take the XLA path);
     ``block_scale_rule`` the operand's ``QuantSpec.block_scale_rule`` (the kernels
     implement ``"max"`` only: 4over6 operands take the XLA path); ``fmt`` the operand's
-    format (None: NVFP4; any other format, e.g. MXFP8, takes the XLA path)."""
+    format (None: NVFP4; any other format, e.g. MXFP8, takes the XLA path);
+    ``row_scaled`` (per-row tensor scales) and ``rounding="ms_eden"`` (Quartet II's MS-EDEN)
+    take the XLA path too: the kernels compute one tensor scale and RNE/SR elements."""
     if block_scale_rule != "max":
         return None  # the kernels compute the "max" rule's scales, not 4over6's
+    if row_scaled or rounding == "ms_eden":
+        return None  # one tensor scale per tensor, RNE or SR: not row scales nor MS-EDEN
     if fmt is not None and not _nvfp4(fmt):
         return None  # NVFP4 kernels: E2M1 elements, E4M3 scales, tensor scale
     from pallas_kernels.quantize import operand_sm90 as fq
@@ -313,17 +318,22 @@ def _key_reason(key) -> str | None:
 
 def quantize_unsupported_reason(shape, dtype, *, fmt=None, axis=-1, block_2d=False,
                                 rounding="nearest", key=None,
-                                block_scale_rule="max") -> str | None:
+                                block_scale_rule="max", row_scaled=False) -> str | None:
     """None when a quantize kernel handles these arguments, else the reason.
 
     Kernels: 1x16 blocks along the last axis, round-to-nearest (``quantize_nvfp4_1x16``)
     or stochastic (``quantize_nvfp4_1x16_sr``); 16x16 tiles, round-to-nearest; all with
-    the ``"max"`` block scale rule (4over6 takes the XLA path).
+    the ``"max"`` block scale rule and one tensor scale (4over6, row-scaled tensors and
+    MS-EDEN take the XLA path).
     Stochastic rounding needs a threefry ``key`` (checked when given). Blocks along
     another axis (e.g. 16x1 along the token axis) take the XLA path."""
     if block_scale_rule != "max":
         return (f"kernels implement the 'max' block scale rule only, got "
                 f"block_scale_rule={block_scale_rule!r}")
+    if row_scaled:
+        return "kernels compute one tensor scale per tensor, got row_scaled=True"
+    if rounding == "ms_eden":
+        return "kernels round to nearest or stochastically, got rounding='ms_eden'"
     from pallas_kernels.quantize import packed_sm90 as qk
 
     if fmt is not None and not _nvfp4(fmt):
@@ -375,10 +385,11 @@ def is_supported(op: str, *args, **kwargs) -> bool:
 
 
 def _check_sr_key(rounding: str, key) -> None:
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
-    if rounding == "stochastic" and key is None:
-        raise ValueError("key: stochastic rounding needs a PRNG key, pass "
+    if rounding not in ("nearest", "stochastic", "ms_eden"):
+        raise ValueError(f"rounding must be 'nearest', 'stochastic' or 'ms_eden', got "
+                         f"{rounding!r}")
+    if rounding != "nearest" and key is None:
+        raise ValueError(f"key: {rounding!r} rounding needs a PRNG key, pass "
                          "key=jax.random.key(seed) (a new key per call)")
 
 
@@ -423,10 +434,11 @@ def quantize_packed(x: jax.Array, *, block_2d: bool = False, rounding: str = "ne
 
 def quantize(x: jax.Array, fmt=None, *, axis: int = -1, block_2d: bool = False,
              rounding: str = "nearest", key=None, backend: str = "auto",
-             block_scale_rule: str = "max"):
+             block_scale_rule: str = "max", row_scaled: bool = False,
+             eden_group: int = 128):
     """Drop-in for ``fp4jax.quantize`` that uses a kernel when one applies (1x16 along the
     last axis with either rounding, 16x16 round-to-nearest; the ``"max"`` block scale
-    rule: 4over6 runs ``fp4jax.quantize``).
+    rule, one tensor scale: 4over6, ``row_scaled`` and MS-EDEN run ``fp4jax.quantize``).
 
     The kernel result is unpacked into a ``QuantizedArray`` (one extra XLA pass over the
     packed bytes); callers that can consume packed data should use ``quantize_packed``.
@@ -436,12 +448,14 @@ def quantize(x: jax.Array, fmt=None, *, axis: int = -1, block_2d: bool = False,
     backend = _resolve(backend)
     reason = quantize_unsupported_reason(x.shape, x.dtype, fmt=fmt, axis=axis,
                                          block_2d=block_2d, rounding=rounding, key=key,
-                                         block_scale_rule=block_scale_rule)
+                                         block_scale_rule=block_scale_rule,
+                                         row_scaled=row_scaled)
     if backend == "pallas" and reason is not None:
         raise ValueError(f"pallas quantize kernel unavailable: {reason}")
     if backend == "xla" or reason is not None:
         return qz.quantize(x, fmt, axis=axis, block_2d=block_2d, rounding=rounding, key=key,
-                           block_scale_rule=block_scale_rule)
+                           block_scale_rule=block_scale_rule, row_scaled=row_scaled,
+                           eden_group=eden_group)
     fmt = get_format(fmt)
     packed, sbits, dec = quantize_packed(x, block_2d=block_2d, rounding=rounding, key=key,
                                          backend="pallas")

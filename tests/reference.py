@@ -304,3 +304,63 @@ def ref_sr_uniform(k1: int, k2: int, shape) -> np.ndarray:
             byte = (word >> (8 * (2 * (r % 2) + (c % 2)))) & 0xFF
             u[r, c] = (byte + 0.5) / 256.0
     return u.reshape(shape)
+
+
+def ref_ms_eden(x, group: int, u_blocks) -> tuple[np.ndarray, np.ndarray, np.float32]:
+    """Quartet II's MS-EDEN (IST-DASLab/Quartet-II commit 8776a90b,
+    ``src/models/quantization/schemes/quartet_2.py``, ``eden_1x16s_fp4_kernel``), written
+    from its formulas with the order fp4jax documents (``fp4jax.quantize.ms_eden``): 1x16
+    blocks along the last axis of ``x`` (zero-padded to a multiple of ``group``), one
+    uniform per block in ``u_blocks`` (``x.shape[:-1] + (ceil(n/16),)``).
+
+    In ``np.float32`` arithmetic, one rounding per operation: ``V = f32(6 / (17/16 *
+    0.93))``, ``dec = (amax / f32(255.99)) / V`` (1 for an all-zero tensor, at least
+    2**-126), ``s = e4m3_rne((amax_b / V) / dec)`` (1 where 0), elements ``q =
+    e2m1_rne(x * f32(1 / (s * dec)))``, per group ``c = sum(y*y) / sum(y*q)`` summed
+    pairwise (element i + element i + G/2, halving; non-finite y count as 0; ``c = 1`` when
+    the denominator is 0), final scale ``s * c`` rounded onto the enumerated E4M3 grid up
+    with probability ``(s*c - lo) / (hi - lo)`` (up iff ``u < that``, in float64, where it
+    is exact), saturating at 448; NaN scales and +0 elements for blocks holding NaN/Inf.
+    Returns (elements float64 with signed zeros, scales float64, dec float32)."""
+    x = np.asarray(x, F32)
+    a = np.abs(x)
+    fin = np.isfinite(a)
+    amax = F32(a[fin].max()) if fin.any() else F32(0)
+    v = F32(6.0 / ((17 / 16) * 0.93))
+    dec = F32(F32(amax / F32(255.99)) / v)
+    dec = F32(1) if amax == 0 else max(dec, F32(2.0**-126))
+    n = x.shape[-1]
+    nb = -(-n // 16)
+    xp = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (-n) % group)])
+    blocks = xp.reshape(*xp.shape[:-1], -1, 16)
+    u = np.pad(np.asarray(u_blocks, np.float64), [(0, 0)] * (x.ndim - 1)
+               + [(0, blocks.shape[-2] - nb)])
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        amax_b = np.abs(blocks).max(axis=-1)
+        finite = np.isfinite(amax_b)
+        s = round_nearest(((amax_b.astype(F32) / v).astype(F32) / dec).astype(F32), E4M3)
+        s = np.where(finite & (s == 0), 1.0, s)
+        e = _elem_scale(s, dec)
+        y = (blocks * e[..., None]).astype(F32)
+        q = np.where(finite[..., None], _round_elem(y), 0.0)
+        y0 = np.where(np.isfinite(y), y, F32(0)).astype(F32)
+        yy = (y0 * y0).astype(F32).reshape(*y.shape[:-2], -1, group)
+        yq = (y0 * q.astype(F32)).astype(F32).reshape(*y.shape[:-2], -1, group)
+    while yy.shape[-1] > 1:
+        h = yy.shape[-1] // 2
+        yy = (yy[..., :h] + yy[..., h:]).astype(F32)
+        yq = (yq[..., :h] + yq[..., h:]).astype(F32)
+    num, den = yy[..., 0], yq[..., 0]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        c = np.where(den == 0, F32(1), (num / np.where(den == 0, F32(1), den)).astype(F32))
+    c = np.repeat(c.astype(F32), group // 16, axis=-1)
+    t = (s.astype(F32) * c).astype(F32).astype(np.float64)
+    idx = np.clip(np.searchsorted(E4M3, t, side="right") - 1, 0, len(E4M3) - 1)
+    lo, hi = E4M3[idx], E4M3[np.minimum(idx + 1, len(E4M3) - 1)]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        frac = np.where(hi > lo, (t - lo) / (hi - lo), 0.0)
+    sf = np.where(u < frac, hi, lo)
+    sf = np.where(t >= E4M3[-1], E4M3[-1], sf)
+    sf = np.where(finite, sf, np.nan)
+    q = q.reshape(xp.shape)[..., :n]
+    return q, sf[..., :nb], dec

@@ -3,8 +3,9 @@
 Architecture: token embedding (untied from the LM head), ``n_layers`` pre-norm blocks of
 RMSNorm -> grouped-query attention with rotary position embeddings -> residual, RMSNorm -> FFN
 -> residual, a final RMSNorm and the LM head. No biases. The FFN is squared-ReLU
-(``down(relu(up(x))**2)``, as in the NVFP4 paper's 1.2B model) or SwiGLU
-(``down(silu(gate(x)) * up(x))``).
+(``down(relu(up(x))**2)``, as in the NVFP4 paper's 1.2B model), SwiGLU
+(``down(silu(gate(x)) * up(x))``) or Smooth-SwiGLU (SwiGLU with per-channel scaling of the
+down projection's input, ``smooth_swiglu_scale``; FP4-all-the-way's 7B model).
 
 Precision (NVFP4 paper, section 4): only the block linear layers (``attn.q/k/v/o``,
 ``mlp.up/gate/down``) go through fp4jax, as chosen by a :class:`~fp4jax.nn.PrecisionPolicy`;
@@ -25,12 +26,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from fp4jax import sharding
 from fp4jax.nn.linen import COTANGENT_COLLECTION, PERTURB_COLLECTION, STATS_COLLECTION
 from fp4jax.nn.linen import Dense as Fp4Dense
 from fp4jax.nn.policy import PrecisionPolicy
 
 ATTENTION = ("xla", "cudnn")
 """``LlamaConfig.attention`` values (``causal_attention``'s implementations)."""
+
+FFNS = ("relu2", "swiglu", "smooth_swiglu")
+"""``LlamaConfig.ffn`` values."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +50,8 @@ class LlamaConfig:
       n_kv_heads: key/value heads (grouped-query attention; must divide ``n_heads``).
       d_ff: FFN hidden width.
       max_seq_len: longest sequence the RoPE tables are built for.
-      ffn: ``"relu2"`` (squared ReLU) or ``"swiglu"``.
+      ffn: ``"relu2"`` (squared ReLU), ``"swiglu"`` or ``"smooth_swiglu"`` (SwiGLU whose
+        down projection quantizes a per-channel-scaled input: ``smooth_swiglu_scale``).
       rope_theta: RoPE base.
       norm_eps: RMSNorm epsilon.
       dtype: compute dtype name (``"bfloat16"`` or ``"float32"``).
@@ -77,8 +83,8 @@ class LlamaConfig:
     scan_layers: bool = False
 
     def __post_init__(self) -> None:
-        if self.ffn not in ("relu2", "swiglu"):
-            raise ValueError(f"ffn must be 'relu2' or 'swiglu', got {self.ffn!r}")
+        if self.ffn not in FFNS:
+            raise ValueError(f"ffn must be one of {FFNS}, got {self.ffn!r}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.d_model % self.n_heads:
@@ -98,8 +104,13 @@ class LlamaConfig:
     @property
     def linear_layers(self) -> tuple[str, ...]:
         """Names of the linear layers inside one block."""
-        mlp = ("mlp.gate", "mlp.up", "mlp.down") if self.ffn == "swiglu" else ("mlp.up", "mlp.down")
+        mlp = ("mlp.gate", "mlp.up", "mlp.down") if self.gated else ("mlp.up", "mlp.down")
         return ("attn.q", "attn.k", "attn.v", "attn.o", *mlp)
+
+    @property
+    def gated(self) -> bool:
+        """Whether the FFN is a SwiGLU (plain or smooth): gate, up and down projections."""
+        return self.ffn in ("swiglu", "smooth_swiglu")
 
     def replace(self, **changes: Any) -> LlamaConfig:
         return dataclasses.replace(self, **changes)
@@ -108,7 +119,7 @@ class LlamaConfig:
         """Exact parameter count (embedding + blocks + final norm + LM head)."""
         d, hd = self.d_model, self.head_dim
         attn = d * d * 2 + 2 * d * self.n_kv_heads * hd
-        mlp = (3 if self.ffn == "swiglu" else 2) * d * self.d_ff
+        mlp = (3 if self.gated else 2) * d * self.d_ff
         return 2 * self.vocab_size * d + self.n_layers * (attn + mlp + 2 * d) + d
 
 
@@ -185,6 +196,47 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
+def smooth_swiglu_scale(h: jax.Array, axis_name: Any = None) -> jax.Array:
+    """Per-channel scale of Smooth-SwiGLU (Fishman et al., "Scaling FP8 training to
+    trillion-token LLMs", ICLR 2025, arXiv 2409.12517, sec. 4.3: ``Smooth-SwiGLU(x) =
+    s_i^-1 Q(s_i (w1_i^T Q(x)) Swish(w2_i^T Q(x)))`` per channel ``i`` of the SwiGLU
+    product, the ``s_i^-1`` merged into the down projection's weight; FP4-all-the-way uses
+    it in its 7B model).
+
+    ``s_i = 2**-ceil(log2(amax_i))``, ``amax_i = max |h[..., i]|`` over every leading axis
+    (the batch's tokens; and over the devices of ``axis_name``, the data-parallel mesh axes,
+    so the scale, and the quantized bits, are those of one device), 1 where ``amax_i`` is 0
+    or not finite; no gradient flows through it. The scaled product ``h * s`` has every
+    channel's amax in (1/2, 1], so a block of 16 channels no longer takes its scale from
+    one outlier channel. The down projection computes ``(h * s) @ (w / s[:, None])``:
+    ``s`` is a power of two, so both products are exact and, unquantized, this is the plain
+    SwiGLU bit for bit.
+
+    Verified and not: the formula above and "per-channel max" come from the paper (its text
+    as quoted by Graphcore Research's summary, graphcore-research.github.io
+    ``2024-09-27-fp8_smooth_swiglu.md``); the paper's reference implementation is inside
+    Intel Gaudi's closed ``intel_transformer_engine`` (``use_fp8_smooth_swiglu`` of the
+    down projection's ``IntelTERowParallelLinearFP8SmoothSwiglu``, HabanaAI Megatron-LM
+    ``megatron/core/extensions/intel_transformer_engine.py``), so its exact scale (the
+    amax's reciprocal or a power of two, over which tokens, delayed or current) is not
+    verified; rounding it to a power of two is fp4jax's choice (it keeps the identity exact).
+
+    Args:
+      h: the SwiGLU product ``silu(gate) * up``, ``(..., d_ff)``, any float dtype.
+      axis_name: mesh axis name(s) to take the channel amax over as well (None: none).
+    Returns:
+      float32 ``(d_ff,)``, powers of two.
+    """
+    a = jnp.abs(h.astype(jnp.float32)).reshape(-1, h.shape[-1])
+    amax = jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), axis=0)
+    if axis_name is not None:
+        amax = jax.lax.pmax(amax, axis_name)
+    ok = (amax > 0) & jnp.isfinite(amax)
+    e = jnp.ceil(jnp.log2(jnp.where(ok, amax, 1.0)))
+    s = jnp.where(ok, jnp.exp2(-jnp.clip(e, -126, 126)), 1.0)
+    return jax.lax.stop_gradient(s.astype(jnp.float32))
+
+
 def _linear(cfg: LlamaConfig, recipe: Any, features: int, name: str, std: float) -> nn.Module:
     init = nn.initializers.normal(std)
     if recipe is None:
@@ -217,12 +269,17 @@ class Block(nn.Module):
 
         h = RMSNorm(cfg.norm_eps, cfg.dtype, name="mlp_norm")(x)
         up = _linear(cfg, r["mlp.up"], cfg.d_ff, "up", std)(h)
-        if cfg.ffn == "swiglu":
+        if cfg.gated:
             gate = _linear(cfg, r["mlp.gate"], cfg.d_ff, "gate", std)(h)
             f = nn.silu(gate) * up
         else:
             f = jnp.square(nn.relu(up))
-        x = x + _linear(cfg, r["mlp.down"], cfg.d_model, "down", out_std)(f)
+        down = _linear(cfg, r["mlp.down"], cfg.d_model, "down", out_std)
+        if cfg.ffn == "smooth_swiglu" and r["mlp.down"] is not None:
+            # per-channel scale in, its inverse in the weight (a BF16 down layer: plain SwiGLU)
+            x = x + down(f, channel_scale=smooth_swiglu_scale(f, sharding.data_axis()))
+        else:
+            x = x + down(f)
         return x
 
 

@@ -212,8 +212,14 @@ class Dense(nn.Module):
     layer_rng_collection: str = DEFAULT_LAYER_RNG_STREAM
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Applies the layer: ``x (..., K)`` -> ``(..., features)`` in the compute dtype."""
+    def __call__(self, x: jax.Array, channel_scale: jax.Array | None = None) -> jax.Array:
+        """Applies the layer: ``x (..., K)`` -> ``(..., features)`` in the compute dtype.
+
+        ``channel_scale`` (float32 ``(K,)``, optional): multiply ``x``'s input channels by it
+        and divide the kernel's rows by it before the quantized matmul, ``(x * s) @ (kernel
+        / s[:, None])``, the same product in exact arithmetic (exact in floating point for
+        powers of two): Smooth-SwiGLU's down projection
+        (``fp4jax.models.llama.smooth_swiglu_scale``)."""
         kernel = self.param(
             "kernel", self.kernel_init, (jnp.shape(x)[-1], self.features), self.param_dtype
         )
@@ -222,6 +228,13 @@ class Dense(nn.Module):
             if self.use_bias
             else None
         )
+        if channel_scale is not None:
+            s = jnp.asarray(channel_scale, jnp.float32)
+            if s.shape != (jnp.shape(x)[-1],):
+                raise ValueError(f"Dense: channel_scale must have shape ({jnp.shape(x)[-1]},) "
+                                 f"(one per input channel), got {s.shape}")
+            x = x * s.astype(x.dtype)
+            kernel = kernel / s[:, None].astype(kernel.dtype)
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
         dot = DotGeneral(recipe=self.recipe, rng_collection=self.rng_collection,
                          layer_rng_collection=self.layer_rng_collection)

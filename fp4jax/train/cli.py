@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--jobs", type=int, default=1,
       help="train up to N specs of a sweep at once, one process each, sharing the devices "
            "(compiles run in parallel; tokens/s of concurrent runs are not comparable)")
-    a("--ffn", default=None, choices=["relu2", "swiglu"], help="override the preset's FFN")
+    a("--ffn", default=None, choices=["relu2", "swiglu", "smooth_swiglu"],
+      help="override the preset's FFN (smooth_swiglu: SwiGLU with Smooth-SwiGLU's per-channel "
+           "scaling of the quantized down projection's input, Fishman et al. 2024)")
     a("--dtype", default=None, help="compute dtype override (bfloat16, float32)")
     a("--data", default=None,
       help="text file, directory, or tar/zip archive; gzip, bzip2 and xz/lzma files are "

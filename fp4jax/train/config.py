@@ -310,8 +310,9 @@ def validate_config(cfg: TrainConfig) -> None:
     if cfg.attention not in ATTENTION:
         raise ConfigError("attention", f"must be one of {list(ATTENTION)}, got "
                           f"{cfg.attention!r}")
-    if cfg.ffn is not None and cfg.ffn not in ("relu2", "swiglu"):
-        raise ConfigError("ffn", f"must be 'relu2' or 'swiglu', got {cfg.ffn!r}")
+    if cfg.ffn is not None and cfg.ffn not in ("relu2", "swiglu", "smooth_swiglu"):
+        raise ConfigError("ffn", f"must be 'relu2', 'swiglu' or 'smooth_swiglu', got "
+                                 f"{cfg.ffn!r}")
     if cfg.dtype is not None:
         try:
             floating = jnp.issubdtype(jnp.dtype(cfg.dtype), jnp.floating)
