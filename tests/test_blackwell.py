@@ -259,3 +259,59 @@ def test_jax_lowers_on_is_true_to_this_jax():
             jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)
     np.testing.assert_array_equal(np.asarray(bs.emulate(a, b, sa, sb)),
                                   np.full((1, 8, 16), 48.0, np.float32))
+
+
+# ---------------------------------------------------------------------------
+# The Pallas tcgen05 kernel (gemm/tcgen05_sm100): lowering only, never run here.
+# ---------------------------------------------------------------------------
+
+NVFP4_MMA = "tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.scale_vec::4X"
+
+
+def test_tcgen05_kernel_lowers_for_sm100(monkeypatch):
+    """Lowered for CUDA on the CPU with Mosaic GPU's target arch set to 10.0 (with no GPU
+    it assumes 9.0): Mosaic GPU's Python-side checks of the block-scaled MMA run (dtypes,
+    shapes, TMEM scale layouts) and the module holds the NVFP4 block-scaled MMA (E2M1, one
+    E4M3 scale per 16 elements: ``scale_vec::4X``) and the shared-to-tensor-memory scale
+    copies. Not compiled (no ptxas here), not run."""
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+
+    from pallas_kernels.gemm import tcgen05_sm100 as tc
+
+    if not tc.available():
+        pytest.skip("this JAX has no block-scaled tcgen05_mma")
+    monkeypatch.setattr(mgpu_core, "_infer_arch", lambda: (10, 0))
+    m, k, n = 256, 512, 128
+    S = jax.ShapeDtypeStruct
+    args = (S((m, k), jnp.float4_e2m1fn), S((n, k), jnp.float4_e2m1fn),
+            S((m // 128, k // 64, 32, 16), jnp.float8_e4m3fn),
+            S((n // 128, k // 64, 32, 16), jnp.float8_e4m3fn), S((), jnp.float32))
+    text = jax.export.export(jax.jit(tc.gemm_alpha_nvfp4), platforms=["cuda"])(
+        *args).mlir_module()
+    assert "mosaic_gpu" in text and NVFP4_MMA in text and "tcgen05.cp" in text
+
+
+def test_tcgen05_kernel_input_checks_and_routing(monkeypatch):
+    from pallas_kernels.gemm import tcgen05_sm100 as tc
+
+    f4, e4 = jnp.float4_e2m1fn, jnp.float8_e4m3fn
+    a, b = jnp.zeros((128, 256), f4), jnp.zeros((128, 256), f4)
+    s = jnp.zeros((1, 4, 32, 16), e4)
+    with pytest.raises(ValueError, match="float4_e2m1fn"):
+        tc.gemm_alpha_nvfp4(a.astype(jnp.bfloat16), b, s, s, 1.0)
+    with pytest.raises(ValueError, match="K % 256 == 0"):
+        tc.gemm_alpha_nvfp4(a[:, :128], b[:, :128], s, s, 1.0)
+    with pytest.raises(ValueError, match="swizzle_scales_128x4"):
+        tc.gemm_alpha_nvfp4(a, b, s[:, :2], s, 1.0)
+    assert tc.supported(128, 256, 128) and not tc.supported(64, 256, 128)
+    assert tc.gemm("bmk,bkn->bmn", _q((1, 128, 64)), _q((1, 64, 128), axis=1)) is None  # K
+    # the dispatcher asks for the kernel only under FP4JAX_KERNELS=tcgen05 on an sm_100+
+    # GPU with a bf16 output (here a stand-in that records the call)
+    seen = []
+    monkeypatch.setattr(tc, "gemm", lambda sub, qa, qb: seen.append(sub))  # returns None
+    xq, wq = _q((1, 128, 256)), _q((1, 256, 128), block_2d=True)
+    for sm100, out, n_calls in ((False, jnp.bfloat16, 0), (True, jnp.float32, 0),
+                                (True, jnp.bfloat16, 1)):
+        monkeypatch.setattr(dispatch, "on_sm100", lambda v=sm100: v)
+        y = dispatch.native_gemm("bmk,bkn->bmn", xq, wq, out_dtype=out, mode="tcgen05")
+        assert y.dtype == out and len(seen) == n_calls  # else: the scaled_matmul backend
