@@ -27,7 +27,11 @@ Operations (reference in parentheses):
   Equal up to float32 accumulation order;
 * ``w4a4_matmul`` (``dequantize(A) @ dequantize(B)``): NVFP4 or MXFP4 operands scaled
   along K; decode kernel + bf16 GEMM (M % 64, N % 64, K % 256 == 0). Equal up to float32
-  accumulation order.
+  accumulation order;
+* Blackwell (sm_100+): ``native_mode`` / ``native_gemm`` (``fp4jax.dot``'s XLA path): the
+  recipe's NVFP4 GEMMs on ``jax.nn.scaled_matmul`` (``gemm/blockscale_sm100``) or, only
+  under ``FP4JAX_KERNELS=tcgen05``, the never-run Pallas kernel ``gemm/tcgen05_sm100``.
+  Equal up to float32 accumulation order; not run on Blackwell hardware.
 
 The packed-output functions take ``backend``: ``"auto"`` (kernels on an sm_90 GPU when
 the shape, dtype and options are supported, else XLA), ``"pallas"`` (kernels or a
