@@ -35,6 +35,14 @@ qz = importlib.import_module("fp4jax.quantize")
 dot_mod = importlib.import_module("fp4jax.dot")
 
 
+@pytest.fixture(autouse=True)
+def _on_the_cpu():
+    """CPU checks, also when a GPU is the default device (the GPU machine's pytest runs with
+    JAX_PLATFORMS=cuda,cpu): on a GPU, ``experiments/blackwell_check.py`` is the check."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 # ---------------------------------------------------------------------------
 # The scale layout.
 # ---------------------------------------------------------------------------
@@ -242,6 +250,22 @@ def test_native_gemm_sees_every_scale(scaled_matmul_on_cpu):
     np.testing.assert_array_equal(got, np.asarray(ref))
 
 
+def test_native_gemm_lowers_to_xlas_block_scaled_dot_for_cuda():
+    """Lowered for CUDA (no GPU needed), the native fprop is XLA's block-scaled dot custom
+    call on E2M1 operands and E4M3 scales, K-major and padded to 64, f32 out."""
+    xq, wq = _q((1, 32, 80)), _q((1, 80, 48), block_2d=True)
+
+    def f(a, b):
+        return dispatch.native_gemm("bmk,bkn->bmn", a, b, out_dtype=jnp.bfloat16,
+                                    mode="scaled_matmul")
+
+    text = jax.jit(f).trace(xq, wq).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [ln for ln in text.splitlines() if "__op$block_scaled_dot" in ln]
+    assert len(calls) == 1, calls
+    assert ("(tensor<1x32x128xf4E2M1FN>, tensor<1x48x128xf4E2M1FN>, tensor<1x32x8xf8E4M3FN>,"
+            " tensor<1x48x8xf8E4M3FN>) -> tensor<1x32x48xf32>") in calls[0]
+
+
 def test_jax_lowers_on_is_true_to_this_jax():
     """``jax_lowers_on("cpu")`` says whether this JAX lowers ``jax.nn.scaled_matmul`` on the
     CPU (JAX 0.10.2: no; 0.11: yes, equal to ``emulate`` there)."""
@@ -249,8 +273,6 @@ def test_jax_lowers_on_is_true_to_this_jax():
     b = jnp.ones((1, 16, 32), jnp.float4_e2m1fn)
     sa = jnp.full((1, 8, 2), 0.5, jnp.float8_e4m3fn)
     sb = jnp.full((1, 16, 2), 3.0, jnp.float8_e4m3fn)
-    if jax.devices()[0].platform != "cpu":
-        pytest.skip("CPU check")
     if bs.jax_lowers_on("cpu"):
         got = jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(bs.emulate(a, b, sa, sb)))

@@ -181,11 +181,15 @@ def emulate(a: jax.Array, b: jax.Array, sa: jax.Array, sb: jax.Array) -> jax.Arr
 def scaled_matmul(a: jax.Array, b: jax.Array, sa: jax.Array, sb: jax.Array) -> jax.Array:
     """``jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=float32)``: a (B, M, K),
     b (B, N, K) ``float4_e2m1fn``; sa (B, M, K/16), sb (B, N, K/16) ``float8_e4m3fn``;
-    returns (B, M, N) float32. Where this JAX cannot lower it on the default backend
-    (the CPU before JAX 0.11), ``emulate`` computes the same definition."""
-    if jax_lowers_on(jax.default_backend()):
+    returns (B, M, N) float32. Where this JAX cannot lower it on the CPU (before 0.11), a
+    computation placed on the CPU runs ``emulate`` (the same definition) instead: the
+    choice is made per platform at lowering time (``lax.platform_dependent``)."""
+    def native(a, b, sa, sb):
         return jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)
-    return emulate(a, b, sa, sb)
+
+    if jax_lowers_on("cpu"):
+        return native(a, b, sa, sb)
+    return jax.lax.platform_dependent(a, b, sa, sb, cpu=emulate, default=native)
 
 
 def gemm(subscripts: str, qa, qb, out_dtype) -> jax.Array:
