@@ -164,6 +164,18 @@ def _gemm(subscripts: str, a: Operand, b: Operand, precision: Any) -> jax.Array:
     return _einsum_scaled(subscripts, av, bv, sa, sb, precision)
 
 
+def _gemm_out(subscripts: str, a: Operand, b: Operand, precision: Any, out_dtype: Any,
+              native: str = "off") -> jax.Array:
+    """``_gemm(...).astype(out_dtype)``, or the same GEMM on the dispatcher's Blackwell
+    backend (``native``: ``dispatch.native_mode()``) when it takes these operands (NVFP4
+    quantized along the contracted axis); equal up to float32 accumulation order."""
+    if native != "off":
+        y = dispatch.native_gemm(subscripts, a, b, out_dtype=out_dtype, mode=native)
+        if y is not None:
+            return y
+    return _gemm(subscripts, a, b, precision).astype(out_dtype)
+
+
 def _einsum_scaled(subscripts: str, av: jax.Array, bv: jax.Array, sa: Any, sb: Any,
                    precision: Any) -> jax.Array:
     """``einsum(av, bv)`` accumulated in f32, times the tensor decode scales present.
@@ -342,11 +354,13 @@ def _make_dot3_scaled(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype:
 
 @functools.cache
 def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, precision: Any,
-               kmode: str = "off", forced: bool = False, gemm: str = "xla", shard: Any = None):
+               kmode: str = "off", forced: bool = False, gemm: str = "xla", shard: Any = None,
+               native: str = "off"):
     """The custom_vjp for canonical ``(B, M, K) @ (B, K, N)``, specialized on static args
     (``forced``: ``FP4JAX_KERNELS`` forces the kernels; ``gemm``: ``FP4JAX_KERNEL_GEMM``;
-    ``shard``: the ``fp4jax.sharding.data_parallel`` axes, x and dy being row shards; all
-    part of the cache key)."""
+    ``shard``: the ``fp4jax.sharding.data_parallel`` axes, x and dy being row shards;
+    ``native``: ``dispatch.native_mode()``, the Blackwell GEMM backend for the quantized
+    operands of this XLA path; all part of the cache key)."""
     if kmode != "off" and _scaled_path_applies(recipe):
         return _make_dot3_scaled(recipe, out_dtype, lhs_dtype, rhs_dtype, kmode, gemm, shard)
     # the older packed-quantize kernels of _quant: only when explicitly forced
@@ -361,7 +375,7 @@ def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, p
                     use_kernels, shard, fp.hadamard)
         wq = _quant(_rht(w, fp, 1, key, "fprop"), fp.rhs, 1, _subkey(key, "fprop", "rhs"),
                     use_kernels, group=fp.hadamard)
-        return _gemm("bmk,bkn->bmn", xq, wq, precision).astype(out_dtype), wq
+        return _gemm_out("bmk,bkn->bmn", xq, wq, precision, out_dtype, native), wq
 
     @jax.custom_vjp
     def dot3(x, w, key):
@@ -383,11 +397,11 @@ def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, p
         g = g.astype(jnp.float32) if g.dtype != jnp.bfloat16 else g
         gq_d = _quant(_rht(g, dg, 2, key, "dgrad"), dg.lhs, 2, _subkey(key, "dgrad", "lhs"),
                       use_kernels, shard, dg.hadamard)
-        dx = _gemm("bmn,bkn->bmk", gq_d, wq_d, precision)
+        dx = _gemm_out("bmn,bkn->bmk", gq_d, wq_d, precision, lhs_dtype, native)
         gq_w = _quant(_rht(g, wg, 1, key, "wgrad"), wg.rhs, 1, _subkey(key, "wgrad", "rhs"),
                       use_kernels, shard, wg.hadamard)
-        dw = _gemm("bmk,bmn->bkn", xq_w, gq_w, precision)
-        return dx.astype(lhs_dtype), dw.astype(rhs_dtype), None
+        dw = _gemm_out("bmk,bmn->bkn", xq_w, gq_w, precision, rhs_dtype, native)
+        return dx, dw, None
 
     dot3.defvjp(fwd, bwd)
     return jax.jit(dot3)
@@ -502,7 +516,8 @@ def dot_general(
     fn = _make_dot3(recipe, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype),
                     _hashable_precision(precision),
                     dispatch.kernel_mode(M * K * N if B == 1 else 0),  # kernels need B == 1
-                    dispatch.kernels_forced(), dispatch.gemm_backend(), shard)
+                    dispatch.kernels_forced(), dispatch.gemm_backend(), shard,
+                    dispatch.native_mode())
     y3 = fn(x3, w3, key)
     return y3.reshape(*bshape, *lfshape, *rfshape)
 

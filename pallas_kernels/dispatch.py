@@ -27,7 +27,11 @@ Operations (reference in parentheses):
   Equal up to float32 accumulation order;
 * ``w4a4_matmul`` (``dequantize(A) @ dequantize(B)``): NVFP4 or MXFP4 operands scaled
   along K; decode kernel + bf16 GEMM (M % 64, N % 64, K % 256 == 0). Equal up to float32
-  accumulation order.
+  accumulation order;
+* Blackwell (sm_100+): ``native_mode`` / ``native_gemm`` (``fp4jax.dot``'s XLA path): the
+  recipe's NVFP4 GEMMs on ``jax.nn.scaled_matmul`` (``gemm/blockscale_sm100``) or, only
+  under ``FP4JAX_KERNELS=tcgen05``, the never-run Pallas kernel ``gemm/tcgen05_sm100``.
+  Equal up to float32 accumulation order; not run on Blackwell hardware.
 
 The packed-output functions take ``backend``: ``"auto"`` (kernels on an sm_90 GPU when
 the shape, dtype and options are supported, else XLA), ``"pallas"`` (kernels or a
@@ -57,16 +61,33 @@ qz = importlib.import_module("fp4jax.quantize")
 BACKENDS = ("auto", "pallas", "xla")
 
 
-def on_sm90() -> bool:
-    """True when JAX's default device is an NVIDIA GPU of compute capability 9.x."""
+def _compute_capability() -> tuple[int, int] | None:
+    """(major, minor) of JAX's default device when it is an NVIDIA GPU, else None."""
     try:
         dev = jax.devices()[0]
     except RuntimeError:
-        return False
+        return None
     if dev.platform != "gpu":
-        return False
+        return None
     cc = str(getattr(dev, "compute_capability", ""))
-    return cc.startswith("9")
+    try:
+        major, minor = (int(p) for p in cc.split(".")[:2])
+    except ValueError:
+        return None
+    return major, minor
+
+
+def on_sm90() -> bool:
+    """True when JAX's default device is an NVIDIA GPU of compute capability 9.x."""
+    cc = _compute_capability()
+    return cc is not None and cc[0] == 9
+
+
+def on_sm100() -> bool:
+    """True when JAX's default device is an NVIDIA GPU of compute capability 10.0 or newer
+    (Blackwell: B200/GB200 10.0, GB300 10.3, RTX Pro 12.0): block-scaled FP4 tensor cores."""
+    cc = _compute_capability()
+    return cc is not None and cc[0] >= 10
 
 
 # ---------------------------------------------------------------------------
@@ -75,6 +96,7 @@ def on_sm90() -> bool:
 
 _ENV_OFF = ("off", "0", "xla")  # FP4JAX_KERNELS spellings that force XLA
 _ENV_ON = ("on", "1", "pallas")  # ... that force the kernels
+_ENV_NATIVE = ("native", "tcgen05")  # ... that force the Blackwell GEMM backend
 
 
 def _kernels_env() -> str:
@@ -173,14 +195,15 @@ def kernel_mode(mkn: int | None = None) -> str:
     ``dot``'s trace cache key: a change takes effect on the next call of ``dot``.
     """
     env = _kernels_env()
-    if env in _ENV_OFF:
+    if env in _ENV_OFF or env in _ENV_NATIVE:
         return "off"
     if env == "interpret":
         return "interpret"
     if env in _ENV_ON:
         return "on" if on_sm90() else "off"
     if env not in ("", "auto"):
-        raise ValueError(f"FP4JAX_KERNELS={env!r}: use auto, on or off")
+        raise ValueError(f"FP4JAX_KERNELS={env!r}: use auto, on or off (or native / "
+                         "tcgen05: the Blackwell GEMM backend)")
     big = mkn is None or mkn >= KERNEL_AUTO_MIN_MKN
     single = jax.device_count() == 1 or sharding.data_axis() is not None
     return "on" if big and on_sm90() and single else "off"
@@ -290,6 +313,75 @@ def scaled_gemm(a: jax.Array, b: jax.Array, alpha: jax.Array, *, trans_a: bool,
             and jnp.dtype(out_dtype) == jnp.bfloat16 and ga.preferred(m, k, n)):
         return ga.gemm_alpha(a, b, alpha, trans_a=trans_a, trans_b=trans_b)
     return None
+
+
+# ---------------------------------------------------------------------------
+# Blackwell (sm_100+): fp4jax.dot's GEMMs on block-scaled FP4 tensor cores.
+# Reference: fp4jax.dot's XLA path (einsum of scaled_data, times alpha).
+# Backends: gemm/blockscale_sm100.py (jax.nn.scaled_matmul), gemm/tcgen05_sm100.py.
+# ---------------------------------------------------------------------------
+
+NATIVE_MODES = ("off", "scaled_matmul", "tcgen05")
+
+
+def native_mode() -> str:
+    """Which backend runs ``fp4jax.dot``'s NVFP4 GEMMs natively: ``"off"`` (the XLA
+    emulation, or the Hopper kernels of ``kernel_mode``), ``"scaled_matmul"``
+    (``gemm/blockscale_sm100``: ``jax.nn.scaled_matmul`` on the library's quantized
+    operands) or ``"tcgen05"`` (the Pallas kernel ``gemm/tcgen05_sm100`` where it applies,
+    else ``"scaled_matmul"``).
+
+    ``FP4JAX_KERNELS`` decides: unset/``auto`` and ``on`` give ``"scaled_matmul"`` on an
+    sm_100+ (Blackwell) GPU and ``"off"`` anywhere else (Hopper and the CPU keep their
+    paths); ``off``/``interpret`` give ``"off"``; ``native`` forces ``"scaled_matmul"`` on
+    any device, the CPU included (JAX's CPU lowering of ``scaled_matmul`` from 0.11, the
+    documented definition computed by ``blockscale_sm100.emulate`` before: for tests);
+    ``tcgen05`` asks for the Pallas kernel, which is never chosen otherwise: it has not run
+    on Blackwell hardware (see ``gemm/tcgen05_sm100``). Read at trace time; part of
+    ``fp4jax.dot``'s trace cache key."""
+    env = _kernels_env()
+    if env == "native":
+        return "scaled_matmul"
+    if env == "tcgen05":
+        return "tcgen05"
+    if env in _ENV_OFF or env == "interpret":
+        return "off"
+    if env in _ENV_ON or env in ("", "auto"):
+        return "scaled_matmul" if on_sm100() else "off"
+    raise ValueError(f"FP4JAX_KERNELS={env!r}: use auto, on, off, native or tcgen05")
+
+
+def native_gemm(subscripts: str, a: Any, b: Any, *, out_dtype: Any,
+                mode: str) -> jax.Array | None:
+    """One of ``fp4jax.dot``'s GEMMs on the Blackwell backend ``mode`` (``native_mode``),
+    or None where it does not apply (``mode == "off"``, or an operand that is not NVFP4
+    blocked along the contracted axis: high-precision, MXFP4, FP6/FP8; the caller then runs
+    its XLA GEMM).
+
+    ``a``, ``b``: ``fp4jax.dot``'s canonical quantized operands for ``subscripts``
+    (``"bmk,bkn->bmn"``, ``"bmn,bkn->bmk"``, ``"bmk,bmn->bkn"``). Returns
+    ``(sum_k (q_a s_a)(q_b s_b) * (dec_a * dec_b)).astype(out_dtype)``: the XLA path's
+    value up to float32 accumulation order (``gemm/blockscale_sm100``)."""
+    if mode not in NATIVE_MODES:
+        raise ValueError(f"mode must be one of {NATIVE_MODES}, got {mode!r}")
+    if mode == "off":
+        return None
+    from pallas_kernels.gemm import blockscale_sm100 as bs
+
+    axes = bs.SUBSCRIPTS.get(subscripts)
+    if axes is None:
+        raise ValueError(f"native_gemm: unknown GEMM layout {subscripts!r}: use one of "
+                         f"{sorted(bs.SUBSCRIPTS)}")
+    if any(bs.operand_reason(q, ax) is not None for q, ax in zip((a, b), axes, strict=True)):
+        return None
+    if mode == "tcgen05" and on_sm100() and jnp.dtype(out_dtype) == jnp.bfloat16:
+        from pallas_kernels.gemm import tcgen05_sm100 as tc
+
+        if tc.available():
+            y = tc.gemm(subscripts, a, b)  # None for shapes the kernel does not tile
+            if y is not None:
+                return y
+    return bs.gemm(subscripts, a, b, out_dtype)
 
 
 # ---------------------------------------------------------------------------
