@@ -302,6 +302,9 @@ def test_tcgen05_kernel_lowers_for_sm100(monkeypatch):
 
     if not tc.available():
         pytest.skip("this JAX has no block-scaled tcgen05_mma")
+    if not hasattr(mgpu_core, "_infer_arch"):  # JAX 0.11.2 has no such hook (H100 run)
+        pytest.skip("this JAX's Mosaic GPU has no _infer_arch to set an sm_100 target: the "
+                    "sm_100 lowering is checked on JAX 0.10.2 only")
     monkeypatch.setattr(mgpu_core, "_infer_arch", lambda: (10, 0))
     m, k, n = 256, 512, 128
     S = jax.ShapeDtypeStruct
