@@ -541,25 +541,3 @@ def test_diagnostics_saturation_uses_the_element_max():
 
 
 # ----------------------------------------------------------------------------- training
-
-
-
-def test_train_cli_runs_the_hybrid_recipe(tmp_path, keep_compile_cache):
-    """``fp4jax-train --recipe mxfp8_fwd_nvfp4_bwd --preset micro``: two steps, finite losses,
-    the recipe recorded."""
-    import json
-
-    from fp4jax import train as T
-    from tests.textdata import write_text
-
-    corpus = write_text(tmp_path / "c.txt", 20_000)
-    out = tmp_path / "run"
-    assert T.main(["--preset", "micro", "--recipe", "mxfp8_fwd_nvfp4_bwd", "--steps", "2",
-                   "--lr", "0.01", "--batch-size", "4", "--seq-len", "32", "--eval-every", "0",
-                   "--log-every", "1", "--warmup-steps", "1", "--no-progress",
-                   "--compile-cache", "off", "--devices", "1", "--data", str(corpus),
-                   "--out", str(out)]) == 0
-    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in recs if r["type"] == "train"]
-    assert len(losses) == 2 and np.isfinite(losses).all(), recs
-    assert {r["recipe"] for r in recs if r["type"] == "train"} == {"mxfp8_fwd_nvfp4_bwd"}
