@@ -177,6 +177,18 @@ def _grads(r, x, w, g, key):
     return vjp(g)
 
 
+def _manual_grads(r, x, w, g):
+    """The recipe's dgrad and wgrad rebuilt from dequantized operands (round-to-nearest
+    recipes): ``Q(dy) @ Q(w).T`` and ``Q(Hx).T @ Q(H dy)``, float64."""
+    hx, hg = x, g
+    if r.wgrad.hadamard:
+        hx = fp4jax.random_hadamard_transform(x, axis=0, size=r.wgrad.hadamard)
+        hg = fp4jax.random_hadamard_transform(g, axis=0, size=r.wgrad.hadamard)
+    want_dx = _deq(g, r.dgrad.lhs, -1) @ _deq(w, r.dgrad.rhs, -1).T
+    want_dw = _deq(hx, r.wgrad.lhs, 0).T @ _deq(hg, r.wgrad.rhs, 0)
+    return want_dx, want_dw
+
+
 @pytest.mark.parametrize("name", ["bf16", "nvfp4_fwd_only"])
 def test_unquantized_backward_is_exact_matmul_grads(name):
     """bf16() and nvfp4_fwd_only() leave dgrad and wgrad unquantized."""
@@ -413,12 +425,7 @@ def test_backward_matches_manual_recipe_other_recipes(name):
     x, w, g = _randn(64, 64), _randn(64, 32), _randn(64, 32)
     dx, dw = _grads(r, x, w, g, None)
 
-    hx, hg = x, g
-    if r.wgrad.hadamard:
-        hx = fp4jax.random_hadamard_transform(x, axis=0, size=r.wgrad.hadamard)
-        hg = fp4jax.random_hadamard_transform(g, axis=0, size=r.wgrad.hadamard)
-    want_dx = _deq(g, r.dgrad.lhs, -1) @ _deq(w, r.dgrad.rhs, -1).T
-    want_dw = _deq(hx, r.wgrad.lhs, 0).T @ _deq(hg, r.wgrad.rhs, 0)
+    want_dx, want_dw = _manual_grads(r, x, w, g)
     np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(np.asarray(dw), want_dw, rtol=1e-5, atol=1e-4)
     assert dx.dtype == x.dtype and dw.dtype == w.dtype

@@ -24,6 +24,8 @@ from fp4jax import numerics
 from fp4jax import recipes as R
 from pallas_kernels import dispatch
 from tests import reference as ref
+from tests.test_dot import _deq, _manual_grads
+from tests.test_four_over_six import _bits_equal
 
 # the modules (``fp4jax.quantize`` and ``fp4jax.dot`` are the package's functions)
 qz = importlib.import_module("fp4jax.quantize")
@@ -64,16 +66,6 @@ def _round_fixed(v: np.ndarray, grid, n: int = 4608) -> np.ndarray:
     pad = np.zeros(n, F32)
     pad[: len(v)] = v
     return np.asarray(numerics.round_to_grid(jnp.asarray(pad), grid, "nearest"))[: len(v)]
-
-
-def _bits_equal(got, want):
-    got = np.asarray(got, np.float64)
-    want = np.asarray(want, np.float64)
-    assert got.shape == want.shape
-    same = (got == want) | (np.isnan(got) & np.isnan(want))
-    assert same.all(), (
-        f"{(~same).sum()} mismatches, e.g. got {got[~same][:5]} want {want[~same][:5]}")
-    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 
 
 def _deq_equal(got, want):
@@ -420,13 +412,6 @@ def _randn(*shape):
     return jnp.asarray(np.random.default_rng(sum(shape)).standard_normal(shape), jnp.float32)
 
 
-def _deq(x, spec, axis):
-    if not spec.quantized:
-        return np.asarray(x, np.float64)
-    q = fp4jax.quantize(x, spec.fmt, axis=axis, block_2d=spec.block_2d)
-    return np.asarray(fp4jax.dequantize(q), np.float64)
-
-
 def test_new_recipes_contents():
     m = R.mxfp8()
     quant = [q for g in m.gemms.values() for q in (g.lhs, g.rhs)]
@@ -459,12 +444,7 @@ def test_new_recipes_forward_and_backward(name):
     y, dx, dw = fwd_bwd(x, w)
     np.testing.assert_allclose(np.asarray(y), _deq(x, r.fprop.lhs, -1) @ _deq(w, r.fprop.rhs, 0),
                                rtol=1e-5, atol=1e-4)
-    hx, hg = x, g
-    if r.wgrad.hadamard:
-        hx = fp4jax.random_hadamard_transform(x, axis=0, size=r.wgrad.hadamard)
-        hg = fp4jax.random_hadamard_transform(g, axis=0, size=r.wgrad.hadamard)
-    want_dx = _deq(g, r.dgrad.lhs, -1) @ _deq(w, r.dgrad.rhs, -1).T
-    want_dw = _deq(hx, r.wgrad.lhs, 0).T @ _deq(hg, r.wgrad.rhs, 0)
+    want_dx, want_dw = _manual_grads(r, x, w, g)
     np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(np.asarray(dw), want_dw, rtol=1e-5, atol=1e-4)
     rel = np.linalg.norm(np.asarray(dw) - np.asarray(x.T @ g)) / np.linalg.norm(x.T @ g)
