@@ -67,7 +67,9 @@ class Skip(Exception):
 _OPERAND_GPU = [((48, 2048), "wild"), ((1024, 3072), "tiny"), ((4096, 14336), "wide40"),
                 ((8192, 8192), "normal"),  # 3072 columns: SR rows tiles of 64 blocks
                 # a small model's widths: column strips of 48 and 16 blocks (strided layout)
-                ((16384, 768), "wild"), ((2048, 256), "wide40")]
+                ((16384, 768), "wild"), ((2048, 256), "wide40"),
+                # 81 blocks a row: SR rows tiles of 64 blocks, the second overhangs the row
+                ((1024, 1296), "wild")]
 OPERAND_INPUTS = {  # (shape, input kind) for the quantization kernels
     "interpret": [((48, 2048), "wild"), ((32, 1024), "wide40"), ((32, 1024), "tiny")],
     "gpu": _OPERAND_GPU,
@@ -373,7 +375,7 @@ def check_rows(ctx: Ctx) -> None:
     _input_cases(ctx, "rows", [
         ("RtN", lambda x: fq.supported_rows(x.shape, x.dtype),
          _operand(lambda x: fq.fq_rows(x, **kw), axis=-1)),
-        ("SR", lambda x: fq.supported_rows(x.shape, x.dtype, True),
+        ("SR", lambda x: fq.supported_rows(x.shape, x.dtype, True, padded=True),
          _operand(lambda x: fq.fq_rows(x, key, **kw), axis=-1, key=key))])
 
 
@@ -461,7 +463,7 @@ def check_shards(ctx: Ctx) -> None:
         return f
 
     _input_cases(ctx, "shards", [
-        ("rows SR", ok_shape(lambda s, d: fq.supported_rows(s, d, True)),
+        ("rows SR", ok_shape(lambda s, d: fq.supported_rows(s, d, True, padded=True)),
          _operand(sharded(rows_sr, False), axis=-1, key=key)),
         ("cols SR", ok_shape(fq.supported_cols),
          _operand(sharded(cols(None), False), axis=0, key=key)),

@@ -150,6 +150,49 @@ def kernel_category(kernel: str, instrs: dict, bodies: dict) -> str:
     return "pallas"  # Mosaic GPU kernels carry their Python function's name
 
 
+_MOSAIC = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s+custom-call\(.*'
+                     r'custom_call_target="mosaic_gpu[^"]*"')
+
+
+def mosaic_calls(hlo: str) -> list[tuple[str, str]]:
+    """``(operation, output shape)`` of every Mosaic GPU custom call of the optimized
+    module's entry computation, in schedule order (the printed order of a scheduled module):
+    the operation is the ``op_name`` with layer numbers folded (``block_3`` -> ``block_N``)
+    and the outer ``jit(step)/`` and trailing ``/body/...`` dropped, e.g.
+    ``transpose(jvp(Llama))/block_N/down/DotGeneral_0/jit(dot3)/fp4_operands/jit(fq_rows_scaled)``."""
+    entry = hlo[hlo.find("\nENTRY "):] if "\nENTRY " in hlo else hlo
+    out = []
+    for line in entry.splitlines():
+        m = _MOSAIC.match(line)
+        if not m:
+            continue
+        op = _OPNAME.search(line)
+        name = re.sub(r"block_\d+", "block_N", op.group(1) if op else m.group(1))
+        name = re.sub(r"^jit\(step\)/", "", re.sub(r"/body(/.*)?$", "", name))
+        out.append((name, m.group(2)))
+    return out
+
+
+def attribute_pallas(per: list, calls: list[tuple[str, str]], instrs: dict,
+                     bodies: dict) -> dict:
+    """The Pallas kernels of one profiled step matched to ``calls`` (``mosaic_calls``) by
+    order: CUPTI lists kernels in execution order and each Mosaic GPU custom call launches
+    one kernel, so the i-th Pallas kernel is the i-th call when the counts agree (else
+    ``{"error": ...}``). Returns ``{"rows": [{op, shape, calls, us, us_per_call}], ...}``
+    sorted by time."""
+    seq = [ms * 1e3 for name, ms in per if kernel_category(name, instrs, bodies) == "pallas"]
+    if len(seq) != len(calls):
+        return {"error": f"{len(seq)} Pallas kernels ran, {len(calls)} Mosaic GPU calls in "
+                         f"the entry computation: not matched"}
+    agg = collections.OrderedDict()
+    for (op, shape), us in zip(calls, seq, strict=True):
+        c, s = agg.get((op, shape), (0, 0.0))
+        agg[(op, shape)] = (c + 1, s + us)
+    rows = [{"op": op, "shape": shape, "calls": c, "us": round(s, 1),
+             "us_per_call": round(s / c, 1)} for (op, shape), (c, s) in agg.items()]
+    return {"rows": sorted(rows, key=lambda r: -r["us"])}
+
+
 def build_step(preset: str, spec: str, scan_layers: bool, batch_size: int, seq_len: int,
                devices: int = 1, attention: str = "xla"):
     """The harness's train step for one spec, its initial state and one batch (on
@@ -200,6 +243,12 @@ def profile_spec(args, spec: str) -> dict:
         rec["kernels_total_us"] = round(total, 1)
         rec["categories_us"] = {c: round(by_cat.get(c, 0.0), 1) for c in CATEGORIES}
         rec["launch_gaps_us"] = round(rec["step"]["median_us"] - total, 1)
+        rec["pallas_kernels"] = attribute_pallas(per, mosaic_calls(hlo), instrs, bodies)
+        if args.hlo:  # the kernel sequence itself, to re-attribute offline
+            with gzip.open(os.path.join(args.out, f"profile_step_{slug(spec)}_kernels.json.gz"),
+                           "wt") as f:
+                json.dump([[n, round(ms * 1e3, 2), kernel_category(n, instrs, bodies)]
+                           for n, ms in per], f)
         rec["top_kernels"] = [{"kernel": n[:100], "category": cat, "calls": c, "us": round(s, 1)}
                               for n, (c, s, cat) in sorted(by_kernel.items(),
                                                            key=lambda kv: -kv[1][1])[:40]]
@@ -243,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {cat:12s} {us:10.1f} us  {100 * us / med:5.1f}%")
         if "launch_gaps_us" in rec:
             print(f"  {'launch gaps':12s} {rec['launch_gaps_us']:10.1f} us")
+        pk = rec.get("pallas_kernels", {})
+        if pk.get("error"):
+            print(f"  pallas attribution: {pk['error']}")
+        for r in pk.get("rows", [])[:25]:
+            print(f"    {r['us']:9.1f} us  {r['calls']:3d} x {r['us_per_call']:7.1f}  "
+                  f"{r['shape']:22s} {r['op'][-90:]}")
     print(f"wrote {path}")
     return 0
 

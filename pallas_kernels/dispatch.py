@@ -243,7 +243,7 @@ def operand_kernel(x: jax.Array, *, block_2d: bool, axis: int, stochastic: bool,
         ok = not rht and not stochastic and fq.supported_2d(mat, x.dtype)
         return "2d" if ok else None
     if axis == 2:
-        ok = not rht and fq.supported_rows(mat, x.dtype, stochastic)
+        ok = not rht and fq.supported_rows(mat, x.dtype, stochastic, padded=True)
         return "rows" if ok else None
     return "cols" if rht in (0, 16) and fq.supported_cols(mat, x.dtype) else None
 

@@ -58,6 +58,12 @@ def test_two_configs_on_cpu(tmp_path):
         assert row["tokens_per_s"] > 0 and row["compile_s"] > 0
         assert row["xla_compile_s"] > 0 and row["lower_s"] > 0
         assert row["step_min_s"] <= row["step_median_s"] <= row["step_max_s"]
+        # the headline throughput is the pipelined one (as the training loop runs)
+        assert len(row["pipelined_windows_s"]) == 5
+        assert row["tokens_per_s"] == pytest.approx(
+            row["tokens_per_step"] / row["pipelined_step_s"])
+        assert row["tokens_per_s_synced"] == pytest.approx(
+            row["tokens_per_step"] / row["step_median_s"])
         assert row["vs_fastest_bf16"] > 0 and row["compile_vs_bf16"] > 0
         assert row["fastest_bf16"] == "bf16" and row["compile_bf16"] == "bf16"
     assert rows["bf16"]["vs_fastest_bf16"] == 1.0 and rows["bf16"]["compile_vs_bf16"] == 1.0

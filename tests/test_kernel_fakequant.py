@@ -251,6 +251,11 @@ def test_supported_shapes():
     assert not fq.supported_rows((33, 4096), bf, sr=True) and fq.supported_rows((33, 4096), bf)
     assert not fq.supported_rows((34, 4096), bf, sr=True) and fq.supported_rows((34, 4096), bf)
     assert fq.supported_rows((36, 4096), bf, sr=True)
+    # the operand kernel's SR tiles may overhang a row (TMA skips the blocks past it)
+    assert fq.supported_rows((32, 512), bf, sr=True, padded=True)
+    assert fq.supported_rows((64, 768), bf, sr=True, padded=True)
+    assert not fq.supported_rows((34, 768), bf, sr=True, padded=True)  # rows in quads
+    assert not fq.supported_rows((32, 520), bf, sr=True, padded=True)  # C % 16
     assert fq.supported_cols((16, 1024), bf) and not fq.supported_cols((24, 1024), bf)
     # narrow matrices (strided register layout below 1024 columns): C % 256
     assert fq.supported_cols((16, 512), bf) and fq.supported_cols((16, 768), bf)

@@ -458,12 +458,13 @@ GR = (128, 64)  # blocks per row of an SR quad tile (fq_rows with a key)
 QUAD_BLOCKS = 512  # blocks per CTA of the SR rows kernel (as kt * SUB of the RtN one)
 
 
-def supported_rows(shape, dtype, sr: bool = False) -> bool:
+def supported_rows(shape, dtype, sr: bool = False, padded: bool = False) -> bool:
     """bf16 (R, C), C % 16 == 0, R*C/16 a multiple of 256, R*C < 2^31; with stochastic
-    rounding (``sr``) also R % 4 == 0 and C % 1024 == 0 (rows are taken in quads, 64
-    blocks of each at least)."""
+    rounding (``sr``) also R % 4 == 0 (rows are taken in quads) and C % 1024 == 0 (64
+    blocks of each row per tile at least), unless ``padded``: the operand kernel's SR
+    tiles may overhang the row (``operand_sm90.fq_rows_scaled``: any C % 16 == 0)."""
     if len(shape) != 2 or jnp.dtype(dtype) != jnp.bfloat16:
         return False
     r, c = shape
     ok = c % 16 == 0 and (r * c // 16) % SUB == 0 and r * c < 2**31
-    return ok and (not sr or (r % 4 == 0 and c % (16 * GR[-1]) == 0))
+    return ok and (not sr or (r % 4 == 0 and (padded or c % (16 * GR[-1]) == 0)))

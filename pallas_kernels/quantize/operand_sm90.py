@@ -153,10 +153,9 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
     register tile (64, 128 or 256), ``steps`` pipeline steps per CTA (double-buffered
     when > 1); by default one tile per step and up to 4 steps per CTA (one step per CTA
     when only ``kt`` is given)."""
-    if not supported_rows(x.shape, x.dtype, sr):
+    if not supported_rows(x.shape, x.dtype, sr, padded=True):
         raise ValueError(f"fq_rows needs bf16 (R, C), C % 16 == 0, R*C % {16 * SUB} == 0 "
-                         f"(with a key also R % 4 == 0 and C % {16 * GR[-1]} == 0), got "
-                         f"{x.dtype} {x.shape}")
+                         f"(with a key also R % 4 == 0), got {x.dtype} {x.shape}")
     # "auto" (table, branching to recip_rn for extreme dec) emits the body twice; with
     # SR's Threefry that doubles an already long kernel, so SR takes "rn" alone
     mode = _mode(recip or ("rn" if sr else "auto"), None)
@@ -218,7 +217,11 @@ def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
                    rq: int | None = None):
     """``fq_rows_scaled`` with stochastic rounding: x viewed as (R, C/16, 8) words, each
     CTA (i, j) takes row quads ``i * rq + p`` (p < rq) x blocks ``j * g ..`` of them
-    (``_fq_quad_tile`` per quad, first draw ``_quad_draw0``)."""
+    (``_fq_quad_tile`` per quad, first draw ``_quad_draw0``). On the GPU, when no width
+    of ``GR`` divides C/16 (e.g. C = 768 or 256), g = 64 and the last tile of each row
+    overhangs it: TMA reads the blocks past the row as zeros and skips them on the store,
+    so only the row's own blocks, with their own draws (``_quad_draw0`` counts in C, not
+    in tiles), are written."""
     r, c = x.shape
     nbr = c // 16
     xw = lax.bitcast_convert_type(x.reshape(r, nbr, 8, 2), jnp.uint32)
@@ -231,12 +234,13 @@ def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
         g = g or nbr
         rq = rq or 1
     else:
-        g = g or _pick_block(nbr, GR)
+        g = g or _pick_block(nbr, GR) or GR[-1]
         rq = rq or max(1, QUAD_BLOCKS // (4 * g))
         while (r // 4) % rq:
             rq //= 2
-    if nbr % g or (r // 4) % rq:
-        raise ValueError(f"fq_rows SR tiling: g={g} must divide C/16={nbr} and rq={rq} R/4")
+    if (interpret and nbr % g) or g % 64 and not interpret or (r // 4) % rq:
+        raise ValueError(f"fq_rows SR tiling: g={g} must divide C/16={nbr} (interpret) or "
+                         f"be a multiple of 64 (GPU), and rq={rq} must divide R/4={r // 4}")
 
     def _quad_draw0(i, j, p):  # draw of word (0, 0) of row quad i * rq + p, block j * g
         return (i * rq + p) * (c // 2) + 8 * g * j
@@ -274,7 +278,7 @@ def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
 
     o = plgpu.kernel(
         body, out_type=out_type,
-        grid=(r // (4 * rq), nbr // g), grid_names=("rows", "cols"),
+        grid=(r // (4 * rq), -(-nbr // g)), grid_names=("rows", "cols"),
         compiler_params=lane_params(unsafe_no_auto_barriers=True),
     )(sc, kw, xw)
     return result(o)
