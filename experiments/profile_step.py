@@ -193,6 +193,13 @@ def attribute_pallas(per: list, calls: list[tuple[str, str]], instrs: dict,
     return {"rows": sorted(rows, key=lambda r: -r["us"])}
 
 
+def _op_of(kernel: str, instrs: dict) -> str:
+    """The ``op_name`` of the HLO instruction a kernel is named after (layer numbers
+    folded, the last 140 characters), or "" for library kernels (cuBLAS, Pallas)."""
+    got = instrs.get(norm(kernel.split("(")[0].strip()))
+    return re.sub(r"block_\d+", "block_N", got[2])[-140:] if got else ""
+
+
 def build_step(preset: str, spec: str, scan_layers: bool, batch_size: int, seq_len: int,
                devices: int = 1, attention: str = "xla"):
     """The harness's train step for one spec, its initial state and one batch (on
@@ -249,9 +256,10 @@ def profile_spec(args, spec: str) -> dict:
                            "wt") as f:
                 json.dump([[n, round(ms * 1e3, 2), kernel_category(n, instrs, bodies)]
                            for n, ms in per], f)
-        rec["top_kernels"] = [{"kernel": n[:100], "category": cat, "calls": c, "us": round(s, 1)}
+        rec["top_kernels"] = [{"kernel": n[:100], "category": cat, "calls": c, "us": round(s, 1),
+                               "op": _op_of(n, instrs)}
                               for n, (c, s, cat) in sorted(by_kernel.items(),
-                                                           key=lambda kv: -kv[1][1])[:40]]
+                                                           key=lambda kv: -kv[1][1])[:60]]
     except Exception as e:  # noqa: BLE001 (no CUPTI: CPU, or a profiler API change)
         rec["breakdown_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         counts = collections.Counter(categorize(o, t, n, bodies.get(k, ""))
