@@ -70,6 +70,8 @@ from typing import Any
 import jax
 import lab  # before fp4jax: puts the repository root on sys.path
 
+from fp4jax.train.cli import THREEFRY_LOWERINGS, set_threefry_lowering, threefry_lowering
+
 JSON_NAME = "bench_train.json"
 DEFAULT_PRESETS = ("small", "100m")
 DEFAULT_CONFIGS = ("bf16", "bf16:scan", "nvfp4:scan", "nvfp4", "mxfp4:scan")
@@ -190,7 +192,7 @@ def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
         "quantized": quantized(spec), "batch_size": batch_size, "seq_len": seq_len,
         "tokens_per_step": batch_size * seq_len, "device": str(dev.device_kind),
         "platform": dev.platform, "device_count": jax.device_count(), "jax": jax.__version__,
-        "devices": devices, "attention": attention,
+        "devices": devices, "attention": attention, "threefry_lowering": threefry_lowering(),
     }
     try:
         from jax._src import compilation_cache as cc
@@ -266,6 +268,7 @@ def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
 
 def child_main(args: argparse.Namespace) -> int:
     preset, config = args.one
+    set_threefry_lowering(args.threefry)  # as fp4jax-train --threefry does
     try:
         measure_one(preset, config, args.batch_size, args.seq_len, args.iterations,
                     args.devices, args.attention)
@@ -305,7 +308,7 @@ def child_command(args: argparse.Namespace, preset: str, config: str) -> list[st
     return [sys.executable, str(Path(__file__).resolve()), "--one", preset, config,
             "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
             "--iterations", str(args.iterations), "--devices", str(args.devices),
-            "--attention", args.attention]
+            "--attention", args.attention, "--threefry", args.threefry]
 
 
 def run_child(args: argparse.Namespace, preset: str, config: str, timeout: float
@@ -405,6 +408,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "them; default 1)")
     ap.add_argument("--attention", default="xla", choices=("xla", "cudnn"),
                     help="the model's attention, as fp4jax-train --attention (default xla)")
+    ap.add_argument("--threefry", choices=THREEFRY_LOWERINGS, default="kernel",
+                    help="GPU lowering of jax.random's Threefry, as fp4jax-train --threefry "
+                         "(default %(default)s, fp4jax-train's)")
     ap.add_argument("--timeout-s", type=_positive_float, default=240.0,
                     help="limit of one configuration's process (default %(default)s)")
     ap.add_argument("--time-limit", type=_positive_float, default=None,

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from fp4jax import train as T
 from fp4jax.models import Llama
+from fp4jax.train.cli import THREEFRY_LOWERINGS, set_threefry_lowering, threefry_lowering
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                "collective-permute")
@@ -64,15 +65,19 @@ def probe(cfg: T.TrainConfig) -> dict:
             "fusions": hlo.count(" fusion("), "collectives": counts,
             "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
             "jax": jax.__version__, "commit": lab.git_commit(),
-            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "threefry_lowering": threefry_lowering()}
 
 
 def main(argv=None) -> int:
     """Takes ``fp4jax-train``'s flags (those that shape the step) plus ``--json PATH``."""
     ap = T.build_parser()
     ap.add_argument("--json", default=None, help="append the result as one JSON line here")
+    ap.add_argument("--threefry", choices=THREEFRY_LOWERINGS, default="kernel",
+                    help="GPU lowering of jax.random's Threefry, as fp4jax-train --threefry")
     a = vars(ap.parse_args(argv))
     out = a.pop("json")
+    set_threefry_lowering(a.pop("threefry"))
     for sweep_only in ("seeds", "jobs"):  # sweep flags: they do not shape the step
         a.pop(sweep_only, None)
     res = probe(T.TrainConfig(**a))

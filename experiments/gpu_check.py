@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import importlib
 import os
+import re
 import sys
 import time
 import traceback
@@ -651,6 +652,50 @@ def check_dot(ctx: Ctx) -> None:
             ok = calls[setting] > 0 and not any(st.values())
             return st | {"kernel_calls_in_lowering": calls[setting], "ok": ok}
         ctx.case("dot", f"fwd+bwd {setting} vs off", run, shape=[m, k, n])
+
+
+@check("threefry", "jax.random's Threefry lowered as one CUDA kernel per hash "
+       "(fp4jax-train --threefry kernel, the default) vs JAX's unrolled HLO (--threefry xla): "
+       "fold_in, bits, Rademacher signs and an NVFP4 fp4jax.dot forward + backward with "
+       "stochastic rounding and per-call random RHT signs, bit for bit")
+def check_threefry(ctx: Ctx) -> None:
+    if ctx.gpu_only("threefry", "JAX lowers Threefry to a kernel only on GPUs"):
+        return
+    recipe = fp4jax.recipes.parse("nvfp4(wgrad.hadamard_signs='random')")
+    m, k, n = DOT_SHAPES[ctx.size][-1]
+
+    def run():
+        x, w, ct = lab.dot_problem(m, k, n, seed=ctx.seed + 500)
+        key = jax.random.key(ctx.seed)
+
+        def prog(x, w, ct, key):
+            def loss(x, w):
+                y = fp4jax.dot(x, w, recipe=recipe, key=jax.random.fold_in(key, 7))
+                return jnp.sum(y.astype(F32) * ct), y
+            (v, y), (dx, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+            k2 = jax.random.fold_in(key, 3)
+            return (jax.random.key_data(k2), jax.random.bits(k2, (4096,)),
+                    jax.random.rademacher(k2, (256,), F32), y, v, dx, dw)
+
+        outs, calls = {}, {}
+        before = jax.config.jax_threefry_gpu_kernel_lowering
+        try:
+            for mode in ("xla", "kernel"):  # the flag is part of jit's cache key
+                jax.config.update("jax_threefry_gpu_kernel_lowering", mode == "kernel")
+                f = jax.jit(prog)
+                calls[mode] = len(re.findall(r"custom_call @\w*threefry",
+                                             f.lower(x, w, ct, key).as_text()))
+                outs[mode] = f(x, w, ct, key)
+        finally:
+            jax.config.update("jax_threefry_gpu_kernel_lowering", before)
+        names = ("key", "bits", "signs", "y", "loss", "dx", "dw")
+        st = {f"{nm}_mismatch": lab.mismatches(a, b) for nm, a, b in zip(
+            names, outs["xla"], outs["kernel"], strict=True)}
+        st |= {"kernel_threefry_calls": calls["kernel"], "xla_threefry_calls": calls["xla"]}
+        return st | {"ok": calls["kernel"] > 0 and calls["xla"] == 0 and not any(
+            v for kk, v in st.items() if kk.endswith("mismatch"))}
+
+    ctx.case("threefry", "kernel vs xla lowering", run, shape=[m, k, n])
 
 
 # ---------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fp4jax.models.llama import Llama
+from fp4jax.train.cli import THREEFRY_LOWERINGS, set_threefry_lowering, threefry_lowering
 from fp4jax.train.comparison import slug
 from fp4jax.train.config import TrainConfig, make_optimizer, make_policy, model_config, run_recipe
 from fp4jax.train.loop import make_init_state, make_mesh, make_train_step
@@ -282,9 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument("--hlo", action="store_true", help="save each step's optimized HLO")
+    ap.add_argument("--threefry", choices=THREEFRY_LOWERINGS, default="kernel",
+                    help="GPU lowering of jax.random's Threefry, as fp4jax-train --threefry")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
-    res = lab.run_info(__file__, sys.argv[1:] if argv is None else argv) | {"runs": []}
+    set_threefry_lowering(args.threefry)
+    res = lab.run_info(__file__, sys.argv[1:] if argv is None else argv) | {
+        "threefry_lowering": threefry_lowering(), "runs": []}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "profile_step.json")
     for spec in args.specs:

@@ -346,6 +346,31 @@ def test_deterministic_flag_sets_xla_flags_once_and_results_record_them(base, mo
         "xla_flags"]
 
 
+def test_threefry_lowering_is_set_for_this_process_and_its_workers(base, monkeypatch):
+    """``--threefry`` (``set_threefry_lowering``) sets JAX's flag here and the environment
+    variable that worker processes' JAX reads; a bad mode is refused by name; every
+    result.json records the lowering of its run."""
+    from fp4jax.train import cli
+
+    monkeypatch.delenv(cli.THREEFRY_ENV, raising=False)
+    before = jax.config.jax_threefry_gpu_kernel_lowering
+    try:
+        cli.set_threefry_lowering("kernel")
+        assert jax.config.jax_threefry_gpu_kernel_lowering is True
+        assert os.environ[cli.THREEFRY_ENV] == "true" and cli.threefry_lowering() == "kernel"
+        cli.set_threefry_lowering("xla")
+        assert jax.config.jax_threefry_gpu_kernel_lowering is False
+        assert os.environ[cli.THREEFRY_ENV] == "false" and cli.threefry_lowering() == "xla"
+        with pytest.raises(ValueError, match="'cuda'.*kernel"):
+            cli.set_threefry_lowering("cuda")
+        with pytest.raises(SystemExit):  # argparse's choices, before anything runs
+            cli.main(["--threefry", "cuda"])
+    finally:
+        jax.config.update("jax_threefry_gpu_kernel_lowering", before)
+    _, res = base
+    assert res["threefry_lowering"] in cli.THREEFRY_LOWERINGS
+
+
 def test_checkpoint_records_their_stall_and_survive_resume(base, tmp_path):
     """Each checkpoint writes a ``checkpoint`` record with the seconds the save stalled
     training (the measurement behind the checkpoint-stall question); resuming from a

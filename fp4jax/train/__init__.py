@@ -53,7 +53,7 @@ public name is re-exported here: ``from fp4jax import train as T; T.train(T.Trai
 """
 
 from fp4jax.train.checkpoint import CheckpointDamaged, Checkpointer, config_diff, state_checksum
-from fp4jax.train.cli import build_parser, enable_compile_cache, main
+from fp4jax.train.cli import build_parser, enable_compile_cache, main, set_threefry_lowering
 from fp4jax.train.comparison import (
     SweepFailed,
     compare,
@@ -126,6 +126,7 @@ __all__ = [
     "comparison_table",
     "config_diff",
     "enable_compile_cache",
+    "set_threefry_lowering",
     "last_bf16_blocks",
     "loss_fn",
     "main",

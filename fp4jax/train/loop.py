@@ -752,6 +752,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
             "device_kind": mesh.devices.flat[0].device_kind, "wall_s": wall,
             "data_sha256": data_sha, "config": cfg_dict, "history": history,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "threefry_lowering": ("kernel" if jax.config.jax_threefry_gpu_kernel_lowering
+                                  else "xla"),
             "bf16_layers": bf16["layers"] if bf16 is not None else None,
             "switch_step": switch_step if switch_step < end else None,
             "bf16_gemm_fraction": precision.bf16_gemm_fraction(
