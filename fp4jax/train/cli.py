@@ -202,9 +202,11 @@ def set_threefry_lowering(mode: str) -> None:
     then works through). The same bits either way (one hash function); CPUs are unaffected.
 
     Why the kernel is ``fp4jax-train``'s default: the NVFP4 ``small`` step compiled in
-    51.5 s instead of 67.4 s (XLA's ``priority-fusion`` pass 8.1 s instead of 18.4 s), at
-    22.75 vs 22.62 ms device time per step (+0.6%, about the run-to-run spread), one H100,
-    JAX 0.11.2 (``experiments/results/training/2026-11-25_threefry_lowering_h100``).
+    51.5 s instead of 67.4 s (XLA's ``priority-fusion`` pass 8.1 s instead of 18.4 s) and,
+    in another call, 59.0 s instead of 67.3 s, for 22.75 vs 22.62 ms device time per step
+    (+0.6%) and 1.2% fewer tokens/s: one H100, JAX 0.11.2
+    (``experiments/results/training/2026-11-25_threefry_lowering_h100``). Short runs spend
+    more on compiling than that; long runs with a warm compilation cache gain from "xla".
     Sets the environment variable too, so worker processes (``--jobs``) inherit it."""
     if mode not in THREEFRY_LOWERINGS:
         raise ValueError(f"threefry lowering {mode!r}: use one of {THREEFRY_LOWERINGS}")
