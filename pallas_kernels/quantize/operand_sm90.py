@@ -238,7 +238,7 @@ def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
         rq = rq or max(1, QUAD_BLOCKS // (4 * g))
         while (r // 4) % rq:
             rq //= 2
-    if (interpret and nbr % g) or g % 64 and not interpret or (r // 4) % rq:
+    if (interpret and nbr % g) or (not interpret and g % 64) or (r // 4) % rq:
         raise ValueError(f"fq_rows SR tiling: g={g} must divide C/16={nbr} (interpret) or "
                          f"be a multiple of 64 (GPU), and rq={rq} must divide R/4={r // 4}")
 
