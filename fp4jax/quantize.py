@@ -398,7 +398,11 @@ def ms_eden(groups: jax.Array, amax: jax.Array, u: jax.Array
     element gives its block a NaN scale and +0 elements and counts as 0 in its group's sums
     (theirs: NaN for the group). Their newer ``rht128_eden.cu`` kernel computes the
     correction per block of 16 from truncated bf16 scales and derives the tensor scale from
-    the largest corrected scale in a second pass: not implemented.
+    the largest corrected scale in a second pass: not implemented. Checked against a CPU
+    transcription of their Triton kernel on shared inputs and uniforms: the same bits
+    (``experiments/results/numerics/2026-11-25_ms_eden_vs_quartet2_cpu/``), including the
+    method's small residual shrink (~-0.05% of ``|x|^2`` over random rotations, from ``c``
+    being computed on block-scaled values).
 
     Args:
       groups: float32 ``(..., ng, G // 16, 16)``: the elements, blocks of 16 along the last

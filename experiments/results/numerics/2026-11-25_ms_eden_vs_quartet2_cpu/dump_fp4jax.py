@@ -19,14 +19,15 @@ checked bit for bit against ``fp4jax.quantize`` on every key) by wrapping three
 
 Run from the repository root with the project's venv:
 
-    .venv/bin/python experiments/results/numerics/2026-11-25_ms_eden_vs_quartet2_cpu/dump_fp4jax.py \
-        --out /tmp/ms_eden_fp4jax.npz
+    D=experiments/results/numerics/2026-11-25_ms_eden_vs_quartet2_cpu
+    .venv/bin/python $D/dump_fp4jax.py --out /tmp/ms_eden_fp4jax.npz
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 
 import jax
@@ -35,9 +36,10 @@ import numpy as np
 
 import fp4jax
 from fp4jax import numerics
-import importlib
-fp4jax_quantize = importlib.import_module("fp4jax.quantize")  # the module (fp4jax.quantize is also a function)
 from fp4jax.hadamard import hadamard_matrix
+
+# the module (fp4jax.quantize is also a function)
+fp4jax_quantize = importlib.import_module("fp4jax.quantize")
 
 D = 256
 H = hadamard_matrix(128).astype(np.float32)
@@ -97,7 +99,8 @@ def one(k, x):
     same = (jnp.all(q2.data.astype(jnp.float32) == q.data.astype(jnp.float32))
             & jnp.all(q2.scale.astype(jnp.float32) == q.scale.astype(jnp.float32))
             & (q2.global_scale == q.global_scale))
-    return dict(same_as_public=same, signs=s, xr=xr, amax=jnp.max(jnp.abs(xr)), u=store["u"].reshape(2, -1),
+    return dict(same_as_public=same, signs=s, xr=xr, amax=jnp.max(jnp.abs(xr)),
+                u=store["u"].reshape(2, -1),
                 dec=q.global_scale, s_rn=s_rn.reshape(2, -1), c=c,
                 sc=store["sc"].reshape(2, -1), q=q.data.astype(jnp.float32),
                 s=q.scale.astype(jnp.float32), deq=deq, back=back)

@@ -27,6 +27,8 @@ Modes of this script (run from the repository root with a venv that has torch an
     python .../quartet2_reference.py bias --fp4jax /tmp/ms_eden_fp4jax.npz --keys 65536
         their algorithm with torch's own randomness (random signs as in
         ``rerotate_hadamard``, ``torch.rand`` uniforms), and the decomposition variants.
+    python .../quartet2_reference.py mechanism --fp4jax /tmp/ms_eden_fp4jax.npz
+        the identity behind the residual bias and the block statistics that drive it.
 """
 
 from __future__ import annotations
@@ -345,6 +347,47 @@ def bias(args):
     print(json.dumps(out, indent=1))
 
 
+def mechanism(args):
+    """Why the scaled-domain correction shrinks, on fp4jax's draws (their transcription).
+    Per group g with blocks b: w_b = <y'_b, q_b>, r_b = |y'_b|^2 / w_b (scaled units),
+    S_b = s_b * dec. With c_g = sum w r / sum w (theirs) the component of the reconstruction
+    along x, with the scale rounding replaced by its expectation, misses |x|^2 by
+    E = sum_g sum_b S_b^2 w_b (c_g - r_b) = -sum_g W_g Cov_w(S^2, r): zero when a group's
+    scales are equal or its r_b are, negative when larger-scale blocks need larger r_b."""
+    d = np.load(args.fp4jax)
+    k = d["xr"].shape[0]
+    xr = torch.from_numpy(d["xr"]).reshape(k, 512)
+    o = triton_eden(xr, torch.from_numpy(d["amax"]), torch.from_numpy(d["u"]).reshape(k, 32))
+    xs = o["x_scaled"].double().reshape(-1, 8, 16)
+    q = o["q"].double().reshape(-1, 8, 16)
+    w = (xs * q).sum(-1)
+    r = (xs * xs).sum(-1) / w
+    y = xr.double().reshape(-1, 8, 16)
+    peak = y.abs().amax(-1) / y.pow(2).mean(-1).sqrt()
+    rms2 = y.pow(2).mean(-1)
+    s2 = o["s_rn"].double().reshape(-1, 8) ** 2
+    big_s2 = s2 * o["dec"].double().repeat_interleave(4).reshape(-1, 1) ** 2
+    c = (w * r).sum(-1, keepdim=True) / w.sum(-1, keepdim=True)
+    err = (big_s2 * w * (c - r)).sum(-1).reshape(k, 4).sum(-1)
+    x = d["x"].astype(np.float64)
+
+    def corr(a, b):  # mean over groups of the correlation across the group's 8 blocks
+        a = a - a.mean(-1, keepdim=True)
+        b = b - b.mean(-1, keepdim=True)
+        cc = (a * b).sum(-1) / torch.sqrt((a * a).sum(-1) * (b * b).sum(-1))
+        return float(cc[torch.isfinite(cc)].mean())
+
+    print(json.dumps({
+        "identity: mean E / |x|^2 (= the shrink with E_u scales)":
+            float(err.mean()) / float((x * x).sum()),
+        "corr(s_b^2, r_b)": corr(s2, r),
+        "corr(r_b, amax_b/rms_b)": corr(r, peak),
+        "corr(s_b^2, amax_b/rms_b)": corr(s2, peak),
+        "corr(s_b^2, rms_b^2)": corr(s2, rms2),
+        "corr(r_b, rms_b^2)": corr(r, rms2),
+        "versions": dict(torch=torch.__version__, numpy=np.__version__)}, indent=1))
+
+
 def _block_diag(o):
     """Per group: the correlation, across its 8 blocks, of s_b^2 with the block's own EDEN
     factor r_b = <y_b, y_b> / <y_b, q_b> (scaled units)."""
@@ -360,14 +403,14 @@ def _block_diag(o):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=("compare", "bias"))
+    ap.add_argument("mode", choices=("compare", "bias", "mechanism"))
     ap.add_argument("--fp4jax", default="/tmp/ms_eden_fp4jax.npz",
                     help="dump_fp4jax.py's output (x, and for compare every intermediate)")
     ap.add_argument("--keys", type=int, default=65536)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     torch.set_num_threads(2)
-    compare(a) if a.mode == "compare" else bias(a)
+    dict(compare=compare, bias=bias, mechanism=mechanism)[a.mode](a)
 
 
 if __name__ == "__main__":
