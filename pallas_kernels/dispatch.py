@@ -264,7 +264,7 @@ def make_operands(x: jax.Array, kinds: list[str], sr_keys: list[Any], signs: lis
     (``numerics.row_shard_draw_offset``), so the operands are the whole tensor's rows."""
     from fp4jax.numerics import row_shard_draw_offset
     from pallas_kernels.quantize import operand_sm90 as fq
-    from pallas_kernels.quantize.common_sm90 import finite_amax
+    from pallas_kernels.quantize.common_sm90 import finite_amax, global_scales, key_words, scalars
 
     kw = _interpret_kw(mode)
     m = x[0]
@@ -273,24 +273,37 @@ def make_operands(x: jax.Array, kinds: list[str], sr_keys: list[Any], signs: lis
     if kinds.count("rows") == 1 and len(rot) == 1:  # x (fprop, wgrad) or dy (dgrad, wgrad)
         amax, rht_amax = fq.cols_amaxes(m, signs[rot[0]], **kw)
     amaxes = [rht_amax if sg is not None else amax for sg in signs]
+    for i, sg in enumerate(signs):  # every amax explicit (as fq_rows/fq_cols/fq_2d get them)
+        if amaxes[i] is None:
+            if sg is None:
+                amax = finite_amax(m) if amax is None else amax
+                amaxes[i] = amax
+            else:
+                amaxes[i] = fq.rht_cols_amax(m, sg, **kw)
     offset = None
-    if shard is not None:  # every amax explicit, then the whole tensor's
-        for i, sg in enumerate(signs):
-            if amaxes[i] is None:
-                amaxes[i] = (finite_amax(m) if sg is None
-                             else fq.rht_cols_amax(m, sg, **kw))
+    if shard is not None:  # the whole tensor's amaxes
         amaxes = [jax.lax.pmax(a, shard) for a in amaxes]
         offset = row_shard_draw_offset(m.shape, jax.lax.axis_index(shard),
                                        jax.lax.axis_size(shard))
+    # The tensor scales and the kernels' scalar vectors of all operands at once (elementwise
+    # over a vector: the same bits as one operand at a time, in one XLA fusion instead of a
+    # chain of tiny ones per operand)
+    enc, dec = global_scales(None, jnp.stack([jnp.asarray(a, jnp.float32) for a in amaxes]))
+    ones = jnp.ones((16,), jnp.float32)
+    sc = scalars(enc, dec, jnp.stack([ones if sg is None else
+                                      jnp.asarray(sg, jnp.float32).reshape(16)
+                                      for sg in signs]))
     res = []
-    for kind, sr_key, sg, a in zip(kinds, sr_keys, signs, amaxes, strict=True):
+    for i, (kind, sr_key, sg) in enumerate(zip(kinds, sr_keys, signs, strict=True)):
         if kind == "2d":
-            o, dec = fq.fq_2d(m, amax=a, **kw)
+            o = fq.fq_2d_scaled(m, sc[i], **kw)
         elif kind == "rows":
-            o, dec = fq.fq_rows(m, sr_key, amax=a, offset=offset, **kw)
+            o = fq.fq_rows_scaled(m, sc[i], key_words(sr_key, offset), sr=sr_key is not None,
+                                  **kw)
         else:
-            o, dec = fq.fq_cols(m, sr_key, signs=sg, amax=a, offset=offset, **kw)
-        res.append((o[None], dec))
+            o = fq.fq_cols_scaled(m, sc[i], key_words(sr_key, offset), sr=sr_key is not None,
+                                  rht=sg is not None, **kw)
+        res.append((o[None], dec[i]))
     return res
 
 

@@ -88,6 +88,30 @@ def test_recip_table_safe_for_all_but_tiny_tensors():
         assert bool(safe) == want, amax
 
 
+def test_batched_scalars_equal_one_operand_at_a_time():
+    """``dispatch.make_operands`` computes every operand's tensor scales and kernel scalar
+    vector as one batch (``global_scales`` and ``scalars`` on vectors): each row must be the
+    bits of the scalar call, over amaxes from 0 and tiny (unsafe table) to FLT_MAX, NaN-free
+    and with and without RHT signs."""
+    amax = jnp.asarray([0.0, 1e-37, 1e-33, 3.2e-35, 1e-30, 2.5e-3, 1.0, 448.0 * 6, 1e30,
+                        F32_MAX], jnp.float32)
+    signs = jnp.asarray(np.random.default_rng(0).choice([-1.0, 1.0], (amax.size, 16)),
+                        jnp.float32)
+    enc, dec = cm.global_scales(None, amax)
+    batched = np.asarray(cm.scalars(enc, dec, signs)).view(np.uint32)
+    batched_no_signs = np.asarray(cm.scalars(enc, dec)).view(np.uint32)
+    assert batched.shape == (amax.size, cm.N_SC + 16)
+    for i in range(amax.size):
+        e, d = cm.global_scales(None, amax[i])
+        assert np.asarray(e).view(np.uint32) == np.asarray(enc[i]).view(np.uint32)
+        assert np.asarray(d).view(np.uint32) == np.asarray(dec[i]).view(np.uint32)
+        one = np.asarray(cm.scalars(e, d, signs[i])).view(np.uint32)
+        np.testing.assert_array_equal(batched[i], one)
+        np.testing.assert_array_equal(batched_no_signs[i],
+                                      np.asarray(cm.scalars(e, d)).view(np.uint32))
+    assert not np.all(batched[:, 2] == batched[0, 2])  # both table flags occur
+
+
 def _block_input(rows, cols, seed, tile=(1, 16)):
     """Random magnitudes per block (or per 16x16 tile) over 2^-14 .. 2^8, so every
     E4M3 scale code occurs, with zero, NaN and Inf blocks/tiles."""

@@ -208,9 +208,10 @@ def recip_table(dec: jax.Array) -> tuple[jax.Array, jax.Array]:
     dec = jnp.asarray(dec, jnp.float32)
     mant = jnp.asarray(np.arange(8, dtype=np.float32) / 8 + 1)  # 1 + m/8, exact
     sub = jnp.asarray(np.arange(8, dtype=np.float32))  # m
-    t_norm = div_rn(jnp.float32(1.0), mant * dec)
-    t_sub = div_rn(jnp.float32(1.0), sub[1:] * dec) * jnp.float32(512.0)
-    table = jnp.concatenate([t_norm, jnp.zeros((1,), jnp.float32), t_sub])
+    d = dec[..., None]  # a vector of decode scales gives a table per entry (same bits)
+    t_norm = div_rn(jnp.float32(1.0), mant * d)
+    t_sub = div_rn(jnp.float32(1.0), sub[1:] * d) * jnp.float32(512.0)
+    table = jnp.concatenate([t_norm, jnp.zeros(dec.shape + (1,), jnp.float32), t_sub], axis=-1)
     safe = (dec >= jnp.float32(TABLE_DEC_MIN)) & (dec < jnp.float32(TABLE_DEC_MAX))
     return safe, table
 
@@ -239,13 +240,16 @@ def table_recip(s_byte, table):
 def kernel_scalars(enc: jax.Array, dec: jax.Array) -> jax.Array:
     """The kernels' scalar input (float32[N_SC], computed by XLA): ``enc * f32(1/6)``,
     ``dec``, the table flag (1.0 when ``recip_table`` is exact for ``dec``), the 16
-    table entries, zero padding."""
+    table entries, zero padding. ``enc`` and ``dec`` may be vectors (k,) of several
+    operands' scales: the result is then (k, N_SC), row ``i`` the same bits as the call
+    with ``enc[i]``, ``dec[i]`` (one XLA fusion for all of them)."""
+    enc = jnp.asarray(enc, jnp.float32)
+    dec = jnp.asarray(dec, jnp.float32)
     safe, table = recip_table(dec)
     sc = jnp.concatenate([
-        jnp.stack([enc.astype(jnp.float32) * jnp.float32(1.0 / 6.0), dec.astype(jnp.float32),
-                   safe.astype(jnp.float32)]),
-        table])
-    return jnp.pad(sc, (0, N_SC - sc.shape[0]))
+        jnp.stack([enc * jnp.float32(1.0 / 6.0), dec, safe.astype(jnp.float32)], axis=-1),
+        table], axis=-1)
+    return jnp.pad(sc, [(0, 0)] * (sc.ndim - 1) + [(0, N_SC - sc.shape[-1])])
 
 
 RECIP_MODES = ("auto", "table", "rn", "hw")
@@ -384,9 +388,13 @@ def _mode(recip: str, exact_recip: bool | None) -> str:
 _SC_SIGNS = 32  # f32 scalars: kernel_scalars (32 words) then the 16 RHT signs
 
 def scalars(enc: jax.Array, dec: jax.Array, signs: jax.Array | None = None) -> jax.Array:
-    """The kernels' float32 scalar input: ``kernel_scalars(enc, dec)`` then 16 RHT signs."""
-    s = jnp.ones((16,), jnp.float32) if signs is None else jnp.asarray(signs, jnp.float32)
-    return jnp.concatenate([kernel_scalars(enc, dec), s.reshape(16)])
+    """The kernels' float32 scalar input: ``kernel_scalars(enc, dec)`` then 16 RHT signs.
+    Batched as ``kernel_scalars``: ``enc``, ``dec`` (k,) and ``signs`` (k, 16) (or None)
+    give (k, N_SC + 16)."""
+    ks = kernel_scalars(enc, dec)
+    s = (jnp.ones(ks.shape[:-1] + (16,), jnp.float32) if signs is None
+         else jnp.asarray(signs, jnp.float32).reshape(ks.shape[:-1] + (16,)))
+    return jnp.concatenate([ks, s], axis=-1)
 
 
 def key_words(key: jax.Array | None, offset: jax.Array | None = None) -> jax.Array:
