@@ -12,7 +12,8 @@ step function ``fp4jax-train`` compiles), then on a GPU:
 
   ``gemm`` (dots and cuBLAS custom calls), ``pallas`` (the Pallas kernels), ``rht``,
   ``quantize`` (XLA-path quantization and decode), ``amax``, ``fp4_glue`` (the rest of
-  ``fp4jax.dot``: transposes, pads, casts, scale products), ``optimizer`` (optax),
+  ``fp4jax.dot``: transposes, pads, casts, scale products), ``prng`` (``jax.random``'s
+  Threefry as CUDA kernels, ``--threefry kernel``), ``optimizer`` (optax),
   ``attention`` (softmax and score/value matmuls are ``gemm``), ``embedding``
   (gather/scatter), ``layout`` (transpose, copy, pad, slice), ``reduce`` (other reductions),
   ``elementwise`` (other fusions), ``other``; ``launch gaps`` = step time - kernel sum.
@@ -47,7 +48,7 @@ from fp4jax.train.comparison import slug
 from fp4jax.train.config import TrainConfig, make_optimizer, make_policy, model_config, run_recipe
 from fp4jax.train.loop import make_init_state, make_mesh, make_train_step
 
-CATEGORIES = ("gemm", "pallas", "rht", "quantize", "amax", "fp4_glue", "optimizer",
+CATEGORIES = ("gemm", "pallas", "rht", "quantize", "amax", "fp4_glue", "prng", "optimizer",
               "attention", "embedding", "layout", "reduce", "elementwise", "other")
 
 # name-stack patterns, checked in order (the first that matches wins)
@@ -140,6 +141,8 @@ def kernel_category(kernel: str, instrs: dict, bodies: dict) -> str:
         opcode, target, op_name = instrs[k]
         return categorize(opcode, target, op_name, bodies.get(k, ""))
     low = kernel.lower()
+    if re.search(r"prng|threefry", low):  # jax.random's Threefry as a CUDA kernel
+        return "prng"
     if re.search(r"gemm|nvjet|xmma|cutlass|cublas|wgmma", low):
         return "gemm"
     if re.search(r"reduce|reduction", low):
