@@ -369,6 +369,13 @@ def test_threefry_lowering_is_set_for_this_process_and_its_workers(base, monkeyp
         jax.config.update("jax_threefry_gpu_kernel_lowering", before)
     _, res = base
     assert res["threefry_lowering"] in cli.THREEFRY_LOWERINGS
+    # the CLI applies it on GPUs only: on this CPU main() leaves JAX's flag (and so every
+    # jit cache key) alone, and sets the variable for its workers
+    monkeypatch.delenv(cli.THREEFRY_ENV, raising=False)
+    with pytest.raises(SystemExit):
+        cli.main(["--threefry", "kernel", "--lr", "-1"])  # refused after the flag is read
+    assert jax.config.jax_threefry_gpu_kernel_lowering is before
+    assert os.environ[cli.THREEFRY_ENV] == "true"
 
 
 def test_checkpoint_records_their_stall_and_survive_resume(base, tmp_path):

@@ -207,7 +207,8 @@ def set_threefry_lowering(mode: str) -> None:
     (+0.6%) and 1.2% fewer tokens/s: one H100, JAX 0.11.2
     (``experiments/results/training/2026-11-25_threefry_lowering_h100``). Short runs spend
     more on compiling than that; long runs with a warm compilation cache gain from "xla".
-    Sets the environment variable too, so worker processes (``--jobs``) inherit it."""
+    Sets the environment variable too, so worker processes (``--jobs``) inherit it.
+    ``fp4jax-train --threefry`` calls it on GPUs only (and sets the variable everywhere)."""
     if mode not in THREEFRY_LOWERINGS:
         raise ValueError(f"threefry lowering {mode!r}: use one of {THREEFRY_LOWERINGS}")
     os.environ[THREEFRY_ENV] = "true" if mode == "kernel" else "false"
@@ -235,8 +236,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="GPU lowering of jax.random's Threefry hash (key derivations of "
                         "stochastic rounding and RHT signs): 'kernel' (default: one CUDA "
                         "kernel per hash; the NVFP4 small step compiles ~25%% faster) or "
-                        "'xla' (JAX's default, unrolled HLO). Same bits; no effect on CPUs. "
-                        "Recorded in result.json ('threefry_lowering')")
+                        "'xla' (JAX's default, unrolled HLO). Same bits; not applied on "
+                        "CPUs, where it does nothing. Recorded in result.json "
+                        "('threefry_lowering': the lowering in effect)")
     g = p.add_argument_group(
         "several processes (jax.distributed; one per host or per GPU; the same command on "
         "every process, each with its --process-id)")
@@ -255,7 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = vars(p.parse_args(argv))
     if args.pop("deterministic"):
         set_deterministic()
-    set_threefry_lowering(args.pop("threefry"))
+    threefry = args.pop("threefry")
+    os.environ[THREEFRY_ENV] = "true" if threefry == "kernel" else "false"  # --jobs workers
     dist = {k: args.pop(k) for k in ("coordinator", "num_processes", "process_id")}
     if args.pop("distributed") or any(v is not None for v in dist.values()):
         if args["compare"] or args["seeds"] is not None or args["jobs"] != 1:
@@ -266,6 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             processes.initialize(**dist)
         except ValueError as e:
             p.error(str(e))
+    if jax.default_backend() == "gpu":  # (after jax.distributed: this starts the backend)
+        # elsewhere the flag does nothing, and flipping it would only change jit's cache
+        # keys (a process that calls main() twice, as the tests do, would recompile)
+        set_threefry_lowering(threefry)
     compile_cache = args.pop("compile_cache")
     seeds_arg = args.pop("seeds")
     jobs = args.pop("jobs")
