@@ -158,6 +158,11 @@ _MOSAIC = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s+custom-call\(.
                      r'custom_call_target="mosaic_gpu[^"]*"')
 
 
+def _fold_layers(op_name: str) -> str:
+    """``op_name`` with layer numbers folded (``block_3`` -> ``block_N``)."""
+    return re.sub(r"block_\d+", "block_N", op_name)
+
+
 def mosaic_calls(hlo: str) -> list[tuple[str, str]]:
     """``(operation, output shape)`` of every Mosaic GPU custom call of the optimized
     module's entry computation, in schedule order (the printed order of a scheduled module):
@@ -171,7 +176,7 @@ def mosaic_calls(hlo: str) -> list[tuple[str, str]]:
         if not m:
             continue
         op = _OPNAME.search(line)
-        name = re.sub(r"block_\d+", "block_N", op.group(1) if op else m.group(1))
+        name = _fold_layers(op.group(1) if op else m.group(1))
         name = re.sub(r"^jit\(step\)/", "", re.sub(r"/body(/.*)?$", "", name))
         out.append((name, m.group(2)))
     return out
@@ -201,7 +206,7 @@ def _op_of(kernel: str, instrs: dict) -> str:
     """The ``op_name`` of the HLO instruction a kernel is named after (layer numbers
     folded, the last 140 characters), or "" for library kernels (cuBLAS, Pallas)."""
     got = instrs.get(norm(kernel.split("(")[0].strip()))
-    return re.sub(r"block_\d+", "block_N", got[2])[-140:] if got else ""
+    return _fold_layers(got[2])[-140:] if got else ""
 
 
 def build_step(preset: str, spec: str, scan_layers: bool, batch_size: int, seq_len: int,

@@ -194,7 +194,7 @@ THREEFRY_LOWERINGS = ("kernel", "xla")
 THREEFRY_ENV = "JAX_THREEFRY_GPU_KERNEL_LOWERING"  # JAX's own flag, read at JAX's import
 
 
-def set_threefry_lowering(mode: str) -> None:
+def set_threefry_lowering(mode: str, this_process: bool = True) -> None:
     """How the GPU lowers ``jax.random``'s Threefry hash (every key derivation: the
     per-layer, per-GEMM ``fold_in``s of stochastic rounding and the RHT signs):
     ``"kernel"`` (JAX's ``jax_threefry_gpu_kernel_lowering``: one CUDA kernel per call) or
@@ -207,12 +207,14 @@ def set_threefry_lowering(mode: str) -> None:
     (+0.6%) and 1.2% fewer tokens/s: one H100, JAX 0.11.2
     (``experiments/results/training/2026-11-25_threefry_lowering_h100``). Short runs spend
     more on compiling than that; long runs with a warm compilation cache gain from "xla".
-    Sets the environment variable too, so worker processes (``--jobs``) inherit it.
-    ``fp4jax-train --threefry`` calls it on GPUs only (and sets the variable everywhere)."""
+    Sets the environment variable too, so worker processes (``--jobs``) inherit it; with
+    ``this_process=False`` only the variable (``fp4jax-train`` off GPUs, where the flag does
+    nothing and flipping it would only change jit's cache keys)."""
     if mode not in THREEFRY_LOWERINGS:
         raise ValueError(f"threefry lowering {mode!r}: use one of {THREEFRY_LOWERINGS}")
     os.environ[THREEFRY_ENV] = "true" if mode == "kernel" else "false"
-    jax.config.update("jax_threefry_gpu_kernel_lowering", mode == "kernel")
+    if this_process:
+        jax.config.update("jax_threefry_gpu_kernel_lowering", mode == "kernel")
 
 
 def threefry_lowering() -> str:
@@ -258,7 +260,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.pop("deterministic"):
         set_deterministic()
     threefry = args.pop("threefry")
-    os.environ[THREEFRY_ENV] = "true" if threefry == "kernel" else "false"  # --jobs workers
     dist = {k: args.pop(k) for k in ("coordinator", "num_processes", "process_id")}
     if args.pop("distributed") or any(v is not None for v in dist.values()):
         if args["compare"] or args["seeds"] is not None or args["jobs"] != 1:
@@ -269,10 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             processes.initialize(**dist)
         except ValueError as e:
             p.error(str(e))
-    if jax.default_backend() == "gpu":  # (after jax.distributed: this starts the backend)
-        # elsewhere the flag does nothing, and flipping it would only change jit's cache
-        # keys (a process that calls main() twice, as the tests do, would recompile)
-        set_threefry_lowering(threefry)
+    # after jax.distributed (default_backend starts the backend); this process's flag on
+    # GPUs only: a process that calls main() twice, as the tests do, would else recompile
+    set_threefry_lowering(threefry, this_process=jax.default_backend() == "gpu")
     compile_cache = args.pop("compile_cache")
     seeds_arg = args.pop("seeds")
     jobs = args.pop("jobs")
