@@ -293,16 +293,17 @@ def make_operands(x: jax.Array, kinds: list[str], sr_keys: list[Any], signs: lis
     sc = scalars(enc, dec, jnp.stack([ones if sg is None else
                                       jnp.asarray(sg, jnp.float32).reshape(16)
                                       for sg in signs]))
+    sc = sc.reshape(-1)  # every kernel takes the whole batch and reads its own row
     res = []
     for i, (kind, sr_key, sg) in enumerate(zip(kinds, sr_keys, signs, strict=True)):
         if kind == "2d":
-            o = fq.fq_2d_scaled(m, sc[i], **kw)
+            o = fq.fq_2d_scaled(m, sc, sc_row=i, **kw)
         elif kind == "rows":
-            o = fq.fq_rows_scaled(m, sc[i], key_words(sr_key, offset), sr=sr_key is not None,
-                                  **kw)
+            o = fq.fq_rows_scaled(m, sc, key_words(sr_key, offset), sr=sr_key is not None,
+                                  sc_row=i, **kw)
         else:
-            o = fq.fq_cols_scaled(m, sc[i], key_words(sr_key, offset), sr=sr_key is not None,
-                                  rht=sg is not None, **kw)
+            o = fq.fq_cols_scaled(m, sc, key_words(sr_key, offset), sr=sr_key is not None,
+                                  rht=sg is not None, sc_row=i, **kw)
         res.append((o[None], dec[i]))
     return res
 

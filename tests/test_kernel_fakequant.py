@@ -377,3 +377,20 @@ def test_kernel_mode_setting(monkeypatch):
     monkeypatch.setenv("FP4JAX_KERNELS", "fast")
     with pytest.raises(ValueError, match="FP4JAX_KERNELS"):
         dot.kernel_mode()
+
+
+@pytest.mark.parametrize("kind", ["rows", "rows_sr", "cols_rht_sr", "2d"])
+def test_operand_kernels_lower_for_cuda_with_a_scalar_row(kind):
+    """``dispatch.make_operands`` passes every kernel the flat scalars of all operands of a
+    tensor and the operand's row (``sc_row``): the kernels still lower for CUDA (Mosaic GPU),
+    at the presets' widths (768 columns: overhanging SR tiles, strided column strips)."""
+    sc = jax.ShapeDtypeStruct((3 * cm.SC_WIDTH,), jnp.float32)
+    kw = jax.ShapeDtypeStruct((3,), jnp.int32)
+    shape = (1024, 1024) if kind == "2d" else (16384, 768)
+    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    f = {"rows": lambda x, s, k: fq.fq_rows_scaled(x, s, k, sc_row=2),
+         "rows_sr": lambda x, s, k: fq.fq_rows_scaled(x, s, k, sr=True, sc_row=1),
+         "cols_rht_sr": lambda x, s, k: fq.fq_cols_scaled(x, s, k, sr=True, rht=True, sc_row=1),
+         "2d": lambda x, s, k: fq.fq_2d_scaled(x, s, sc_row=0)}[kind]
+    exp = jax.export.export(jax.jit(f), platforms=["cuda"])(x, sc, kw)
+    assert "mosaic_gpu" in exp.mlir_module()

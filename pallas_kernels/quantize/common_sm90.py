@@ -387,6 +387,26 @@ def _mode(recip: str, exact_recip: bool | None) -> str:
 
 _SC_SIGNS = 32  # f32 scalars: kernel_scalars (32 words) then the 16 RHT signs
 
+SC_WIDTH = _SC_SIGNS + 16  # float32 words of one operand's scalar input (``scalars``)
+
+
+class _ScalarRow:
+    """``sc_ref[i]`` of one operand's scalars inside a flat batch (``scalars`` of k operands,
+    reshaped to (k * SC_WIDTH,)): reads ``ref[offset + i]``, static indices as before."""
+
+    def __init__(self, ref, offset: int):
+        self.ref, self.offset = ref, offset
+
+    def __getitem__(self, i: int):
+        return self.ref[self.offset + i]
+
+
+def scalar_row(sc_ref, row: int | None):
+    """The kernel's view of its scalars: ``sc_ref`` itself (``row`` None: one operand's
+    vector) or row ``row`` of the flat batch ``sc_ref`` (``dispatch.make_operands``)."""
+    return sc_ref if row is None else _ScalarRow(sc_ref, row * SC_WIDTH)
+
+
 def scalars(enc: jax.Array, dec: jax.Array, signs: jax.Array | None = None) -> jax.Array:
     """The kernels' float32 scalar input: ``kernel_scalars(enc, dec)`` then 16 RHT signs.
     Batched as ``kernel_scalars``: ``enc``, ``dec`` (k,) and ``signs`` (k, 16) (or None)

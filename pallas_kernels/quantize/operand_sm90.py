@@ -72,6 +72,7 @@ from pallas_kernels.quantize.common_sm90 import (
     global_scales,
     key_words,
     lane_params,
+    scalar_row,
     scalars,
     strip_layout,
     supported_rows,
@@ -140,11 +141,14 @@ def _fq_quad_tile(sc_ref, kw_ref, x_ref, o_ref, *, g: int, draw0, plain: bool, m
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr", "g", "rq", "kt",
-                                             "chunk", "steps"))
+                                             "chunk", "steps", "sc_row"))
 def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = None,
                    sr: bool = False, g: int | None = None, rq: int | None = None,
-                   kt: int | None = None, chunk: int = SUB, steps: int | None = None):
-    """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec)``, ``kw = key_words(key)``.
+                   kt: int | None = None, chunk: int = SUB, steps: int | None = None,
+                   sc_row: int | None = None):
+    """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec)`` (or, with ``sc_row``, the flat
+    (k * SC_WIDTH,) scalars of k operands, of which row ``sc_row`` is this one's: no slice
+    of it runs outside the kernel), ``kw = key_words(key)``.
     Returns the bf16 (R, C) ``data * scale`` of 1x16 NVFP4 blocks along the last axis.
     ``g``, ``rq`` (SR only): blocks per row and row quads of a CTA tile (defaults: the
     GPU's choice; in interpret mode whole rows, one quad, unless given, so CPU tests can
@@ -161,11 +165,13 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
     mode = _mode(recip or ("rn" if sr else "auto"), None)
     r, c = x.shape
     if sr:
-        return _fq_rows_quads(x, sc, kw, interpret=interpret, mode=mode, g=g, rq=rq)
+        return _fq_rows_quads(x, sc, kw, interpret=interpret, mode=mode, g=g, rq=rq,
+                              sc_row=sc_row)
     nbt = r * c // 16
     xw = lax.bitcast_convert_type(x.reshape(nbt, 8, 2), jnp.uint32)
     if interpret:
         def interp_body(sc_ref, kw_ref, x_ref, o_ref):
+            sc_ref = scalar_row(sc_ref, sc_row)
             _by_mode(sc_ref, mode, lambda md: _fq_tile(
                 sc_ref, kw_ref, x_ref, o_ref, nb=nbt, plain=True, mode=md))
 
@@ -188,6 +194,7 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
                          f"of {SUB} blocks, chunk={chunk} must be 64, 128 or 256")
 
     def body(sc_gmem, kw_gmem, x_gmem, o_gmem):
+        sc_gmem = scalar_row(sc_gmem, sc_row)
         cta = lax.axis_index("ctas")
 
         def step(_, x_smem, o_smem):
@@ -214,7 +221,7 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
 
 
 def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = None,
-                   rq: int | None = None):
+                   rq: int | None = None, sc_row: int | None = None):
     """``fq_rows_scaled`` with stochastic rounding: x viewed as (R, C/16, 8) words, each
     CTA (i, j) takes row quads ``i * rq + p`` (p < rq) x blocks ``j * g ..`` of them
     (``_fq_quad_tile`` per quad, first draw ``_quad_draw0``). On the GPU, when no width
@@ -247,6 +254,8 @@ def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
 
     if interpret:
         def interp_body(sc_ref, kw_ref, x_ref, o_ref):
+            sc_ref = scalar_row(sc_ref, sc_row)
+
             @pl.loop(0, r // (4 * rq))
             def _(i):
                 for j in range(nbr // g):
@@ -260,6 +269,7 @@ def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
             compiler_params=lane_params())(sc, kw, xw))
 
     def body(sc_gmem, kw_gmem, x_gmem, o_gmem):
+        sc_gmem = scalar_row(sc_gmem, sc_row)
         i = lax.axis_index("rows")
         j = lax.axis_index("cols")
 
@@ -456,13 +466,15 @@ def _strip_call(x, sc, kw, strip, *, g: int, interpret: bool, name: str, out_row
     return result(o)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr", "rht", "g", "steps"))
+@functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr", "rht", "g", "steps",
+                                             "sc_row"))
 def fq_cols_scaled(x, sc, kw, *, interpret: bool = False, recip: str = "rn",
                    sr: bool = False, rht: bool = False, g: int | None = None,
-                   steps: int = 1):
-    """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec, signs)``, ``kw =
-    key_words(key)``. Returns bf16 (R, C): ``data * scale`` of 16x1 NVFP4 blocks along
-    the rows of ``rht16(x)`` (rows rotated in tiles of 16 when ``rht``) or of ``x``."""
+                   steps: int = 1, sc_row: int | None = None):
+    """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec, signs)`` (``sc_row``: as
+    ``fq_rows_scaled``'s), ``kw = key_words(key)``. Returns bf16 (R, C): ``data * scale``
+    of 16x1 NVFP4 blocks along the rows of ``rht16(x)`` (rows rotated in tiles of 16 when
+    ``rht``) or of ``x``."""
     if not supported_cols(x.shape, x.dtype):
         raise ValueError(f"fq_cols needs bf16 (R, C), R % 16 == 0, C % {COLS_MULTIPLE} == 0, "
                          f"got {x.dtype} {x.shape}")
@@ -471,6 +483,7 @@ def fq_cols_scaled(x, sc, kw, *, interpret: bool = False, recip: str = "rn",
     g = g or (x.shape[1] // 16 if interpret else _cols_g(x.shape[1] // 16))
 
     def strip(sc_ref, kw_ref, x_ref, o_ref, g_, row0, col0, plain):
+        sc_ref = scalar_row(sc_ref, sc_row)
         _by_mode(sc_ref, mode, lambda md: _fq_strip_cols(
             sc_ref, kw_ref, x_ref, o_ref, g=g_, row0=row0, col0=col0, n_cols=n_cols,
             plain=plain, mode=md, sr=sr, rht=rht))
@@ -479,9 +492,11 @@ def fq_cols_scaled(x, sc, kw, *, interpret: bool = False, recip: str = "rn",
                        steps=steps)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "recip", "g"))
-def fq_2d_scaled(x, sc, *, interpret: bool = False, recip: str = "rn", g: int | None = None):
-    """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec)``. Returns bf16 (R, C):
+@functools.partial(jax.jit, static_argnames=("interpret", "recip", "g", "sc_row"))
+def fq_2d_scaled(x, sc, *, interpret: bool = False, recip: str = "rn", g: int | None = None,
+                 sc_row: int | None = None):
+    """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec)`` (``sc_row``: as
+    ``fq_rows_scaled``'s). Returns bf16 (R, C):
     ``data * scale`` of 16x16-tile NVFP4 (round-to-nearest). ``recip="rn"`` as the
     16x16 quantize kernel (one reciprocal per 256 elements)."""
     if not supported_2d(x.shape, x.dtype):
@@ -492,6 +507,7 @@ def fq_2d_scaled(x, sc, *, interpret: bool = False, recip: str = "rn", g: int | 
 
     def strip(sc_ref, kw_ref, x_ref, o_ref, g_, row0, col0, plain):
         del kw_ref, row0, col0
+        sc_ref = scalar_row(sc_ref, sc_row)
         _by_mode(sc_ref, mode, lambda md: _fq_strip_2d(sc_ref, x_ref, o_ref, g=g_,
                                                        plain=plain, mode=md))
 
