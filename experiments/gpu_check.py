@@ -68,7 +68,8 @@ class Skip(Exception):
 _OPERAND_GPU = [((48, 2048), "wild"), ((1024, 3072), "tiny"), ((4096, 14336), "wide40"),
                 ((8192, 8192), "normal"),  # 3072 columns: SR rows tiles of 64 blocks
                 # a small model's widths: column strips of 48 and 16 blocks (strided layout)
-                ((16384, 768), "wild"), ((2048, 256), "wide40"),
+                # (SR rows: the flat quad layout, 4 and 8 quads a CTA, 64-block tiles)
+                ((16384, 768), "wild"), ((2048, 256), "wide40"), ((4096, 512), "normal"),
                 # 81 blocks a row: SR rows tiles of 64 blocks, the second overhangs the row
                 ((1024, 1296), "wild")]
 OPERAND_INPUTS = {  # (shape, input kind) for the quantization kernels

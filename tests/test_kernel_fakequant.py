@@ -176,6 +176,34 @@ def test_sr_kernels_with_the_gpu_tiling_match_xla():
 
 
 @needs_interpret
+@pytest.mark.parametrize("c,rq", [(256, 8), (512, 2), (768, 4)])
+def test_sr_rows_flat_quads_match_xla(c, rq):
+    """The flat SR rows layout of narrow matrices (row r of ``rq`` quads as one run of
+    64-block register tiles; the GPU's default at these widths), run in interpret mode on
+    the same tiles: bit for bit with the XLA path, the draws included."""
+    key = jax.random.key(23)
+    x = _data((32, c), 9)
+    assert fq.flat_quads(32, c, rq) == rq
+    enc, dec = cm.global_scales(x)
+    got = fq.fq_rows_scaled(x, cm.scalars(enc, dec), cm.key_words(key), sr=True, rq=rq,
+                            flat=True, interpret=IP)
+    assert _same(got, _xla_scaled(x, -1, key=key)[0]) == 0
+
+
+def test_flat_quads_widths():
+    assert fq.flat_quads(16384, 256) == 8 and fq.flat_quads(16384, 512) == 4
+    assert fq.flat_quads(16384, 768) == 4  # 48 blocks: 4 quads make 3 tiles of 64
+    assert fq.flat_quads(16384, 1024) is None  # 64 blocks a row: the quad tiles
+    assert fq.flat_quads(1024, 1296) is None  # 81 blocks: overhanging quad tiles
+    assert fq.flat_quads(8, 256) is None  # 2 quads, 4 needed
+    assert fq.flat_quads(32, 512, rq=3) is None
+    x = jnp.zeros((16, 256), jnp.bfloat16)  # 4 quads: rq=8 does not fit
+    with pytest.raises(ValueError, match="flat=True"):
+        fq.fq_rows_scaled(x, cm.scalars(jnp.float32(1), jnp.float32(1)), cm.key_words(None),
+                          sr=True, flat=True, rq=8, interpret=IP)
+
+
+@needs_interpret
 @pytest.mark.parametrize("c,g", [(768, 16), (768, 48), (256, 16)])
 def test_narrow_cols_kernels_with_the_gpu_tiling_match_xla(c, g):
     """Matrices narrower than 1024 columns (the strided-layout strips: 256, 512, 768
@@ -269,7 +297,8 @@ def test_supported_shapes():
 
 @pytest.mark.parametrize("variant", ["rows", "rows_sr", "cols", "cols_rht_sr", "2d", "amax",
                                      "amax2", "rows_sr_c1024", "rows_tiled", "cols_steps",
-                                     "cols_c768", "cols_c256", "amax2_c512"])
+                                     "cols_c768", "cols_c256", "amax2_c512", "rows_sr_c256",
+                                     "rows_sr_c768"])
 def test_kernels_lower_for_cuda(variant):
     key = jax.random.key(0)
     f = {
@@ -288,6 +317,9 @@ def test_kernels_lower_for_cuda(variant):
         "cols_c768": lambda x: fq.fq_cols(x[:, :768], key, signs=jnp.asarray(SIGNS)),
         "cols_c256": lambda x: fq.fq_cols(x[:, :256], key, signs=jnp.asarray(SIGNS)),
         "amax2_c512": lambda x: fq.cols_amaxes(x[:, :512], jnp.asarray(SIGNS)),
+        # SR rows in the flat quad layout: 8 quads of 16 blocks, 4 of 48 (3 tiles)
+        "rows_sr_c256": lambda x: fq.fq_rows(x[:, :256], key),
+        "rows_sr_c768": lambda x: fq.fq_rows(x[:, :768], key),
     }[variant]
     exp = jax.export.export(jax.jit(f), platforms=["cuda"])(
         jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16))

@@ -42,6 +42,7 @@ arrays (no shuffles).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -78,8 +79,8 @@ from pallas_kernels.quantize.common_sm90 import (
     supported_rows,
 )
 
-__all__ = ["fq_rows", "fq_cols", "fq_2d", "rht_cols_amax", "cols_amaxes", "supported_rows",
-           "supported_cols", "supported_2d", "scalars"]
+__all__ = ["fq_rows", "fq_cols", "fq_2d", "rht_cols_amax", "cols_amaxes", "flat_quads",
+           "supported_rows", "supported_cols", "supported_2d", "scalars"]
 
 _NAN2 = 0x7FC07FC0  # two bf16 quiet NaNs
 
@@ -121,9 +122,11 @@ def _fq_tile(sc_ref, kw_ref, x_ref, o_ref, *, nb: int, plain: bool, mode: str,
         o_ref[rows, :] = lax.bitcast_convert_type(word, jnp.uint32)
 
 
-def _fq_quad_tile(sc_ref, kw_ref, x_ref, o_ref, *, g: int, draw0, plain: bool, mode: str):
+def _fq_quad_tile(sc_ref, kw_ref, x_rows, o_rows, *, g: int, draw0, plain: bool, mode: str):
     """Stochastic rounding of the same ``g`` blocks of four neighbouring rows (4m ..
-    4m+3): x_ref/o_ref (4, g, 8) words. The word (i, j) of the four rows shares the 64-bit
+    4m+3): ``x_rows[r]``/``o_rows[r]`` (g, 8) words of row 4m+r (views of one (4, g, 8)
+    tile, or, in the flat layout of ``_fq_rows_quads``, of row r of consecutive quads).
+    The word (i, j) of the four rows shares the 64-bit
     draw ``offset + draw0 + 8 i + j`` (``numerics.uniform_from_key`` on (R, C), ``offset =
     kw_ref[2]``: the draw of row 0, ``numerics.row_shard_draw_offset``): rows 4m, 4m+1 take
     word y0, rows 4m+2, 4m+3 word y1; the even row bytes 0 (low element) and 1 (high), the
@@ -132,20 +135,25 @@ def _fq_quad_tile(sc_ref, kw_ref, x_ref, o_ref, *, g: int, draw0, plain: bool, m
     d = draw0 + kw_ref[2] + (_iota((g, 8), 0, plain) << 3) + _iota((g, 8), 1, plain)
     words = threefry2x32(kw_ref[0], kw_ref[1], d - d, d)
     for r in range(4):
-        w = _load_words(x_ref.at[r], slice(None), plain)
+        w = _load_words(x_rows[r], slice(None), plain)
         s_val, _, e, finite = _word_scales(sc_ref, w, mode)
         bits = words[r // 2]
         word = _scaled_words(w, e, s_val, finite, g, plain, _sr_uniform(bits, 2 * (r % 2)),
                              _sr_uniform(bits, 2 * (r % 2) + 1))
-        o_ref[r] = lax.bitcast_convert_type(word, jnp.uint32)
+        o_rows[r][...] = lax.bitcast_convert_type(word, jnp.uint32)
+
+
+def _quads(ref):
+    """The four row views ``ref.at[r]`` of a (4, g, 8) quad tile."""
+    return [ref.at[r] for r in range(4)]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr", "g", "rq", "kt",
-                                             "chunk", "steps", "sc_row"))
+                                             "chunk", "steps", "sc_row", "flat"))
 def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = None,
                    sr: bool = False, g: int | None = None, rq: int | None = None,
                    kt: int | None = None, chunk: int = SUB, steps: int | None = None,
-                   sc_row: int | None = None):
+                   sc_row: int | None = None, flat: bool | None = None):
     """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec)`` (or, with ``sc_row``, the flat
     (k * SC_WIDTH,) scalars of k operands, of which row ``sc_row`` is this one's: no slice
     of it runs outside the kernel), ``kw = key_words(key)``.
@@ -156,7 +164,10 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
     same results): ``kt`` tiles of 256 blocks per pipeline step, ``chunk`` blocks per
     register tile (64, 128 or 256), ``steps`` pipeline steps per CTA (double-buffered
     when > 1); by default one tile per step and up to 4 steps per CTA (one step per CTA
-    when only ``kt`` is given)."""
+    when only ``kt`` is given). ``flat`` (SR only): the flat quad layout
+    (``_fq_rows_flat``) for widths of ``flat_quads``; by default on the GPU wherever it
+    applies and ``g`` is not given, never in interpret mode unless asked (``rq`` then
+    counts its quads a CTA)."""
     if not supported_rows(x.shape, x.dtype, sr, padded=True):
         raise ValueError(f"fq_rows needs bf16 (R, C), C % 16 == 0, R*C % {16 * SUB} == 0 "
                          f"(with a key also R % 4 == 0), got {x.dtype} {x.shape}")
@@ -165,6 +176,15 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
     mode = _mode(recip or ("rn" if sr else "auto"), None)
     r, c = x.shape
     if sr:
+        if flat or (flat is None and not interpret and g is None):
+            frq = flat_quads(r, c, rq)
+            if frq is not None:
+                return _fq_rows_flat(x, sc, kw, interpret=interpret, mode=mode, rq=frq,
+                                     sc_row=sc_row)
+            if flat:
+                raise ValueError(f"fq_rows SR tiling: flat=True needs C/16 % 16 == 0, not a "
+                                 f"multiple of 64, and rq={rq} quads that fit R/4 (got "
+                                 f"{x.shape})")
         return _fq_rows_quads(x, sc, kw, interpret=interpret, mode=mode, g=g, rq=rq,
                               sc_row=sc_row)
     nbt = r * c // 16
@@ -261,8 +281,9 @@ def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
                 for j in range(nbr // g):
                     for p in range(rq):
                         at = (pl.ds(4 * (i * rq + p), 4), pl.ds(j * g, g))
-                        _fq_quad_tile(sc_ref, kw_ref, x_ref.at[at], o_ref.at[at], g=g,
-                                      draw0=_quad_draw0(i, j, p), plain=True, mode=mode)
+                        _fq_quad_tile(sc_ref, kw_ref, _quads(x_ref.at[at]),
+                                      _quads(o_ref.at[at]), g=g, draw0=_quad_draw0(i, j, p),
+                                      plain=True, mode=mode)
 
         return result(pl.pallas_call(
             interp_body, out_shape=out_type, interpret=interpret,
@@ -276,8 +297,8 @@ def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
         def step(_, x_smem, o_smem):
             for p in range(rq):
                 rows = pl.ds(4 * p, 4)
-                _fq_quad_tile(sc_gmem, kw_gmem, x_smem.at[rows], o_smem.at[rows], g=g,
-                              draw0=_quad_draw0(i, j, p), plain=False, mode=mode)
+                _fq_quad_tile(sc_gmem, kw_gmem, _quads(x_smem.at[rows]), _quads(o_smem.at[rows]),
+                              g=g, draw0=_quad_draw0(i, j, p), plain=False, mode=mode)
 
         plgpu.emit_pipeline(
             step, grid=(1,),
@@ -292,6 +313,84 @@ def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
         compiler_params=lane_params(unsafe_no_auto_barriers=True),
     )(sc, kw, xw)
     return result(o)
+
+
+def flat_quads(r: int, c: int, rq: int | None = None) -> int | None:
+    """Quads per CTA of the flat SR rows layout (``_fq_rows_flat``) for an (R, C) matrix,
+    or None where it does not apply: C/16 blocks a row not a multiple of 64 but of 16
+    (C = 256, 512, 768, ...: a small model's widths) and R/4 a multiple of the
+    ``64 / gcd(C/16, 64)`` quads whose rows make whole 64-block register tiles. Default:
+    about ``QUAD_BLOCKS`` blocks a CTA, as the other SR tilings; ``rq`` checks a choice."""
+    nbr = c // 16
+    if c % 16 or nbr % 16 or nbr % 64 == 0 or r % 4:
+        return None
+    q = 64 // math.gcd(nbr, 64)
+    if rq is None:
+        rq = max(q, QUAD_BLOCKS // (4 * nbr) // q * q)
+        while (r // 4) % rq and rq > q:
+            rq -= q
+    return rq if rq % q == 0 and (r // 4) % rq == 0 else None
+
+
+def _fq_rows_flat(x, sc, kw, *, interpret: bool, mode: str, rq: int,
+                  sc_row: int | None = None):
+    """``fq_rows_scaled`` with stochastic rounding for widths of ``flat_quads``: no tile
+    overhangs a row. A CTA takes ``rq`` consecutive row quads; row ``r`` of them is read
+    by its own TMA copy into a contiguous (rq, C/16, 8) tile, viewed as one run of
+    ``n = rq * C/16`` blocks (flat index ``f = quad * C/16 + block``), cut into register
+    tiles of 64 blocks for ``_fq_quad_tile``. The draws are unchanged: a quad's row holds
+    C/2 words, so word (f, j) of the CTA's first quad ``m0`` has draw ``m0 * C/2 + 8 f + j``
+    (``_fq_quad_tile``'s ``draw0 + 8 i + j``), the same as the quad tiles'. Interpret mode
+    runs the same register tiles on x rearranged by XLA to (4, R/4 * C/16, 8) (the rows
+    r of all quads contiguous), which is what the four TMA tiles hold on the GPU."""
+    r, c = x.shape
+    nbr = c // 16
+    n = rq * nbr
+    xw = lax.bitcast_convert_type(x.reshape(r // 4, 4, nbr, 8, 2), jnp.uint32)
+
+    def tiles(sc_ref, kw_ref, xs, os, quad0, plain):
+        for k in range(n // 64):
+            rows = pl.ds(64 * k, 64)
+            _fq_quad_tile(sc_ref, kw_ref, [v.at[rows] for v in xs], [v.at[rows] for v in os],
+                          g=64, draw0=quad0 * (c // 2) + 512 * k, plain=plain, mode=mode)
+
+    if interpret:
+        xt = xw.transpose(1, 0, 2, 3).reshape(4, r // 4 * nbr, 8)
+
+        def interp_body(sc_ref, kw_ref, x_ref, o_ref):
+            sc_ref = scalar_row(sc_ref, sc_row)
+
+            @pl.loop(0, r // (4 * rq))
+            def _(i):
+                at = pl.ds(i * n, n)
+                tiles(sc_ref, kw_ref, [x_ref.at[q, at] for q in range(4)],
+                      [o_ref.at[q, at] for q in range(4)], i * rq, True)
+
+        o = pl.pallas_call(
+            interp_body, out_shape=jax.ShapeDtypeStruct(xt.shape, jnp.uint32),
+            interpret=interpret, compiler_params=lane_params())(sc, kw, xt)
+        o = o.reshape(4, r // 4, nbr, 8).transpose(1, 0, 2, 3)
+        return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
+
+    def body(sc_gmem, kw_gmem, x_gmem, o_gmem):
+        sc_gmem = scalar_row(sc_gmem, sc_row)
+        i = lax.axis_index("rows")
+
+        def step(_, *refs):
+            views = [v.reshape(n, 8) for v in refs]
+            tiles(sc_gmem, kw_gmem, views[:4], views[4:], i * rq, False)
+
+        specs = [plgpu.BlockSpec((rq, 1, nbr, 8), lambda _, q=q: (i, q, 0, 0))
+                 for q in range(4)]
+        plgpu.emit_pipeline(step, grid=(1,), in_specs=specs, out_specs=specs,
+                            max_concurrent_steps=1)(*[x_gmem] * 4, *[o_gmem] * 4)
+
+    o = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct(xw.shape, jnp.uint32),
+        grid=(r // (4 * rq),), grid_names=("rows",),
+        compiler_params=lane_params(unsafe_no_auto_barriers=True),
+    )(sc, kw, xw)
+    return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
 
 
 # ---------------------------------------------------------------------------
