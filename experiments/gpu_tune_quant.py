@@ -7,11 +7,9 @@ range; NaN equals NaN), then timed with its amax pass (CUPTI medians) as a fract
 copy bandwidth measured in the same process (bytes: read x twice, write the bf16 output
 once, as ``bench_kernels.py fakequant1``; the packed kernel 4.5625 bytes per element).
 
-    PYTHONPATH=$PWD python3 experiments/gpu_tune_quant.py [rows] [rows2] [cols] [packed] [amax]
+    PYTHONPATH=$PWD python3 experiments/gpu_tune_quant.py [rows] [rows2] [cols] [packed]
 
-``rows2``: the default against the previous default (run 28's 159.7 us). ``amax``:
-``cols_amaxes`` (both tensor amaxes from one read) by strips per CTA (``steps``; 1 is a
-partial per strip, as before the accumulating kernel), 2 bytes an element. ``TUNE_N`` (env)
+``rows2``: the default against the previous default (run 28's 159.7 us). ``TUNE_N`` (env)
 shrinks the tensor for dry runs. Writes ``$OUT/gpu_tune_quant.json``. Exactness of the
 default configurations on every input: ``gpu_check.py rows cols 2d packed``.
 """
@@ -80,16 +78,6 @@ def main(argv: list[str] | None = None) -> None:
         groups.append(("16x1 cols RHT RtN", lambda a: lab.xla_operand(a, axis=0, signs=signs)[0],
                        lambda a, **kw: fq.fq_cols(a, signs=signs, **kw)[0],
                        [dict(), dict(g=64, steps=2)], 6.0))
-    if "amax" in which:
-        from fp4jax.hadamard import random_hadamard_transform
-        from fp4jax.quantize import _finite_amax
-
-        groups.append(("cols_amaxes", lambda a: (
-            _finite_amax(a.astype(jnp.float32)),
-            _finite_amax(random_hadamard_transform(a, axis=0, size=16, signs=signs)
-                         .astype(jnp.float32))),
-            lambda a, **kw: fq.cols_amaxes(a, signs, **kw),
-            [dict()] + [dict(steps=st) for st in (1, 2, 4, 8, 16)], 2.0))
     for name, fx, fk, variants, bpe in groups:
         want = jax.jit(fx)(x)
         # codes of NaN/Inf blocks are unspecified in the packed format (the NaN scale

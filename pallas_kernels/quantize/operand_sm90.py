@@ -79,8 +79,8 @@ from pallas_kernels.quantize.common_sm90 import (
     supported_rows,
 )
 
-__all__ = ["fq_rows", "fq_cols", "fq_2d", "rht_cols_amax", "cols_amaxes", "amax_steps",
-           "flat_quads", "supported_rows", "supported_cols", "supported_2d", "scalars"]
+__all__ = ["fq_rows", "fq_cols", "fq_2d", "rht_cols_amax", "cols_amaxes", "flat_quads",
+           "supported_rows", "supported_cols", "supported_2d", "scalars"]
 
 _NAN2 = 0x7FC07FC0  # two bf16 quiet NaNs
 
@@ -630,95 +630,31 @@ def _finite_max_bits(v):
     return _i32(m)
 
 
-def _strip_amax_bits(sc_ref, x_ref, *, plain: bool, plain_amax: bool = False, lay=None):
+def _rht_cols_strip_amax(sc_ref, x_ref, a_ref, *, plain: bool, plain_amax: bool = False):
     """Finite amax bits (int32, NaN/Inf counted as 0) of every rotated column block of a
-    strip, x_ref (16, g, 8) words: ``[low, high]`` halves as (g, 8) arrays, then with
-    ``plain_amax`` those of the unrotated blocks (the same read serves ``fq_rows``' tensor
-    scale). The rotation is ``_fwht16``, the very operations of ``_fq_strip_cols``."""
+    strip: x_ref (16, g, 8) words in, a_ref (2, g, 8) out (low / high halves). The
+    rotation is ``_fwht16``, the very operations of ``_fq_strip_cols``. With
+    ``plain_amax`` a_ref is (4, g, 8) and rows 2, 3 get the amax of the unrotated
+    blocks (the same read serves ``fq_rows``' tensor scale)."""
+    lay = None if plain else strip_layout(x_ref.shape[1])
     words = [_load_words(x_ref.at[k], slice(None), plain, lay) for k in range(16)]
-    out = [None] * (4 if plain_amax else 2)
     for half in (0, 1):
         v = [_f32(w << 16) if half == 0 else _f32(w & -0x10000) for w in words]
         if plain_amax:
-            out[2 + half] = _finite_max_bits(v)
+            a_ref[2 + half] = lax.bitcast_convert_type(_finite_max_bits(v), jnp.uint32)
         v = _fwht16([v[k] * sc_ref[_SC_SIGNS + k] for k in range(16)])
-        out[half] = _finite_max_bits(v)
-    return out
+        a_ref[half] = lax.bitcast_convert_type(_finite_max_bits(v), jnp.uint32)
 
 
-def _rht_cols_strip_amax(sc_ref, x_ref, a_ref, *, plain: bool, plain_amax: bool = False):
-    """``_strip_amax_bits`` of one strip written to a_ref ((2 or 4, g, 8) words)."""
-    lay = None if plain else strip_layout(x_ref.shape[1])
-    for k, a in enumerate(_strip_amax_bits(sc_ref, x_ref, plain=plain, plain_amax=plain_amax,
-                                           lay=lay)):
-        a_ref[k] = lax.bitcast_convert_type(a, jnp.uint32)
-
-
-def amax_steps(r: int, c: int, g: int) -> int:
-    """Strips a CTA of the accumulating amax kernel reads (``_amax_partials``): about 512
-    CTAs over the (R/16) x (C/16g) strips (enough to fill the GPU), at most 16, a divisor
-    of R/16."""
-    nr, tasks = r // 16, (r // 16) * (c // (16 * g))
-    steps = max(1, min(16, tasks // 512))
-    while nr % steps:
-        steps -= 1
-    return steps
-
-
-def _amax_partials(x, sc, *, g: int, steps: int, plain_amax: bool):
-    """GPU kernel of the amax passes: CTA (i, j) reads strips ``i*steps .. i*steps+steps-1``
-    of column group j (double-buffered) and keeps the running elementwise max of their
-    ``_strip_amax_bits`` in registers, writing one (2 or 4, g, 8) partial at the end:
-    (R/16/steps, 2 or 4, C/16, 8) uint32, 1/steps of what one partial a strip writes (the
-    max is exact in any order, so the result is the same)."""
-    r, c = x.shape
-    nr, nc = r // 16, c // 16
-    k_out = 4 if plain_amax else 2
-    lay = strip_layout(g)
-    xw = lax.bitcast_convert_type(x.reshape(nr, 16, nc, 8, 2), jnp.uint32)
-    if nr % steps or nc % g:
-        raise ValueError(f"amax tiling: steps={steps} must divide R/16={nr}, g={g} C/16={nc}")
-
-    def body(sc_gmem, x_gmem, o_gmem, o_smem):
-        i = lax.axis_index("rows")
-        j = lax.axis_index("cols")
-
-        def step(_, x_smem, carry):
-            new = _strip_amax_bits(sc_gmem, x_smem.at[0], plain=False, plain_amax=plain_amax,
-                                   lay=lay)
-            return tuple(jnp.maximum(a, b) for a, b in zip(carry, new, strict=True))
-
-        zero = _iota((g, 8), 0, False, lay) * 0
-        acc = plgpu.emit_pipeline(
-            step, grid=(steps,),
-            in_specs=[plgpu.BlockSpec((1, 16, g, 8), lambda t: (i * steps + t, 0, j, 0))],
-            max_concurrent_steps=min(steps, 2), init_carry=(zero,) * k_out,
-        )(x_gmem)
-        for k in range(k_out):
-            o_smem[k] = lax.bitcast_convert_type(acc[k], jnp.uint32)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[i, :, pl.ds(j * g, g)])
-        plgpu.wait_smem_to_gmem(0)
-
-    return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((nr // steps, k_out, nc, 8), jnp.uint32),
-        grid=(nr // steps, nc // g), grid_names=("rows", "cols"),
-        scratch_types=dict(o_smem=plgpu.SMEM((k_out, g, 8), jnp.uint32)),
-        compiler_params=lane_params(),
-    )(sc, xw)
-
-
-@functools.partial(jax.jit, static_argnames=("interpret", "g", "steps"))
-def rht_cols_amax(x, signs, *, interpret: bool = False, g: int | None = None,
-                  steps: int | None = None):
+@functools.partial(jax.jit, static_argnames=("interpret", "g"))
+def rht_cols_amax(x, signs, *, interpret: bool = False, g: int | None = None):
     """``max |rht16(x, axis=0)|`` over the finite values (float32 scalar), where the rotation
     runs along the rows in tiles of 16 (``fp4jax.hadamard.fwht_tiles``: the same float32
     bits as the XLA path's ``random_hadamard_transform``), without writing the rotated
-    tensor: a Pallas pass writes partial amaxes (on the GPU each CTA the running max over
-    ``steps`` strips of 16 rows, ``amax_steps`` by default; int32 bits) and XLA reduces
-    those. x: bf16 (R, C), see ``supported_cols``. Rule: the finite amax of
+    tensor: a Pallas pass writes one amax per column block (1/16 of x, int32 bits) and
+    XLA reduces those. x: bf16 (R, C), see ``supported_cols``. Rule: the finite amax of
     ``fp4jax.quantize._quantize_impl`` (``_finite_amax``)."""
-    return _max_f32(_rht_strip_amaxes(x, signs, interpret, g, plain_amax=False, steps=steps))
+    return _max_f32(_rht_strip_amaxes(x, signs, interpret, g, plain_amax=False))
 
 
 def _max_f32(a):
@@ -726,16 +662,13 @@ def _max_f32(a):
     return _f32(lax.bitcast_convert_type(jnp.max(a), jnp.int32))
 
 
-def _rht_strip_amaxes(x, signs, interpret, g, *, plain_amax: bool, steps: int | None = None):
+def _rht_strip_amaxes(x, signs, interpret, g, *, plain_amax: bool):
     name = "cols_amaxes" if plain_amax else "rht_cols_amax"
     if not supported_cols(x.shape, x.dtype):
         raise ValueError(f"{name} needs bf16 (R, C), R % 16 == 0, C % {COLS_MULTIPLE} "
                          f"== 0, got {x.dtype} {x.shape}")
     g = g or (x.shape[1] // 16 if interpret else _cols_g(x.shape[1] // 16))
     sc = jnp.concatenate([jnp.zeros((_SC_SIGNS,), jnp.float32), signs.astype(jnp.float32)])
-    if not interpret:
-        return _amax_partials(x, sc, g=g, plain_amax=plain_amax,
-                              steps=steps or amax_steps(*x.shape, g))
 
     def strip(sc_ref, kw_ref, x_ref, a_ref, g_, row0, col0, plain):
         del kw_ref, row0, col0, g_
@@ -745,15 +678,13 @@ def _rht_strip_amaxes(x, signs, interpret, g, *, plain_amax: bool, steps: int | 
                        name=name, out_rows=4 if plain_amax else 2)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "g", "steps"))
-def cols_amaxes(x, signs, *, interpret: bool = False, g: int | None = None,
-                steps: int | None = None):
+@functools.partial(jax.jit, static_argnames=("interpret", "g"))
+def cols_amaxes(x, signs, *, interpret: bool = False, g: int | None = None):
     """``(finite amax of x, rht_cols_amax(x, signs))`` from one read of x: the two tensor
     amaxes of an operand that is quantized along rows (``fq_rows``) and, rotated, along
     columns (``fq_cols`` with ``signs``), as the fprop and wgrad ``x`` or the dgrad and
     wgrad ``dy`` of the NVFP4 recipe are. Float32 scalars; x as ``rht_cols_amax``."""
-    # (R/16 (/ steps on the GPU), 4, C/16, 8) partials
-    a = _rht_strip_amaxes(x, signs, interpret, g, plain_amax=True, steps=steps)
+    a = _rht_strip_amaxes(x, signs, interpret, g, plain_amax=True)  # (R/16, 4, C/16, 8)
     # one reduction for both (rows 0-1 rotated, 2-3 plain): max is exact in any order
     m = jnp.max(a.reshape(a.shape[0], 2, 2, *a.shape[2:]), axis=(0, 2, 3, 4))
     m = _f32(lax.bitcast_convert_type(m, jnp.int32))
