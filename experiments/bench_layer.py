@@ -12,7 +12,11 @@ forward GEMM is kept), x and ct bf16:
   copy passes);
 * ``nvfp4 w f32->bf16``: float32 w cast to bf16 inside the program, then ``fp4jax.dot``
   (the issue's "bf16 weights plus a cast"; it quantizes the bf16-rounded weight, so its
-  numerics differ from ``w f32`` where the f32 weight is quantized directly).
+  numerics differ from ``w f32`` where the f32 weight is quantized directly);
+* ``nvfp4 w f32 y bf16``: float32 w, ``preferred_element_type=bfloat16`` (the output and
+  so the gradient ``dy`` bf16, as with the cast; the weight quantized from its float32
+  values by the 16x16 kernel): the like-for-like comparison with ``w f32->bf16``, whose
+  ``y`` is bf16 too (``w f32``'s is float32, so its ``dy`` is twice the bytes).
 
 Ratios are against ``bf16`` of the same shape in the same process. Writes
 ``$OUT/bench_layer.json`` (``lab.run_info`` first: device, JAX version, commit, command).
@@ -45,7 +49,8 @@ def variants():
             "nvfp4 w bf16": (nv, jnp.bfloat16),
             "nvfp4 w f32": (nv, jnp.float32),
             "nvfp4 w f32->bf16": (lambda x, w, ct: nv(x, w.astype(jnp.bfloat16), ct),
-                                  jnp.float32)}
+                                  jnp.float32),
+            "nvfp4 w f32 y bf16": (lab.dot_loss(out_dtype=jnp.bfloat16), jnp.float32)}
 
 
 def measure(m: int, k: int, n: int, iterations: int) -> dict:

@@ -393,11 +393,16 @@ def check_cols(ctx: Ctx) -> None:
                                variant("RHT SR", ctx.key, ctx.signs)])
 
 
-@check("2d", "operand kernel fq_2d (16x16 tiles, round-to-nearest) vs the XLA path's "
-       "scaled_data(quantize(x, block_2d=True)), bit for bit")
+@check("2d", "operand kernel fq_2d (16x16 tiles, round-to-nearest; bf16 and float32 "
+       "inputs) vs the XLA path's scaled_data(quantize(x, block_2d=True)), bit for bit")
 def check_2d(ctx: Ctx) -> None:
-    _input_cases(ctx, "2d", [("RtN", lambda x: fq.supported_2d(x.shape, x.dtype),
-                              _operand(lambda x: fq.fq_2d(x, **ctx.kw), block_2d=True))])
+    variants = [("RtN", lambda x: fq.supported_2d(x.shape, x.dtype),
+                 _operand(lambda x: fq.fq_2d(x, **ctx.kw), block_2d=True))]
+    _input_cases(ctx, "2d", variants)
+    # float32 inputs (a float32 master weight, quantized from its float32 values)
+    f32 = [(shape, f"{kind}/f32", lab.make_input(shape, kind, ctx.seed + 1000 + i, jnp.float32))
+           for i, (shape, kind, _) in enumerate(ctx.operand_inputs())]
+    _input_cases(ctx, "2d", variants, inputs=f32)
 
 
 @check("amax", "the amax passes: cols_amaxes (finite amax of x and of its 16-point RHT along "

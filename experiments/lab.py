@@ -203,8 +203,9 @@ INPUT_KINDS = {
 }
 
 
-def make_input(shape: tuple[int, int], kind: str, seed: int) -> jax.Array:
-    """A fresh bf16 (R, C) input of one of ``INPUT_KINDS``, made on the default device."""
+def make_input(shape: tuple[int, int], kind: str, seed: int, dtype=jnp.bfloat16) -> jax.Array:
+    """A fresh (R, C) input of one of ``INPUT_KINDS``, made on the default device, bf16 (or
+    ``dtype``: float32 keeps the full float32 mantissas of the random values)."""
     r, c = shape
     k1, k2 = jax.random.split(jax.random.key(seed))
     x = jax.random.normal(k1, shape, jnp.float32)
@@ -224,7 +225,7 @@ def make_input(shape: tuple[int, int], kind: str, seed: int) -> jax.Array:
     if kind in ("wild", "wide40"):
         x = (x.at[0, :32].set(-0.0).at[3 % r, 7 % c].set(jnp.nan)
              .at[9 % r, 100 % c].set(jnp.inf).at[17 % r, 5 % c].set(-jnp.inf))
-    return x.astype(jnp.bfloat16)
+    return x.astype(dtype)
 
 
 @jax.jit
@@ -302,17 +303,18 @@ def dot_problem(m: int, k: int, n: int, seed: int = 0):
     return x, w, ct
 
 
-def dot_loss(recipe=None, key=None, with_y: bool = False):
+def dot_loss(recipe=None, key=None, with_y: bool = False, out_dtype=None):
     """``loss(x, w, ct) = sum(fp4jax.dot(x, w) * ct)`` (float32), and ``y`` as an auxiliary
     output with ``with_y``. Its ``value_and_grad`` is the recipe's forward + backward:
-    nothing is dropped (``grad`` alone lets XLA drop the forward GEMM)."""
+    nothing is dropped (``grad`` alone lets XLA drop the forward GEMM). ``out_dtype``:
+    ``fp4jax.dot``'s ``preferred_element_type`` (default ``result_type(x, w)``)."""
     import fp4jax
 
     recipe = fp4jax.recipes.nvfp4() if recipe is None else recipe
     key = jax.random.key(7) if key is None else key
 
     def loss(x, w, ct):
-        y = fp4jax.dot(x, w, recipe=recipe, key=key)
+        y = fp4jax.dot(x, w, recipe=recipe, key=key, preferred_element_type=out_dtype)
         v = (y.astype(jnp.float32) * ct.astype(jnp.float32)).sum()
         return (v, y) if with_y else v
 

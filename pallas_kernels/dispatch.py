@@ -234,8 +234,10 @@ def operand_kernel(x: jax.Array, *, block_2d: bool, axis: int, stochastic: bool,
         return None  # NVFP4 kernels: E2M1 elements, E4M3 scales, tensor scale
     from pallas_kernels.quantize import operand_sm90 as fq
 
-    if x.shape[0] != 1 or x.dtype != jnp.bfloat16:
+    if x.shape[0] != 1 or x.dtype not in (jnp.bfloat16, jnp.float32):
         return None
+    if x.dtype == jnp.float32 and not block_2d:
+        return None  # float32 input: the 16x16 kernel only (a float32 master weight)
     if stochastic and not _is_threefry(key):
         return None  # the kernels compute threefry draws (numerics.draws_from_key)
     mat = x.shape[1:]
@@ -250,7 +252,8 @@ def operand_kernel(x: jax.Array, *, block_2d: bool, axis: int, stochastic: bool,
 
 def make_operands(x: jax.Array, kinds: list[str], sr_keys: list[Any], signs: list[Any],
                   mode: str, shard: Any = None) -> list[tuple[jax.Array, jax.Array]]:
-    """Run the fused operand kernels on one tensor ``x`` (1, R, C) bfloat16.
+    """Run the fused operand kernels on one tensor ``x`` (1, R, C) bfloat16 (or float32 when
+    every operand is ``"2d"``).
 
     ``kinds[i]`` is ``operand_kernel``'s answer for operand ``i``, ``sr_keys[i]`` its
     stochastic-rounding key (None: round to nearest), ``signs[i]`` its RHT sign vector

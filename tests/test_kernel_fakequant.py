@@ -268,6 +268,37 @@ def test_2d_kernel_matches_xla_and_numpy():
     assert _same(got, want_np.astype(np.float32)) == 0
 
 
+def _data_f32(shape, seed):
+    """``_data`` with float32 mantissa bits below bf16's set at random where finite (so
+    the kernel must quantize the float32 values, not their bf16 roundings), and a tile of
+    values that round differently from their bf16 roundings near E2M1 ties."""
+    x = np.asarray(_data(shape, seed), np.float32)
+    rng = np.random.default_rng(seed + 100)
+    low = rng.integers(0, 1 << 16, shape, dtype=np.uint32)
+    bits = x.view(np.uint32)
+    x = np.where(np.isfinite(x), (bits | low).view(np.float32), x)
+    x[16:32, 16:32] = 6.0 * np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 32,
+                                     np.float32).reshape(16, 16) / 6.0 * (1 + 2.0**-20)
+    return jnp.asarray(x)
+
+
+@needs_interpret
+def test_2d_kernel_float32_input_matches_xla_and_numpy():
+    """A float32 weight is quantized from its float32 values (the master copy a functional
+    user passes): bit for bit with the XLA path and the NumPy reference."""
+    x = _data_f32((32, 1024), 12)
+    assert x.dtype == jnp.float32 and fq.supported_2d(x.shape, x.dtype)
+    got, dec = fq.fq_2d(x, interpret=IP)
+    assert got.dtype == jnp.bfloat16 and got.shape == x.shape
+    want, wdec = _xla_scaled(x, -1, block_2d=True)
+    assert _same(got, want) == 0 and float(dec) == float(wdec)
+    codes, sb, _ = npref.quantize_nvfp4_16x16(np.asarray(x, np.float32))
+    want_np = _np_scaled(codes, sb, lambda s: np.repeat(np.repeat(s, 16, 0), 16, 1))
+    assert _same(got, want_np.astype(np.float32)) == 0
+    # and not what quantizing the bf16-rounded weight gives (the test can tell them apart)
+    assert _same(got, _xla_scaled(x.astype(jnp.bfloat16), -1, block_2d=True)[0]) > 0
+
+
 def test_supported_shapes():
     bf = jnp.bfloat16
     assert fq.supported_rows((16, 256), bf) and not fq.supported_rows((16, 255), bf)
@@ -298,7 +329,7 @@ def test_supported_shapes():
 @pytest.mark.parametrize("variant", ["rows", "rows_sr", "cols", "cols_rht_sr", "2d", "amax",
                                      "amax2", "rows_sr_c1024", "rows_tiled", "cols_steps",
                                      "cols_c768", "cols_c256", "amax2_c512", "rows_sr_c256",
-                                     "rows_sr_c768"])
+                                     "rows_sr_c768", "2d_f32"])
 def test_kernels_lower_for_cuda(variant):
     key = jax.random.key(0)
     f = {
@@ -310,6 +341,7 @@ def test_kernels_lower_for_cuda(variant):
         "cols": lambda x: fq.fq_cols(x),
         "cols_rht_sr": lambda x: fq.fq_cols(x, key, signs=jnp.asarray(SIGNS)),
         "2d": lambda x: fq.fq_2d(x),
+        "2d_f32": lambda x: fq.fq_2d(x.astype(jnp.float32)),
         "amax": lambda x: fq.rht_cols_amax(x, jnp.asarray(SIGNS)),
         "amax2": lambda x: fq.cols_amaxes(x, jnp.asarray(SIGNS)),
         "rows_sr_c1024": lambda x: fq.fq_rows(x.reshape(512, 1024), key),  # 64-block quads
@@ -336,15 +368,15 @@ def test_rows_tiling_rejects_bad_knobs():
         fq.fq_cols(x, steps=3)
 
 
-def _dot_fwd_bwd(m, recipe="nvfp4"):
+def _dot_fwd_bwd(m, recipe="nvfp4", wdtype=jnp.bfloat16, out=None):
     kx, kw, kc = jax.random.split(jax.random.key(m), 3)
     x = jax.random.normal(kx, (m, 1024)).astype(jnp.bfloat16)
-    w = (0.05 * jax.random.normal(kw, (1024, 1024))).astype(jnp.bfloat16)
+    w = (0.05 * jax.random.normal(kw, (1024, 1024))).astype(wdtype)
     ct = jax.random.normal(kc, (m, 1024)).astype(jnp.bfloat16)
     key = jax.random.key(9)
 
     def loss(x, w):
-        y = fp4jax.dot(x, w, recipe=recipe, key=key)
+        y = fp4jax.dot(x, w, recipe=recipe, key=key, preferred_element_type=out)
         return (y.astype(jnp.float32) * ct).sum(), y
 
     (v, y), (dx, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
@@ -361,6 +393,28 @@ def test_dot_kernel_path_equals_xla_path(monkeypatch, m):
         jnp.zeros((m, 1024), jnp.bfloat16), jnp.zeros((1024, 1024), jnp.bfloat16))
     assert "pallas" in lowered.as_text() or "callback" in lowered.as_text()
     got = _dot_fwd_bwd(m)
+    for g, w, name in zip(got, want, ("y", "loss", "dx", "dw"), strict=True):
+        assert (g.view(np.uint32) == w.view(np.uint32)).all(), name
+
+
+@needs_interpret
+def test_dot_float32_weight_takes_the_2d_kernel(monkeypatch):
+    """A float32 weight with a bf16 output (``preferred_element_type``): its 16x16
+    operand comes from the kernel (float32 input), the rest as with a bf16 weight; the
+    forward and backward equal the XLA path's bit for bit."""
+    monkeypatch.setenv("FP4JAX_KERNELS", "off")
+    want = _dot_fwd_bwd(16, wdtype=jnp.float32, out=jnp.bfloat16)
+    monkeypatch.setenv("FP4JAX_KERNELS", "interpret")
+    seen = []
+    real = fq.fq_2d_scaled
+
+    def spy(x, *a, **k):
+        seen.append(x.dtype)
+        return real(x, *a, **k)
+
+    monkeypatch.setattr(fq, "fq_2d_scaled", spy)
+    got = _dot_fwd_bwd(16, wdtype=jnp.float32, out=jnp.bfloat16)
+    assert jnp.float32 in seen, seen
     for g, w, name in zip(got, want, ("y", "loss", "dx", "dw"), strict=True):
         assert (g.view(np.uint32) == w.view(np.uint32)).all(), name
 

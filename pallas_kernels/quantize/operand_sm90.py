@@ -480,6 +480,28 @@ def _fq_strip_2d(sc_ref, x_ref, o_ref, *, g: int, plain: bool, mode: str):
                                             jnp.uint32)
 
 
+def _fq_strip_2d_f32(sc_ref, x_ref, o_ref, *, g: int, plain: bool, mode: str):
+    """``_fq_strip_2d`` of a float32 input: x_ref (16, g, 16) uint32 words (one element
+    each: a tile row's block is a row of 16 words), o_ref (16, g, 16) bfloat16. The same
+    rules on the element's float32 value (``fp4jax.quantize._quantize_impl`` with
+    ``block_2d=True`` computes in float32 whatever the input): the tile amax is the max of
+    ``|x|`` bits over its 256 elements (NaN/Inf above every finite value), then
+    ``_block_scale``, ``_elem_scale``, ``_e2m1_value``; a NaN/Inf tile gives NaN."""
+    words = [_load_words(x_ref.at[k], slice(None), plain) for k in range(16)]
+    amax = None
+    for w in words:
+        a = jnp.max(w & 0x7FFFFFFF, axis=1)
+        amax = a if amax is None else jnp.maximum(amax, a)
+    s_val, s_byte, finite = _block_scale(amax, sc_ref[0])
+    e = _elem_scale(sc_ref, s_val, s_byte, mode)
+    eb = lax.broadcast_in_dim(e, (g, 16), (0,))
+    sb = lax.broadcast_in_dim(s_val, (g, 16), (0,))
+    fin = lax.broadcast_in_dim(finite.astype(jnp.int32), (g, 16), (0,))
+    for k, w in enumerate(words):
+        v = _e2m1_value(_f32(w) * eb, None, plain) * sb
+        o_ref[k] = jnp.where(fin != 0, v, jnp.nan).astype(jnp.bfloat16)
+
+
 GC = (64, 48, 32, 16)  # column-block groups (of 16 columns) per fq_cols strip, preferred first
 COLS_MULTIPLE = 16 * GC[-1]  # fq_cols and the rotated amaxes: C a multiple of this (256)
 
@@ -502,8 +524,9 @@ def supported_cols(shape, dtype) -> bool:
 
 
 def supported_2d(shape, dtype) -> bool:
-    """bf16 (R, C), R % 16 == 0, C % 1024 == 0."""
-    if len(shape) != 2 or jnp.dtype(dtype) != jnp.bfloat16:
+    """bf16 or float32 (R, C), R % 16 == 0, C % 1024 == 0."""
+    if len(shape) != 2 or jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16),
+                                                   jnp.dtype(jnp.float32)):
         return False
     r, c = shape
     return r % 16 == 0 and c % (16 * G2D[-1]) == 0
@@ -518,12 +541,22 @@ def _strip_call(x, sc, kw, strip, *, g: int, interpret: bool, name: str, out_row
     strips, double-buffered when ``steps > 1`` (tuning only)."""
     r, c = x.shape
     nr, nc = r // 16, c // 16
-    xw = lax.bitcast_convert_type(x.reshape(nr, 16, nc, 8, 2), jnp.uint32)
-    out_type = jax.ShapeDtypeStruct((nr, out_rows, nc, 8), jnp.uint32)
+    if x.dtype == jnp.float32:  # one element a word; the operand out as bf16 elements
+        if out_rows != 16:
+            raise ValueError(f"{name}: float32 input only for operand kernels")
+        wpb = 16
+        xw = lax.bitcast_convert_type(x.reshape(nr, 16, nc, 16), jnp.uint32)
+        out_type = jax.ShapeDtypeStruct((nr, 16, nc, 16), jnp.bfloat16)
+    else:
+        wpb = 8
+        xw = lax.bitcast_convert_type(x.reshape(nr, 16, nc, 8, 2), jnp.uint32)
+        out_type = jax.ShapeDtypeStruct((nr, out_rows, nc, 8), jnp.uint32)
 
     def result(o):
         if out_rows != 16:
             return o
+        if wpb == 16:
+            return o.reshape(r, c)
         return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
 
     if interpret:
@@ -551,8 +584,8 @@ def _strip_call(x, sc, kw, strip, *, g: int, interpret: bool, name: str, out_row
 
         plgpu.emit_pipeline(
             step, grid=(steps,),
-            in_specs=[plgpu.BlockSpec((1, 16, g, 8), lambda t: (i, 0, j * steps + t, 0))],
-            out_specs=[plgpu.BlockSpec((1, out_rows, g, 8),
+            in_specs=[plgpu.BlockSpec((1, 16, g, wpb), lambda t: (i, 0, j * steps + t, 0))],
+            out_specs=[plgpu.BlockSpec((1, out_rows, g, wpb),
                                        lambda t: (i, 0, j * steps + t, 0))],
             max_concurrent_steps=min(steps, 2),
         )(x_gmem, o_gmem)
@@ -594,21 +627,22 @@ def fq_cols_scaled(x, sc, kw, *, interpret: bool = False, recip: str = "rn",
 @functools.partial(jax.jit, static_argnames=("interpret", "recip", "g", "sc_row"))
 def fq_2d_scaled(x, sc, *, interpret: bool = False, recip: str = "rn", g: int | None = None,
                  sc_row: int | None = None):
-    """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec)`` (``sc_row``: as
+    """Kernel call: x (R, C) bf16 or float32 (a float32 master weight: quantized from its
+    float32 values, ``_fq_strip_2d_f32``), ``sc = scalars(enc, dec)`` (``sc_row``: as
     ``fq_rows_scaled``'s). Returns bf16 (R, C):
     ``data * scale`` of 16x16-tile NVFP4 (round-to-nearest). ``recip="rn"`` as the
     16x16 quantize kernel (one reciprocal per 256 elements)."""
     if not supported_2d(x.shape, x.dtype):
-        raise ValueError(f"fq_2d needs bf16 (R, C), R % 16 == 0, C % {16 * G2D[-1]} == 0, "
-                         f"got {x.dtype} {x.shape}")
+        raise ValueError(f"fq_2d needs bf16 or float32 (R, C), R % 16 == 0, "
+                         f"C % {16 * G2D[-1]} == 0, got {x.dtype} {x.shape}")
     mode = _mode(recip, None)
     g = g or (x.shape[1] // 16 if interpret else _pick_block(x.shape[1] // 16, G2D))
 
     def strip(sc_ref, kw_ref, x_ref, o_ref, g_, row0, col0, plain):
         del kw_ref, row0, col0
         sc_ref = scalar_row(sc_ref, sc_row)
-        _by_mode(sc_ref, mode, lambda md: _fq_strip_2d(sc_ref, x_ref, o_ref, g=g_,
-                                                       plain=plain, mode=md))
+        fn = _fq_strip_2d_f32 if x.dtype == jnp.float32 else _fq_strip_2d
+        _by_mode(sc_ref, mode, lambda md: fn(sc_ref, x_ref, o_ref, g=g_, plain=plain, mode=md))
 
     return _strip_call(x, sc, key_words(None), strip, g=g, interpret=interpret, name="fq_2d")
 
