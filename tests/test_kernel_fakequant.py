@@ -299,35 +299,6 @@ def test_2d_kernel_float32_input_matches_xla_and_numpy():
     assert _same(got, _xla_scaled(x.astype(jnp.bfloat16), -1, block_2d=True)[0]) > 0
 
 
-@needs_interpret
-@pytest.mark.parametrize("r,c,dtype", [(64, 256, "bfloat16"), (32, 512, "float32"),
-                                       (64, 768, "bfloat16")])
-def test_2d_flat_strips_match_xla(r, c, dtype):
-    """The flat 16x16 layout of narrow weights (row k of ``sp`` strips as one run of
-    64-tile register tiles; the GPU's default at these widths), in interpret mode on the
-    same tiles: bit for bit with the XLA path, bf16 and float32 input."""
-    x = _data((r, c), 13) if dtype == "bfloat16" else _data_f32((r, c), 13)
-    assert fq.flat_strips(r, c, x.dtype) is not None and fq.supported_2d(x.shape, x.dtype)
-    enc, dec = cm.global_scales(x)
-    got = fq.fq_2d_scaled(x, cm.scalars(enc, dec), flat=True, interpret=IP)
-    assert _same(got, _xla_scaled(x, -1, block_2d=True)[0]) == 0
-
-
-def test_flat_strips_widths():
-    assert fq.flat_strips(512, 256) == 4 and fq.flat_strips(512, 512) == 2
-    assert fq.flat_strips(768, 768) == 4 and fq.flat_strips(2048, 512) == 2
-    assert fq.flat_strips(512, 1024) is None  # 64 tiles a strip: the G2D strips
-    assert fq.flat_strips(32, 256) is None  # 2 strips, 4 needed
-    assert not fq.supported_2d((32, 256), jnp.bfloat16)
-    assert fq.supported_2d((64, 256), jnp.float32)
-    # shared memory: a float32 768-wide matrix's 4 strips would take 288 KiB
-    assert fq.flat_strips(768, 768, jnp.float32) is None
-    assert not fq.supported_2d((768, 768), jnp.float32)
-    with pytest.raises(ValueError, match="fq_2d needs"):
-        fq.fq_2d_scaled(jnp.zeros((32, 256), jnp.bfloat16),
-                        cm.scalars(jnp.float32(1), jnp.float32(1)), interpret=IP)
-
-
 def test_supported_shapes():
     bf = jnp.bfloat16
     assert fq.supported_rows((16, 256), bf) and not fq.supported_rows((16, 255), bf)
@@ -358,8 +329,7 @@ def test_supported_shapes():
 @pytest.mark.parametrize("variant", ["rows", "rows_sr", "cols", "cols_rht_sr", "2d", "amax",
                                      "amax2", "rows_sr_c1024", "rows_tiled", "cols_steps",
                                      "cols_c768", "cols_c256", "amax2_c512", "rows_sr_c256",
-                                     "rows_sr_c768", "2d_f32", "2d_c256", "2d_c768",
-                                     "2d_c512_f32"])
+                                     "rows_sr_c768", "2d_f32"])
 def test_kernels_lower_for_cuda(variant):
     key = jax.random.key(0)
     f = {
@@ -372,10 +342,6 @@ def test_kernels_lower_for_cuda(variant):
         "cols_rht_sr": lambda x: fq.fq_cols(x, key, signs=jnp.asarray(SIGNS)),
         "2d": lambda x: fq.fq_2d(x),
         "2d_f32": lambda x: fq.fq_2d(x.astype(jnp.float32)),
-        # narrow weights in the flat 16x16 layout: 16-tile and 48-tile strips, float32 512
-        "2d_c256": lambda x: fq.fq_2d(x[:, :256]),
-        "2d_c768": lambda x: fq.fq_2d(x[:, :768]),
-        "2d_c512_f32": lambda x: fq.fq_2d(x[:, :512].astype(jnp.float32)),
         "amax": lambda x: fq.rht_cols_amax(x, jnp.asarray(SIGNS)),
         "amax2": lambda x: fq.cols_amaxes(x, jnp.asarray(SIGNS)),
         "rows_sr_c1024": lambda x: fq.fq_rows(x.reshape(512, 1024), key),  # 64-block quads

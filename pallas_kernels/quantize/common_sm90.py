@@ -355,20 +355,13 @@ def _word_scales(sc_ref, w, mode: str):
     return s_val, s_byte, _elem_scale(sc_ref, s_val, s_byte, mode), finite
 
 
-def strip_rows(ref) -> list:
-    """The 16 row views of a strip: ``ref.at[k]`` of a (16, g, w) ref, or ``ref`` itself
-    when it is already a list of 16 (g, w) refs (the flat layouts' separate TMA tiles)."""
-    return list(ref) if isinstance(ref, (list, tuple)) else [ref.at[k] for k in range(16)]
-
-
 def _strip_2d_scales(sc_ref, x_ref, plain: bool, mode: str):
-    """Tile scales of a strip of 16x16 tiles, x_ref (16, g, 8) words (or ``strip_rows``'
-    list): the tile amax is the
+    """Tile scales of a strip of 16x16 tiles, x_ref (16, g, 8) words: the tile amax is the
     elementwise max of the 16 rows' block amaxes. Returns ``(s_val, s_byte, e, finite)``,
     one per tile. Rule: ``fp4jax.quantize._quantize_impl`` with ``block_2d=True``."""
     amax = None
-    for row in strip_rows(x_ref):
-        a = _block_amax_bits(_load_words(row, slice(None), plain))
+    for k in range(16):
+        a = _block_amax_bits(_load_words(x_ref.at[k], slice(None), plain))
         amax = a if amax is None else jnp.maximum(amax, a)
     s_val, s_byte, finite = _block_scale(amax, sc_ref[0])
     return s_val, s_byte, _elem_scale(sc_ref, s_val, s_byte, mode), finite

@@ -76,12 +76,11 @@ from pallas_kernels.quantize.common_sm90 import (
     scalar_row,
     scalars,
     strip_layout,
-    strip_rows,
     supported_rows,
 )
 
 __all__ = ["fq_rows", "fq_cols", "fq_2d", "rht_cols_amax", "cols_amaxes", "flat_quads",
-           "flat_strips", "supported_rows", "supported_cols", "supported_2d", "scalars"]
+           "supported_rows", "supported_cols", "supported_2d", "scalars"]
 
 _NAN2 = 0x7FC07FC0  # two bf16 quiet NaNs
 
@@ -471,25 +470,24 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: 
 
 
 def _fq_strip_2d(sc_ref, x_ref, o_ref, *, g: int, plain: bool, mode: str):
-    """One strip of ``g`` 16x16 tiles: x_ref/o_ref (16, g, 8) words (or ``strip_rows``'
-    lists of 16 (g, 8) refs); one scale per tile (amax over its 16 rows' blocks). Rule:
-    ``fp4jax.quantize._quantize_impl`` with ``block_2d=True``, round-to-nearest."""
+    """One strip of ``g`` 16x16 tiles: x_ref/o_ref (16, g, 8) words; one scale per tile
+    (amax over its 16 rows' blocks). Rule: ``fp4jax.quantize._quantize_impl`` with
+    ``block_2d=True``, round-to-nearest."""
     s_val, _, e, finite = _strip_2d_scales(sc_ref, x_ref, plain, mode)
-    for xr, orow in zip(strip_rows(x_ref), strip_rows(o_ref), strict=True):
-        w = _load_words(xr, slice(None), plain)
-        orow[...] = lax.bitcast_convert_type(_scaled_words(w, e, s_val, finite, g, plain),
-                                             jnp.uint32)
+    for k in range(16):
+        w = _load_words(x_ref.at[k], slice(None), plain)
+        o_ref[k] = lax.bitcast_convert_type(_scaled_words(w, e, s_val, finite, g, plain),
+                                            jnp.uint32)
 
 
 def _fq_strip_2d_f32(sc_ref, x_ref, o_ref, *, g: int, plain: bool, mode: str):
     """``_fq_strip_2d`` of a float32 input: x_ref (16, g, 16) uint32 words (one element
-    each: a tile row's block is a row of 16 words; or ``strip_rows``' list), o_ref
-    (16, g, 16) bfloat16. The same
+    each: a tile row's block is a row of 16 words), o_ref (16, g, 16) bfloat16. The same
     rules on the element's float32 value (``fp4jax.quantize._quantize_impl`` with
     ``block_2d=True`` computes in float32 whatever the input): the tile amax is the max of
     ``|x|`` bits over its 256 elements (NaN/Inf above every finite value), then
     ``_block_scale``, ``_elem_scale``, ``_e2m1_value``; a NaN/Inf tile gives NaN."""
-    words = [_load_words(row, slice(None), plain) for row in strip_rows(x_ref)]
+    words = [_load_words(x_ref.at[k], slice(None), plain) for k in range(16)]
     amax = None
     for w in words:
         a = jnp.max(w & 0x7FFFFFFF, axis=1)
@@ -499,92 +497,9 @@ def _fq_strip_2d_f32(sc_ref, x_ref, o_ref, *, g: int, plain: bool, mode: str):
     eb = lax.broadcast_in_dim(e, (g, 16), (0,))
     sb = lax.broadcast_in_dim(s_val, (g, 16), (0,))
     fin = lax.broadcast_in_dim(finite.astype(jnp.int32), (g, 16), (0,))
-    for w, orow in zip(words, strip_rows(o_ref), strict=True):
+    for k, w in enumerate(words):
         v = _e2m1_value(_f32(w) * eb, None, plain) * sb
-        orow[...] = jnp.where(fin != 0, v, jnp.nan).astype(jnp.bfloat16)
-
-
-FLAT_SMEM = 200 * 1024  # bytes of shared memory a flat 16x16 CTA may take (input + output)
-
-
-def flat_strips(r: int, c: int, dtype=jnp.bfloat16) -> int | None:
-    """Strips of 16 rows a CTA of the flat 16x16 layout (``_fq_2d_flat``) takes for an
-    (R, C) matrix, or None where it does not apply: C/16 a multiple of 16 but not of 64
-    (C = 256, 512, 768: a small model's weights), R/16 a multiple of the
-    ``64 / gcd(C/16, 64)`` strips whose rows make whole 64-tile register tiles, and the
-    CTA's input and output tiles within ``FLAT_SMEM`` (a float32 input, 4 bytes in and 2
-    out an element, fits C = 256 and 512, not 768)."""
-    nc = c // 16
-    if r % 16 or c % 16 or nc % 16 or nc % 64 == 0:
-        return None
-    sp = 64 // math.gcd(nc, 64)
-    smem = 16 * sp * c * (jnp.dtype(dtype).itemsize + 2)
-    return sp if (r // 16) % sp == 0 and smem <= FLAT_SMEM else None
-
-
-def _fq_2d_flat(x, sc, *, interpret: bool, mode: str, sp: int, sc_row: int | None):
-    """``fq_2d_scaled`` for the widths of ``flat_strips``: a CTA takes ``sp`` strips; row k
-    of them (16 TMA tiles, one per row of the strip) is one run of sp * C/16 blocks, cut
-    into register tiles of 64 tiles for ``_fq_strip_2d`` (the tiles are independent: no
-    draws, so any grouping gives the same bits). Interpret mode runs the same register
-    tiles on x rearranged by XLA to (16, R/16 * C/16, w)."""
-    r, c = x.shape
-    nr, nc = r // 16, c // 16
-    n = sp * nc
-    f32 = x.dtype == jnp.float32
-    wpb = 16 if f32 else 8
-    xw = lax.bitcast_convert_type(x.reshape(nr, 16, nc, 16) if f32
-                                  else x.reshape(nr, 16, nc, 8, 2), jnp.uint32)
-    odt = jnp.bfloat16 if f32 else jnp.uint32
-    fn = _fq_strip_2d_f32 if f32 else _fq_strip_2d
-
-    def tiles(sc_ref, xs, os, plain):
-        def run(md):
-            for k in range(n // 64):
-                rows = pl.ds(64 * k, 64)
-                fn(sc_ref, [v.at[rows] for v in xs], [v.at[rows] for v in os], g=64,
-                   plain=plain, mode=md)
-
-        _by_mode(sc_ref, mode, run)
-
-    def result(o):
-        return o.reshape(r, c) if f32 else lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
-
-    if interpret:
-        xt = xw.transpose(1, 0, 2, 3).reshape(16, nr * nc, wpb)
-
-        def interp_body(sc_ref, x_ref, o_ref):
-            sc_ref = scalar_row(sc_ref, sc_row)
-
-            @pl.loop(0, nr // sp)
-            def _(i):
-                at = pl.ds(i * n, n)
-                tiles(sc_ref, [x_ref.at[k, at] for k in range(16)],
-                      [o_ref.at[k, at] for k in range(16)], True)
-
-        o = pl.pallas_call(interp_body, out_shape=jax.ShapeDtypeStruct(xt.shape, odt),
-                           interpret=True, compiler_params=lane_params())(sc, xt)
-        return result(o.reshape(16, nr, nc, wpb).transpose(1, 0, 2, 3))
-
-    def body(sc_gmem, x_gmem, o_gmem):
-        sc_gmem = scalar_row(sc_gmem, sc_row)
-        i = lax.axis_index("rows")
-
-        def step(_, *refs):
-            views = [v.reshape(n, wpb) for v in refs]
-            tiles(sc_gmem, views[:16], views[16:], False)
-
-        specs = [plgpu.BlockSpec((sp, 1, nc, wpb), lambda _, k=k: (i, k, 0, 0))
-                 for k in range(16)]
-        plgpu.emit_pipeline(step, grid=(1,), in_specs=specs, out_specs=specs,
-                            max_concurrent_steps=1)(*[x_gmem] * 16, *[o_gmem] * 16)
-
-    o = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((nr, 16, nc, wpb), odt),
-        grid=(nr // sp,), grid_names=("rows",),
-        compiler_params=lane_params(unsafe_no_auto_barriers=True),
-    )(sc, xw)
-    return result(o)
+        o_ref[k] = jnp.where(fin != 0, v, jnp.nan).astype(jnp.bfloat16)
 
 
 GC = (64, 48, 32, 16)  # column-block groups (of 16 columns) per fq_cols strip, preferred first
@@ -609,13 +524,12 @@ def supported_cols(shape, dtype) -> bool:
 
 
 def supported_2d(shape, dtype) -> bool:
-    """bf16 or float32 (R, C), R % 16 == 0 and C % 1024 == 0, or a narrow matrix of
-    ``flat_strips`` (C = 256, 512, 768, ... with R/16 a multiple of 4, 2, 4, ...)."""
+    """bf16 or float32 (R, C), R % 16 == 0, C % 1024 == 0."""
     if len(shape) != 2 or jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16),
                                                    jnp.dtype(jnp.float32)):
         return False
     r, c = shape
-    return r % 16 == 0 and (c % (16 * G2D[-1]) == 0 or flat_strips(r, c, dtype) is not None)
+    return r % 16 == 0 and c % (16 * G2D[-1]) == 0
 
 
 def _strip_call(x, sc, kw, strip, *, g: int, interpret: bool, name: str, out_rows: int = 16,
@@ -710,27 +624,18 @@ def fq_cols_scaled(x, sc, kw, *, interpret: bool = False, recip: str = "rn",
                        steps=steps)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "recip", "g", "sc_row", "flat"))
+@functools.partial(jax.jit, static_argnames=("interpret", "recip", "g", "sc_row"))
 def fq_2d_scaled(x, sc, *, interpret: bool = False, recip: str = "rn", g: int | None = None,
-                 sc_row: int | None = None, flat: bool | None = None):
+                 sc_row: int | None = None):
     """Kernel call: x (R, C) bf16 or float32 (a float32 master weight: quantized from its
     float32 values, ``_fq_strip_2d_f32``), ``sc = scalars(enc, dec)`` (``sc_row``: as
     ``fq_rows_scaled``'s). Returns bf16 (R, C):
     ``data * scale`` of 16x16-tile NVFP4 (round-to-nearest). ``recip="rn"`` as the
-    16x16 quantize kernel (one reciprocal per 256 elements). ``flat``: the flat layout of
-    narrow matrices (``_fq_2d_flat``; by default on the GPU where ``flat_strips`` applies,
-    in interpret mode only when asked)."""
+    16x16 quantize kernel (one reciprocal per 256 elements)."""
     if not supported_2d(x.shape, x.dtype):
         raise ValueError(f"fq_2d needs bf16 or float32 (R, C), R % 16 == 0, "
-                         f"C % {16 * G2D[-1]} == 0 or C/16 % 16 == 0 with R/16 a multiple "
-                         f"of 64 / gcd(C/16, 64), got {x.dtype} {x.shape}")
+                         f"C % {16 * G2D[-1]} == 0, got {x.dtype} {x.shape}")
     mode = _mode(recip, None)
-    sp = flat_strips(*x.shape, x.dtype)
-    if flat or (flat is None and not interpret and g is None and sp is not None):
-        if sp is None:
-            raise ValueError(f"fq_2d: flat=True needs C/16 % 16 == 0, not a multiple of 64, "
-                             f"got {x.shape}")
-        return _fq_2d_flat(x, sc, interpret=interpret, mode=mode, sp=sp, sc_row=sc_row)
     g = g or (x.shape[1] // 16 if interpret else _pick_block(x.shape[1] // 16, G2D))
 
     def strip(sc_ref, kw_ref, x_ref, o_ref, g_, row0, col0, plain):
