@@ -7,9 +7,12 @@ range; NaN equals NaN), then timed with its amax pass (CUPTI medians) as a fract
 copy bandwidth measured in the same process (bytes: read x twice, write the bf16 output
 once, as ``bench_kernels.py fakequant1``; the packed kernel 4.5625 bytes per element).
 
-    PYTHONPATH=$PWD python3 experiments/gpu_tune_quant.py [rows] [rows2] [cols] [packed]
+    PYTHONPATH=$PWD python3 experiments/gpu_tune_quant.py [rows] [rows2] [cols] [packed] \
+        [rows_sr] [cols_sr]
 
-``rows2``: the default against the previous default (run 28's 159.7 us). ``TUNE_N`` (env)
+``rows2``: the default against the previous default (run 28's 159.7 us). ``rows_sr``,
+``cols_sr``: the stochastic-rounding kernels (1x16 rows; 16x1 cols after the RHT) by
+tiling (``g``, ``rq``, ``steps``, ``compact``), key fixed. ``TUNE_N`` (env)
 shrinks the tensor for dry runs. Writes ``$OUT/gpu_tune_quant.json``. Exactness of the
 default configurations on every input: ``gpu_check.py rows cols 2d packed``.
 """
@@ -78,6 +81,19 @@ def main(argv: list[str] | None = None) -> None:
         groups.append(("16x1 cols RHT RtN", lambda a: lab.xla_operand(a, axis=0, signs=signs)[0],
                        lambda a, **kw: fq.fq_cols(a, signs=signs, **kw)[0],
                        [dict(), dict(g=64, steps=2)], 6.0))
+    skey = jax.random.key(3)
+    if "rows_sr" in which:
+        variants = [dict(), dict(compact=True), dict(steps=2), dict(steps=4),
+                    dict(compact=True, steps=4), dict(g=64), dict(g=64, compact=True),
+                    dict(g=64, compact=True, steps=4), dict(g=128, rq=2, compact=True),
+                    dict(g=128, rq=2, compact=True, steps=2)]
+        groups.append(("1x16 rows SR", lambda a: lab.xla_operand(a, key=skey)[0],
+                       lambda a, **kw: fq.fq_rows(a, skey, **kw)[0], variants, 6.0))
+    if "cols_sr" in which:
+        groups.append(("16x1 cols RHT SR",
+                       lambda a: lab.xla_operand(a, axis=0, key=skey, signs=signs)[0],
+                       lambda a, **kw: fq.fq_cols(a, skey, signs=signs, **kw)[0],
+                       [dict(), dict(steps=2), dict(steps=4)], 6.0))
     for name, fx, fk, variants, bpe in groups:
         want = jax.jit(fx)(x)
         # codes of NaN/Inf blocks are unspecified in the packed format (the NaN scale

@@ -176,6 +176,18 @@ def test_sr_kernels_with_the_gpu_tiling_match_xla():
 
 
 @needs_interpret
+def test_sr_rows_compact_tiles_match_xla():
+    """The ``compact`` SR rows tile (a quad's four rows as a loop: the row picks its draw
+    word and bytes with integer masks and shifts) gives the same bits as the XLA path."""
+    key = jax.random.key(24)
+    x = _data((16, 2048), 10)
+    enc, dec = cm.global_scales(x)
+    got = fq.fq_rows_scaled(x, cm.scalars(enc, dec), cm.key_words(key), sr=True, g=64, rq=2,
+                            compact=True, interpret=IP)
+    assert _same(got, _xla_scaled(x, -1, key=key)[0]) == 0
+
+
+@needs_interpret
 @pytest.mark.parametrize("c,rq", [(256, 8), (512, 2), (768, 4)])
 def test_sr_rows_flat_quads_match_xla(c, rq):
     """The flat SR rows layout of narrow matrices (row r of ``rq`` quads as one run of
@@ -329,7 +341,7 @@ def test_supported_shapes():
 @pytest.mark.parametrize("variant", ["rows", "rows_sr", "cols", "cols_rht_sr", "2d", "amax",
                                      "amax2", "rows_sr_c1024", "rows_tiled", "cols_steps",
                                      "cols_c768", "cols_c256", "amax2_c512", "rows_sr_c256",
-                                     "rows_sr_c768", "2d_f32"])
+                                     "rows_sr_c768", "2d_f32", "rows_sr_compact"])
 def test_kernels_lower_for_cuda(variant):
     key = jax.random.key(0)
     f = {
@@ -345,6 +357,8 @@ def test_kernels_lower_for_cuda(variant):
         "amax": lambda x: fq.rht_cols_amax(x, jnp.asarray(SIGNS)),
         "amax2": lambda x: fq.cols_amaxes(x, jnp.asarray(SIGNS)),
         "rows_sr_c1024": lambda x: fq.fq_rows(x.reshape(512, 1024), key),  # 64-block quads
+        # SR tuning knobs: rows and quads as loops, 4 double-buffered tiles a CTA
+        "rows_sr_compact": lambda x: fq.fq_rows(x, key, compact=True, steps=4, rq=2, g=64),
         # narrow matrices: strided-layout strips of 48, 16 and 32 column blocks
         "cols_c768": lambda x: fq.fq_cols(x[:, :768], key, signs=jnp.asarray(SIGNS)),
         "cols_c256": lambda x: fq.fq_cols(x[:, :256], key, signs=jnp.asarray(SIGNS)),

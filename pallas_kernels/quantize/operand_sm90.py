@@ -122,7 +122,8 @@ def _fq_tile(sc_ref, kw_ref, x_ref, o_ref, *, nb: int, plain: bool, mode: str,
         o_ref[rows, :] = lax.bitcast_convert_type(word, jnp.uint32)
 
 
-def _fq_quad_tile(sc_ref, kw_ref, x_rows, o_rows, *, g: int, draw0, plain: bool, mode: str):
+def _fq_quad_tile(sc_ref, kw_ref, x_rows, o_rows, *, g: int, draw0, plain: bool, mode: str,
+                  dyn: bool = False):
     """Stochastic rounding of the same ``g`` blocks of four neighbouring rows (4m ..
     4m+3): ``x_rows[r]``/``o_rows[r]`` (g, 8) words of row 4m+r (views of one (4, g, 8)
     tile, or, in the flat layout of ``_fq_rows_quads``, of row r of consecutive quads).
@@ -131,9 +132,24 @@ def _fq_quad_tile(sc_ref, kw_ref, x_rows, o_rows, *, g: int, draw0, plain: bool,
     kw_ref[2]``: the draw of row 0, ``numerics.row_shard_draw_offset``): rows 4m, 4m+1 take
     word y0, rows 4m+2, 4m+3 word y1; the even row bytes 0 (low element) and 1 (high), the
     odd row bytes 2 and 3); ``draw0 = m * C/2 + 8 * (first block of the tile in its
-    row)``."""
+    row)``. ``dyn``: x_rows/o_rows are the (4, g, 8) tile refs themselves and the four rows
+    run as a loop (one row's code instead of four: a quarter of the instructions to fetch;
+    the row picks its word and bytes by integer masks and shifts, the same bits)."""
     d = draw0 + kw_ref[2] + (_iota((g, 8), 0, plain) << 3) + _iota((g, 8), 1, plain)
     words = threefry2x32(kw_ref[0], kw_ref[1], d - d, d)
+    if dyn:
+        @pl.loop(0, 4)
+        def _(r):
+            w = _load_words(x_rows.at[r], slice(None), plain)
+            s_val, _, e, finite = _word_scales(sc_ref, w, mode)
+            m = -(lax.shift_right_logical(r, 1) & 1)  # rows 0, 1: word y0; rows 2, 3: y1
+            bits = words[0] ^ ((words[0] ^ words[1]) & m)
+            bits = lax.shift_right_logical(bits, (r & 1) << 4)  # odd rows: bytes 2, 3
+            word = _scaled_words(w, e, s_val, finite, g, plain, _sr_uniform(bits, 0),
+                                 _sr_uniform(bits, 1))
+            o_rows.at[r][...] = lax.bitcast_convert_type(word, jnp.uint32)
+
+        return
     for r in range(4):
         w = _load_words(x_rows[r], slice(None), plain)
         s_val, _, e, finite = _word_scales(sc_ref, w, mode)
@@ -149,11 +165,13 @@ def _quads(ref):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr", "g", "rq", "kt",
-                                             "chunk", "steps", "sc_row", "flat"))
+                                             "chunk", "steps", "sc_row", "flat",
+                                             "compact"))
 def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = None,
                    sr: bool = False, g: int | None = None, rq: int | None = None,
                    kt: int | None = None, chunk: int = SUB, steps: int | None = None,
-                   sc_row: int | None = None, flat: bool | None = None):
+                   sc_row: int | None = None, flat: bool | None = None,
+                   compact: bool = False):
     """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec)`` (or, with ``sc_row``, the flat
     (k * SC_WIDTH,) scalars of k operands, of which row ``sc_row`` is this one's: no slice
     of it runs outside the kernel), ``kw = key_words(key)``.
@@ -167,7 +185,9 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
     when only ``kt`` is given). ``flat`` (SR only): the flat quad layout
     (``_fq_rows_flat``) for widths of ``flat_quads``; by default on the GPU wherever it
     applies and ``g`` is not given, never in interpret mode unless asked (``rq`` then
-    counts its quads a CTA)."""
+    counts its quads a CTA). SR tiling knobs of the quad tiles (tuning only, same bits):
+    ``steps`` pipeline steps (tiles) a CTA (double-buffered when > 1), ``compact`` a
+    tile's rows and quads as loops rather than unrolled code."""
     if not supported_rows(x.shape, x.dtype, sr, padded=True):
         raise ValueError(f"fq_rows needs bf16 (R, C), C % 16 == 0, R*C % {16 * SUB} == 0 "
                          f"(with a key also R % 4 == 0), got {x.dtype} {x.shape}")
@@ -186,7 +206,7 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
                                  f"multiple of 64, and rq={rq} quads that fit R/4 (got "
                                  f"{x.shape})")
         return _fq_rows_quads(x, sc, kw, interpret=interpret, mode=mode, g=g, rq=rq,
-                              sc_row=sc_row)
+                              sc_row=sc_row, steps=steps or 1, compact=compact)
     nbt = r * c // 16
     xw = lax.bitcast_convert_type(x.reshape(nbt, 8, 2), jnp.uint32)
     if interpret:
@@ -241,7 +261,8 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
 
 
 def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = None,
-                   rq: int | None = None, sc_row: int | None = None):
+                   rq: int | None = None, sc_row: int | None = None, steps: int = 1,
+                   compact: bool = False):
     """``fq_rows_scaled`` with stochastic rounding: x viewed as (R, C/16, 8) words, each
     CTA (i, j) takes row quads ``i * rq + p`` (p < rq) x blocks ``j * g ..`` of them
     (``_fq_quad_tile`` per quad, first draw ``_quad_draw0``). On the GPU, when no width
@@ -265,9 +286,10 @@ def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
         rq = rq or max(1, QUAD_BLOCKS // (4 * g))
         while (r // 4) % rq:
             rq //= 2
-    if (interpret and nbr % g) or (not interpret and g % 64) or (r // 4) % rq:
+    if (interpret and nbr % g) or (not interpret and g % 64) or (r // 4) % (rq * steps):
         raise ValueError(f"fq_rows SR tiling: g={g} must divide C/16={nbr} (interpret) or "
-                         f"be a multiple of 64 (GPU), and rq={rq} must divide R/4={r // 4}")
+                         f"be a multiple of 64 (GPU), and rq={rq} x steps={steps} must "
+                         f"divide R/4={r // 4}")
 
     def _quad_draw0(i, j, p):  # draw of word (0, 0) of row quad i * rq + p, block j * g
         return (i * rq + p) * (c // 2) + 8 * g * j
@@ -281,9 +303,12 @@ def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
                 for j in range(nbr // g):
                     for p in range(rq):
                         at = (pl.ds(4 * (i * rq + p), 4), pl.ds(j * g, g))
-                        _fq_quad_tile(sc_ref, kw_ref, _quads(x_ref.at[at]),
-                                      _quads(o_ref.at[at]), g=g, draw0=_quad_draw0(i, j, p),
-                                      plain=True, mode=mode)
+                        xs, os = x_ref.at[at], o_ref.at[at]
+                        if not compact:
+                            xs, os = _quads(xs), _quads(os)
+                        _fq_quad_tile(sc_ref, kw_ref, xs, os, g=g,
+                                      draw0=_quad_draw0(i, j, p), plain=True, mode=mode,
+                                      dyn=compact)
 
         return result(pl.pallas_call(
             interp_body, out_shape=out_type, interpret=interpret,
@@ -294,22 +319,30 @@ def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
         i = lax.axis_index("rows")
         j = lax.axis_index("cols")
 
-        def step(_, x_smem, o_smem):
-            for p in range(rq):
-                rows = pl.ds(4 * p, 4)
-                _fq_quad_tile(sc_gmem, kw_gmem, _quads(x_smem.at[rows]), _quads(o_smem.at[rows]),
-                              g=g, draw0=_quad_draw0(i, j, p), plain=False, mode=mode)
+        def step(idx, x_smem, o_smem):
+            tile = i * steps + (idx[0] if isinstance(idx, (tuple, list)) else idx)
 
-        plgpu.emit_pipeline(
-            step, grid=(1,),
-            in_specs=[plgpu.BlockSpec((4 * rq, g, 8), lambda _: (i, j, 0))],
-            out_specs=[plgpu.BlockSpec((4 * rq, g, 8), lambda _: (i, j, 0))],
-            max_concurrent_steps=1,
-        )(x_gmem, o_gmem)
+            def quad(p):
+                rows = pl.ds(4 * p, 4)
+                xs, os = x_smem.at[rows], o_smem.at[rows]
+                if not compact:
+                    xs, os = _quads(xs), _quads(os)
+                _fq_quad_tile(sc_gmem, kw_gmem, xs, os, g=g, draw0=_quad_draw0(tile, j, p),
+                              plain=False, mode=mode, dyn=compact)
+
+            if compact and rq > 1:
+                pl.loop(0, rq)(quad)
+            else:
+                for p in range(rq):
+                    quad(p)
+
+        spec = plgpu.BlockSpec((4 * rq, g, 8), lambda t: (i * steps + t, j, 0))
+        plgpu.emit_pipeline(step, grid=(steps,), in_specs=[spec], out_specs=[spec],
+                            max_concurrent_steps=min(steps, 2))(x_gmem, o_gmem)
 
     o = plgpu.kernel(
         body, out_type=out_type,
-        grid=(r // (4 * rq), -(-nbr // g)), grid_names=("rows", "cols"),
+        grid=(r // (4 * rq * steps), -(-nbr // g)), grid_names=("rows", "cols"),
         compiler_params=lane_params(unsafe_no_auto_barriers=True),
     )(sc, kw, xw)
     return result(o)
