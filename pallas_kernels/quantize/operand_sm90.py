@@ -171,7 +171,7 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
                    sr: bool = False, g: int | None = None, rq: int | None = None,
                    kt: int | None = None, chunk: int = SUB, steps: int | None = None,
                    sc_row: int | None = None, flat: bool | None = None,
-                   compact: bool = False):
+                   compact: bool | None = None):
     """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec)`` (or, with ``sc_row``, the flat
     (k * SC_WIDTH,) scalars of k operands, of which row ``sc_row`` is this one's: no slice
     of it runs outside the kernel), ``kw = key_words(key)``.
@@ -187,7 +187,9 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
     applies and ``g`` is not given, never in interpret mode unless asked (``rq`` then
     counts its quads a CTA). SR tiling knobs of the quad tiles (tuning only, same bits):
     ``steps`` pipeline steps (tiles) a CTA (double-buffered when > 1), ``compact`` a
-    tile's rows and quads as loops rather than unrolled code."""
+    tile's rows and quads as loops rather than unrolled code (default on the GPU: 201.6
+    against 223.3 µs with the amax pass at 8192^2 on an H100, fewer instructions to fetch;
+    off in interpret mode)."""
     if not supported_rows(x.shape, x.dtype, sr, padded=True):
         raise ValueError(f"fq_rows needs bf16 (R, C), C % 16 == 0, R*C % {16 * SUB} == 0 "
                          f"(with a key also R % 4 == 0), got {x.dtype} {x.shape}")
@@ -206,7 +208,8 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
                                  f"multiple of 64, and rq={rq} quads that fit R/4 (got "
                                  f"{x.shape})")
         return _fq_rows_quads(x, sc, kw, interpret=interpret, mode=mode, g=g, rq=rq,
-                              sc_row=sc_row, steps=steps or 1, compact=compact)
+                              sc_row=sc_row, steps=steps or 1,
+                              compact=not interpret if compact is None else compact)
     nbt = r * c // 16
     xw = lax.bitcast_convert_type(x.reshape(nbt, 8, 2), jnp.uint32)
     if interpret:
