@@ -16,14 +16,21 @@ step function ``fp4jax-train`` compiles), then on a GPU:
   Threefry as CUDA kernels, ``--threefry kernel``), ``optimizer`` (optax),
   ``attention`` (softmax and score/value matmuls are ``gemm``), ``embedding``
   (gather/scatter), ``layout`` (transpose, copy, pad, slice), ``reduce`` (other reductions),
-  ``elementwise`` (other fusions), ``other``; ``launch gaps`` = step time - kernel sum.
+  ``elementwise`` (other fusions), ``collective`` (all-reduces and other collectives: NCCL
+  kernels), ``other``; ``launch gaps`` = step time - kernel sum.
+
+With ``--devices N`` (N > 1) the step is the data-parallel one (``shard_map`` over N local
+GPUs, the batch split by rows, as ``fp4jax-train --devices N`` runs it). CUPTI then lists the
+kernels of every device: the step time and the categories are summed over the N devices,
+and ``per_device_us`` divides them by N (the devices run the same program on equal rows);
+the per-call Pallas attribution is left out (the devices' kernels interleave).
 
 Writes ``$OUT/profile_step.json`` (``lab.run_info`` first: device, JAX version, commit,
 command). On a machine without CUPTI (CPU) it times wall clock and reports the HLO's
 instructions per category instead of kernel times (to check the script).
 
     PYTHONPATH=$PWD python3 experiments/profile_step.py --preset small --scan-layers \\
-        --specs bf16 nvfp4 [--batch-size 64 --seq-len 256] [--hlo]
+        --specs bf16 nvfp4 [--batch-size 64 --seq-len 256] [--devices 2] [--hlo]
 """
 
 from __future__ import annotations
@@ -49,7 +56,11 @@ from fp4jax.train.config import TrainConfig, make_optimizer, make_policy, model_
 from fp4jax.train.loop import make_init_state, make_mesh, make_train_step
 
 CATEGORIES = ("gemm", "pallas", "rht", "quantize", "amax", "fp4_glue", "prng", "optimizer",
-              "attention", "embedding", "layout", "reduce", "elementwise", "other")
+              "attention", "embedding", "layout", "reduce", "elementwise", "collective",
+              "other")
+_COLLECTIVES = ("all-reduce", "all-reduce-start", "all-reduce-done", "all-gather",
+                "all-gather-start", "all-gather-done", "reduce-scatter", "collective-permute",
+                "collective-permute-start", "collective-permute-done", "all-to-all")
 
 # name-stack patterns, checked in order (the first that matches wins)
 _STACK_RULES = (  # fp4jax's named scopes (fp4jax/dot.py, fp4jax/quantize.py) first
@@ -62,6 +73,7 @@ _STACK_RULES = (  # fp4jax's named scopes (fp4jax/dot.py, fp4jax/quantize.py) fi
 )
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*[^=]*?\b([a-z][\w\-]*)\(")
 _OPNAME = re.compile(r'op_name="([^"]*)"')
+_INDEX_COMMENT = re.compile(r"/\*index=\d+\*/")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 
 
@@ -75,7 +87,9 @@ def hlo_instructions(hlo: str) -> dict[str, tuple[str, str, str]]:
     and fused computations of an optimized HLO module's text."""
     out = {}
     for line in hlo.splitlines():
-        m = _INSTR.match(line)
+        # tuple shapes of 6+ elements carry /*index=5*/ comments, whose '=' would end the
+        # instruction's name match early (e.g. the combined gradient all-reduce)
+        m = _INSTR.match(_INDEX_COMMENT.sub("", line))
         if not m:
             continue
         op = _OPNAME.search(line)
@@ -88,6 +102,8 @@ def hlo_instructions(hlo: str) -> dict[str, tuple[str, str, str]]:
 def categorize(opcode: str, target: str, op_name: str, fused_text: str = "") -> str:
     """The category of one instruction (see the module docstring)."""
     t = target.lower()
+    if opcode in _COLLECTIVES:
+        return "collective"
     if opcode == "custom-call" and ("mosaic" in t or "pallas" in t or "triton" in t):
         return "pallas"
     if opcode in ("dot", "convolution") or "gemm" in t or "cublas" in t or "matmul" in t:
@@ -141,6 +157,8 @@ def kernel_category(kernel: str, instrs: dict, bodies: dict) -> str:
         opcode, target, op_name = instrs[k]
         return categorize(opcode, target, op_name, bodies.get(k, ""))
     low = kernel.lower()
+    if "nccl" in low:  # NCCL's collective kernels (data-parallel steps)
+        return "collective"
     if re.search(r"prng|threefry", low):  # jax.random's Threefry as a CUDA kernel
         return "prng"
     if re.search(r"gemm|nvjet|xmma|cutlass|cublas|wgmma", low):
@@ -233,7 +251,7 @@ def build_step(preset: str, spec: str, scan_layers: bool, batch_size: int, seq_l
 def profile_spec(args, spec: str) -> dict:
     step, state, batch, key, mc = build_step(args.preset, spec, args.scan_layers,
                                              args.batch_size, args.seq_len,
-                                             attention=args.attention)
+                                             devices=args.devices, attention=args.attention)
     # The harness's step donates the state, and CUPTI's measure calls the function several
     # times on the same arguments: profile the same step function compiled without donation
     # (measure takes the compiled object as it is; wrapping it in another jit fails).
@@ -241,7 +259,7 @@ def profile_spec(args, spec: str) -> dict:
     hlo = once.as_text()
     instrs, bodies = hlo_instructions(hlo), fused_bodies(hlo)
 
-    rec = {"spec": spec, "params": mc.num_params(),
+    rec = {"spec": spec, "params": mc.num_params(), "devices": args.devices,
            "tokens_per_step": args.batch_size * args.seq_len}
     rec["step"] = lab.time_fn(once, state, batch, key, iterations=args.iterations)
     try:
@@ -259,7 +277,13 @@ def profile_spec(args, spec: str) -> dict:
         rec["kernels_total_us"] = round(total, 1)
         rec["categories_us"] = {c: round(by_cat.get(c, 0.0), 1) for c in CATEGORIES}
         rec["launch_gaps_us"] = round(rec["step"]["median_us"] - total, 1)
-        rec["pallas_kernels"] = attribute_pallas(per, mosaic_calls(hlo), instrs, bodies)
+        if args.devices > 1:
+            rec["per_device_us"] = {"step": round(rec["step"]["median_us"] / args.devices, 1)} | {
+                c: round(us / args.devices, 1) for c, us in rec["categories_us"].items()}
+        rec["pallas_kernels"] = (attribute_pallas(per, mosaic_calls(hlo), instrs, bodies)
+                                 if args.devices == 1 else
+                                 {"error": "not attributed with several devices (CUPTI "
+                                           "interleaves their kernels): see top_kernels"})
         if args.hlo:  # the kernel sequence itself, to re-attribute offline
             with gzip.open(os.path.join(args.out, f"profile_step_{slug(spec)}_kernels.json.gz"),
                            "wt") as f:
@@ -290,11 +314,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--iterations", type=int, default=10)
+    ap.add_argument("--devices", type=int, default=1,
+                    help="local devices of the data-parallel step (the batch split over them)")
     ap.add_argument("--hlo", action="store_true", help="save each step's optimized HLO")
     ap.add_argument("--threefry", choices=THREEFRY_LOWERINGS, default="kernel",
                     help="GPU lowering of jax.random's Threefry, as fp4jax-train --threefry")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
+    if args.devices < 1 or args.batch_size % args.devices:
+        ap.error(f"--devices {args.devices}: needs a positive count that divides "
+                 f"--batch-size {args.batch_size}")
     set_threefry_lowering(args.threefry)
     res = lab.run_info(__file__, sys.argv[1:] if argv is None else argv) | {
         "threefry_lowering": threefry_lowering(), "runs": []}

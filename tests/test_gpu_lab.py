@@ -177,3 +177,19 @@ def test_profile_step_kernel_names(lab_modules):
     assert cat("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
     assert cat("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN") == "gemm"
     assert cat("_quantize_rows_kernel") == "pallas"
+
+
+def test_profile_step_collectives(lab_modules):
+    """Data-parallel steps: the combined gradient all-reduce (a tuple of 6+ shapes, whose
+    ``/*index=5*/`` comments hold an '=') and NCCL's kernels are ``collective``."""
+    import profile_step as ps
+
+    shapes = ", ".join(["f32[4]{0}"] * 5) + ", /*index=5*/f32[4]{0}"
+    hlo = ("ENTRY %main {\n"
+           f"  %all-reduce.1 = ({shapes}) all-reduce(f32[4]{{0}} %a), channel_id=1, "
+           'metadata={op_name="jit(step)/shard_map/psum"}\n}\n')
+    instrs, bodies = ps.hlo_instructions(hlo), ps.fused_bodies(hlo)
+    assert instrs["all_reduce_1"][0] == "all-reduce"
+    assert ps.kernel_category("all-reduce.1", instrs, bodies) == "collective"
+    assert ps.kernel_category("ncclDevKernel_AllReduce_Sum_f32_RING_LL", instrs,
+                              bodies) == "collective"
