@@ -90,8 +90,10 @@ def test_checker_reports_a_wrong_kernel(tmp_path, monkeypatch, lab_modules):
     out = tmp_path / "gpu_check.json"
     assert gc.main(["--interpret", "2d", "--out", str(out), "--seed", "5"]) == 1
     res = json.loads(out.read_text())
-    (row,) = res["checks"]
-    assert row["status"] == "fail" and row["mismatch"] > 0 and res["ok"] is False
+    rows = res["checks"]  # the input as bf16, and as float32 (a master weight)
+    assert [r["input"] for r in rows] == ["wild", "wild/f32"]
+    assert all(r["status"] == "fail" and r["mismatch"] > 0 for r in rows)
+    assert res["ok"] is False
 
 
 def test_comparisons_count_nan_as_equal(lab_modules):
