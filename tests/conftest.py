@@ -36,7 +36,16 @@ def _shared_compile_cache(tmp_path_factory):
     jax.config.update(names[1], float(os.environ.get("FP4JAX_TEST_CACHE_MIN_S", "0")))
     jax.config.update(names[2], 0)
     cc.reset_cache()
+    # CLI tests pass ``--compile-cache auto``, which takes $JAX_COMPILATION_CACHE_DIR: their
+    # runs and a parallel sweep's worker processes then share this cache with the rest of
+    # the session (numerics unaffected), and nothing is written to ~/.cache/fp4jax/xla
+    old_env = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(path)
     yield
+    if old_env is None:
+        os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+    else:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = old_env
     for n, v in old.items():
         jax.config.update(n, v)
     cc.reset_cache()

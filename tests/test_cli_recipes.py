@@ -20,7 +20,7 @@ def test_train_cli_runs_the_hybrid_recipe(tmp_path, keep_compile_cache):
     assert T.main(["--preset", "micro", "--recipe", "mxfp8_fwd_nvfp4_bwd", "--steps", "2",
                    "--lr", "0.01", "--batch-size", "4", "--seq-len", "32", "--eval-every", "0",
                    "--log-every", "1", "--warmup-steps", "1", "--no-progress",
-                   "--compile-cache", "off", "--devices", "1", "--data", str(corpus),
+                   "--compile-cache", "auto", "--devices", "1", "--data", str(corpus),
                    "--out", str(out)]) == 0
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in recs if r["type"] == "train"]
@@ -42,7 +42,7 @@ def test_train_cli_runs_quartet2_with_smooth_swiglu(tmp_path, keep_compile_cache
     assert T.main(["--preset", "micro", "--recipe", "quartet2", "--ffn", "smooth_swiglu",
                    "--steps", "2", "--lr", "0.01", "--batch-size", "4", "--seq-len", "32",
                    "--eval-every", "0", "--log-every", "1", "--warmup-steps", "1",
-                   "--no-progress", "--compile-cache", "off", "--devices", "1",
+                   "--no-progress", "--compile-cache", "auto", "--devices", "1",
                    "--data", str(corpus), "--out", str(out)]) == 0
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in recs if r["type"] == "train"]

@@ -21,7 +21,7 @@ from tests.textdata import write_text
 CLI = ["--preset", "micro", "--steps", "4", "--lr", "0.01", "--batch-size", "4",
        "--seq-len", "32", "--eval-every", "2", "--eval-batches", "1", "--log-every", "1",
        "--warmup-steps", "1", "--checkpoint-every", "2", "--no-progress",
-       "--compile-cache", "off"]
+       "--compile-cache", "auto"]
 SPECS = "bf16,bf16(name=twin)"  # two specs with the same numerics
 
 

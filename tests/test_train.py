@@ -277,7 +277,7 @@ def test_nan_stops_and_keeps_last_good_checkpoint(text, tmp_path, monkeypatch, c
     args = ["--preset", "micro", "--data", text, "--recipe", "bf16", "--steps", "30",
             "--lr", "0.01", "--warmup-steps", "3", "--batch-size", "8", "--seq-len", "64",
             "--eval-batches", "2", "--eval-every", "0", "--checkpoint-every", "4",
-            "--out", str(tmp_path / "cli"), "--no-progress", "--compile-cache", "off"]
+            "--out", str(tmp_path / "cli"), "--no-progress", "--compile-cache", "auto"]
     capsys.readouterr()
     assert T.main(args) == 1
     err = capsys.readouterr().err

@@ -24,7 +24,7 @@ BASE = dict(preset="micro", recipe="bf16", steps=30, lr=1e-2, batch_size=8, seq_
             eval_every=0, eval_batches=2, log_every=1, warmup_steps=3, progress=False)
 CLI = ["--preset", "micro", "--recipe", "bf16", "--steps", "30", "--lr", "0.01",
        "--batch-size", "8", "--seq-len", "64", "--eval-every", "0", "--eval-batches", "2",
-       "--log-every", "1", "--warmup-steps", "3", "--no-progress", "--compile-cache", "off"]
+       "--log-every", "1", "--warmup-steps", "3", "--no-progress", "--compile-cache", "auto"]
 
 
 pytestmark = pytest.mark.usefixtures("keep_compile_cache")  # conftest
