@@ -236,17 +236,31 @@ def _quantum(a: jax.Array, grid: FloatGrid) -> tuple[jax.Array, jax.Array]:
 def div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
     """Correctly rounded (IEEE round-to-nearest-even) float32 ``a / b`` on every backend.
 
-    On CPU, XLA's float32 division is IEEE-exact, so it is used directly (the
-    integer path costs ~2 s of compile time per quantized layer there). On every
-    other platform the quotient comes from ``div_rn_f64`` (one float64 division, where
-    the JAX version can trace one) or else ``div_rn_integer``: the same bits. The choice
-    is made by ``jax.lax.platform_dependent`` when the computation is lowered for its
-    device.
+    On the CPU XLA's float32 division is IEEE-exact, so it is used (the other paths compile
+    slower there), guarded against XLA's rewrites of divisions (``_div_cpu``): a scalar or
+    constant divisor made ``A * (1 / B)``, one ulp off for 0.2-33% of quotients
+    (``tests/test_core.py``), and chained divisions merged.
+    On every other platform the quotient comes from ``div_rn_f64`` (one float64 division,
+    where the JAX version can trace one) or else ``div_rn_integer``: the same bits. The
+    choice is made by ``jax.lax.platform_dependent`` when the computation is lowered for
+    its device. (Before 2026-11-26 the CPU path had no guard: ``ms_eden``'s division of
+    every block by the tensor scale was not correctly rounded there.)
     """
     a = jnp.asarray(a, jnp.float32)
     b = jnp.asarray(b, jnp.float32)
     default = div_rn_f64 if hasattr(jax, "enable_x64") else div_rn_integer
-    return jax.lax.platform_dependent(a, b, cpu=jnp.divide, default=default)
+    return jax.lax.platform_dependent(a, b, cpu=_div_cpu, default=default)
+
+
+def _div_cpu(a: jax.Array, b: jax.Array) -> jax.Array:
+    """XLA's float32 ``a / b`` (IEEE-exact on the CPU) kept whole: the divisor, broadcast to
+    the quotient's shape, and the quotient pass through ``optimization_barrier``, which
+    XLA's algebraic simplifier cannot see through. Without them it rewrites, on the CPU,
+    ``A / broadcast(B)`` and ``A / constant`` into ``A * (1 / B)``, ``(A / B) / C`` into
+    ``A / (B * C)`` and ``A / (B / C)`` into ``(A * C) / B``: each one ulp off for a share
+    of the quotients (``tests/test_core.py``)."""
+    a, b = jnp.broadcast_arrays(a, b)
+    return jax.lax.optimization_barrier(a / jax.lax.optimization_barrier(b))
 
 
 def _div_rn_normal(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -281,6 +295,15 @@ def div_rn_f64(a: jax.Array, b: jax.Array) -> jax.Array:
     ``d >= 1/B``, so none rounds up into the normal range: comparing the float64
     quotient with ``2**-126`` is the integer path's test.) The float64 values are traced
     under ``jax.enable_x64``, whatever the global setting.
+
+    A broadcast or constant divisor: XLA may compute ``a * (1 / b)`` in float64 instead
+    (two roundings, within ``2**-52`` relative of ``a / b``). The result is still the
+    correctly rounded float32 quotient: with 24-bit integer significands ``A``, ``B`` the
+    exact quotient ``A / B`` differs from a float32 rounding midpoint ``M / 2**25`` (``M``
+    odd) by ``(2**25 A - M B) / (2**25 B)``, a nonzero integer over ``2**25 B`` (zero would
+    need ``B`` a power of two, whose reciprocal is exact), so by over ``2**-50`` relative,
+    and both roundings to float32 agree (``tests/test_core.py`` checks scalar and constant
+    divisors on the CPU, which rewrites so).
     """
     a = a.astype(jnp.float32)
     b = b.astype(jnp.float32)

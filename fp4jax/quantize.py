@@ -281,7 +281,7 @@ def four_over_six(blocks: jax.Array, amax: jax.Array, rule: str = "4over6", *,
     gives element encode scale 0 (TE: FLT_MAX, codes +-6; the dequantized values and the
     errors are the same); the tensor encode scale is clamped to ``2**126``; divisions by
     the constants 6 and ``6*B`` are correctly rounded on every backend
-    (``numerics.div_rn_integer``: XLA rewrites ``a / c`` into ``a * (1/c)``), and the MSE
+    (``numerics.div_rn``: XLA rewrites ``a / c`` into ``a * (1/c)``), and the MSE
     square is kept out of an FMA with the sum (XLA on CPU contracts ``acc + d*d``; TE
     uses ``__fmul_rn``/``__fadd_rn``). XLA on CPU flushes float32 subnormal results to
     zero, so error terms below ``2**-126`` (MSE: ``|d| < 2**-63``) are 0 there; TE keeps
@@ -316,7 +316,7 @@ def four_over_six(blocks: jax.Array, amax: jax.Array, rule: str = "4over6", *,
     dec = numerics.div_rn(f32(1.0), enc)
     amax_b = block_amax(blocks, axis=(-3, -1) if block_2d else -1)
     finite = jnp.isfinite(amax_b)
-    base = numerics.div_rn_integer(amax_b, f32(6.0)) * enc
+    base = numerics.div_rn(amax_b, f32(6.0)) * enc
 
     def per_element(a):  # block values broadcast against the elements of ``blocks``
         return a[..., :, None, :, None] if block_2d else a[..., None]
@@ -330,7 +330,7 @@ def four_over_six(blocks: jax.Array, amax: jax.Array, rule: str = "4over6", *,
     q = _round_elements(blocks * per_element(element_encode_scale(s, dec)), numerics.E2M1,
                         "nearest", None)
     amax_e = amax if amax.ndim == 0 else amax[..., None]  # row-scaled: (..., 1, 1)
-    val = numerics.div_rn_integer((q * per_element(s)) * amax_e, f32(6.0 * bound))
+    val = numerics.div_rn((q * per_element(s)) * amax_e, f32(6.0 * bound))
     d = val - blocks
     if metric == "mae":
         t = jnp.abs(d)
@@ -417,12 +417,11 @@ def ms_eden(groups: jax.Array, amax: jax.Array, u: jax.Array
     f32 = jnp.float32
     amax = jnp.asarray(amax, f32)
     val_max = f32(_EDEN_VAL_MAX)
-    dec = numerics.div_rn_integer(numerics.div_rn_integer(amax, f32(_EDEN_SCALES_MAX)),
-                                  val_max)
+    dec = numerics.div_rn(numerics.div_rn(amax, f32(_EDEN_SCALES_MAX)), val_max)
     dec = jnp.where(amax == 0, f32(1.0), jnp.maximum(dec, f32(2.0**-126)))
     amax_b = block_amax(groups, axis=-1)  # (..., ng, G/16)
     finite = jnp.isfinite(amax_b)
-    s = numerics.round_to_grid(numerics.div_rn(numerics.div_rn_integer(amax_b, val_max), dec),
+    s = numerics.round_to_grid(numerics.div_rn(numerics.div_rn(amax_b, val_max), dec),
                                numerics.E4M3, "nearest")
     s = jnp.where(finite & (s == 0), f32(1.0), s)
     y = groups * element_encode_scale(s, dec)[..., None]

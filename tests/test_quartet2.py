@@ -8,6 +8,7 @@ keys with round-to-nearest as the negative control, and ``recipes.quartet2()`` t
 from __future__ import annotations
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +65,33 @@ def test_ms_eden_bit_exact_against_reference(group, axis):
     # the correction moved some scales off their round-to-nearest value (not a no-op)
     qn = fp4jax.quantize(jnp.asarray(x), axis=axis)
     assert not np.array_equal(np.asarray(qn.scale, np.float32), np.asarray(q.scale, np.float32))
+
+
+def test_ms_eden_block_scale_at_an_e4m3_midpoint():
+    """``(amax_b / V) / dec`` exactly at an E4M3 rounding midpoint (0.265625, between 0.25
+    and 0.28125: ties to even, 0.25), in ``ms_eden`` called eagerly and under ``jit``.
+    Before 2026-11-26, on the CPU, XLA turned the eager division by the broadcast tensor
+    scale into ``* (1 / dec)``, one ulp above the midpoint, and the block took 0.28125
+    before the EDEN correction (under ``jit`` it happened not to: the bits depended on the
+    compilation context); ``numerics.div_rn`` now keeps every division whole."""
+    big, small = F32(110.69795227050781), F32(0.11486441642045975)  # found by search
+    v = F32(6.0 / ((17 / 16) * 0.93))
+    dec = F32(F32(big / F32(255.99)) / v)
+    assert F32(F32(small / v) / dec) == F32(0.265625)  # the midpoint, exactly
+    x = np.zeros((2, 16), F32)
+    x[0, :] = np.linspace(-big, big, 16, dtype=F32)
+    x[1, :] = np.linspace(-small, small, 16, dtype=F32) * F32(0.5)
+    x[1, 3] = small
+    u = np.full((2, 1), 0.5, F32)
+    rq, rs, rdec = ref.ref_ms_eden(x, 16, u)
+    assert rs[1, 0] == 0.25  # the final scale (after the correction, rounded with u = 0.5)
+    eden = importlib.import_module("fp4jax.quantize").ms_eden
+    for fn in (eden, jax.jit(eden)):
+        got_dec, got_s, got_q = fn(jnp.asarray(x).reshape(2, 1, 16), jnp.float32(big),
+                                   jnp.asarray(u))
+        _bits_equal(np.asarray(got_q).reshape(2, 16), rq)
+        _bits_equal(np.asarray(got_s), rs)
+        _bits_equal(got_dec, rdec)
 
 
 D = 256
