@@ -44,15 +44,10 @@ def _records(out: Path) -> list[dict]:
 
 
 def _cli(args: list[str]) -> int:
-    """``fp4jax-train ARGS`` in this process, on the session's compilation cache (restored
-    after: ``main`` sets the process-wide cache)."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    old = {n: getattr(jax.config, n) for n in names}
-    try:
-        return T.main([*args, "--compile-cache", old[names[0]] or "off"])
-    finally:
-        for n, v in old.items():
-            jax.config.update(n, v)
+    """``fp4jax-train ARGS`` in this process, on the session's compilation cache
+    (``--compile-cache auto`` takes ``$JAX_COMPILATION_CACHE_DIR``, which conftest sets to
+    it, and leaves the process-wide setting as it is)."""
+    return T.main([*args, "--compile-cache", "auto"])
 
 
 def _runs(tmp: Path) -> dict:
