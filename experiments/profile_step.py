@@ -181,6 +181,13 @@ def _fold_layers(op_name: str) -> str:
     return re.sub(r"block_\d+", "block_N", op_name)
 
 
+def strip_mosaic_modules(hlo: str) -> str:
+    """``hlo`` with each Mosaic GPU custom call's serialized module (its backend config's
+    ``module`` string, most of a kernel step's HLO text) replaced by its length."""
+    return re.sub(r'((?:\bmodule|\\?"module\\?")\s*[=:]\s*)"((?:[^"\\]|\\.)*)"',
+                  lambda m: f'{m.group(1)}"<{len(m.group(2))} chars>"', hlo)
+
+
 def mosaic_calls(hlo: str) -> list[tuple[str, str]]:
     """``(operation, output shape)`` of every Mosaic GPU custom call of the optimized
     module's entry computation, in schedule order (the printed order of a scheduled module):
@@ -298,10 +305,10 @@ def profile_spec(args, spec: str) -> dict:
         counts = collections.Counter(categorize(o, t, n, bodies.get(k, ""))
                                      for k, (o, t, n) in instrs.items())
         rec["hlo_instructions_per_category"] = {c: counts.get(c, 0) for c in CATEGORIES}
-    if args.hlo:
+    if args.hlo:  # without the Mosaic GPU modules' bytes (most of the text; kept: their hash)
         path = os.path.join(args.out, f"profile_step_{slug(spec)}_hlo.txt.gz")
         with gzip.open(path, "wt") as f:
-            f.write(hlo)
+            f.write(strip_mosaic_modules(hlo))
     return rec
 
 
