@@ -184,9 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     env = dict(os.environ, CUDA_CACHE_DISABLE="1", JAX_ENABLE_COMPILATION_CACHE="false",
                TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="hlo_pass_pipeline=1")
+    # the repository root after the caller's PYTHONPATH (which may put another copy first)
     env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-         env.get("PYTHONPATH", "")])
+        p for p in (env.get("PYTHONPATH", ""),
+                    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) if p)
     recs = []
     for spec in a.specs:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", spec, "--preset",
