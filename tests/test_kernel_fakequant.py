@@ -280,26 +280,6 @@ def test_2d_kernel_matches_xla_and_numpy():
     assert _same(got, want_np.astype(np.float32)) == 0
 
 
-@needs_interpret
-@pytest.mark.parametrize("shape", [(32, 512), (48, 784), (32, 2064)])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_2d_kernel_narrow_or_ragged_width_matches_xla_and_numpy(shape, dtype):
-    """A width that is not a multiple of the 1024-column strip (a small model's weights:
-    512, 768 columns; or 2064 = 2 strips + one tile) is padded with zero tiles inside
-    ``fq_2d_scaled`` and sliced back: bit for bit with the XLA path and the NumPy
-    reference, tensor scale from the unpadded matrix."""
-    x = _data(shape, 31) if dtype == "bfloat16" else _data_f32(shape, 31)
-    x = x.at[-16:, -16:].set(jnp.asarray(1e30 if dtype == "float32" else 1e4, x.dtype))
-    assert fq.supported_2d(x.shape, x.dtype) and shape[1] % fq.W2D
-    got, dec = fq.fq_2d(x, interpret=IP)
-    assert got.shape == x.shape and got.dtype == jnp.bfloat16
-    want, wdec = _xla_scaled(x, -1, block_2d=True)
-    assert _same(got, want) == 0 and float(dec) == float(wdec)
-    codes, sb, _ = npref.quantize_nvfp4_16x16(np.asarray(x, np.float32))
-    want_np = _np_scaled(codes, sb, lambda s: np.repeat(np.repeat(s, 16, 0), 16, 1))
-    assert _same(got, want_np.astype(np.float32)) == 0
-
-
 def _data_f32(shape, seed):
     """``_data`` with float32 mantissa bits below bf16's set at random where finite (so
     the kernel must quantize the float32 values, not their bf16 roundings), and a tile of
@@ -353,11 +333,6 @@ def test_supported_shapes():
     assert fq.supported_cols((16, 256), bf) and not fq.supported_cols((16, 128), bf)
     assert not fq.supported_cols((16, 640), bf)
     assert fq.supported_2d((32, 2048), bf) and not fq.supported_2d((8, 1024), bf)
-    # 16x16 tiles at any width of whole tiles (padded to the 1024-column strip)
-    assert fq.supported_2d((32, 512), bf) and fq.supported_2d((16, 784), jnp.float32)
-    assert not fq.supported_2d((32, 520), bf) and not fq.supported_2d((32, 0), bf)
-    with pytest.raises(ValueError, match="C % 16 == 0"):
-        fq.fq_2d_scaled(jnp.zeros((32, 520), bf), cm.scalars(jnp.float32(1), jnp.float32(1)))
     with pytest.raises(ValueError, match="fq_cols needs"):
         fq.fq_cols_scaled(jnp.zeros((24, 1024), bf), cm.scalars(jnp.float32(1), jnp.float32(1)),
                           cm.key_words(None))
@@ -366,7 +341,7 @@ def test_supported_shapes():
 @pytest.mark.parametrize("variant", ["rows", "rows_sr", "cols", "cols_rht_sr", "2d", "amax",
                                      "amax2", "rows_sr_c1024", "rows_tiled", "cols_steps",
                                      "cols_c768", "cols_c256", "amax2_c512", "rows_sr_c256",
-                                     "rows_sr_c768", "2d_f32", "rows_sr_compact", "2d_c768"])
+                                     "rows_sr_c768", "2d_f32", "rows_sr_compact"])
 def test_kernels_lower_for_cuda(variant):
     key = jax.random.key(0)
     f = {
@@ -379,7 +354,6 @@ def test_kernels_lower_for_cuda(variant):
         "cols_rht_sr": lambda x: fq.fq_cols(x, key, signs=jnp.asarray(SIGNS)),
         "2d": lambda x: fq.fq_2d(x),
         "2d_f32": lambda x: fq.fq_2d(x.astype(jnp.float32)),
-        "2d_c768": lambda x: fq.fq_2d(x[:, :768].astype(jnp.float32)),  # padded to 1024
         "amax": lambda x: fq.rht_cols_amax(x, jnp.asarray(SIGNS)),
         "amax2": lambda x: fq.cols_amaxes(x, jnp.asarray(SIGNS)),
         "rows_sr_c1024": lambda x: fq.fq_rows(x.reshape(512, 1024), key),  # 64-block quads
@@ -408,11 +382,11 @@ def test_rows_tiling_rejects_bad_knobs():
         fq.fq_cols(x, steps=3)
 
 
-def _dot_fwd_bwd(m, recipe="nvfp4", wdtype=jnp.bfloat16, out=None, n=1024):
+def _dot_fwd_bwd(m, recipe="nvfp4", wdtype=jnp.bfloat16, out=None):
     kx, kw, kc = jax.random.split(jax.random.key(m), 3)
     x = jax.random.normal(kx, (m, 1024)).astype(jnp.bfloat16)
-    w = (0.05 * jax.random.normal(kw, (1024, n))).astype(wdtype)
-    ct = jax.random.normal(kc, (m, n)).astype(jnp.bfloat16)
+    w = (0.05 * jax.random.normal(kw, (1024, 1024))).astype(wdtype)
+    ct = jax.random.normal(kc, (m, 1024)).astype(jnp.bfloat16)
     key = jax.random.key(9)
 
     def loss(x, w):
@@ -455,28 +429,6 @@ def test_dot_float32_weight_takes_the_2d_kernel(monkeypatch):
     monkeypatch.setattr(fq, "fq_2d_scaled", spy)
     got = _dot_fwd_bwd(16, wdtype=jnp.float32, out=jnp.bfloat16)
     assert jnp.float32 in seen, seen
-    for g, w, name in zip(got, want, ("y", "loss", "dx", "dw"), strict=True):
-        assert (g.view(np.uint32) == w.view(np.uint32)).all(), name
-
-
-@needs_interpret
-def test_dot_narrow_weight_takes_the_padded_2d_kernel(monkeypatch):
-    """A weight of 768 output columns (a small model's width, not a multiple of the 16x16
-    kernel's 1024-column strip): its 16x16 operand comes from the kernel on the padded
-    weight; forward and backward equal the XLA path's bit for bit."""
-    monkeypatch.setenv("FP4JAX_KERNELS", "off")
-    want = _dot_fwd_bwd(16, wdtype=jnp.float32, out=jnp.bfloat16, n=768)
-    monkeypatch.setenv("FP4JAX_KERNELS", "interpret")
-    seen = []
-    real = fq.fq_2d_scaled
-
-    def spy(x, *a, **k):
-        seen.append(x.shape)
-        return real(x, *a, **k)
-
-    monkeypatch.setattr(fq, "fq_2d_scaled", spy)
-    got = _dot_fwd_bwd(16, wdtype=jnp.float32, out=jnp.bfloat16, n=768)
-    assert (1024, 768) in seen, seen
     for g, w, name in zip(got, want, ("y", "loss", "dx", "dw"), strict=True):
         assert (g.view(np.uint32) == w.view(np.uint32)).all(), name
 

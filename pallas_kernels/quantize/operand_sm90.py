@@ -559,17 +559,13 @@ def supported_cols(shape, dtype) -> bool:
     return r % 16 == 0 and c % COLS_MULTIPLE == 0 and r * c < 2**31
 
 
-W2D = 16 * G2D[-1]  # the 16x16 kernel's strip width (1024 columns)
-
-
 def supported_2d(shape, dtype) -> bool:
-    """bf16 or float32 (R, C), R % 16 == 0, C % 16 == 0 (``fq_2d_scaled`` pads C to a
-    multiple of ``W2D``)."""
+    """bf16 or float32 (R, C), R % 16 == 0, C % 1024 == 0."""
     if len(shape) != 2 or jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16),
                                                    jnp.dtype(jnp.float32)):
         return False
     r, c = shape
-    return r % 16 == 0 and c % 16 == 0 and c > 0
+    return r % 16 == 0 and c % (16 * G2D[-1]) == 0
 
 
 def _strip_call(x, sc, kw, strip, *, g: int, interpret: bool, name: str, out_rows: int = 16,
@@ -671,22 +667,10 @@ def fq_2d_scaled(x, sc, *, interpret: bool = False, recip: str = "rn", g: int | 
     float32 values, ``_fq_strip_2d_f32``), ``sc = scalars(enc, dec)`` (``sc_row``: as
     ``fq_rows_scaled``'s). Returns bf16 (R, C):
     ``data * scale`` of 16x16-tile NVFP4 (round-to-nearest). ``recip="rn"`` as the
-    16x16 quantize kernel (one reciprocal per 256 elements).
-
-    C need only be a multiple of 16: a matrix whose C is not a multiple of the strip width
-    ``W2D`` (a small model's weights: 512 or 768 columns) is padded with zero columns to
-    the next multiple and the padding sliced off the output. The same bits as without
-    padding, by construction: each 16x16 tile's scale and elements depend on that tile
-    and on the tensor scales in ``sc`` only (computed by the caller from the unpadded
-    ``x``), and the zero columns form whole tiles of their own, since C % 16 == 0."""
+    16x16 quantize kernel (one reciprocal per 256 elements)."""
     if not supported_2d(x.shape, x.dtype):
         raise ValueError(f"fq_2d needs bf16 or float32 (R, C), R % 16 == 0, "
-                         f"C % 16 == 0, got {x.dtype} {x.shape}")
-    c = x.shape[1]
-    if c % W2D:
-        xp = jnp.pad(x, ((0, 0), (0, -c % W2D)))
-        return fq_2d_scaled(xp, sc, interpret=interpret, recip=recip, g=g,
-                            sc_row=sc_row)[:, :c]
+                         f"C % {16 * G2D[-1]} == 0, got {x.dtype} {x.shape}")
     mode = _mode(recip, None)
     g = g or (x.shape[1] // 16 if interpret else _pick_block(x.shape[1] // 16, G2D))
 
