@@ -165,15 +165,19 @@ def _is_threefry(key) -> bool:
 # Kernels: quantize/operand_sm90.py, gemm/alpha_sm90.py.
 # ---------------------------------------------------------------------------
 
-KERNEL_AUTO_MIN_MKN = 2**31
+KERNEL_AUTO_MIN_MKN = 2**30
 """``FP4JAX_KERNELS=auto`` uses the kernels only for GEMMs with ``M*K*N`` at least this
-(16384 x 512 x 256). Measured on an H200 (``experiments/results/kernels/KERNELS.md``,
+(8192 x 512 x 256). Measured on an H200 (``experiments/results/kernels/KERNELS.md``,
 runs 17-22): the kernel path's forward + backward was faster than the XLA path at every
 size measured alone, 2048^3 (218 vs 349 us), 16384x512x2048 (603 vs 1,222 us),
 16384x2048x512, 8192x2048x2048 and 8192^3 (5,135 vs 7,634 us); and training the
 ``small`` preset with every GEMM on the kernels (``FP4JAX_KERNELS=on``; its smallest GEMMs
-are 16384 x 512 x 256) ran at 477k tokens/s vs 383k on the XLA path (run 22). Smaller
-GEMMs are not measured and stay on XLA."""
+are 16384 x 512 x 256) ran at 477k tokens/s vs 383k on the XLA path (run 22). At 8192 x
+512 x 256 (the ``small`` preset's k and v projections with 8,192 tokens a device, data
+parallel on two H100s) the XLA path cost 1.8 ms a device a step against 0.54 ms for the
+kernels at twice the tokens on one GPU
+(``experiments/results/training/2026-11-26_data_parallel_profile_h100x2/``), so the bound
+was halved from 2**31. Smaller GEMMs are not measured and stay on XLA."""
 
 
 def kernel_mode(mkn: int | None = None) -> str:

@@ -460,6 +460,9 @@ def test_auto_mode_size_threshold_and_devices(monkeypatch):
     want = "on" if jax.device_count() == 1 else "off"
     assert dot.kernel_mode(big) == want
     assert dot.kernel_mode(big - 1) == "off"
+    # the small preset's k/v projections with 8,192 tokens a device (two-GPU data parallel),
+    # where XLA's path cost 3x the kernels' (2026-11-26)
+    assert dot.kernel_mode(8192 * 512 * 256) == want
     assert dot.kernel_mode(0) == "off"  # batched dot_general
     monkeypatch.setenv("FP4JAX_KERNELS", "on")
     assert dot.kernel_mode(1) == "on"
