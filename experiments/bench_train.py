@@ -174,7 +174,8 @@ def _emit(rec: dict[str, Any]) -> None:
 
 
 def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
-                iterations: int, devices: int = 1, attention: str = "xla") -> dict[str, Any]:
+                iterations: int, devices: int = 1, attention: str = "xla",
+                scan_remat: str = "none") -> dict[str, Any]:
     """Builds, cold-compiles and times one configuration in this process; emits a tagged
     JSON line after each stage (the parent keeps the last one of a child it stops)."""
     for name, value in (("jax_enable_compilation_cache", False),
@@ -192,7 +193,8 @@ def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
         "quantized": quantized(spec), "batch_size": batch_size, "seq_len": seq_len,
         "tokens_per_step": batch_size * seq_len, "device": str(dev.device_kind),
         "platform": dev.platform, "device_count": jax.device_count(), "jax": jax.__version__,
-        "devices": devices, "attention": attention, "threefry_lowering": threefry_lowering(),
+        "devices": devices, "attention": attention, "scan_remat": scan_remat if scan else "none",
+        "threefry_lowering": threefry_lowering(),
     }
     try:
         from jax._src import compilation_cache as cc
@@ -202,7 +204,7 @@ def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
         rec["persistent_cache"] = None
     t = time.perf_counter()
     step, state, batch, key, mc = build_step(preset, spec, scan, batch_size, seq_len, devices,
-                                             attention)
+                                             attention, scan_remat)
     jax.block_until_ready(state)
     rec["params"] = mc.num_params()
     rec["build_s"] = round(time.perf_counter() - t, 3)
@@ -271,7 +273,7 @@ def child_main(args: argparse.Namespace) -> int:
     set_threefry_lowering(args.threefry)  # as fp4jax-train --threefry does
     try:
         measure_one(preset, config, args.batch_size, args.seq_len, args.iterations,
-                    args.devices, args.attention)
+                    args.devices, args.attention, args.scan_remat)
     except Exception as e:  # noqa: BLE001 (reported to the parent as the row's error)
         _emit({"error": lab.error_text(e)})  # the last stage line says where
         raise
@@ -308,7 +310,8 @@ def child_command(args: argparse.Namespace, preset: str, config: str) -> list[st
     return [sys.executable, str(Path(__file__).resolve()), "--one", preset, config,
             "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
             "--iterations", str(args.iterations), "--devices", str(args.devices),
-            "--attention", args.attention, "--threefry", args.threefry]
+            "--attention", args.attention, "--scan-remat", args.scan_remat,
+            "--threefry", args.threefry]
 
 
 def run_child(args: argparse.Namespace, preset: str, config: str, timeout: float
@@ -408,6 +411,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "them; default 1)")
     ap.add_argument("--attention", default="xla", choices=("xla", "cudnn"),
                     help="the model's attention, as fp4jax-train --attention (default xla)")
+    ap.add_argument("--scan-remat", default="none", choices=("none", "dots", "full"),
+                    help="what the ':scan' configurations' blocks save, as fp4jax-train "
+                         "--scan-remat (default none)")
     ap.add_argument("--threefry", choices=THREEFRY_LOWERINGS, default="kernel",
                     help="GPU lowering of jax.random's Threefry, as fp4jax-train --threefry "
                          "(default %(default)s, fp4jax-train's)")
@@ -431,7 +437,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             try:  # the whole run's config, as build_step makes it (flags named in the message)
                 run_recipe(TrainConfig(preset=preset, recipe=spec, scan_layers=scan,
                                        batch_size=args.batch_size, seq_len=args.seq_len,
-                                       devices=args.devices, attention=args.attention))
+                                       devices=args.devices, attention=args.attention,
+                                       scan_remat=args.scan_remat if scan else "none"))
             except (TypeError, ValueError) as e:
                 ap.error(f"{preset} {config}: {e}")
     return args
@@ -455,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     meta.update(device=None, platform=None, device_count=None,  # filled from the children
                 presets=args.presets, configs=args.configs, batch_size=args.batch_size,
                 seq_len=args.seq_len, devices=args.devices, attention=args.attention,
+                scan_remat=args.scan_remat,
                 iterations=args.iterations,
                 warmup=WARMUP,
                 timeout_s=args.timeout_s, time_limit=args.time_limit,

@@ -49,7 +49,7 @@ import lab  # before fp4jax: puts the repository root on sys.path
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fp4jax.models.llama import Llama
+from fp4jax.models.llama import SCAN_REMAT, Llama
 from fp4jax.train.cli import THREEFRY_LOWERINGS, set_threefry_lowering, threefry_lowering
 from fp4jax.train.comparison import slug
 from fp4jax.train.config import TrainConfig, make_optimizer, make_policy, model_config, run_recipe
@@ -235,13 +235,13 @@ def _op_of(kernel: str, instrs: dict) -> str:
 
 
 def build_step(preset: str, spec: str, scan_layers: bool, batch_size: int, seq_len: int,
-               devices: int = 1, attention: str = "xla"):
+               devices: int = 1, attention: str = "xla", scan_remat: str = "none"):
     """The harness's train step for one spec, its initial state and one batch (on
     ``devices`` local devices: the data-parallel step, the batch split over them;
     ``attention`` as ``--attention``)."""
     cfg = TrainConfig(preset=preset, recipe=spec, scan_layers=scan_layers,
                       batch_size=batch_size, seq_len=seq_len, devices=devices,
-                      attention=attention)
+                      attention=attention, scan_remat=scan_remat if scan_layers else "none")
     rcfg, recipe = run_recipe(cfg)
     mc = model_config(cfg)
     model = Llama(mc, make_policy(rcfg, mc, recipe))
@@ -258,7 +258,8 @@ def build_step(preset: str, spec: str, scan_layers: bool, batch_size: int, seq_l
 def profile_spec(args, spec: str) -> dict:
     step, state, batch, key, mc = build_step(args.preset, spec, args.scan_layers,
                                              args.batch_size, args.seq_len,
-                                             devices=args.devices, attention=args.attention)
+                                             devices=args.devices, attention=args.attention,
+                                             scan_remat=args.scan_remat)
     # The harness's step donates the state, and CUPTI's measure calls the function several
     # times on the same arguments: profile the same step function compiled without donation
     # (measure takes the compiled object as it is; wrapping it in another jit fails).
@@ -318,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--specs", nargs="+", default=["bf16", "nvfp4"])
     ap.add_argument("--scan-layers", action="store_true")
     ap.add_argument("--attention", default="xla", choices=("xla", "cudnn"))
+    ap.add_argument("--scan-remat", default="none", choices=SCAN_REMAT,
+                    help="with --scan-layers: fp4jax-train --scan-remat")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--iterations", type=int, default=10)

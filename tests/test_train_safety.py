@@ -267,6 +267,7 @@ def test_resume_refuses_changed_corpus(base, tmp_path):
     (["--resume", "--overwrite"], "--overwrite"), (["--out", "FILE"], "--out"),
     (["--out", "FILE/sub"], "--out"), (["--data", ""], "--data"),
     (["--warmup-steps", "-1"], "--warmup-steps"), (["--switch-at", "1.5"], "--switch-at"),
+    (["--scan-remat", "dots"], "--scan-remat"),  # without --scan-layers
 ])
 def test_cli_rejects_senseless_flags(args, flag, tmp_path, capsys):
     (tmp_path / "file.txt").write_text("not a directory")
@@ -284,7 +285,8 @@ def test_cli_rejects_senseless_flags(args, flag, tmp_path, capsys):
 def test_config_values_are_checked_in_python(tmp_path):
     for field, value in [("lr", -1.0), ("log_every", 0), ("seq_len", 1), ("val_fraction", 0.0),
                          ("steps", 0), ("eval_batches", 0), ("compare", ","),
-                         ("keep_checkpoints", 0), ("batch_size", 2.5)]:
+                         ("keep_checkpoints", 0), ("batch_size", 2.5),
+                         ("scan_remat", "some")]:
         with pytest.raises(ValueError, match=rf"TrainConfig\.{field} "):
             T.TrainConfig(**{field: value})
     (tmp_path / "f").write_text("x")

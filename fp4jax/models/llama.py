@@ -32,6 +32,8 @@ from fp4jax.nn.linen import Dense as Fp4Dense
 from fp4jax.nn.policy import PrecisionPolicy
 
 ATTENTION = ("xla", "cudnn")
+# what a scanned block keeps for the backward pass (``LlamaConfig.scan_remat``)
+SCAN_REMAT = ("none", "dots", "full")
 """``LlamaConfig.attention`` values (``causal_attention``'s implementations)."""
 
 FFNS = ("relu2", "swiglu", "smooth_swiglu")
@@ -65,6 +67,13 @@ class LlamaConfig:
         ``blocks_{first}_{last}``), so XLA compiles one block body per run instead of one
         per block. Same function, fewer compiles; parameter tree and random draws
         (init, stochastic rounding keys) differ from the unrolled model.
+      scan_remat: with ``scan_layers``, what a scanned block saves for the backward pass:
+        ``"none"`` (everything JAX saves by default, stacked over the blocks), ``"dots"``
+        (``flax.linen.remat`` with ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``:
+        the linear layers' outputs; the attention scores, softmax and elementwise work are
+        recomputed in the backward pass) or ``"full"`` (nothing: the whole block is
+        recomputed). Same function and gradients (recomputation uses the same values and
+        random keys); a speed and memory knob.
     """
 
     vocab_size: int = 256
@@ -81,8 +90,11 @@ class LlamaConfig:
     init_std: float = 0.02
     attention: str = "xla"
     scan_layers: bool = False
+    scan_remat: str = "none"
 
     def __post_init__(self) -> None:
+        if self.scan_remat not in SCAN_REMAT:
+            raise ValueError(f"scan_remat must be one of {SCAN_REMAT}, got {self.scan_remat!r}")
         if self.ffn not in FFNS:
             raise ValueError(f"ffn must be one of {FFNS}, got {self.ffn!r}")
         if self.attention not in ATTENTION:
@@ -386,7 +398,12 @@ class Llama(nn.Module):
             if j - i > 1:
                 # the statistics collections (fp4jax.nn.linen) get a leading block axis
                 # too; absent in training, they change nothing there
-                scanned = nn.scan(_ScanBlock, variable_axes={
+                body = _ScanBlock
+                if cfg.scan_remat != "none":
+                    body = nn.remat(body, prevent_cse=False, policy={
+                        "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                        "full": jax.checkpoint_policies.nothing_saveable}[cfg.scan_remat])
+                scanned = nn.scan(body, variable_axes={
                                       "params": 0, PERTURB_COLLECTION: 0,
                                       COTANGENT_COLLECTION: 0, STATS_COLLECTION: 0},
                                   split_rngs={"params": True, "fp4": True, "fp4_layer": True},

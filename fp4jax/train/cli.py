@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 
 import fp4jax.recipes
-from fp4jax.models.llama import ATTENTION, PRESETS
+from fp4jax.models.llama import ATTENTION, PRESETS, SCAN_REMAT
 from fp4jax.train import precision, processes
 from fp4jax.train.comparison import SweepFailed, compare, parse_seeds
 from fp4jax.train.config import (
@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-progress", dest="progress", action="store_false", help="no progress bar")
     a("--scan-layers", action="store_true",
       help="compile each run of same-recipe blocks once (flax scan): much faster compiles")
+    a("--scan-remat", default=d.scan_remat, choices=SCAN_REMAT,
+      help="with --scan-layers, what each scanned block saves for the backward pass: none "
+           "(the default), dots (the linear layers' outputs; attention and elementwise work "
+           "recomputed) or full (the block recomputed). Same results; speed and memory")
     a("--attention", default=d.attention, choices=ATTENTION,
       help="the causal attention (not quantized): xla (float32 scores and softmax, "
            "einsums) or cudnn (jax.nn.dot_product_attention on cuDNN's fused kernel; "

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 
 import fp4jax.recipes
-from fp4jax.models.llama import ATTENTION, LlamaConfig, get_preset
+from fp4jax.models.llama import ATTENTION, SCAN_REMAT, LlamaConfig, get_preset
 from fp4jax.nn.policy import PrecisionPolicy
 from fp4jax.recipes import GemmSpec, Recipe
 
@@ -31,7 +31,7 @@ SCHEDULES = ("wsd", "cosine")
 RESUMABLE_KEYS = frozenset(
     {"out", "resume", "stop_at", "progress", "cache_dir", "checkpoint_every", "log_every",
      "devices", "fsdp", "compare", "resume_override", "overwrite", "keep_checkpoints",
-     "stats_every"}
+     "stats_every", "scan_remat"}
 )
 # Config keys that ``--resume-override`` may change (they leave the state's structure alone);
 # ``data`` lets the corpus (its path and its content, see ``ByteDataset.fingerprint``) change.
@@ -98,6 +98,7 @@ class TrainConfig:
     compare: str | None = None
     resume_override: str | None = None
     scan_layers: bool = False
+    scan_remat: str = "none"
     attention: str = "xla"
     overwrite: bool = False
     keep_checkpoints: int = 3
@@ -307,6 +308,12 @@ def validate_config(cfg: TrainConfig) -> None:
         split_run_spec(cfg.recipe)
     except ValueError as e:
         raise ConfigError("recipe", str(e)) from None
+    if cfg.scan_remat not in SCAN_REMAT:
+        raise ConfigError("scan_remat", f"must be one of {list(SCAN_REMAT)}, got "
+                          f"{cfg.scan_remat!r}")
+    if cfg.scan_remat != "none" and not cfg.scan_layers:
+        raise ConfigError("scan_remat", "applies to scanned blocks: pass --scan-layers too "
+                          "(or leave --scan-remat at none)")
     if cfg.attention not in ATTENTION:
         raise ConfigError("attention", f"must be one of {list(ATTENTION)}, got "
                           f"{cfg.attention!r}")
@@ -493,6 +500,8 @@ def model_config(cfg: TrainConfig) -> LlamaConfig:
         changes["dtype"] = cfg.dtype
     if cfg.scan_layers:
         changes["scan_layers"] = True
+    if cfg.scan_remat != "none":
+        changes["scan_remat"] = cfg.scan_remat
     if cfg.attention != "xla":
         changes["attention"] = cfg.attention
     return mc.replace(**changes)
