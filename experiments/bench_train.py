@@ -175,7 +175,7 @@ def _emit(rec: dict[str, Any]) -> None:
 
 def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
                 iterations: int, devices: int = 1, attention: str = "xla",
-                scan_remat: str = "none") -> dict[str, Any]:
+                scan_remat: str | None = None) -> dict[str, Any]:
     """Builds, cold-compiles and times one configuration in this process; emits a tagged
     JSON line after each stage (the parent keeps the last one of a child it stops)."""
     for name, value in (("jax_enable_compilation_cache", False),
@@ -193,7 +193,7 @@ def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
         "quantized": quantized(spec), "batch_size": batch_size, "seq_len": seq_len,
         "tokens_per_step": batch_size * seq_len, "device": str(dev.device_kind),
         "platform": dev.platform, "device_count": jax.device_count(), "jax": jax.__version__,
-        "devices": devices, "attention": attention, "scan_remat": scan_remat if scan else "none",
+        "devices": devices, "attention": attention, "scan_remat": None,
         "threefry_lowering": threefry_lowering(),
     }
     try:
@@ -207,6 +207,7 @@ def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
                                              attention, scan_remat)
     jax.block_until_ready(state)
     rec["params"] = mc.num_params()
+    rec["scan_remat"] = mc.scan_remat if scan else None  # the model's, default included
     rec["build_s"] = round(time.perf_counter() - t, 3)
     _emit(rec | {"stage": "built"})
 
@@ -310,7 +311,8 @@ def child_command(args: argparse.Namespace, preset: str, config: str) -> list[st
     return [sys.executable, str(Path(__file__).resolve()), "--one", preset, config,
             "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
             "--iterations", str(args.iterations), "--devices", str(args.devices),
-            "--attention", args.attention, "--scan-remat", args.scan_remat,
+            "--attention", args.attention,
+            *(["--scan-remat", args.scan_remat] if args.scan_remat else []),
             "--threefry", args.threefry]
 
 
@@ -411,9 +413,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "them; default 1)")
     ap.add_argument("--attention", default="xla", choices=("xla", "cudnn"),
                     help="the model's attention, as fp4jax-train --attention (default xla)")
-    ap.add_argument("--scan-remat", default="none", choices=("none", "dots", "full"),
+    ap.add_argument("--scan-remat", default=None, choices=("none", "dots", "full"),
                     help="what the ':scan' configurations' blocks save, as fp4jax-train "
-                         "--scan-remat (default none)")
+                         "--scan-remat (default: fp4jax-train's, dots)")
     ap.add_argument("--threefry", choices=THREEFRY_LOWERINGS, default="kernel",
                     help="GPU lowering of jax.random's Threefry, as fp4jax-train --threefry "
                          "(default %(default)s, fp4jax-train's)")
@@ -438,7 +440,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 run_recipe(TrainConfig(preset=preset, recipe=spec, scan_layers=scan,
                                        batch_size=args.batch_size, seq_len=args.seq_len,
                                        devices=args.devices, attention=args.attention,
-                                       scan_remat=args.scan_remat if scan else "none"))
+                                       scan_remat=args.scan_remat if scan else None))
             except (TypeError, ValueError) as e:
                 ap.error(f"{preset} {config}: {e}")
     return args

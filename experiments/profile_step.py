@@ -235,13 +235,13 @@ def _op_of(kernel: str, instrs: dict) -> str:
 
 
 def build_step(preset: str, spec: str, scan_layers: bool, batch_size: int, seq_len: int,
-               devices: int = 1, attention: str = "xla", scan_remat: str = "none"):
+               devices: int = 1, attention: str = "xla", scan_remat: str | None = None):
     """The harness's train step for one spec, its initial state and one batch (on
     ``devices`` local devices: the data-parallel step, the batch split over them;
     ``attention`` as ``--attention``)."""
     cfg = TrainConfig(preset=preset, recipe=spec, scan_layers=scan_layers,
                       batch_size=batch_size, seq_len=seq_len, devices=devices,
-                      attention=attention, scan_remat=scan_remat if scan_layers else "none")
+                      attention=attention, scan_remat=scan_remat if scan_layers else None)
     rcfg, recipe = run_recipe(cfg)
     mc = model_config(cfg)
     model = Llama(mc, make_policy(rcfg, mc, recipe))
@@ -319,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--specs", nargs="+", default=["bf16", "nvfp4"])
     ap.add_argument("--scan-layers", action="store_true")
     ap.add_argument("--attention", default="xla", choices=("xla", "cudnn"))
-    ap.add_argument("--scan-remat", default="none", choices=SCAN_REMAT,
-                    help="with --scan-layers: fp4jax-train --scan-remat")
+    ap.add_argument("--scan-remat", default=None, choices=SCAN_REMAT,
+                    help="with --scan-layers: fp4jax-train --scan-remat (default: dots)")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--iterations", type=int, default=10)

@@ -119,9 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--scan-layers", action="store_true",
       help="compile each run of same-recipe blocks once (flax scan): much faster compiles")
     a("--scan-remat", default=d.scan_remat, choices=SCAN_REMAT,
-      help="with --scan-layers, what each scanned block saves for the backward pass: none "
-           "(the default), dots (the linear layers' outputs; attention and elementwise work "
-           "recomputed) or full (the block recomputed). Same results; speed and memory")
+      help="with --scan-layers, what each scanned block saves for the backward pass: dots "
+           "(the default: the linear layers' outputs; attention and elementwise work "
+           "recomputed), full (the block recomputed) or none (every residual, stacked: "
+           "slower). Same results; speed and memory")
     a("--attention", default=d.attention, choices=ATTENTION,
       help="the causal attention (not quantized): xla (float32 scores and softmax, "
            "einsums) or cudnn (jax.nn.dot_product_attention on cuDNN's fused kernel; "

@@ -98,7 +98,7 @@ class TrainConfig:
     compare: str | None = None
     resume_override: str | None = None
     scan_layers: bool = False
-    scan_remat: str = "none"
+    scan_remat: str | None = None  # None: the model's default with scan_layers ("dots")
     attention: str = "xla"
     overwrite: bool = False
     keep_checkpoints: int = 3
@@ -308,12 +308,13 @@ def validate_config(cfg: TrainConfig) -> None:
         split_run_spec(cfg.recipe)
     except ValueError as e:
         raise ConfigError("recipe", str(e)) from None
-    if cfg.scan_remat not in SCAN_REMAT:
-        raise ConfigError("scan_remat", f"must be one of {list(SCAN_REMAT)}, got "
-                          f"{cfg.scan_remat!r}")
-    if cfg.scan_remat != "none" and not cfg.scan_layers:
-        raise ConfigError("scan_remat", "applies to scanned blocks: pass --scan-layers too "
-                          "(or leave --scan-remat at none)")
+    if cfg.scan_remat is not None:
+        if cfg.scan_remat not in SCAN_REMAT:
+            raise ConfigError("scan_remat", f"must be one of {list(SCAN_REMAT)} (or None: "
+                              f"'dots' with --scan-layers), got {cfg.scan_remat!r}")
+        if not cfg.scan_layers:
+            raise ConfigError("scan_remat", "applies to scanned blocks: pass --scan-layers "
+                              "too, or leave --scan-remat out")
     if cfg.attention not in ATTENTION:
         raise ConfigError("attention", f"must be one of {list(ATTENTION)}, got "
                           f"{cfg.attention!r}")
@@ -500,7 +501,7 @@ def model_config(cfg: TrainConfig) -> LlamaConfig:
         changes["dtype"] = cfg.dtype
     if cfg.scan_layers:
         changes["scan_layers"] = True
-    if cfg.scan_remat != "none":
+    if cfg.scan_remat is not None:
         changes["scan_remat"] = cfg.scan_remat
     if cfg.attention != "xla":
         changes["attention"] = cfg.attention
