@@ -32,9 +32,10 @@ from fp4jax.nn.linen import Dense as Fp4Dense
 from fp4jax.nn.policy import PrecisionPolicy
 
 ATTENTION = ("xla", "cudnn")
-# what a scanned block keeps for the backward pass (``LlamaConfig.scan_remat``)
-SCAN_REMAT = ("none", "dots", "full")
 """``LlamaConfig.attention`` values (``causal_attention``'s implementations)."""
+
+SCAN_REMAT = ("none", "dots", "full")
+"""``LlamaConfig.scan_remat`` values: what a scanned block keeps for the backward pass."""
 
 FFNS = ("relu2", "swiglu", "smooth_swiglu")
 """``LlamaConfig.ffn`` values."""
