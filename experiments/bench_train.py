@@ -70,6 +70,7 @@ from typing import Any
 import jax
 import lab  # before fp4jax: puts the repository root on sys.path
 
+from fp4jax.models.llama import SCAN_REMAT, LlamaConfig
 from fp4jax.train.cli import THREEFRY_LOWERINGS, set_threefry_lowering, threefry_lowering
 
 JSON_NAME = "bench_train.json"
@@ -193,7 +194,8 @@ def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
         "quantized": quantized(spec), "batch_size": batch_size, "seq_len": seq_len,
         "tokens_per_step": batch_size * seq_len, "device": str(dev.device_kind),
         "platform": dev.platform, "device_count": jax.device_count(), "jax": jax.__version__,
-        "devices": devices, "attention": attention, "scan_remat": None,
+        "devices": devices, "attention": attention,
+        "scan_remat": (scan_remat or LlamaConfig.scan_remat) if scan else None,
         "threefry_lowering": threefry_lowering(),
     }
     try:
@@ -413,7 +415,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "them; default 1)")
     ap.add_argument("--attention", default="xla", choices=("xla", "cudnn"),
                     help="the model's attention, as fp4jax-train --attention (default xla)")
-    ap.add_argument("--scan-remat", default=None, choices=("none", "dots", "full"),
+    ap.add_argument("--scan-remat", default=None, choices=SCAN_REMAT,
                     help="what the ':scan' configurations' blocks save, as fp4jax-train "
                          "--scan-remat (default: fp4jax-train's, dots)")
     ap.add_argument("--threefry", choices=THREEFRY_LOWERINGS, default="kernel",
@@ -432,6 +434,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--one", nargs=2, metavar=("PRESET", "CONFIG"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     from fp4jax.train.config import TrainConfig, run_recipe
+
+    configs = [args.one[1]] if args.one else args.configs
+    if args.scan_remat is not None and not any(c.strip().endswith(":scan") for c in configs):
+        ap.error("--scan-remat applies to the ':scan' configurations: there is none")
 
     for preset in [args.one[0]] if args.one else args.presets:
         for config in [args.one[1]] if args.one else args.configs:
@@ -464,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     meta.update(device=None, platform=None, device_count=None,  # filled from the children
                 presets=args.presets, configs=args.configs, batch_size=args.batch_size,
                 seq_len=args.seq_len, devices=args.devices, attention=args.attention,
-                scan_remat=args.scan_remat,
+                scan_remat=((args.scan_remat or LlamaConfig.scan_remat)
+                            if any(split_config(c)[1] for c in args.configs) else None),
                 iterations=args.iterations,
                 warmup=WARMUP,
                 timeout_s=args.timeout_s, time_limit=args.time_limit,

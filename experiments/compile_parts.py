@@ -40,34 +40,48 @@ from typing import Any
 import lab  # noqa: F401  (puts the repository root on sys.path)
 
 TAG = "COMPILE_PARTS "
-_PIPE = re.compile(r"^I(\d{4}) (\d\d):(\d\d):(\d\d\.\d+)\s+\d+\s+hlo_pass_pipeline\.cc:\d+\] "
+_PIPE = re.compile(r"^I(\d{4}) (\d\d):(\d\d):(\d\d\.\d+)\s+(\d+)\s+hlo_pass_pipeline\.cc:\d+\] "
                    r"Running HLO pass pipeline on module (\S+): (.+?)\s*$")
+_PASS = re.compile(r"HLO pass: (\S+) time: ([\d.]+) (\w+)")
+_UNIT = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9, "min": 60.0}
 
 
 def pipeline_seconds(log_lines: list[str], module: str, end_wall: float,
                      start_wall: float) -> dict[str, Any]:
-    """Seconds per HLO pass pipeline of ``module`` from XLA's time-stamped log lines.
+    """Seconds per HLO pass pipeline of ``module`` from XLA's time-stamped log lines, and
+    per HLO pass (XLA's own ``HLO pass: NAME time: T`` lines, summed over every module the
+    compile ran, the autotuner's included).
 
-    A pipeline's time runs from its line to the next one of any module (XLA compiles one
-    module at a time per thread here); the last one's runs to ``end_wall`` (the compile's
-    end, ``time.time()``), so it also holds the backend. Returns ``{"pipelines": {name: s},
-    "first_s": seconds from the compile's start to the first line, "last": name}``."""
+    XLA runs ``module``'s pipelines on one thread while other threads compile other modules
+    (the GEMM autotuner's candidates); a pipeline's time runs from its line to the next
+    pipeline line of ``module`` on the same thread (so ``config-assigner``, the autotuner,
+    holds the time its candidates' compiles took), the last one's to ``end_wall`` (the
+    compile's end, ``time.time()``), so it also holds the backend. Returns
+    ``{"pipelines": {name: s}, "passes": {name: s} (the 25 largest), "first_s": seconds from
+    the compile's start to the module's first line, "last": name}``."""
     marks = []
+    passes: dict[str, float] = {}
     for line in log_lines:
         m = _PIPE.match(line)
         if m:
-            _, hh, mm, ss, mod, name = m.groups()
-            marks.append((int(hh) * 3600 + int(mm) * 60 + float(ss), mod, name))
+            _, hh, mm, ss, tid, mod, name = m.groups()
+            if mod == module:
+                marks.append((int(hh) * 3600 + int(mm) * 60 + float(ss), tid, name))
+        p = _PASS.search(line)
+        if p:
+            passes[p.group(1)] = passes.get(p.group(1), 0.0) + float(p.group(2)) * _UNIT.get(
+                p.group(3), float("nan"))
+    top = dict(sorted(passes.items(), key=lambda kv: -kv[1])[:25])
+    top = {k: round(v, 3) for k, v in top.items()}
     if not marks:
-        return {"pipelines": {}, "first_s": None, "last": None}
+        return {"pipelines": {}, "passes": top, "first_s": None, "last": None}
     lt = time.localtime(end_wall)
     day0 = end_wall - (lt.tm_hour * 3600 + lt.tm_min * 60 + lt.tm_sec + end_wall % 1)
     out: dict[str, float] = {}
-    for i, (t, mod, name) in enumerate(marks):
-        nxt = marks[i + 1][0] if i + 1 < len(marks) else end_wall - day0
-        if mod == module:
-            out[name] = out.get(name, 0.0) + (nxt - t)
-    return {"pipelines": {k: round(v, 3) for k, v in out.items()},
+    for i, (t, tid, name) in enumerate(marks):
+        nxt = next((t2 for t2, tid2, _ in marks[i + 1:] if tid2 == tid), end_wall - day0)
+        out[name] = out.get(name, 0.0) + (nxt - t)
+    return {"pipelines": {k: round(v, 3) for k, v in out.items()}, "passes": top,
             "first_s": round(marks[0][0] - (start_wall - day0), 3), "last": marks[-1][2]}
 
 
@@ -164,6 +178,22 @@ def measure(preset: str, spec: str, batch_size: int, seq_len: int, log_path: str
     return rec
 
 
+def from_log(path: str, compile_s: float, module: str = "jit_step") -> dict[str, Any]:
+    """``pipeline_seconds`` of a saved log (``xla_<preset>_<spec>.log[.gz]``): the compile's
+    start is taken as the module's first pipeline line and its end ``compile_s`` later."""
+    import gzip
+
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", errors="replace") as f:
+        lines = f.readlines()
+    first = next((m for m in map(_PIPE.match, lines) if m and m.group(6) == module), None)
+    if first is None:
+        return {"error": f"no pipeline line of {module} in {path}"}
+    hh, mm, ss = (int(first.group(2)), int(first.group(3)), float(first.group(4)))
+    start = time.mktime(time.localtime(0)[:3] + (hh, mm, 0, 0, 1, -1)) + ss
+    return pipeline_seconds(lines, module, start + compile_s, start)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="small")
@@ -174,8 +204,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-on-cpu", action="store_true",
                     help="no GPU: lower for CUDA with the kernel path forced and count the "
                          "Mosaic GPU modules (compiles nothing)")
+    ap.add_argument("--from-log", nargs=2, metavar=("LOG", "COMPILE_S"), default=None,
+                    help="no compile: the pipeline and pass seconds of a saved XLA log "
+                         "(.log or .log.gz) of a compile that took COMPILE_S seconds (its last "
+                         "pipeline runs to the log's last line plus what is left of COMPILE_S "
+                         "after the module's first line: approximate)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.from_log:
+        print(json.dumps(from_log(a.from_log[0], float(a.from_log[1])), indent=1))
+        return 0
     os.makedirs(a.out, exist_ok=True)
     if a.child:
         log = os.path.join(a.out, f"xla_{a.preset}_{a.child}.log")

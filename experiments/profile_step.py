@@ -268,6 +268,7 @@ def profile_spec(args, spec: str) -> dict:
     instrs, bodies = hlo_instructions(hlo), fused_bodies(hlo)
 
     rec = {"spec": spec, "params": mc.num_params(), "devices": args.devices,
+           "scan_remat": mc.scan_remat if args.scan_layers else None,
            "tokens_per_step": args.batch_size * args.seq_len}
     rec["step"] = lab.time_fn(once, state, batch, key, iterations=args.iterations)
     try:
@@ -331,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="GPU lowering of jax.random's Threefry, as fp4jax-train --threefry")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
+    if args.scan_remat is not None and not args.scan_layers:
+        ap.error("--scan-remat applies to scanned blocks: pass --scan-layers too")
     if args.devices < 1 or args.batch_size % args.devices:
         ap.error(f"--devices {args.devices}: needs a positive count that divides "
                  f"--batch-size {args.batch_size}")

@@ -195,3 +195,35 @@ def test_profile_step_collectives(lab_modules):
     assert ps.kernel_category("all-reduce.1", instrs, bodies) == "collective"
     assert ps.kernel_category("ncclDevKernel_AllReduce_Sum_f32_RING_LL", instrs,
                               bodies) == "collective"
+
+
+def test_compile_parts_pipeline_seconds_per_thread_and_strip(lab_modules):
+    """compile_parts: a pipeline's time runs to the module's next pipeline line on the same
+    thread (the autotuner's modules log on other threads meanwhile), the last one to the
+    compile's end; XLA's per-pass lines are summed. profile_step --hlo's saved HLO drops
+    the Mosaic GPU modules' bytes."""
+    import time
+
+    import compile_parts as cp
+    import profile_step as ps
+
+    def line(t, tid, msg, src="hlo_pass_pipeline.cc:302"):
+        return f"I1126 10:00:{t:09.6f}    {tid} {src}] {msg}\n"
+
+    log = [line(1.0, 514, "Running HLO pass pipeline on module jit_step: optimization"),
+           line(2.0, 514, "Running HLO pass pipeline on module jit_step: config-assigner"),
+           line(2.5, 600, "Running HLO pass pipeline on module gemm_fusion_dot.1: fusion"),
+           line(3.0, 601, "Running HLO pass pipeline on module gemm_fusion_dot.2: fusion"),
+           line(3.1, 514, "HLO pass: config-assigner time: 4.5 s (4.5 s)", "x.cc:206"),
+           line(6.5, 514, "Running HLO pass pipeline on module jit_step: fusion"),
+           line(7.0, 514, "HLO pass: priority-fusion time: 250 ms (250 ms)", "x.cc:206")]
+    start = time.mktime((2026, 11, 26, 10, 0, 0, 0, 1, -1))
+    got = cp.pipeline_seconds(log, "jit_step", start + 10.0, start + 0.5)
+    assert got["pipelines"] == {"optimization": 1.0, "config-assigner": 4.5, "fusion": 3.5}
+    assert got["passes"] == {"config-assigner": 4.5, "priority-fusion": 0.25}
+    assert got["first_s"] == 0.5 and got["last"] == "fusion"
+    hlo = ('%c = f32[4] custom-call(%a), custom_call_target="mosaic_gpu_v2", '
+           'backend_config={kernel_hash = "h\\"1", module = "ML\\\\EF\\"R\\\\x00", '
+           'use_custom_barrier = false}')
+    out = ps.strip_mosaic_modules(hlo)
+    assert 'module = "<' in out and "ML" not in out and 'kernel_hash = "h\\"1"' in out

@@ -289,6 +289,9 @@ def test_config_values_are_checked_in_python(tmp_path):
                          ("scan_remat", "some")]:
         with pytest.raises(ValueError, match=rf"TrainConfig\.{field} "):
             T.TrainConfig(**{field: value})
+    # --scan-remat reaches the model; not given, the model's default ("dots") applies
+    assert T.model_config(T.TrainConfig(scan_layers=True, scan_remat="full")).scan_remat == "full"
+    assert T.model_config(T.TrainConfig(scan_layers=True)).scan_remat == "dots"
     (tmp_path / "f").write_text("x")
     with pytest.raises(T.ConfigError, match=r"is a file") as e:
         T.train(T.TrainConfig(**BASE, out=str(tmp_path / "f")))

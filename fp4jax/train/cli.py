@@ -120,9 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="compile each run of same-recipe blocks once (flax scan): much faster compiles")
     a("--scan-remat", default=d.scan_remat, choices=SCAN_REMAT,
       help="with --scan-layers, what each scanned block saves for the backward pass: dots "
-           "(the default: the linear layers' outputs; attention and elementwise work "
-           "recomputed), full (the block recomputed) or none (every residual, stacked: "
-           "slower). Same results; speed and memory")
+           "(the linear layers' outputs; attention and elementwise work recomputed), full "
+           "(the block recomputed) or none (every residual, stacked: slower). Same results; "
+           "speed and memory. Not given (None): dots")
     a("--attention", default=d.attention, choices=ATTENTION,
       help="the causal attention (not quantized): xla (float32 scores and softmax, "
            "einsums) or cudnn (jax.nn.dot_product_attention on cuDNN's fused kernel; "
