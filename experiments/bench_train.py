@@ -174,6 +174,12 @@ def _emit(rec: dict[str, Any]) -> None:
     print(TAG + json.dumps(rec, default=str), flush=True)
 
 
+def scan_remat_in_effect(requested: str | None, scan: bool) -> str | None:
+    """What a configuration's scanned blocks save (``--scan-remat``, else the model's
+    default), None without ``:scan``."""
+    return (requested or LlamaConfig.scan_remat) if scan else None
+
+
 def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
                 iterations: int, devices: int = 1, attention: str = "xla",
                 scan_remat: str | None = None) -> dict[str, Any]:
@@ -195,7 +201,7 @@ def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
         "tokens_per_step": batch_size * seq_len, "device": str(dev.device_kind),
         "platform": dev.platform, "device_count": jax.device_count(), "jax": jax.__version__,
         "devices": devices, "attention": attention,
-        "scan_remat": (scan_remat or LlamaConfig.scan_remat) if scan else None,
+        "scan_remat": scan_remat_in_effect(scan_remat, scan),
         "threefry_lowering": threefry_lowering(),
     }
     try:
@@ -209,7 +215,6 @@ def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
                                              attention, scan_remat)
     jax.block_until_ready(state)
     rec["params"] = mc.num_params()
-    rec["scan_remat"] = mc.scan_remat if scan else None  # the model's, default included
     rec["build_s"] = round(time.perf_counter() - t, 3)
     _emit(rec | {"stage": "built"})
 
@@ -436,11 +441,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from fp4jax.train.config import TrainConfig, run_recipe
 
     configs = [args.one[1]] if args.one else args.configs
-    if args.scan_remat is not None and not any(c.strip().endswith(":scan") for c in configs):
+    if args.scan_remat is not None and not any(split_config(c)[1] for c in configs):
         ap.error("--scan-remat applies to the ':scan' configurations: there is none")
 
     for preset in [args.one[0]] if args.one else args.presets:
-        for config in [args.one[1]] if args.one else args.configs:
+        for config in configs:
             spec, scan = split_config(config)
             try:  # the whole run's config, as build_step makes it (flags named in the message)
                 run_recipe(TrainConfig(preset=preset, recipe=spec, scan_layers=scan,
@@ -470,8 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     meta.update(device=None, platform=None, device_count=None,  # filled from the children
                 presets=args.presets, configs=args.configs, batch_size=args.batch_size,
                 seq_len=args.seq_len, devices=args.devices, attention=args.attention,
-                scan_remat=((args.scan_remat or LlamaConfig.scan_remat)
-                            if any(split_config(c)[1] for c in args.configs) else None),
+                scan_remat=scan_remat_in_effect(
+                    args.scan_remat, any(split_config(c)[1] for c in args.configs)),
                 iterations=args.iterations,
                 warmup=WARMUP,
                 timeout_s=args.timeout_s, time_limit=args.time_limit,

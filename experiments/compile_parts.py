@@ -5,7 +5,7 @@ backend and the Mosaic GPU kernels it compiles (issue 17, item 3).
         --out $OUT/compile_parts
 
 For each spec, in a fresh child process (so every compile is cold: no persistent cache, no
-in-process kernel cache; ``CUDA_CACHE_DISABLE=1``), it builds the harness's step as
+in-process kernel cache; ``bench_train.child_env()``), it builds the harness's step as
 ``bench_train.py`` does and times:
 
 * ``trace_s``, ``lower_s`` (StableHLO, which includes the Pallas -> Mosaic GPU lowering of
@@ -220,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         rec = measure(a.preset, a.child, a.batch_size, a.seq_len, log, a.cuda_on_cpu)
         print(TAG + json.dumps(rec), flush=True)
         return 0
-    env = dict(os.environ, CUDA_CACHE_DISABLE="1", JAX_ENABLE_COMPILATION_CACHE="false",
-               TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="hlo_pass_pipeline=1")
+    from bench_train import child_env  # a cold compile's environment, as bench_train's
+
+    env = dict(child_env(), TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="hlo_pass_pipeline=1")
     # the repository root after the caller's PYTHONPATH (which may put another copy first)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (env.get("PYTHONPATH", ""),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def test_train_cli_runs_the_hybrid_recipe(tmp_path, keep_compile_cache):
+def test_train_cli_runs_the_hybrid_recipe(tmp_path):
     """``fp4jax-train --recipe mxfp8_fwd_nvfp4_bwd --preset micro``: two steps, finite losses,
     the recipe recorded."""
     import json
@@ -28,7 +28,7 @@ def test_train_cli_runs_the_hybrid_recipe(tmp_path, keep_compile_cache):
     assert {r["recipe"] for r in recs if r["type"] == "train"} == {"mxfp8_fwd_nvfp4_bwd"}
 
 
-def test_train_cli_runs_quartet2_with_smooth_swiglu(tmp_path, keep_compile_cache):
+def test_train_cli_runs_quartet2_with_smooth_swiglu(tmp_path):
     """``fp4jax-train --recipe quartet2 --ffn smooth_swiglu --preset micro``: two steps
     (4over6 forward, RHT-128 re-drawn and MS-EDEN backward, the Smooth-SwiGLU down
     projection), finite losses, the recipe and the FFN recorded."""
