@@ -44,7 +44,6 @@ or ``dot`` failure means the native path does not compute fp4jax's numerics on t
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import time
@@ -55,11 +54,10 @@ import lab  # before fp4jax: puts the repository root on sys.path
 import numpy as np
 
 import fp4jax
+from fp4jax import quantized_dot as dot_mod
 from pallas_kernels import dispatch
 from pallas_kernels.gemm import blockscale_sm100 as bs
 
-qz = importlib.import_module("fp4jax.quantize")
-dot_mod = importlib.import_module("fp4jax.dot")
 GEMM_TOL = 1e-5
 CHECKS, register = lab.registry()
 LAYOUTS = {"fprop": "bmk,bkn->bmn", "dgrad": "bmn,bkn->bmk", "wgrad": "bmk,bmn->bkn"}

@@ -71,11 +71,9 @@ def parse_log(text: str, module: str = "jit_loss") -> dict:
 
 def compile_one(spec: str, a) -> dict:
     """Lowers and compiles the chain for ``spec`` with fd 2 captured; returns timings."""
-    import importlib
 
     import fp4jax
-
-    fdot = importlib.import_module("fp4jax.dot")
+    from fp4jax import quantized_dot as fdot
     recipe = fp4jax.recipes.parse(spec)
     fdot._make_dot3.cache_clear()
     jax.clear_caches()

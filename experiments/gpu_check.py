@@ -1,6 +1,6 @@
 """The one exactness checker of the Hopper kernels: each kernel that ``pallas_kernels``
 ships against the core XLA function that defines it (``fp4jax.quantize``,
-``fp4jax.quantize.scaled_data``, ``fp4jax.dequantize``, ``fp4jax.dot`` with
+``fp4jax.quantization.scaled_data``, ``fp4jax.dequantize``, ``fp4jax.dot`` with
 ``FP4JAX_KERNELS=off``), on fresh inputs that include the hard cases (NaN/Inf/-0, 40 binades,
 a tiny tensor, odd and large shapes): bit for bit for quantization (NaN equals NaN), to
 float32 accumulation order for the GEMMs (max relative error and bitwise equality both
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import os
 import re
 import sys
@@ -40,6 +39,7 @@ import ml_dtypes
 import numpy as np
 
 import fp4jax
+from fp4jax import quantization as qz
 from fp4jax.hadamard import default_signs, random_hadamard_transform
 from pallas_kernels import dispatch
 from pallas_kernels import reference as npref
@@ -49,7 +49,6 @@ from pallas_kernels.quantize import common_sm90 as cm
 from pallas_kernels.quantize import operand_sm90 as fq
 from pallas_kernels.quantize import packed_sm90 as qk
 
-qz = importlib.import_module("fp4jax.quantize")  # the module (fp4jax.quantize is a function)
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 GEMM_TOL = 1e-5  # accumulation-order error allowed, relative to the output's max |value|

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import os
 import platform
@@ -258,9 +257,8 @@ def xla_operand(x, *, axis: int = -1, block_2d: bool = False, key=None, signs=No
     ``(scaled_data(quantize(RHT(x) if signs is not None else x), bf16), dec)`` with 1x16
     blocks along ``axis`` (16x16 with ``block_2d``), stochastic rounding with ``key``."""
     import fp4jax
+    from fp4jax import quantization as qz
     from fp4jax.hadamard import random_hadamard_transform
-
-    qz = importlib.import_module("fp4jax.quantize")
     xin = x if signs is None else random_hadamard_transform(x, axis=0, size=16, signs=signs)
     q = fp4jax.quantize(xin, fp4jax.NVFP4, axis=axis, block_2d=block_2d, key=key,
                         rounding="nearest" if key is None else "stochastic")
@@ -281,7 +279,8 @@ def kernel_env(kernels: str, gemm: str = "pallas"):
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        importlib.import_module("fp4jax.dot")._make_dot3.cache_clear()
+        from fp4jax import quantized_dot
+        quantized_dot._make_dot3.cache_clear()
         jax.clear_caches()
         yield
     finally:

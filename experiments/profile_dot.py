@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import collections
 import gzip
-import importlib
 import json
 import os
 import sys
@@ -35,10 +34,9 @@ import jax.numpy as jnp
 import lab  # before fp4jax: puts the repository root on sys.path
 
 import fp4jax
+from fp4jax import quantization as qz
 from fp4jax.formats import NVFP4
 from fp4jax.hadamard import random_hadamard_transform, resolve_signs
-
-qz = importlib.import_module("fp4jax.quantize")  # the module (fp4jax.quantize is also a function)
 
 
 def main() -> None:

@@ -63,7 +63,7 @@ _COLLECTIVES = ("all-reduce", "all-reduce-start", "all-reduce-done", "all-gather
                 "collective-permute-start", "collective-permute-done", "all-to-all")
 
 # name-stack patterns, checked in order (the first that matches wins)
-_STACK_RULES = (  # fp4jax's named scopes (fp4jax/dot.py, fp4jax/quantize.py) first
+_STACK_RULES = (  # fp4jax's named scopes (fp4jax/quantized_dot.py, fp4jax/quantization.py) first
     ("amax", re.compile(r"fp4_amax")),
     ("rht", re.compile(r"fp4_rht|_rht_jit")),
     ("quantize", re.compile(r"fp4_quantize|fp4_decode|fp4_operands")),

@@ -20,7 +20,6 @@ Public API (see ``README.md``):
 import importlib
 
 from fp4jax import numerics, recipes
-from fp4jax.dot import dot, dot_general
 from fp4jax.formats import (
     MXFP4,
     MXFP4_OCP,
@@ -33,13 +32,14 @@ from fp4jax.formats import (
     get_format,
 )
 from fp4jax.hadamard import TE_SIGN_VECTOR, random_hadamard_transform
-from fp4jax.quantize import (
+from fp4jax.quantization import (
     QuantizedArray,
     dequantize,
     pack_e2m1,
     quantize,
     unpack_e2m1,
 )
+from fp4jax.quantized_dot import dot, dot_general
 from fp4jax.recipes import GemmSpec, QuantSpec, Recipe
 
 __version__ = "0.1.0"

@@ -49,7 +49,6 @@ window of steps (``fp4jax-train --switch-at auto``).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
 import numbers
@@ -62,7 +61,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax.dot import _call_key, _quant, _rht, _subkey, dot
+from fp4jax import quantization as qz
+from fp4jax.quantized_dot import _call_key, _quant, _rht, _subkey, dot
 from fp4jax.recipes import GemmSpec, QuantSpec, Recipe, get, nvfp4
 
 # the variable collections through which fp4jax's linen layers hand their operands to
@@ -71,8 +71,6 @@ from fp4jax.recipes import GemmSpec, QuantSpec, Recipe, get, nvfp4
 PERTURB_COLLECTION = "fp4_perturbations"
 COTANGENT_COLLECTION = "fp4_cotangents"
 STATS_COLLECTION = "fp4_stats"
-
-qz = importlib.import_module("fp4jax.quantize")  # the module (fp4jax.quantize is a function)
 
 __all__ = ["SQRT3", "SwitchMonitor", "auto_switch_step", "combine_noise", "flatten_noise",
            "flatten_stats",

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fp4jax.formats import FORMATS, MXFP4, MXFP8_E4M3_UP, NVFP4, BlockFormat, get_format
-from fp4jax.quantize import (
+from fp4jax.quantization import (
     BLOCK_SCALE_RULES,
     ROUNDINGS,
     check_block_scale_rule,
@@ -59,7 +59,7 @@ class QuantSpec:
     Attributes:
       fmt: a ``BlockFormat`` (or its name); ``None`` keeps the operand in high precision.
       rounding: ``"nearest"`` (RNE), ``"stochastic"`` (unbiased SR) or ``"ms_eden"``
-        (Quartet II's MS-EDEN, ``fp4jax.quantize.ms_eden``: NVFP4, 1D, the ``"max"`` rule;
+        (Quartet II's MS-EDEN, ``fp4jax.quantization.ms_eden``: NVFP4, 1D, the ``"max"`` rule;
         its GEMM must have an RHT of 16 or more, whose tile is the EDEN group and whose
         random signs make it unbiased).
       block_2d: 2D ``b x b`` tiles (weights; NVFP4 paper sec. 4.2) instead of 1D
@@ -69,12 +69,12 @@ class QuantSpec:
         (``"4over6"``: per block the better of map-to-6 and map-to-4 by absolute error,
         tensor amax mapped to 256 * 6, TE's defaults; ``"4over6-mse"``, ``"4over6-448"``,
         ``"4over6-mse-448"``: its squared-error metric and its 448 bound;
-        ``fp4jax.quantize.four_over_six``). 4over6 needs an NVFP4 format and
+        ``fp4jax.quantization.four_over_six``). 4over6 needs an NVFP4 format and
         round-to-nearest, and no RHT on its GEMM (TE refuses both combinations).
       row_scaled: one FP32 tensor scale per row of the operand (each vector along its
         contraction axis: per token for ``fprop.lhs``) instead of one per tensor:
         Transformer Engine's row-scaled NVFP4 (``NVFP4BlockScaling(row_scaled_activation=
-        True)``, on the forward activation; ``fp4jax.quantize.global_encode_scale``). 1D
+        True)``, on the forward activation; ``fp4jax.quantization.global_encode_scale``). 1D
         blocks and a format with a tensor scale only; the GEMM applies the row scales to
         its output exactly (``fp4jax.dot``).
     """
@@ -522,7 +522,7 @@ def quartet2() -> Recipe:
     so ``"4over6-mse"``, Transformer Engine's arithmetic of that rule). dgrad and wgrad: a
     128-point RHT along the contraction axis on both operands, signs re-drawn every step
     and layer (``hadamard_signs="random"``: their ``rerotate_hadamard`` per backward call),
-    and MS-EDEN rounding of all four operands (``fp4jax.quantize.ms_eden``) in place of SR.
+    and MS-EDEN rounding of all four operands (``fp4jax.quantization.ms_eden``) in place of SR.
 
     Differences from their code: their backward re-quantizes the forward's dequantized x
     and w (``rht128_requant``), fp4jax quantizes dgrad's w and wgrad's x from the

@@ -32,7 +32,7 @@ adds them in float32 (the weight gradient agrees with one device up to that summ
 the partials' rounding, as XLA's own partitioning of the XLA path does).
 
 Requirements (checked where they can be): unbatched ``dot_general`` calls; each device
-holds a multiple of ``fp4jax.dot.token_row_multiple(recipe)`` token rows (16 for
+holds a multiple of ``fp4jax.quantized_dot.token_row_multiple(recipe)`` token rows (16 for
 ``nvfp4()``, 32 for ``mxfp4()`` or a 32-point RHT: no block or RHT along the tokens may
 straddle devices); outside ``shard_map`` over these axes a traced ``dot`` raises. Not
 detectable, so up to the caller: the split is of ``x``'s leading rows, as ``shard_map``

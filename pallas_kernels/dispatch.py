@@ -43,20 +43,15 @@ This module imports core modules of ``fp4jax`` only, never the package root.
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from fp4jax import quantization as qz
 from fp4jax import sharding
 from fp4jax.formats import NVFP4, get_format
-
-# The module, not the function: ``from fp4jax import quantize`` gives the package's
-# ``quantize`` function whenever this module is imported before ``fp4jax`` (its __init__
-# binds the name after importing ``fp4jax.dot``, which imports this module).
-qz = importlib.import_module("fp4jax.quantize")
 
 BACKENDS = ("auto", "pallas", "xla")
 

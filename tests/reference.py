@@ -309,7 +309,7 @@ def ref_sr_uniform(k1: int, k2: int, shape) -> np.ndarray:
 def ref_ms_eden(x, group: int, u_blocks) -> tuple[np.ndarray, np.ndarray, np.float32]:
     """Quartet II's MS-EDEN (IST-DASLab/Quartet-II commit 8776a90b,
     ``src/models/quantization/schemes/quartet_2.py``, ``eden_1x16s_fp4_kernel``), written
-    from its formulas with the order fp4jax documents (``fp4jax.quantize.ms_eden``): 1x16
+    from its formulas with the order fp4jax documents (``fp4jax.quantization.ms_eden``): 1x16
     blocks along the last axis of ``x`` (zero-padded to a multiple of ``group``), one
     uniform per block in ``u_blocks`` (``x.shape[:-1] + (ceil(n/16),)``).
 

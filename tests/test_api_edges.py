@@ -12,7 +12,7 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 import fp4jax  # noqa: E402
 from fp4jax import recipes  # noqa: E402
-from fp4jax.quantize import scaled_data  # noqa: E402
+from fp4jax.quantization import scaled_data  # noqa: E402
 
 
 def _x(shape=(32, 64), seed=0):

@@ -19,8 +19,6 @@ What is checked here, without Blackwell hardware:
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import pytest
 
@@ -28,11 +26,10 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 import fp4jax  # noqa: E402
+from fp4jax import quantization as qz  # noqa: E402
+from fp4jax import quantized_dot as dot_mod  # noqa: E402
 from pallas_kernels import dispatch  # noqa: E402
 from pallas_kernels.gemm import blockscale_sm100 as bs  # noqa: E402
-
-qz = importlib.import_module("fp4jax.quantize")
-dot_mod = importlib.import_module("fp4jax.dot")
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,6 @@ formats are independent), so each case compiles once.
 
 from __future__ import annotations
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -21,15 +19,16 @@ import pytest
 import fp4jax
 from fp4jax import formats as F
 from fp4jax import numerics
+
+# the modules (``fp4jax.quantize`` and ``fp4jax.dot`` are the package's functions)
+from fp4jax import quantization as qz
+from fp4jax import quantized_dot as dot_mod
 from fp4jax import recipes as R
 from pallas_kernels import dispatch
 from tests import reference as ref
 from tests.test_dot import _deq, _manual_grads
 from tests.test_four_over_six import _bits_equal
 
-# the modules (``fp4jax.quantize`` and ``fp4jax.dot`` are the package's functions)
-qz = importlib.import_module("fp4jax.quantize")
-dot_mod = importlib.import_module("fp4jax.dot")
 F32 = np.float32
 TINY = 2.0**-126
 FTZ = jax.default_backend() == "cpu"  # XLA on CPU flushes float32 subnormal results

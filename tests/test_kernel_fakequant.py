@@ -26,6 +26,7 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 fp4jax = pytest.importorskip("fp4jax")
 
+from fp4jax import quantization as qz  # noqa: E402
 from fp4jax.formats import NVFP4  # noqa: E402
 from fp4jax.hadamard import default_signs, random_hadamard_transform  # noqa: E402
 from pallas_kernels import reference as npref  # noqa: E402
@@ -34,7 +35,6 @@ from pallas_kernels.quantize import operand_sm90 as fq  # noqa: E402
 from tests import reference as ref  # noqa: E402
 from tests.interpret import InterpretGPUParams, needs_interpret  # noqa: E402
 
-qz = importlib.import_module("fp4jax.quantize")
 IP = InterpretGPUParams() if InterpretGPUParams is not None else None
 SIGNS = np.asarray(default_signs(16), np.float32)
 

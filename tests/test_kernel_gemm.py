@@ -18,9 +18,8 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
+from fp4jax import quantized_dot as dot_mod  # noqa: E402
 from pallas_kernels.gemm import alpha_sm90 as ga  # noqa: E402
-
-dot_mod = importlib.import_module("fp4jax.dot")
 
 
 def _export(f, *shapes):

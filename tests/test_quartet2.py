@@ -1,4 +1,4 @@
-"""Quartet II: MS-EDEN rounding (``fp4jax.quantize.ms_eden``) bit for bit against an
+"""Quartet II: MS-EDEN rounding (``fp4jax.quantization.ms_eden``) bit for bit against an
 independent NumPy reference (``tests/reference.py``'s ``ref_ms_eden``, written from
 IST-DASLab/Quartet-II's ``quartet_2.py`` formulas), its unbiasedness over thousands of
 keys with round-to-nearest as the negative control, and ``recipes.quartet2()`` through
@@ -8,7 +8,6 @@ keys with round-to-nearest as the negative control, and ``recipes.quartet2()`` t
 from __future__ import annotations
 
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -85,7 +84,7 @@ def test_ms_eden_block_scale_at_an_e4m3_midpoint():
     u = np.full((2, 1), 0.5, F32)
     rq, rs, rdec = ref.ref_ms_eden(x, 16, u)
     assert rs[1, 0] == 0.25  # the final scale (after the correction, rounded with u = 0.5)
-    eden = importlib.import_module("fp4jax.quantize").ms_eden
+    from fp4jax.quantization import ms_eden as eden
     for fn in (eden, jax.jit(eden)):
         got_dec, got_s, got_q = fn(jnp.asarray(x).reshape(2, 1, 16), jnp.float32(big),
                                    jnp.asarray(u))
@@ -210,6 +209,6 @@ def test_dispatcher_declines_ms_eden():
                                    key=jax.random.key(0), rounding="ms_eden") is None
     assert "ms_eden" in dispatch.quantize_unsupported_reason((256, 256), jnp.bfloat16,
                                                              rounding="ms_eden")
-    from fp4jax.dot import _scaled_path_applies
+    from fp4jax.quantized_dot import _scaled_path_applies
     assert not _scaled_path_applies(R.quartet2().replace(
         **{"fprop.lhs.block_scale_rule": "max", "fprop.rhs.block_scale_rule": "max"}))

@@ -153,7 +153,7 @@ def test_dispatcher_declines_row_scaled():
                                    key=jax.random.key(0), row_scaled=True) is None
     reason = dispatch.quantize_unsupported_reason((256, 256), jnp.bfloat16, row_scaled=True)
     assert reason is not None and "row_scaled" in reason
-    from fp4jax.dot import _scaled_path_applies
+    from fp4jax.quantized_dot import _scaled_path_applies
     assert not _scaled_path_applies(R.parse(ALL_ROWS))
     assert _scaled_path_applies(R.nvfp4()) and not _scaled_path_applies(
         R.nvfp4().replace(row_scaled=True))

@@ -82,7 +82,7 @@ def test_blocks_and_rht_along_tokens_must_not_straddle_devices(mesh):
     # mxfp4's 32x1 wgrad blocks and a 32-point RHT need 32 rows per device: 16 would be
     # zero-padded per device (dw off by ~20%), so it is refused; 32 gives the single-device
     # bits
-    from fp4jax.dot import token_row_multiple
+    from fp4jax.quantized_dot import token_row_multiple
 
     rht32 = fp4jax.recipes.nvfp4().replace(rht=32)
 

@@ -66,7 +66,7 @@ def operand_reason(q, contract_axis: int) -> str | None:
     contracted over ``contract_axis`` (1 or 2), else why not: it must be NVFP4-shaped
     (E2M1 elements, E4M3 block scales, block 16, a float32 tensor scale) and blocked along
     the contracted axis (1x16 along it, or 16x16 tiles)."""
-    from fp4jax.quantize import QuantizedArray
+    from fp4jax.quantization import QuantizedArray
 
     if not isinstance(q, QuantizedArray):
         return "operand is not quantized (high precision)"
@@ -95,7 +95,7 @@ def kmajor_operand(q, contract_axis: int) -> tuple[jax.Array, jax.Array]:
     16j:16j+16]``. 16x16 weight tiles (NVFP4 paper sec. 4.2) are replicated to this 1x16
     layout: each tile's scale serves the 16 rows of the tile, the last tile sliced to the
     rows that exist. Padded blocks get scale +0. Values are unchanged: ``codes * scales``
-    is ``fp4jax.quantize.scaled_data(q)`` with the contracted axis moved last.
+    is ``fp4jax.quantization.scaled_data(q)`` with the contracted axis moved last.
     """
     if (reason := operand_reason(q, contract_axis)) is not None:
         raise ValueError(f"kmajor_operand: {reason}")

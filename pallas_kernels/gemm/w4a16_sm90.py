@@ -121,7 +121,7 @@ def prepare_weight(q):
     Accepts 1x16 blocks along axis 0 (scale (K/16, N)) or 16x16 tiles (scale (K/16,
     N/16)). Returns ``(wp, ws, dec)``: (N, K/8) uint32, (K/16, N) bfloat16, f32 scalar.
     """
-    from fp4jax.quantize import e2m1_codes
+    from fp4jax.quantization import e2m1_codes
 
     if q.fmt.block_size != 16 or not q.fmt.tensor_scale or q.data.ndim != 2:
         raise ValueError("prepare_weight expects a 2-D NVFP4 QuantizedArray (K, N)")

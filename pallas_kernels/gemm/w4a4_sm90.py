@@ -105,7 +105,7 @@ def operand_unsupported_reason(q, contract_axis: int) -> str | None:
 
 
 def _prepare(q, contract_axis: int):
-    from fp4jax.quantize import e2m1_codes
+    from fp4jax.quantization import e2m1_codes
 
     reason = operand_unsupported_reason(q, contract_axis)
     if reason is not None:

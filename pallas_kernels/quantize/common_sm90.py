@@ -5,7 +5,7 @@ Both quantize kernel families import this module (and nothing else of each other
 and ``operand_sm90`` (the bf16 ``data * scale`` GEMM operands ``fp4jax.dot`` uses on
 Hopper). It owns the in-register numerics they share, each a transcription of one rule
 of the core (cited where defined): the tensor scales (``global_scales``, from
-``fp4jax.quantize.global_encode_scale``), E4M3 block-scale rounding (``e4m3_round``,
+``fp4jax.quantization.global_encode_scale``), E4M3 block-scale rounding (``e4m3_round``,
 ``_block_scale``), the correctly rounded reciprocal of the element encode scale
 (``recip_rn``, ``recip_table``; ``fp4jax.numerics.div_rn``), E2M1 element rounding to the
 nearest or stochastically (``e2m1_code``, ``_e2m1_value``; ``fp4jax.numerics``), the
@@ -50,8 +50,8 @@ FLT_MAX = float(np.finfo(np.float32).max)
 
 def finite_amax(x: jax.Array) -> jax.Array:
     """``max |x|`` over the finite values of ``x`` (float32 scalar; an XLA reduction): the
-    core's tensor amax rule itself (``fp4jax.quantize._finite_amax``)."""
-    from fp4jax.quantize import _finite_amax
+    core's tensor amax rule itself (``fp4jax.quantization._finite_amax``)."""
+    from fp4jax.quantization import _finite_amax
 
     return _finite_amax(x.astype(jnp.float32))
 
@@ -61,12 +61,12 @@ def global_scales(x: jax.Array | None, amax: jax.Array | None = None
     """NVFP4 tensor scales (enc, dec) from the finite amax of ``x`` (an XLA reduction), or
     from ``amax`` when given (the finite amax computed elsewhere, e.g. ``cols_amaxes``).
 
-    Exactly the core's: ``fp4jax.quantize.global_encode_scale`` and ``dec =
+    Exactly the core's: ``fp4jax.quantization.global_encode_scale`` and ``dec =
     numerics.div_rn(1, enc)`` (correctly rounded divisions, also on the GPU).
     """
     from fp4jax.formats import NVFP4
     from fp4jax.numerics import div_rn
-    from fp4jax.quantize import global_encode_scale
+    from fp4jax.quantization import global_encode_scale
 
     if amax is None:
         amax = finite_amax(x)
@@ -259,7 +259,7 @@ def _elem_scale(sc_ref, s_val, s_byte, mode: str):
     """Element encode scale ``min(1/(f32(s)*dec), FLT_MAX)`` (0 when s == 0) of a vector of
     block scales, by ``mode``: ``"table"`` (``table_recip``; exact only for a safe dec),
     ``"rn"`` (``recip_rn``, exact for every dec), ``"hw"`` (the hardware quotient, may
-    be one ulp off on the GPU: timing only). Rule: ``fp4jax.quantize.element_encode_scale``.
+    be one ulp off on the GPU: timing only). Rule: ``fp4jax.quantization.element_encode_scale``.
     """
     if mode == "table":
         return table_recip(s_byte, [sc_ref[_SC_TABLE + i] for i in range(16)])
@@ -331,14 +331,14 @@ def strip_layout(g: int):
 def _block_amax_bits(w):
     """Per-row (block) max of |x| as float32 bits (int32; integer order == float order
     for >= 0, NaN/Inf compare above every finite value). Rule: the block amax of
-    ``fp4jax.quantize._quantize_impl`` (``max |x|`` over the block, NaN/Inf poison it)."""
+    ``fp4jax.quantization._quantize_impl`` (``max |x|`` over the block, NaN/Inf poison it)."""
     return jnp.max(jnp.maximum((w << 16) & 0x7FFFFFFF, w & 0x7FFF0000), axis=1)
 
 
 def _block_scale(amax_bits, enc6):
     """Block decode scale from the block amax bits: ``(s_val, s_byte, finite)``.
 
-    Rule (``fp4jax.quantize.block_decode_scale``, TE ``core_nvfp4.cuh``):
+    Rule (``fp4jax.quantization.block_decode_scale``, TE ``core_nvfp4.cuh``):
     ``s = e4m3_rne_satfinite(amax_block * (enc * f32(1/6)))``; a NaN/Inf block gets the
     NaN byte 0x7F (``s_val``/``s_byte`` are meaningless there: the caller masks them)."""
     finite = amax_bits < 0x7F800000
@@ -358,7 +358,7 @@ def _word_scales(sc_ref, w, mode: str):
 def _strip_2d_scales(sc_ref, x_ref, plain: bool, mode: str):
     """Tile scales of a strip of 16x16 tiles, x_ref (16, g, 8) words: the tile amax is the
     elementwise max of the 16 rows' block amaxes. Returns ``(s_val, s_byte, e, finite)``,
-    one per tile. Rule: ``fp4jax.quantize._quantize_impl`` with ``block_2d=True``."""
+    one per tile. Rule: ``fp4jax.quantization._quantize_impl`` with ``block_2d=True``."""
     amax = None
     for k in range(16):
         a = _block_amax_bits(_load_words(x_ref.at[k], slice(None), plain))
@@ -437,7 +437,7 @@ def _barrier(v, plain: bool):
 def _e2m1_value(v, u, plain: bool):
     """E2M1 value (float32, sign of ``v`` kept) of a scaled element ``v`` (finite).
 
-    Rule: ``fp4jax.quantize._round_elements``: ``numerics.round_to_grid(|v|, E2M1,
+    Rule: ``fp4jax.quantization._round_elements``: ``numerics.round_to_grid(|v|, E2M1,
     "nearest")`` (``u`` None) or ``numerics.stochastic_round_to_grid(|v|, E2M1, u)``
     (``u`` float32 from ``_sr_uniform``), then the sign; the same values, computed with
     full-rate operations only (no int <-> float conversions, which run at a quarter of

@@ -68,7 +68,7 @@ from pallas_kernels.quantize.common_sm90 import (
 def _encode_words(w, e, finite, n: int):
     """Packed E2M1 bytes (int32, (n, 8)) of a (n, 8) word tile, per-row scale ``e``;
     NaN/Inf blocks get codes -0 (0x88) as a float4 cast of NaN gives.
-    Rule: ``q = e2m1_rne_satfinite(x * e)`` (``fp4jax.quantize._round_elements``)."""
+    Rule: ``q = e2m1_rne_satfinite(x * e)`` (``fp4jax.quantization._round_elements``)."""
     lo = _f32(w << 16)  # element 2k
     hi = _f32(w & -0x10000)  # element 2k+1
     eb = lax.broadcast_in_dim(e, (n, 8), (0,))
@@ -105,7 +105,7 @@ def _quant_strip_2d(sc_ref, x_ref, q_ref, s_ref, *, g: int, plain: bool = False,
     scale bits. Two passes over the shared-memory strip: the tile amax is the
     elementwise max of the 16 rows' block amaxes (all in the row layout, no shuffles
     across rows), then every row is encoded with its tile's scale.
-    Rule: ``fp4jax.quantize._quantize_impl`` with ``block_2d=True`` (one scale per
+    Rule: ``fp4jax.quantization._quantize_impl`` with ``block_2d=True`` (one scale per
     16x16 tile, amax over the tile)."""
     _, s_byte, e, finite = _strip_2d_scales(sc_ref, x_ref, plain, mode)
     s_ref[...] = jnp.where(finite, s_byte, 0x7F).astype(jnp.uint8)
@@ -347,7 +347,7 @@ def e2m1_code_of_value(v):
     E2M1 value (what ``common_sm90._e2m1_value`` returns), integer ops only:
     ``|v| >= 1`` has one mantissa bit, so ``(bits >> 22) - 252`` is the code (1.0 -> 2 ..
     6.0 -> 7); below 1 the values are 0 and 0.5 (code 0, 1: bit 24 of the bits). The
-    sign bit moves to code bit 3 (-0 -> 8, as ``fp4jax.quantize.e2m1_codes``)."""
+    sign bit moves to code bit 3 (-0 -> 8, as ``fp4jax.quantization.e2m1_codes``)."""
     bits = _i32(v)
     ab = bits & 0x7FFFFFFF
     mag = jnp.where(ab >= 0x3F800000, lax.shift_right_logical(ab, 22) - 252,

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax import quantize as qz
+from fp4jax import quantization as qz
 from fp4jax import sharding
 from fp4jax.formats import NVFP4
 from fp4jax.hadamard import random_hadamard_transform, resolve_signs
@@ -181,7 +181,7 @@ def _einsum_scaled(subscripts: str, av: jax.Array, bv: jax.Array, sa: Any, sb: A
     """``einsum(av, bv)`` accumulated in f32, times the tensor decode scales present.
 
     A row-scaled operand's decode scales (one per row: its shape with the contracted axis
-    of length 1, ``fp4jax.quantize.global_encode_scale``) are indexed by its free and batch
+    of length 1, ``fp4jax.quantization.global_encode_scale``) are indexed by its free and batch
     axes only, so they factor out of the sum over the contracted axis exactly: they are laid
     out along the output's axes (``_scale_to_output``) and multiplied in with the other
     operand's scale as one factor per output element, ``y * (dec_a[m] * dec_b[n])``, as a

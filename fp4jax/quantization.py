@@ -471,7 +471,7 @@ def check_row_scaled(row_scaled: bool, fmt: BlockFormat | None, *, block_2d: boo
     if rounding == "ms_eden":
         raise ValueError(
             f"{arg}=True with {_arg('rounding', where)}='ms_eden': MS-EDEN has its own tensor "
-            f"scale rule (fp4jax.quantize.ms_eden); set {arg}=False or another rounding")
+            f"scale rule (fp4jax.quantization.ms_eden); set {arg}=False or another rounding")
 
 
 def check_ms_eden(fmt: BlockFormat | None, *, block_2d: bool = False,
