@@ -281,11 +281,15 @@ class ByteDataset:
       train, val: uint8 arrays (token ids 0..255).
       seq_len: tokens per example fed to the model; batches hold ``seq_len + 1`` tokens
         (inputs ``[:, :-1]``, targets ``[:, 1:]``).
+      vocab_size: the ids are in ``[0, vocab_size)``: 256 for bytes (``fp4jax.tokens``'
+        ``TokenDataset`` holds other vocabularies).
     """
 
     train: np.ndarray
     val: np.ndarray
     seq_len: int
+    vocab_size: int = 256
+    unit = "bytes"  # what the streams hold, in messages
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -293,7 +297,7 @@ class ByteDataset:
         for name, arr in (("training", self.train), ("validation", self.val)):
             if len(arr) < self.seq_len + 1:
                 raise ValueError(
-                    f"the {name} split has {len(arr)} bytes, fewer than seq_len + 1 = "
+                    f"the {name} split has {len(arr)} {self.unit}, fewer than seq_len + 1 = "
                     f"{self.seq_len + 1}: use more data, a shorter --seq-len or another "
                     "--val-fraction"
                 )

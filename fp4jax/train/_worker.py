@@ -18,15 +18,15 @@ def main(argv: list[str]) -> int:
         print("usage: python -m fp4jax.train._worker PLAN.json", file=sys.stderr)
         return 2
     plan = json.loads(open(argv[0]).read())
-    from fp4jax.data import ByteDataset
+    from fp4jax.tokens import load_dataset
     from fp4jax.train.cli import enable_compile_cache
     from fp4jax.train.config import TrainConfig
     from fp4jax.train.loop import TrainingDiverged, train
 
     enable_compile_cache(plan.get("compile_cache") or "off")
     cfgs = [TrainConfig(**c) for c in plan["configs"]]
-    ds = ByteDataset.load(cfgs[0].data, cfgs[0].seq_len, cfgs[0].val_fraction,
-                          cfgs[0].cache_dir)
+    ds = load_dataset(cfgs[0].data, cfgs[0].seq_len, cfgs[0].val_fraction,
+                      cfgs[0].cache_dir, cfgs[0].tokenizer)
     status = 0
     for cfg in cfgs:
         try:

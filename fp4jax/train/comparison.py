@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from fp4jax.data import ByteDataset
+from fp4jax.tokens import load_dataset
 from fp4jax.train.checkpoint import config_diff
 from fp4jax.train.config import TrainConfig, split_run_spec, split_specs, validate_config
 from fp4jax.train.loop import TrainingDiverged, train
@@ -222,7 +222,8 @@ def compare(cfg: TrainConfig, recipes: Sequence[str],
         for k in todo:
             done[k] = _result_of(subs[k], before=before[k] or ())
     elif todo:
-        ds = ByteDataset.load(cfg.data, cfg.seq_len, cfg.val_fraction, cfg.cache_dir)
+        ds = load_dataset(cfg.data, cfg.seq_len, cfg.val_fraction, cfg.cache_dir,
+                          cfg.tokenizer)
         for k in todo:
             try:
                 done[k] = train(subs[k], ds)

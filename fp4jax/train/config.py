@@ -24,6 +24,7 @@ import fp4jax.recipes
 from fp4jax.models.llama import ATTENTION, SCAN_REMAT, LlamaConfig, get_preset
 from fp4jax.nn.policy import PrecisionPolicy
 from fp4jax.recipes import GemmSpec, Recipe
+from fp4jax.tokens import parse_tokenizer_spec
 
 SWITCH_MODES = ("fwd", "bwd", "both")
 SCHEDULES = ("wsd", "cosine")
@@ -60,6 +61,8 @@ class TrainConfig:
     ffn: str | None = None
     dtype: str | None = None
     data: str | None = None
+    tokenizer: str | None = None  # None: bytes for text, the files' own for token files
+    vocab_size: int | None = None  # None: the data's vocabulary
     cache_dir: str | None = None
     val_fraction: float = 0.05
     seq_len: int = 128
@@ -337,6 +340,17 @@ def validate_config(cfg: TrainConfig) -> None:
                           f"{list(SWITCH_MODES)}")
     if not isinstance(cfg.out, str) or not cfg.out.strip():
         raise ConfigError("out", f"must be a directory path, got {cfg.out!r}")
+    if cfg.tokenizer is not None:
+        if not isinstance(cfg.tokenizer, str):
+            raise ConfigError("tokenizer", f"must be bytes, bpe:N or a tokenizer.json path, "
+                              f"got {cfg.tokenizer!r}")
+        try:
+            parse_tokenizer_spec(cfg.tokenizer)
+        except ValueError as e:
+            raise ConfigError("tokenizer", str(e)) from None
+    if cfg.vocab_size is not None and (not _is_int(cfg.vocab_size) or cfg.vocab_size < 2):
+        raise ConfigError("vocab_size", f"must be an integer >= 2 (or None: the data's "
+                          f"vocabulary), got {cfg.vocab_size!r}")
     for field in ("data", "cache_dir"):
         v = getattr(cfg, field)
         if v is not None and (not isinstance(v, str | os.PathLike) or not str(v).strip()):

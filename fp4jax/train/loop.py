@@ -31,6 +31,7 @@ from fp4jax import diagnostics
 from fp4jax.data import ByteDataset
 from fp4jax.models.llama import Llama, layer_name, layer_order
 from fp4jax.recipes import Recipe
+from fp4jax.tokens import load_dataset, model_vocab_size
 from fp4jax.train import parallel, precision, processes
 from fp4jax.train.checkpoint import (
     CheckpointDamaged,
@@ -241,7 +242,7 @@ def make_grad_noise_step(model: Llama, model_hp: Llama, mesh: Mesh) -> Callable:
 # a key argument); runs whose other keys agree share them (``_step_fns``).
 _NOT_COMPILED = frozenset({"seed", "out", "resume", "stop_at", "progress", "cache_dir",
                            "checkpoint_every", "log_every", "compare", "resume_override",
-                           "overwrite", "keep_checkpoints", "data", "val_fraction",
+                           "overwrite", "keep_checkpoints", "data", "tokenizer", "val_fraction",
                            "eval_every", "eval_batches", "switch_at", "stats_every",
                            "switch_threshold", "switch_window", "grad_noise_every",
                            "bf16_budget", "bf16_warmup"})
@@ -315,6 +316,7 @@ def _restore_newest(ckpt: Checkpointer, target: dict, cfg_dict: dict, overrides:
     def check_meta(meta: dict) -> None:
         # with a recorded fingerprint the corpus is checked by content: its path may change
         free = [*overrides, *(["data"] if meta.get("data_sha256") else [])]
+        free += ["tokenizer"] if "data" in free else []  # the fingerprint covers it
         diff = config_diff({**meta["config"], **{k: cfg_dict[k] for k in free}}, cfg_dict)
         if diff:
             raise ValueError("refusing to resume with a changed config; differing keys: "
@@ -427,9 +429,12 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         if used:
             raise ValueError(f"{', '.join(used)}: not supported in a multi-process run yet; "
                              "run them in one process (any number of its devices)")
-    ds = dataset or ByteDataset.load(cfg.data, cfg.seq_len, cfg.val_fraction, cfg.cache_dir)
+    ds = dataset or load_dataset(cfg.data, cfg.seq_len, cfg.val_fraction, cfg.cache_dir,
+                                 cfg.tokenizer)
     if ds.seq_len != cfg.seq_len:
         raise ValueError(f"dataset seq_len {ds.seq_len} != config seq_len {cfg.seq_len}")
+    mc = mc.replace(vocab_size=model_vocab_size(ds, cfg.vocab_size))
+    rcfg = rcfg.replace(vocab_size=mc.vocab_size)  # in the compiled steps' cache key
     # --bf16-layers: names, or measured once (auto: an FP4 warm-up sub-run; resumed: the
     # recorded set); rcfg then names them, its BF16 blocks explicit
     bf16 = precision.resolve_bf16_layers(cfg, rcfg, recipe, mc, train, ds)
@@ -540,7 +545,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     summary = model.summary()
     header = (f"[{recipe.name}] {mc.num_params() / 1e6:.2f}M params ({cfg.preset}, {mc.ffn}, "
               f"{mc.dtype}); {summary}; {n_dev} {mesh.devices.flat[0].platform} device(s); "
-              f"{len(ds.train) / 1e6:.2f}M train / {len(ds.val) / 1e6:.2f}M val bytes")
+              f"{len(ds.train) / 1e6:.2f}M train / {len(ds.val) / 1e6:.2f}M val {ds.unit}")
     if reused:
         header += "; compiled steps reused from an earlier run (the seed is an argument)"
     if switch_step <= cfg.steps:
