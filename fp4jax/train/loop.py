@@ -546,6 +546,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     header = (f"[{recipe.name}] {mc.num_params() / 1e6:.2f}M params ({cfg.preset}, {mc.ffn}, "
               f"{mc.dtype}); {summary}; {n_dev} {mesh.devices.flat[0].platform} device(s); "
               f"{len(ds.train) / 1e6:.2f}M train / {len(ds.val) / 1e6:.2f}M val {ds.unit}")
+    if mc.vocab_size != 256 or getattr(ds, "tokenizer", "bytes") != "bytes":
+        header += f"; vocabulary {mc.vocab_size} ({getattr(ds, 'tokenizer', '') or 'ids'})"
     if reused:
         header += "; compiled steps reused from an earlier run (the seed is an argument)"
     if switch_step <= cfg.steps:
