@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from fp4jax.tokens import load_dataset
+from fp4jax.tokens import load_dataset, parse_tokenizer_spec
 from fp4jax.train.checkpoint import config_diff
 from fp4jax.train.config import TrainConfig, split_run_spec, split_specs, validate_config
 from fp4jax.train.loop import TrainingDiverged, train
@@ -217,6 +217,8 @@ def compare(cfg: TrainConfig, recipes: Sequence[str],
     todo = [k for k in subs if k not in done]
     failed: list[str] = []
     if jobs > 1 and len(todo) > 1:
+        if parse_tokenizer_spec(cfg.tokenizer)[0] == "bpe":  # trained once, not per worker
+            load_dataset(cfg.data, cfg.seq_len, cfg.val_fraction, cfg.cache_dir, cfg.tokenizer)
         before = {k: _stamp(Path(subs[k].out) / "result.json") for k in todo}
         failed = _train_parallel({k: subs[k] for k in todo}, slugs, out, jobs)
         for k in todo:
