@@ -22,8 +22,9 @@ Token files (``fp4jax-train --data PATH``, :func:`read_token_files`):
 
 * ``.bin``: nanoGPT's layout (``data/openwebtext/prepare.py``): a flat array of little-endian
   token ids, no header, ``uint16`` unless a ``meta.json`` beside it says
-  ``{"dtype": "uint32"}`` (needed once the vocabulary exceeds 65536 ids). A ``.bin`` that
-  starts with llm.c's header (magic 20240520; version 1: ``uint16``) is read past its header.
+  ``{"dtype": "uint32"}`` (needed once the vocabulary exceeds 65536 ids). A ``.bin`` with no
+  such ``dtype`` that starts with llm.c's header (magic 20240520, version 1, the token count
+  matching the size) is read past its header.
 * ``.npy``: NumPy arrays (1-D, any integer dtype; the dtype is in the file's header).
 * A directory: its top-level ``.bin``/``.npy`` files in name order, concatenated into one
   stream per split. Files whose name holds the word ``val``/``valid``/``validation``
@@ -485,10 +486,10 @@ def open_token_file(path: str | os.PathLike, dtype: str | np.dtype | None = None
             raise ValueError(f"--data: {str(p)!r} holds a {arr.dtype} array of shape "
                              f"{arr.shape}; token shards must be 1-D integer arrays "
                              "(uint16 or uint32)")
-        if dtype is not None and np.dtype(dtype) != arr.dtype.newbyteorder("="):
-            if np.dtype(dtype).newbyteorder("=") != arr.dtype.newbyteorder("="):
-                raise ValueError(f"--data: {str(p)!r} holds {arr.dtype} ids but its "
-                                 f"meta.json says {np.dtype(dtype)}")
+        if dtype is not None and np.dtype(dtype).newbyteorder("<") != arr.dtype.newbyteorder(
+                "<"):
+            raise ValueError(f"--data: {str(p)!r} holds {arr.dtype} ids but its meta.json "
+                             f"says {np.dtype(dtype)}")
         if len(arr) == 0:
             raise ValueError(f"--data: token shard {str(p)!r} is empty (no tokens)")
         return arr
@@ -499,23 +500,17 @@ def open_token_file(path: str | os.PathLike, dtype: str | np.dtype | None = None
     dt = np.dtype(dtype or "<u2").newbyteorder("<")
     if not np.issubdtype(dt, np.unsignedinteger) or dt.itemsize not in (2, 4):
         raise ValueError(f"--data: .bin dtype {dt} (from meta.json): use uint16 or uint32")
-    offset = 0
-    if size >= 1024:
-        header = np.fromfile(p, dtype="<i4", count=256)
-        if int(header[0]) == LLMC_MAGIC:  # llm.c: 256 int32 header, then uint16 ids
-            if int(header[1]) != 1:
-                raise ValueError(f"--data: {str(p)!r}: llm.c token file version "
-                                 f"{int(header[1])} is not read (version 1: uint16)")
-            n = int(header[2])
-            if size != 1024 + 2 * n:
-                raise ValueError(f"--data: {str(p)!r}: its llm.c header says {n} tokens but "
-                                 f"the file has {size - 1024} bytes after it: truncated?")
+    if dtype is None and size > 1024:
+        # llm.c: 256 int32 (magic, version 1, token count), then uint16 ids; recognised only
+        # when all three agree with the size (plain ids could start with the magic number)
+        magic, version, n = (int(x) for x in np.fromfile(p, dtype="<i4", count=3))
+        if magic == LLMC_MAGIC and version == 1 and size == 1024 + 2 * n:
             return np.memmap(p, dtype="<u2", mode="r", offset=1024, shape=(n,))
-    if (size - offset) % dt.itemsize:
+    if size % dt.itemsize:
         raise ValueError(f"--data: {str(p)!r} has {size} bytes, not a whole number of "
                          f"{dt.itemsize}-byte {dt.name} ids: a truncated file, or another "
                          "dtype (set it in a meta.json beside it: {\"dtype\": \"uint32\"})")
-    return np.memmap(p, dtype=dt, mode="r", offset=offset)
+    return np.memmap(p, dtype=dt, mode="r")
 
 
 _VAL_WORDS = {"val", "valid", "validation"}

@@ -137,6 +137,10 @@ def test_bin_files_round_trip(cache, tmp_path):
     with open(tmp_path / "shard_train.bin", "wb") as f:
         f.write(header.tobytes() + train.astype("<u2").tobytes())
     np.testing.assert_array_equal(T.open_token_file(tmp_path / "shard_train.bin"), train)
+    # plain ids that happen to start like that header (the count does not fit): plain ids
+    plain = np.concatenate([header[:3].view("<u2"), train]).astype("<u2")
+    _write_bin(tmp_path / "plain.bin", plain)
+    np.testing.assert_array_equal(T.open_token_file(tmp_path / "plain.bin"), plain)
 
 
 def test_npy_shards_stream_across_boundaries(cache, tmp_path):
