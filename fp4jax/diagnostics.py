@@ -92,11 +92,14 @@ def _operand_stats(t: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: j
     q = _quant(r, spec, axis, _subkey(key, gemm, which))
     # each element in the quantizer's encoded domain (its encode scale, Eq. 4): beyond the
     # element maximum there (6 for E2M1), rounding clipped it
-    enc = qz.element_encode_scale(qz._expand_scale(q), q.global_scale)
+    # (a block whose scale underflowed to 0 holds codes +-6 with encode scale FLT_MAX, as in
+    # Transformer Engine: its elements count as underflowed, not saturated)
+    s_el = qz._expand_scale(q)
+    enc = qz.element_encode_scale(s_el, q.global_scale)
     finite_nz = jnp.isfinite(r) & (r != 0)
     n_nz = jnp.maximum(jnp.sum(finite_nz), 1)
-    under = jnp.sum(finite_nz & (q.data.astype(jnp.float32) == 0)) / n_nz
-    sat = jnp.sum(finite_nz & (jnp.abs(r * enc) > spec.fmt.elem_max)) / n_nz
+    under = jnp.sum(finite_nz & ((q.data.astype(jnp.float32) == 0) | (s_el == 0))) / n_nz
+    sat = jnp.sum(finite_nz & (s_el > 0) & (jnp.abs(r * enc) > spec.fmt.elem_max)) / n_nz
     dec = q.scale.astype(jnp.float32) * q.global_scale
     used = jnp.isfinite(dec) & (dec > 0)
     return {"underflow": under.astype(jnp.float32), "saturation": sat.astype(jnp.float32),

@@ -51,6 +51,10 @@ __all__ = [
     "threefry2x32",
     "threefry_bits_at",
     "draws_from_key",
+    "reciprocal_rn",
+    "subnormal_hi",
+    "recip_scaled_subnormal_rn",
+    "mul_decode_scale",
 ]
 
 
@@ -359,6 +363,130 @@ def div_rn_integer(a: jax.Array, b: jax.Array) -> jax.Array:
     exact = jax.lax.bitcast_convert_type(bits, jnp.float32)
     ok = (ea > 0) & (ea < 255) & (eb > 0) & (eb < 255) & (e > 0) & (e < 255)
     return jnp.where(ok, exact, a / b)
+
+
+SUBNORMAL_SHIFT = 64
+"""``subnormal_hi`` scales by ``2**SUBNORMAL_SHIFT``: float32 subnormals become normal."""
+
+
+def reciprocal_rn(v: jax.Array) -> jax.Array:
+    """Correctly rounded (RNE) float32 ``1 / v`` for float32 ``v > 0``, subnormal quotients
+    included, bit-identical on every backend.
+
+    Where the quotient is a normal float32 (``v <= 2**126``) this is ``div_rn(1, v)``. For
+    ``v`` in ``(2**126, FLT_MAX]`` the quotient lies in ``[2**-128, 2**-126]``, where IEEE
+    754 rounds to the subnormal quantum ``2**-149``: the result is
+    ``RNE(2**149 / v) * 2**-149``, whose integer ``RNE(2**149 / v)`` is computed here by
+    integer long division of the 24-bit significand and written into the bits directly
+    (XLA on the CPU flushes subnormal results of arithmetic to zero, so a float division
+    would give 0 there; a bitcast is not flushed). This is the tensor decode scale
+    ``1 / enc`` of a tensor with amax below ``2688 * 2**-126`` (~3.2e-35), where
+    Transformer Engine's ``S_dec = 1.0f / S_enc`` (``core_nvfp4.cuh``,
+    ``compute_scaling_coefficient``) is subnormal; consumers that multiply by it on the
+    CPU use ``mul_decode_scale`` and ``recip_scaled_subnormal_rn``.
+
+    Args:
+      v: float32 array of positive values (zero, Inf, NaN: the backend's ``1 / v``).
+    Returns:
+      float32 array shaped like ``v``.
+    """
+    v = jnp.asarray(v, jnp.float32)
+    vb = jax.lax.bitcast_convert_type(v, jnp.int32)
+    field = (vb >> 23) & 0xFF
+    big = (field >= 253) & (field < 255) & (vb > 0)  # (2**126, 2**128): subnormal 1/v
+    # 2**149 / v = 2**46 / D with D = significand << (field - 253), in [2**23, 2**25)
+    d = ((vb & 0x7FFFFF) | 0x800000) << jnp.clip(field - 253, 0, 1)
+    r = jnp.full_like(d, 1 << 23)  # the numerator's leading bits: 2**23 (< 2 * D)
+    bit = (r >= d).astype(jnp.int32)
+    q = bit
+    r = r - bit * d
+    for _ in range(23):  # 23 more quotient bits: 2**23 * 2**23 = 2**46
+        r = r << 1
+        bit = (r >= d).astype(jnp.int32)
+        q = (q << 1) | bit
+        r = r - bit * d
+    q = q + ((2 * r > d) | ((2 * r == d) & ((q & 1) == 1))).astype(jnp.int32)
+    sub = jax.lax.bitcast_convert_type(q, jnp.float32)  # q <= 2**23: 2**-126 at most
+    return jnp.where(big, sub, div_rn(jnp.float32(1.0), v))
+
+
+def subnormal_hi(v: jax.Array) -> jax.Array:
+    """``v * 2**SUBNORMAL_SHIFT`` for a non-negative float32 ``v`` below ``2**-126``
+    (a subnormal), exactly and as a normal float32, on every backend: read from the bits
+    (``v = m * 2**-149``), so the CPU's flush of subnormal operands does not apply.
+    Elsewhere it returns ``v`` times ``2**SUBNORMAL_SHIFT`` by float arithmetic."""
+    v = jnp.asarray(v, jnp.float32)
+    m = jax.lax.bitcast_convert_type(v, jnp.int32) & 0x7FFFFFFF
+    tiny = (m < (1 << 23))
+    from_bits = m.astype(jnp.float32) * jnp.float32(2.0 ** (SUBNORMAL_SHIFT - 149))
+    return jnp.where(tiny, from_bits, v * jnp.float32(2.0**SUBNORMAL_SHIFT))
+
+
+def recip_scaled_subnormal_rn(s: jax.Array, dec: jax.Array) -> jax.Array:
+    """``min(RN(1 / RN(s * dec)), FLT_MAX)`` in float32 for a subnormal ``dec`` (below
+    ``2**-126``, from ``reciprocal_rn``) and ``s >= 0`` on a grid of at most 7 mantissa
+    bits, with IEEE subnormal arithmetic (no flush), bit-identical on every backend:
+    Transformer Engine's element encode scale ``fminf(1.0f / (float(S_dec_block) *
+    S_dec), FLT_MAX)`` (``core_nvfp4.cuh``, ``compute_scaling_coefficient<float>``) for a
+    tensor whose decode scale ``S_dec`` is subnormal.
+
+    Exact in integers: ``dec = m * 2**-149`` and ``s = k * 2**a`` (``k`` its 8 leading
+    significand bits), so ``s * dec = (k m) * 2**(a - 149)`` with ``k m < 2**31``. Where
+    that is below ``2**-126`` the product rounds to the subnormal quantum: ``n =
+    RNE(k m * 2**a)`` by an integer shift; elsewhere it is a normal float32, and the
+    float32 product ``s * (dec * 2**64)`` is the same rounding scaled by ``2**64``. The
+    reciprocal of the scaled product ``p_hi`` is ``div_rn(1, p_hi)``, a normal float32,
+    and ``RN(1/p) = 2**64 RN(1/p_hi)`` (overflowing to Inf exactly where ``RN(1/p)``
+    does). ``s == 0`` gives ``1/0 = Inf``, hence FLT_MAX. NaN ``s`` gives NaN.
+
+    Args:
+      s: float32 block scales (any shape), normal float32 or 0 or NaN.
+      dec: float32 subnormal decode scale(s), broadcastable against ``s``.
+    Returns:
+      float32 element encode scales shaped like ``s * dec``.
+    """
+    s = jnp.asarray(s, jnp.float32)
+    dec = jnp.asarray(dec, jnp.float32)
+    s, dec = jnp.broadcast_arrays(s, dec)
+    m = jax.lax.bitcast_convert_type(dec, jnp.int32) & 0x7FFFFF
+    sb = jax.lax.bitcast_convert_type(s, jnp.int32) & 0x7FFFFFFF
+    k = ((sb & 0x7FFFFF) | 0x800000) >> 16  # 8 leading significand bits (128..255)
+    k = jnp.where(sb == 0, 0, k)
+    a = ((sb >> 23) & 0xFF) - 127 - 7  # s = k * 2**a
+    u32 = jnp.uint32
+    prod = (k * m).astype(u32)  # < 2**31: exact
+    # subnormal product iff k m 2**a < 2**23
+    t = 23 - a
+    sub = jnp.where(t >= 32, True, jnp.where(t <= 0, False, prod < jnp.left_shift(
+        u32(1), jnp.clip(t, 1, 31).astype(u32))))
+    sh = jnp.clip(-a, 1, 31).astype(u32)
+    q = jnp.right_shift(prod, sh)
+    rem = prod - jnp.left_shift(q, sh)
+    half = jnp.left_shift(u32(1), sh - u32(1))
+    q = q + ((rem > half) | ((rem == half) & ((q & u32(1)) == u32(1)))).astype(u32)
+    n = jnp.where(a >= 0, jnp.left_shift(prod, jnp.clip(a, 0, 31).astype(u32)), q)
+    n = jnp.where(-a > 31, u32(0), n)
+    p_sub = n.astype(jnp.float32) * jnp.float32(2.0 ** (SUBNORMAL_SHIFT - 149))
+    p_hi = jnp.where(sub, p_sub, s * subnormal_hi(dec))
+    e = div_rn(jnp.float32(1.0), p_hi) * jnp.float32(2.0**SUBNORMAL_SHIFT)
+    e = jnp.minimum(e, jnp.float32(FLT_MAX))
+    return jnp.where(jnp.isnan(s), jnp.float32(jnp.nan), e)
+
+
+def mul_decode_scale(v: jax.Array, dec: jax.Array) -> jax.Array:
+    """``RN(v * dec)`` in float32 where the decode scale ``dec`` may be a float32 subnormal
+    (``reciprocal_rn`` of an encode scale above ``2**126``): computed as ``(v * (dec *
+    2**64)) * 2**-64`` from ``subnormal_hi``, so XLA on the CPU, which flushes subnormal
+    operands to zero, still sees the scale. The same bits as IEEE ``v * dec`` wherever the
+    product is a normal float32 (scaling by a power of two commutes with rounding there);
+    a subnormal product may differ from it by the double rounding (and is flushed to zero
+    on the CPU anyway). A normal ``dec`` gives ``v * dec`` itself."""
+    v = jnp.asarray(v, jnp.float32)
+    dec = jnp.asarray(dec, jnp.float32)
+    tiny = dec < jnp.float32(2.0**-126)
+    hi = (v * subnormal_hi(dec)) * jnp.float32(2.0**-SUBNORMAL_SHIFT)
+    return jnp.where(tiny, hi, v * dec)
+
 
 
 def recip_scaled_rn(s: jax.Array, dec: jax.Array) -> jax.Array:

@@ -126,19 +126,23 @@ def global_encode_scale(amax: jax.Array, fmt: BlockFormat,
                         target: float | None = None) -> jax.Array:
     """Per-tensor FP32 encode scale ``enc`` (NVFP4 paper Appendix B.1, Eq. 1).
 
-    ``enc = (target * elem_max) / amax`` in float32, clamped to ``2**126``, and 1.0 when
+    ``enc = (target * elem_max) / amax`` in float32, clamped to FLT_MAX, and 1.0 when
     ``amax == 0`` or the result is 0; exactly Transformer Engine's
-    ``compute_global_encode_scaling_factor_FP4`` (``core_nvfp4.cuh``) with
-    ``target = 448`` and ``elem_max = 6`` for NVFP4 (``BlockFormat.tensor_scale_target``:
+    ``compute_global_encode_scaling_factor_FP4`` (``core_nvfp4.cuh``: ``fminf(fp8_max *
+    fp4_max / global_amax, FLT_MAX)``, 1 when ``global_amax == 0`` or the scale is 0;
+    TE's ``reference_nvfp4.py`` clamps to ``torch.finfo(torch.float32).max`` the same way)
+    with ``target = 448`` and ``elem_max = 6`` for NVFP4 (``BlockFormat.tensor_scale_target``:
     the scale format's max, capped for very wide formats; ``BlockFormat.elem_max``: the
     element format's max, Eq. 1's ``M_FP4``, for other element types the same rule).
     Formats without a tensor scale return 1.0.
 
-    The clamp: TE clamps ``enc`` to FLT_MAX; fp4jax clamps it to ``2**126`` so that the
-    decode scale ``1/enc`` stays a normal float32. Otherwise a tensor with amax below
-    ``2688 * 2**-126`` (~3.2e-35) gets a subnormal decode scale, which XLA on CPU
-    flushes to zero, silently zeroing the whole tensor. Only such tiny tensors differ
-    from TE (their block scales no longer reach 448).
+    Tiny tensors (amax below ``2688 * 2**-126``, ~3.2e-35): ``enc`` exceeds ``2**126``
+    and the decode scale ``1/enc`` is a float32 subnormal, as in TE.
+    ``numerics.reciprocal_rn`` computes it exactly on every backend (XLA on the CPU flushes
+    subnormal results of arithmetic to zero), ``element_encode_scale`` and ``dequantize``
+    multiply by it without a flush (``numerics.recip_scaled_subnormal_rn``,
+    ``numerics.mul_decode_scale``). (Before 2026-12 fp4jax clamped ``enc`` to ``2**126``
+    instead, so such tensors got block scales 1/4 of TE's: issue 38.)
     The decode scale stored in ``QuantizedArray.global_scale`` is ``1/enc``.
 
     Row-scaled NVFP4 (``quantize(..., row_scaled=True)``): the same formula applied to each
@@ -160,7 +164,7 @@ def global_encode_scale(amax: jax.Array, fmt: BlockFormat,
     target = fmt.tensor_scale_target if target is None else float(target)
     amax = amax.astype(jnp.float32)
     enc = numerics.div_rn(jnp.float32(target * fmt.elem_max), amax)
-    enc = jnp.minimum(enc, jnp.float32(2.0**126))
+    enc = jnp.minimum(enc, jnp.float32(numerics.FLT_MAX))
     return jnp.where((amax == 0) | (enc == 0), jnp.float32(1.0), enc)
 
 
@@ -205,34 +209,62 @@ def block_decode_scale(amax_block: jax.Array, enc: jax.Array, fmt: BlockFormat) 
 def element_encode_scale(s: jax.Array, dec: jax.Array) -> jax.Array:
     """Per-block element encode scale (NVFP4 paper Appendix B.2-B.3, Eq. 4).
 
-    ``1 / (f32(s) * dec)``, clamped to FLT_MAX, and 0 where ``s == 0`` (an all-zero
-    block); as Transformer Engine's ``core_nvfp4.cuh`` computes
-    ``block_scale_inverse``. The correctly rounded reciprocal comes from
-    ``numerics.recip_scaled_rn``: a per-tensor table of 128 ``div_rn`` reciprocals and one
-    exponent subtraction per block, the same bits as ``numerics.div_rn(1, s * dec)``
-    (which on GPUs is an integer long division of ~130 operations per block). A
-    non-scalar ``dec`` (row-scaled tensors: one decode scale per row, broadcastable
-    against ``s``) takes ``numerics.div_rn(1, s * dec)`` itself: the same bits.
+    ``min(1 / (f32(s) * dec), FLT_MAX)``: Transformer Engine's
+    ``compute_scaling_coefficient<float>`` (``core_nvfp4.cuh``: ``S_dec = 1.0f / S_enc;
+    fminf(1.0f / (static_cast<float>(S_dec_block) * S_dec), FLT_MAX)``, used by
+    ``quantize_transpose_nvfp4.cuh``) and its PyTorch reference (``reference_nvfp4.py``,
+    ``_quantize_blockwise_reference``: ``torch.min(torch.div(1.0, decode_scale *
+    global_decode_scale), torch.finfo(torch.float32).max)``). A block whose E4M3 scale
+    underflows to 0 while holding nonzero values (amax below ~2**-10 of the scale that
+    maps the tensor amax to 448) therefore gets FLT_MAX, so its nonzero elements saturate
+    to +-6 (codes 7/15; zeros stay 0), as in TE; it dequantizes to 0 all the same
+    (``6 * 0``). (Before 2026-12 fp4jax returned 0 there, writing codes +-0: issue 38.)
+
+    The correctly rounded reciprocal comes from ``numerics.recip_scaled_rn``: a per-tensor
+    table of 128 ``div_rn`` reciprocals and one exponent subtraction per block, the same
+    bits as ``numerics.div_rn(1, s * dec)`` (which on GPUs is an integer long division of
+    ~130 operations per block). A non-scalar ``dec`` (row-scaled tensors: one decode scale
+    per row, broadcastable against ``s``) takes ``numerics.div_rn(1, s * dec)`` itself: the
+    same bits. A subnormal ``dec`` (a tiny tensor, ``global_encode_scale``) takes
+    ``numerics.recip_scaled_subnormal_rn``: IEEE arithmetic without the CPU's flush.
     """
+    s = jnp.asarray(s, jnp.float32)
+    dec = jnp.asarray(dec, jnp.float32)
+    tiny = dec < jnp.float32(2.0**-126)
     if jnp.ndim(dec) == 0:
-        e = numerics.recip_scaled_rn(s, dec)
+        e = jax.lax.cond(tiny, numerics.recip_scaled_subnormal_rn, _encode_normal, s, dec)
     else:
-        e = numerics.div_rn(jnp.float32(1.0), jnp.asarray(s, jnp.float32) * dec)
-    e = jnp.minimum(e, jnp.float32(numerics.FLT_MAX))
-    return jnp.where(s == 0, jnp.float32(0.0), e)
+        e = jax.lax.cond(jnp.any(tiny), _encode_rows_tiny, _encode_normal, s, dec)
+    return jnp.minimum(e, jnp.float32(numerics.FLT_MAX))
+
+
+def _encode_normal(s: jax.Array, dec: jax.Array) -> jax.Array:
+    """``element_encode_scale`` for normal decode scales (before the FLT_MAX clamp)."""
+    if jnp.ndim(dec) == 0:
+        return numerics.recip_scaled_rn(s, dec)
+    return numerics.div_rn(jnp.float32(1.0), s * dec)
+
+
+def _encode_rows_tiny(s: jax.Array, dec: jax.Array) -> jax.Array:
+    """``element_encode_scale`` for per-row decode scales some of which are subnormal."""
+    return jnp.where(dec < jnp.float32(2.0**-126), numerics.recip_scaled_subnormal_rn(s, dec),
+                     _encode_normal(s, dec))
 
 
 def _round_elements(y: jax.Array, grid: numerics.FloatGrid, rounding: str,
                     u: jax.Array | None) -> jax.Array:
     """Conversion of scaled elements ``y`` (sign kept) onto the element ``grid``,
-    RNE-satfinite or SR, saturating to its max (``numerics.element_grid``); non-finite
-    ``y`` become 0 (their block's NaN scale carries the NaN)."""
+    RNE-satfinite or SR, saturating to its max (``numerics.element_grid``); NaN ``y``
+    become 0 (their block's NaN scale carries the NaN: a block holding NaN or Inf has a NaN
+    scale, hence NaN ``y``). An infinite ``y`` is a finite element times the FLT_MAX encode
+    scale of a block whose scale underflowed (``element_encode_scale``): it saturates to the
+    grid's max, as TE's ``satfinite`` conversion of ``x * FLT_MAX`` does."""
     mag = jnp.abs(y)
     if rounding == "nearest":
         r = numerics.round_to_grid(mag, grid, "nearest")
     else:
         r = numerics.stochastic_round_to_grid(mag, grid, u)
-    r = jnp.where(jnp.isfinite(y), r, 0.0)  # the block scale carries the NaN
+    r = jnp.where(jnp.isnan(y), 0.0, r)  # the block scale carries the NaN
     return jnp.where(jnp.signbit(y), -r, r)
 
 
@@ -277,9 +309,7 @@ def four_over_six(blocks: jax.Array, amax: jax.Array, rule: str = "4over6", *,
       among them) take ``s6``.
 
     Choices where TE is silent or differs, as for the ``"max"`` rule: a block holding NaN
-    or Inf takes ``s6`` and gets a NaN scale (TE's ``fmaxf`` amax skips NaN); ``s == 0``
-    gives element encode scale 0 (TE: FLT_MAX, codes +-6; the dequantized values and the
-    errors are the same); the tensor encode scale is clamped to ``2**126``; divisions by
+    or Inf takes ``s6`` and gets a NaN scale (TE's ``fmaxf`` amax skips NaN); divisions by
     the constants 6 and ``6*B`` are correctly rounded on every backend
     (``numerics.div_rn``: XLA rewrites ``a / c`` into ``a * (1/c)``), and the MSE
     square is kept out of an FMA with the sum (XLA on CPU contracts ``acc + d*d``; TE
@@ -313,7 +343,7 @@ def four_over_six(blocks: jax.Array, amax: jax.Array, rule: str = "4over6", *,
     f32 = jnp.float32
     amax = jnp.asarray(amax, f32)
     enc = global_encode_scale(amax, NVFP4, target=bound)
-    dec = numerics.div_rn(f32(1.0), enc)
+    dec = numerics.reciprocal_rn(enc)
     amax_b = block_amax(blocks, axis=(-3, -1) if block_2d else -1)
     finite = jnp.isfinite(amax_b)
     base = numerics.div_rn(amax_b, f32(6.0)) * enc
@@ -375,7 +405,7 @@ def ms_eden(groups: jax.Array, amax: jax.Array, u: jax.Array
     and ``S = f32(255.99)``:
 
     * tensor decode scale ``dec = (amax / S) / V`` (1 when ``amax == 0``; clamped to
-      ``>= 2**-126`` so it stays a normal float32, as ``global_encode_scale``'s clamp);
+      ``>= 2**-126`` so it stays a normal float32: Quartet II's own code is silent there);
     * block scale ``s = e4m3_rne((amax_b / V) / dec)`` (never above ``S``, so never
       saturated), and ``s = 1`` where that is 0;
     * scaled elements ``y = x * element_encode_scale(s, dec)`` (the CUDA kernel's ``x *
@@ -786,7 +816,7 @@ def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding
     four6 = block_scale_rule != "max"
     if not four6 and not row_scaled and rounding != "ms_eden":
         enc = global_encode_scale(amax, fmt)
-        dec = numerics.div_rn(jnp.float32(1.0), enc)
+        dec = numerics.reciprocal_rn(enc)
 
     if block_2d:
         rows, cols = x.shape[-2:]
@@ -820,7 +850,7 @@ def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding
         amax = jnp.moveaxis(amax, axis, -1)
         if not four6:
             enc = global_encode_scale(amax, fmt)
-            dec = numerics.div_rn(jnp.float32(1.0), enc)
+            dec = numerics.reciprocal_rn(enc)
     if four6:
         dec, s, q = four_over_six(blocks, amax, block_scale_rule)
         q = q.reshape(xm.shape)[..., :n]
@@ -856,7 +886,7 @@ def _quantize_ms_eden(xf, key, fmt: BlockFormat, axis: int, amax, group: int, of
     dec, s, q = ms_eden(groups, amax, u.reshape(groups.shape[:-1]))
     nb = -(-n // b)
     q = q.reshape(xm.shape)[..., :n]
-    s = s.reshape(*xm.shape[:-1], -1)[..., :nb]
+    s = s.reshape(*xm.shape[:-1], xm.shape[-1] // b)[..., :nb]  # no -1: 0-size safe
     return QuantizedArray(jnp.moveaxis(q, -1, axis).astype(fmt.data_dtype),
                           jnp.moveaxis(s, -1, axis).astype(fmt.scale_dtype), dec, fmt, axis,
                           False)
@@ -936,7 +966,7 @@ def dequantize(q: QuantizedArray, dtype: Any = jnp.float32) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=1)
 def _dequantize_jit(q: QuantizedArray, dtype) -> jax.Array:
-    return _satfinite(scaled_data(q) * _global_scale_like(q), dtype)
+    return _satfinite(numerics.mul_decode_scale(scaled_data(q), _global_scale_like(q)), dtype)
 
 
 # ---------------------------------------------------------------------------

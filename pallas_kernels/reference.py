@@ -6,7 +6,8 @@ These follow the numerics spec of fp4jax (Transformer Engine's NVFP4 formulas,
 * ``amax = max|x|`` over the tensor; ``enc = min(448*6/amax, FLT_MAX)`` (1 if amax == 0);
   ``dec = 1/enc``.
 * block scale ``s = e4m3_rne_satfinite(amax_block * (enc * f32(1/6)))``.
-* element scale ``e = min(1/(f32(s) * dec), FLT_MAX)`` (0 if s == 0);
+* element scale ``e = min(1/(f32(s) * dec), FLT_MAX)`` (FLT_MAX if s == 0: nonzero
+  elements of an underflowed block saturate to +-6, as TE's ``core_nvfp4.cuh``);
   ``q = e2m1_rne_satfinite(x * e)``; decode ``(q * s) * dec``.
 
 They are deliberately written with ml_dtypes casts (not the kernels' integer tricks)
@@ -47,8 +48,8 @@ def e2m1_codes(v: np.ndarray) -> np.ndarray:
 def _block_scales(amax: np.ndarray, enc, dec):
     """E4M3 block scales and element encode scales from block (or tile) amaxes, in
     Transformer Engine's float32 order (``core_nvfp4.cuh``): ``s = e4m3(min(amax *
-    (enc/6), 448))`` (NaN for a NaN/Inf block), ``e = min(1 / (f32(s) * dec), FLT_MAX)``,
-    0 where ``s == 0``. Returns (s float8_e4m3fn, e float32)."""
+    (enc/6), 448))`` (NaN for a NaN/Inf block), ``e = min(1 / (f32(s) * dec), FLT_MAX)``
+    (FLT_MAX where ``s == 0``). Returns (s float8_e4m3fn, e float32)."""
     enc6 = F32(enc * F32(1.0 / 6.0))
     with np.errstate(invalid="ignore", over="ignore"):
         s_f = np.minimum(amax * enc6, F32(448.0))
@@ -57,7 +58,7 @@ def _block_scales(amax: np.ndarray, enc, dec):
     s32 = s.astype(np.float32)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         e = np.minimum(F32(1) / (s32 * dec), FLT_MAX).astype(np.float32)
-    return s, np.where(s32 == 0, F32(0), e)
+    return s, e
 
 
 def quantize_nvfp4_1x16(x: np.ndarray, enc=None, dec=None):

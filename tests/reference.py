@@ -120,7 +120,7 @@ def ref_global_encode(amax: float, scale_max: float, tensor_scale: bool,
         return F32(1.0)
     with np.errstate(divide="ignore", over="ignore"):
         enc = F32(F32(scale_max * elem_max) / amax)
-    enc = min(enc, F32(2.0**126))  # fp4jax keeps the decode scale a normal float32
+    enc = min(enc, FLT_MAX)  # TE: fminf(., FLT_MAX); the decode scale may be subnormal
     return F32(1.0) if enc == 0 else F32(enc)
 
 
@@ -199,11 +199,12 @@ def _block_scale(amax_b, enc, sgrid, rule, man_bits, egrid=E2M1):
 
 
 def _elem_scale(s, dec):
+    """``min(1 / f32(s * dec), FLT_MAX)`` in IEEE float32 (NumPy keeps subnormals): FLT_MAX
+    where ``s == 0`` (TE's ``fminf(1.0f / (S_dec_block * S_dec), FLT_MAX)``)."""
     s32 = s.astype(F32)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         e = (F32(1.0) / (s32 * dec).astype(F32)).astype(F32)
-    e = np.minimum(e, FLT_MAX)
-    return np.where(s32 == 0, F32(0), e).astype(F32)
+    return np.minimum(e, FLT_MAX).astype(F32)
 
 
 def _round_elem(y, grid=E2M1, u=None):
@@ -220,7 +221,7 @@ def _round_elem(y, grid=E2M1, u=None):
             frac = np.where(hi > lo, (a - lo) / (hi - lo), 0.0)
         mag = np.where(u.astype(np.float64) < frac, hi, lo)
         mag = np.where(a >= grid[-1], grid[-1], mag)
-    mag = np.where(np.isfinite(y), mag, 0.0)
+    mag = np.where(np.isnan(y), 0.0, mag)  # +-Inf (x * FLT_MAX) saturates above
     return np.where(np.signbit(y), -mag, mag)
 
 

@@ -55,7 +55,7 @@ def ref_four_over_six(x: np.ndarray, rule: str, block_2d: bool = False, ftz: boo
     amax = F32(a[np.isfinite(a)].max()) if np.isfinite(a).any() else F32(0)
     with np.errstate(divide="ignore", over="ignore"):  # TE core_nvfp4.cuh l. 81-95
         enc = F32(F32(bound * 6.0) / amax) if amax != 0 else F32(1)
-    enc = min(enc, F32(2.0**126))  # fp4jax's clamp (TE: FLT_MAX)
+    enc = min(enc, FLT_MAX)  # TE's fminf(., FLT_MAX)
     enc = F32(1) if enc == 0 else F32(enc)
     dec = F32(F32(1) / enc)
 
@@ -78,11 +78,11 @@ def ref_four_over_six(x: np.ndarray, rule: str, block_2d: bool = False, ftz: boo
 
     def candidate(s):
         with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-            e = np.minimum(F32(1) / _flush(s * dec, ftz), FLT_MAX).astype(F32)
-            e = np.where(s == 0, F32(0), e)
+            # the element encode scale is exact even with a subnormal dec (no flush)
+            e = np.minimum(F32(1) / (s * dec).astype(F32), FLT_MAX).astype(F32)
             y = _flush(blocks * e[..., None, None], ftz)
             mag = ref.round_nearest(np.abs(y), ref.E2M1)
-            mag = np.where(np.isfinite(y), mag, 0.0)
+            mag = np.where(np.isnan(y), 0.0, mag)  # Inf (x * FLT_MAX) saturated to 6
             q = np.where(np.signbit(y), -mag, mag).astype(F32)
             v = _flush(_flush(q * s[..., None, None], ftz) * amax, ftz)
             v = _flush(v / F32(6 * bound), ftz)

@@ -35,12 +35,11 @@ TINY = np.finfo(np.float32).tiny
 
 
 def _ieee_elem_scale(dec):
-    """(127, n) float32: min(1/(f32(s)*dec), FLT_MAX), 0 where s == 0, in NumPy."""
+    """(127, n) float32: min(1/(f32(s)*dec), FLT_MAX) (FLT_MAX where s == 0), in NumPy."""
     s = np.arange(127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     with np.errstate(all="ignore"):
         p = s[:, None] * dec[None, :]
-        e = np.minimum(np.float32(1) / p, F32_MAX).astype(np.float32)
-    return np.where(s[:, None] == 0, np.float32(0), e)
+        return np.minimum(np.float32(1) / p, F32_MAX).astype(np.float32)
 
 
 def _table_elem_scale(dec):
@@ -77,7 +76,7 @@ def test_recip_table_exact_over_safe_range():
 
 
 def test_recip_table_safe_for_all_but_tiny_tensors():
-    # fp4jax's dec = 1/enc with enc in [2688/FLT_MAX, 2^126]: the largest dec is safe;
+    # fp4jax's dec = 1/enc with enc in [2688/FLT_MAX, FLT_MAX]: the largest dec is safe;
     # the table is refused only for tensors with amax below 2688 * 2^-117
     def dec_of(amax):
         return cm.global_scales(jnp.full((16,), amax, jnp.float32))[1]

@@ -18,7 +18,9 @@ Numerics (Transformer Engine, ``core_nvfp4.cuh``; evaluated in float32 exactly a
 the fp4jax reference does):
 
 * ``s = e4m3_rne_satfinite(amax_block * (enc * f32(1/6)))``; NaN if the block holds NaN/Inf;
-* ``e = min(1 / (f32(s) * dec), FLT_MAX)``, ``e = 0`` when ``s == 0``;
+* ``e = min(1 / (f32(s) * dec), FLT_MAX)`` (FLT_MAX when ``s == 0``: the nonzero elements
+  of an underflowed block saturate to +-6, as TE's; with a subnormal ``dec``, a tiny
+  tensor's, exact IEEE arithmetic without a flush: ``_elem_scale_tiny``);
 * ``q = e2m1_rne_satfinite(x * e)``.
 
 Mosaic GPU on Hopper cannot convert to float4/float8 in registers, so both roundings
@@ -62,16 +64,17 @@ def global_scales(x: jax.Array | None, amax: jax.Array | None = None
     from ``amax`` when given (the finite amax computed elsewhere, e.g. ``cols_amaxes``).
 
     Exactly the core's: ``fp4jax.quantization.global_encode_scale`` and ``dec =
-    numerics.div_rn(1, enc)`` (correctly rounded divisions, also on the GPU).
+    numerics.reciprocal_rn(enc)`` (correctly rounded, also on the GPU; subnormal for a
+    tiny tensor, as TE's).
     """
     from fp4jax.formats import NVFP4
-    from fp4jax.numerics import div_rn
+    from fp4jax.numerics import reciprocal_rn
     from fp4jax.quantization import global_encode_scale
 
     if amax is None:
         amax = finite_amax(x)
     enc = global_encode_scale(amax, NVFP4)
-    dec = div_rn(jnp.float32(1.0), enc)
+    dec = reciprocal_rn(enc)
     return enc, dec
 
 
@@ -171,6 +174,9 @@ TABLE_DEC_MIN = 2.0**-117
 TABLE_DEC_MAX = 2.0**117
 N_SC = 32  # float32 words of the kernels' scalar input (see kernel_scalars)
 _SC_TABLE = 3  # index of the first of the 16 table entries in that input
+_SC_TINY = 19  # 1.0 when dec is a float32 subnormal (a tiny tensor), else 0.0
+_SC_DEC_M = 20  # dec's integer significand m (dec = m * 2^-149) when subnormal, as float32
+_SC_DEC_HI = 21  # dec * 2^64 (exact, normal)
 
 
 def recip_table(dec: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -178,7 +184,7 @@ def recip_table(dec: jax.Array) -> tuple[jax.Array, jax.Array]:
     the kernel). Returns ``(safe, table)``: a bool scalar and 16 float32 entries.
 
     Rule (Transformer Engine ``core_nvfp4.cuh``, fp4jax ``quantize.element_encode_scale``):
-    ``e(s) = min(div_rn(1, f32(s) * dec), FLT_MAX)``, ``e = 0`` when ``s == 0``, for the
+    ``e(s) = min(div_rn(1, f32(s) * dec), FLT_MAX)`` (FLT_MAX when ``s == 0``), for the
     127 finite non-negative E4M3 scales ``s``. ``table_recip`` returns it for a scale
     byte ``b = (ef << 3) | m`` as::
 
@@ -186,7 +192,8 @@ def recip_table(dec: jax.Array) -> tuple[jax.Array, jax.Array]:
         ef == 0 (subnormal, s = m * 2^-9):              e = table[8 + m]
 
     with ``table[m] = div_rn(1, f32(1 + m/8) * dec)`` (m = 0..7),
-    ``table[8 + m] = 2^9 * div_rn(1, f32(m) * dec)`` (m = 1..7) and ``table[8] = 0``.
+    ``table[8 + m] = 2^9 * div_rn(1, f32(m) * dec)`` (m = 1..7) and ``table[8] = FLT_MAX``
+    (``s == 0``: ``1/0`` clamped).
 
     Exact (bit-identical to the rule) when ``2^-117 <= dec < 2^117`` (``safe``): write
     ``s = 2^E * M`` (M = 1 + m/8 with E = ef - 7, or M = m with E = -9). Then the real
@@ -211,7 +218,8 @@ def recip_table(dec: jax.Array) -> tuple[jax.Array, jax.Array]:
     d = dec[..., None]  # a vector of decode scales gives a table per entry (same bits)
     t_norm = div_rn(jnp.float32(1.0), mant * d)
     t_sub = div_rn(jnp.float32(1.0), sub[1:] * d) * jnp.float32(512.0)
-    table = jnp.concatenate([t_norm, jnp.zeros(dec.shape + (1,), jnp.float32), t_sub], axis=-1)
+    table = jnp.concatenate([t_norm, jnp.full(dec.shape + (1,), FLT_MAX, jnp.float32), t_sub],
+                            axis=-1)
     safe = (dec >= jnp.float32(TABLE_DEC_MIN)) & (dec < jnp.float32(TABLE_DEC_MAX))
     return safe, table
 
@@ -240,15 +248,23 @@ def table_recip(s_byte, table):
 def kernel_scalars(enc: jax.Array, dec: jax.Array) -> jax.Array:
     """The kernels' scalar input (float32[N_SC], computed by XLA): ``enc * f32(1/6)``,
     ``dec``, the table flag (1.0 when ``recip_table`` is exact for ``dec``), the 16
-    table entries, zero padding. ``enc`` and ``dec`` may be vectors (k,) of several
+    table entries, the subnormal-``dec`` flag, ``dec``'s integer significand and ``dec *
+    2^64`` (``_elem_scale_tiny``; read from the bits: ``numerics.subnormal_hi``), zero
+    padding. ``enc`` and ``dec`` may be vectors (k,) of several
     operands' scales: the result is then (k, N_SC), row ``i`` the same bits as the call
     with ``enc[i]``, ``dec[i]`` (one XLA fusion for all of them)."""
     enc = jnp.asarray(enc, jnp.float32)
     dec = jnp.asarray(dec, jnp.float32)
+    from fp4jax.numerics import subnormal_hi
+
     safe, table = recip_table(dec)
+    tiny = dec < jnp.float32(2.0**-126)
+    dec_m = (_i32(dec) & 0x7FFFFF).astype(jnp.float32)  # exact: < 2^23
     sc = jnp.concatenate([
         jnp.stack([enc * jnp.float32(1.0 / 6.0), dec, safe.astype(jnp.float32)], axis=-1),
-        table], axis=-1)
+        table,
+        jnp.stack([tiny.astype(jnp.float32), jnp.where(tiny, dec_m, 0.0),
+                   subnormal_hi(dec)], axis=-1)], axis=-1)
     return jnp.pad(sc, [(0, 0)] * (sc.ndim - 1) + [(0, N_SC - sc.shape[-1])])
 
 
@@ -256,10 +272,11 @@ RECIP_MODES = ("auto", "table", "rn", "hw")
 
 
 def _elem_scale(sc_ref, s_val, s_byte, mode: str):
-    """Element encode scale ``min(1/(f32(s)*dec), FLT_MAX)`` (0 when s == 0) of a vector of
-    block scales, by ``mode``: ``"table"`` (``table_recip``; exact only for a safe dec),
-    ``"rn"`` (``recip_rn``, exact for every dec), ``"hw"`` (the hardware quotient, may
-    be one ulp off on the GPU: timing only). Rule: ``fp4jax.quantization.element_encode_scale``.
+    """Element encode scale ``min(1/(f32(s)*dec), FLT_MAX)`` (FLT_MAX when s == 0) of a
+    vector of block scales, by ``mode``: ``"table"`` (``table_recip``; exact only for a
+    safe dec), ``"rn"`` (``recip_rn``, exact for every dec: a subnormal dec takes
+    ``_elem_scale_tiny``), ``"hw"`` (the hardware quotient, may be one ulp off on the GPU:
+    timing only). Rule: ``fp4jax.quantization.element_encode_scale``.
     """
     if mode == "table":
         return table_recip(s_byte, [sc_ref[_SC_TABLE + i] for i in range(16)])
@@ -267,10 +284,36 @@ def _elem_scale(sc_ref, s_val, s_byte, mode: str):
     if mode == "rn":
         e_rn, ok = recip_rn(p)
         e = jnp.where(ok, e_rn, 1.0 / p)  # div_rn's fallback (p or 1/p not normal)
+        e = jnp.where(sc_ref[_SC_TINY] != 0.0, _elem_scale_tiny(sc_ref, s_val, s_byte), e)
     else:
         e = 1.0 / p
-    e = jnp.where(e > FLT_MAX, FLT_MAX, e)
-    return jnp.where(s_val == 0.0, 0.0, e)
+    return jnp.where(e > FLT_MAX, FLT_MAX, e)
+
+
+def _elem_scale_tiny(sc_ref, s_val, s_byte):
+    """``1 / RN(s * dec)`` (before the FLT_MAX clamp) for a subnormal ``dec = m * 2^-149``
+    in IEEE arithmetic without a flush (the rule and its proof:
+    ``fp4jax.numerics.recip_scaled_subnormal_rn``), for E4M3 ``s = k * 2^a`` from its byte:
+    ``k m < 2^27`` is exact in int32; where ``k m 2^a < 2^23`` the product is subnormal
+    and rounds half to even by an integer shift, ``n * 2^-149``; elsewhere it is the
+    float32 product ``s * (dec * 2^64)`` scaled back. The reciprocal of the scaled
+    product (normal) is ``recip_rn``'s, times 2^64 (Inf beyond the float32 range)."""
+    ef = lax.shift_right_logical(s_byte, 3) & 15
+    mm = s_byte & 7
+    k = jnp.where(ef > 0, mm | 8, mm)
+    sh = jnp.where(ef > 0, 10 - ef, 9)  # s = k * 2^-sh
+    prod = k * sc_ref[_SC_DEC_M].astype(jnp.int32)
+    shc = jnp.clip(sh, 1, 10)
+    q = lax.shift_right_logical(prod, shc)
+    rem = prod - (q << shc)
+    half = 1 << (shc - 1)
+    n = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).astype(jnp.int32)
+    sub = (sh > 0) & ((sh >= 4) | (prod < (1 << (23 + jnp.clip(sh, 0, 3)))))
+    p_hi = jnp.where(sub, n.astype(jnp.float32) * jnp.float32(2.0**-85),
+                     s_val * sc_ref[_SC_DEC_HI])
+    r, ok = recip_rn(p_hi)
+    r = jnp.where(ok, r, 1.0 / p_hi)
+    return r * jnp.float32(2.0**64)
 
 
 def _by_mode(sc_ref, mode: str, body):
