@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tarfile
 import zipfile
+import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -180,7 +181,7 @@ def _file_documents(name: str, raw: bytes, label: str | None = None, depth: int 
         if detect(raw):
             try:
                 inner = decompress(raw)
-            except (OSError, EOFError, ValueError, lzma.LZMAError) as e:
+            except (OSError, EOFError, ValueError, lzma.LZMAError, zlib.error) as e:
                 raise ValueError(f"data file {label!r} is {kind}-compressed but damaged "
                                  f"({type(e).__name__}: {e})") from None
             break
@@ -198,7 +199,8 @@ def _file_documents(name: str, raw: bytes, label: str | None = None, depth: int 
                              "first; compressed bytes are never trained on")
     try:
         members = _archive_members(raw)
-    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError, NotImplementedError) as e:
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError, NotImplementedError,
+            zlib.error) as e:
         raise ValueError(f"data file {label!r}: damaged archive ({type(e).__name__}: {e})"
                          ) from None
     if members is None:

@@ -21,6 +21,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from fp4jax.formats import FORMATS, MXFP4, MXFP8_E4M3_UP, NVFP4, BlockFormat, get_format
 from fp4jax.quantization import (
     BLOCK_SCALE_RULES,
@@ -86,6 +88,11 @@ class QuantSpec:
     row_scaled: bool = False
 
     def __post_init__(self):
+        for flag in ("block_2d", "row_scaled"):
+            v = getattr(self, flag)
+            if not isinstance(v, (bool, np.bool_)):
+                raise TypeError(f"QuantSpec.{flag} must be True or False, got {v!r}")
+            object.__setattr__(self, flag, bool(v))
         if self.fmt is not None:
             object.__setattr__(self, "fmt", get_format(self.fmt))
         if self.rounding not in _ROUNDINGS:
@@ -121,6 +128,23 @@ HIGH_PRECISION = QuantSpec(fmt=None)
 """An operand left unquantized (used in its input dtype)."""
 
 
+def check_hadamard_signs(signs: tuple, size: int, where: str = "GemmSpec.hadamard_signs"
+                         ) -> None:
+    """ValueError naming ``where`` unless ``signs`` holds only the numbers +1 and -1 (not
+    0/1 bits, not bools: the transform must stay orthogonal, else the weight gradient is
+    silently wrong) and, when the GEMM has an RHT (``size > 0``), exactly ``size`` of them."""
+    bad = [v for v in signs
+           if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating))
+           or v not in (1, -1)]
+    if bad:
+        raise ValueError(f"{where}: every entry must be +1 or -1 (a random sign vector such "
+                         f"as Transformer Engine's), got {bad[0]!r} among {len(signs)} entries;"
+                         " 0/1 bits must be mapped to -1/+1 (e.g. 2 * b - 1)")
+    if size and len(signs) != size:
+        raise ValueError(f"{where}: {len(signs)} signs for an RHT of size {size}: give "
+                         f"exactly {size} (one per point of the transform)")
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmSpec:
     """The two operands of one GEMM and an optional random Hadamard transform.
@@ -141,20 +165,35 @@ class GemmSpec:
     hadamard_signs: Any = None
 
     def __post_init__(self):
+        h = self.hadamard
+        if isinstance(h, bool) or not isinstance(h, (int, np.integer)):
+            raise TypeError(f"GemmSpec.hadamard must be an int (0 = off, or a power of two "
+                            f"in 2..256), got {h!r}")
+        object.__setattr__(self, "hadamard", int(h))
+        if not 0 <= self.hadamard <= 256:
+            raise ValueError(f"GemmSpec.hadamard must be 0 (off) or a power of two in 2..256, "
+                             f"got {_clip(str(self.hadamard), 40)}")
         if self.hadamard:
             from fp4jax.hadamard import _check_size
 
             _check_size(self.hadamard)
         s = self.hadamard_signs
-        if isinstance(s, list):
-            object.__setattr__(self, "hadamard_signs", tuple(s))
-        elif s is not None and not isinstance(s, (int, str, tuple)):
+        if isinstance(s, (list, np.ndarray)):
+            s = tuple(np.asarray(s).tolist())
+            object.__setattr__(self, "hadamard_signs", s)
+        elif s is not None and not isinstance(s, (int, np.integer, str, tuple)) or isinstance(
+                s, bool):
             raise TypeError(
                 "GemmSpec.hadamard_signs must be None, an int, 'layer', 'random' or a tuple")
         if isinstance(s, str) and s not in ("random", "layer", "te"):
             raise ValueError(
                 f"GemmSpec.hadamard_signs={s!r}: use None, an int, 'layer', 'random' or a tuple"
             )
+        if isinstance(s, (int, np.integer)) and not 0 <= s < 2**32:
+            raise ValueError(f"GemmSpec.hadamard_signs: an int seed must be in 0 .. 2**32 - 1 "
+                             f"(a jax.random key's seed), got {s}")
+        if isinstance(s, tuple):
+            check_hadamard_signs(s, self.hadamard)
         for side in ("lhs", "rhs"):
             if getattr(self, side).rounding == "ms_eden" and self.hadamard < 16:
                 raise ValueError(
@@ -251,12 +290,17 @@ class Recipe:
         for k, v in changes.items():
             if k in fields:
                 continue
+            if k in ("sr", "block_2d") and not isinstance(v, (bool, np.bool_)):
+                raise TypeError(f"Recipe.replace: {k} must be True or False, got {v!r}")
             if k == "sr":
                 if not v:
                     r = r._map(lambda q: q.replace(rounding="nearest"))
                 else:
                     raise ValueError("replace(sr=True) is ambiguous; set rounding per operand")
             elif k == "rht":
+                if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                    raise TypeError(f"Recipe.replace: rht must be an int (0 = off, or a power "
+                                    f"of two in 2..256), got {v!r}")
                 r = dataclasses.replace(r, wgrad=r.wgrad.replace(hadamard=int(v)))
             elif k == "block_2d":
                 if v:
@@ -555,9 +599,12 @@ def names() -> list[str]:
 
 
 def get(name: str | Recipe) -> Recipe:
-    """A named recipe (or the recipe itself); unknown names raise ValueError listing valid ones."""
+    """A named recipe, a recipe spec string (``"nvfp4(sr=False)"``: ``parse``) or the recipe
+    itself; unknown names raise ValueError listing valid ones."""
     if isinstance(name, Recipe):
         return name
+    if isinstance(name, str) and "(" in name:
+        return parse(name)
     key = str(name).lower().replace("-", "_")
     if key not in _NAMED:
         raise ValueError(f"unknown recipe {name!r}; valid names: {names()}")
@@ -588,10 +635,15 @@ def _valid_keys() -> list[str]:
 
 def _split_top(text: str, spec: str) -> list[str]:
     """Split ``text`` at commas outside parentheses, brackets and quotes."""
-    parts, depth, quote, cur = [], 0, None, []
+    parts, depth, quote, cur, escaped = [], 0, None, [], False
     for ch in text:
         if quote:
-            quote = None if ch == quote else quote
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == quote:
+                quote = None
         elif ch in "'\"":
             quote = ch
         elif ch in "([":
@@ -620,7 +672,7 @@ def _block_format(node: ast.Call, spec: str) -> BlockFormat:
     try:
         args = [ast.literal_eval(a) for a in node.args]
         kw = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-    except ValueError as e:
+    except (ValueError, TypeError, RecursionError, MemoryError, OverflowError) as e:
         raise ValueError(f"recipe spec {spec!r}: BlockFormat(...) takes literal arguments") from e
     for short, prefix in (("scale", "scale"), ("elem", "elem")):
         bits = kw.pop(short, None)
@@ -645,17 +697,44 @@ def _block_format(node: ast.Call, spec: str) -> BlockFormat:
     return BlockFormat(*args, **kw)
 
 
+def _clip(text: str, n: int = 120) -> str:
+    """``text`` shortened for an error message (a hostile spec may be huge)."""
+    return text if len(text) <= n else f"{text[:n // 2]}...{text[-20:]}"
+
+
 def _value(key: str, text: str, spec: str) -> Any:
     """A spec value: a Python literal, ``BlockFormat(...)``, or a bare word (a format name
     for ``fmt`` keys, else the word as a string: ``nearest``, ``stochastic``, ``random``)."""
+    value = _value_any(key, text, spec)
+    leaf = key.rsplit(".", 1)[-1]
+    if leaf in _BOOL_KEYS and not isinstance(value, bool):
+        raise ValueError(f"recipe spec {spec!r}: {key}={_clip(text)}: {leaf} takes True or "
+                         "False")
+    if leaf in _INT_KEYS and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"recipe spec {spec!r}: {key}={_clip(text)}: {leaf} takes an "
+                         "integer (0 = no RHT, or a power of two in 2..256)")
+    return value
+
+
+_BOOL_KEYS = ("sr", "block_2d", "row_scaled")
+_INT_KEYS = ("rht", "hadamard")
+_MAX_VALUE_CHARS = 1000
+
+
+def _value_any(key: str, text: str, spec: str) -> Any:
+    """``_value`` before the type checks of boolean and integer keys."""
     if not text:
         raise ValueError(f"recipe spec {spec!r}: {key}= has no value")
+    if len(text) > _MAX_VALUE_CHARS:
+        raise ValueError(f"recipe spec: the value of {key} is {len(text)} characters long "
+                         f"(at most {_MAX_VALUE_CHARS}): {_clip(text)!r}")
     if key.rsplit(".", 1)[-1] == "block_scale_rule" and _RULE_RE.match(text):
         return text  # a bare word that may start with a digit: 4over6
     try:
         node = ast.parse(text, mode="eval").body
-    except SyntaxError as e:
-        raise ValueError(f"recipe spec {spec!r}: cannot read the value of {key}: {text!r}") from e
+    except (SyntaxError, RecursionError, MemoryError, ValueError):
+        raise ValueError(f"recipe spec {spec!r}: cannot read the value of {key}: "
+                         f"{_clip(text)!r}") from None
     leaf = key.rsplit(".", 1)[-1]
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and (
             node.func.id == "BlockFormat"):
@@ -672,9 +751,10 @@ def _value(key: str, text: str, spec: str) -> Any:
         return word
     try:
         return ast.literal_eval(node)
-    except ValueError as e:
-        raise ValueError(f"recipe spec {spec!r}: {key}={text!r} is not a literal, a format "
-                         "name or BlockFormat(...)") from e
+    except (ValueError, TypeError, RecursionError, MemoryError, OverflowError,
+            SyntaxError):
+        raise ValueError(f"recipe spec {spec!r}: {key}={_clip(text)!r} is not a literal, "
+                         "a format name or BlockFormat(...)") from None
 
 
 def parse(spec: str | Recipe) -> Recipe:
@@ -728,11 +808,13 @@ def parse(spec: str | Recipe) -> Recipe:
             raise ValueError(f"recipe spec {spec!r}: {item!r} is not key=value")
         if key not in valid:
             raise ValueError(f"recipe spec {spec!r}: unknown key {key!r}; valid keys: {valid}")
-        value = _value(key, text.strip(), spec)
+        shown = _clip(spec)
+        value = _value(key, text.strip(), shown)
         try:
             recipe = recipe.replace(**{key: value})
         except (TypeError, ValueError) as e:
-            raise ValueError(f"recipe spec {spec!r}: {key}={text.strip()}: {e}") from None
+            raise ValueError(f"recipe spec {shown!r}: {key}={_clip(text.strip())}: {e}"
+                             ) from None
     return recipe
 
 

@@ -4,19 +4,64 @@ recipe spec one after the other, sharing their compiled steps, and leaves each s
 ``python -m fp4jax.train._worker PLAN.json``, where the plan holds ``{"configs": [TrainConfig
 fields, ...], "compile_cache": path or null}``. Exit status 0 when every sub-run finished or
 diverged (a result of the sweep), 1 when one failed otherwise (the traceback is in the log).
+
+A worker ends with its parent (``watch_parent``): killed alone (``kill -9``, an OOM killer),
+the sweep's parent leaves no orphan training into its sub-runs. Each sub-run holds its
+directory's lock while it trains (``fp4jax.train.rundir.lock_out``, in ``train``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import threading
+import time
 import traceback
+
+PARENT_ENV = "FP4JAX_SWEEP_PARENT"  # fp4jax.train.comparison.PARENT_ENV
+PR_SET_PDEATHSIG = 1
+
+
+def _end(reason: str) -> None:
+    print(f"fp4jax-train worker {os.getpid()}: {reason}: stopping", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+    os._exit(143)  # SIGTERM handled and ignored: end anyway
+
+
+def watch_parent(parent: int, interval: float = 0.5) -> None:
+    """Ends this process (SIGTERM) when ``parent`` is gone: on Linux the kernel's parent-death
+    signal (``prctl(PR_SET_PDEATHSIG, SIGTERM)``), and everywhere a daemon thread that polls
+    the parent pid every ``interval`` seconds (a reparented process sees another
+    ``os.getppid()``)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        except (OSError, AttributeError):  # pragma: no cover - no prctl: the thread below
+            pass
+    if os.getppid() != parent:  # died before the signal was armed
+        _end(f"parent {parent} is gone")
+
+    def poll() -> None:
+        while True:
+            time.sleep(interval)
+            if os.getppid() != parent:
+                _end(f"parent {parent} is gone")
+                return
+
+    threading.Thread(target=poll, name="fp4jax-parent-watch", daemon=True).start()
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m fp4jax.train._worker PLAN.json", file=sys.stderr)
         return 2
+    if os.environ.get(PARENT_ENV, "").isdigit():
+        watch_parent(int(os.environ[PARENT_ENV]))
     plan = json.loads(open(argv[0]).read())
     from fp4jax.tokens import load_dataset
     from fp4jax.train.cli import enable_compile_cache

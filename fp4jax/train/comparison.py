@@ -26,7 +26,15 @@ from fp4jax.tokens import load_dataset, parse_tokenizer_spec
 from fp4jax.train.checkpoint import config_diff
 from fp4jax.train.config import TrainConfig, split_run_spec, split_specs, validate_config
 from fp4jax.train.loop import TrainingDiverged, train
-from fp4jax.train.rundir import RunExists, check_out, refusal, run_contents
+from fp4jax.train.rundir import (
+    RunExists,
+    check_out,
+    check_unlocked,
+    lock_out,
+    refusal,
+    releases_locks,
+    run_contents,
+)
 
 __all__ = ["SweepFailed", "compare", "comparison_table", "parse_seeds", "plot_losses",
            "plot_sweep", "slug", "spec_slugs", "split_specs", "summarize", "summary_table"]
@@ -140,6 +148,7 @@ def _plan(sub: TrainConfig) -> tuple[str, TrainConfig, dict | None]:
     return "restart", sub.replace(overwrite=True), None
 
 
+@releases_locks
 def compare(cfg: TrainConfig, recipes: Sequence[str],
             seeds: Sequence[int] | None = None, jobs: int = 1) -> list[dict]:
     """Trains each recipe spec with each seed (default: ``cfg.seed``) on the same data, and
@@ -186,6 +195,10 @@ def compare(cfg: TrainConfig, recipes: Sequence[str],
             d = out / slugs[r] if len(seeds) == 1 else out / slugs[r] / f"seed{s}"
             subs[r, s] = cfg.replace(recipe=r, seed=s, out=str(d), compare=None)
     done: dict[tuple[str, int], dict] = {}
+    # a sweep (or an orphaned worker of one) still writing here: refuse before touching it
+    check_unlocked(out)
+    for sub in subs.values():
+        check_unlocked(sub.out)
     if cfg.resume:
         for k, sub in subs.items():
             if not run_contents(sub.out):
@@ -209,6 +222,7 @@ def compare(cfg: TrainConfig, recipes: Sequence[str],
                             + (f" (also: {', '.join(subs[k].out for k in list(taken)[1:])})"
                                if len(taken) > 1 else ""))
     out.mkdir(parents=True, exist_ok=True)
+    lock_out(out)  # one sweep at a time in OUT (released when compare returns)
     (out / SWEEP_FILE).write_text(json.dumps(
         {"specs": list(recipes), "seeds": seeds, "dirs": {r: slugs[r] for r in recipes},
          "config": {k: v for k, v in dataclasses.asdict(cfg).items()
@@ -281,6 +295,10 @@ def _result_of(sub: TrainConfig, before: tuple | None = None) -> dict:
             "policy": "failed: no result (see the worker log)", "history": {}}
 
 
+PARENT_ENV = "FP4JAX_SWEEP_PARENT"
+"""Environment variable naming a sweep worker's parent pid (``_worker.watch_parent``)."""
+
+
 def _train_parallel(subs: dict[tuple[str, int], TrainConfig], slugs: dict[str, str],
                     out: Path, jobs: int) -> list[str]:
     """Trains ``subs`` with up to ``jobs`` worker processes, one per spec (its seeds one after
@@ -308,6 +326,7 @@ def _train_parallel(subs: dict[tuple[str, int], TrainConfig], slugs: dict[str, s
     whole = {spec: sum(u[0] == spec for u in units) == 1 for spec, _ in units}
     env = dict(os.environ)
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # processes share the devices
+    env[PARENT_ENV] = str(os.getpid())  # the workers end when this process does
     cache = jax.config.jax_compilation_cache_dir
     logs = out / "workers"  # beside the runs: a worker moving its run aside keeps its log
     logs.mkdir(parents=True, exist_ok=True)

@@ -59,7 +59,7 @@ from fp4jax.train.config import (
     validate_config,
 )
 from fp4jax.train.parallel import make_mesh
-from fp4jax.train.rundir import check_out, claim_out
+from fp4jax.train.rundir import check_out, claim_out, lock_out, releases_locks
 
 
 class TrainingDiverged(RuntimeError):
@@ -385,6 +385,7 @@ def _resume_precision(meta: dict, bf16: dict | None, monitor: Any, switch_step: 
     return monitor, (switch_step if monitor.switched_at is None else monitor.switched_at)
 
 
+@releases_locks
 def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     """Runs one training run; returns its result dict (also written to ``out/result.json``).
 
@@ -487,6 +488,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         else:
             claim_out(cfg)  # --overwrite: moves an earlier run aside
         out.mkdir(parents=True, exist_ok=True)
+        lock_out(out)  # a second writer is refused (released when train returns)
         try:
             ckpt = Checkpointer(out / "checkpoints")
         except ImportError:  # orbax-checkpoint is optional: train without checkpoints

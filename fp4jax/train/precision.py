@@ -72,6 +72,48 @@ def choose_from_records(records: list[dict], budget: float, mc: LlamaConfig,
                                 for n in sorted(mean, key=layer_order)}}
 
 
+def read_stats_source(path: str | os.PathLike, flag: str) -> list[dict]:
+    """The ``"stats"`` records of ``path`` (a run directory or its ``metrics.jsonl``:
+    ``diagnostics.read_stats``), each checked to be ``{"step": int, "layers": {layer: {gemm:
+    {stat: number}}}}`` with at least one layer.
+
+    Raises:
+      ValueError: one line naming ``flag``, the file and the bad record (its line of
+        ``metrics.jsonl`` and step): an unreadable or binary file, a record without layers,
+        a statistic that is not a number.
+    """
+    p = Path(path)
+    file = p / "metrics.jsonl" if p.is_dir() else p
+    try:
+        records = diagnostics.read_stats(path)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag}: {file} is not a metrics.jsonl (not UTF-8 text: byte "
+                         f"{e.start}); give a run directory or its metrics.jsonl") from None
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot read {file}: {e.strerror or e}") from None
+    for i, r in enumerate(records, 1):
+        where = f"{flag}: {file}: stats record {i} (step {r.get('step')!r})"
+        if isinstance(r.get("step"), bool) or not isinstance(r.get("step"), int):
+            raise ValueError(f"{where}: 'step' must be an integer")
+        layers = r.get("layers")
+        if not isinstance(layers, dict) or not layers:
+            raise ValueError(f"{where}: 'layers' must map layer names to their GEMM "
+                             f"statistics, got {layers!r:.60}")
+        for name, layer in layers.items():
+            if not isinstance(layer, dict):
+                raise ValueError(f"{where}: layer {name!r}: expected {{gemm: {{stat: "
+                                 f"number}}}}, got {layer!r:.60}")
+            for gemm, row in layer.items():
+                if not isinstance(row, dict):
+                    raise ValueError(f"{where}: {name}/{gemm}: expected {{stat: number}}, "
+                                     f"got {row!r:.60}")
+                for k, v in row.items():
+                    if isinstance(v, bool) or not isinstance(v, (int, float)):
+                        raise ValueError(f"{where}: {name}/{gemm}/{k} = {v!r:.40} is not "
+                                         "a number")
+    return records
+
+
 def read_record(out: str | os.PathLike) -> dict | None:
     """The BF16 layer record of the run in ``out``: ``OUT/bf16_layers.json``, else the one in
     its newest checkpoint whose metadata reads (None when neither exists)."""
@@ -175,7 +217,7 @@ def resolve_bf16_layers(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe, mc:
         if not path.exists():
             raise ValueError(f"--bf16-layers {value}: {path} does not exist (give a run "
                              "directory or its metrics.jsonl, trained with --stats-every N)")
-        records = diagnostics.read_stats(path)
+        records = read_stats_source(path, f"--bf16-layers {value}")
         source = str(path)
         claim_out(cfg)  # after reading: PATH may be inside the run moved aside
     rec = choose_from_records(records, rcfg.bf16_budget, mc, source)

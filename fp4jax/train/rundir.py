@@ -2,16 +2,27 @@
 already holds a run (``run_contents``), and the rule that keeps an earlier run from being
 destroyed by a repeated command (``claim_out``): without ``--resume`` a directory that holds
 a run is refused, unless ``--overwrite`` asks to move it aside to ``OUT.old-<time>``
-(``move_aside``); nothing is deleted.
+(``move_aside``); nothing is deleted. While a process trains into a directory it holds the
+directory's lock (``lock_out``: ``OUT/.fp4jax-lock``, an advisory ``flock`` with the owner's
+pid, released by the kernel when the owner dies), and a second writer is refused
+(``RunLocked``) instead of moving the directory aside under it or writing beside it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no locks
+    fcntl = None
 
 from fp4jax.train.config import ConfigError, TrainConfig
 
@@ -21,6 +32,120 @@ RUN_FILES = ("metrics.jsonl", "result.json")
 
 class RunExists(FileExistsError, ValueError):
     """``--out`` already holds a run and neither ``--resume`` nor ``--overwrite`` was given."""
+
+
+class RunLocked(RunExists):
+    """``--out`` is being written by another live process (it holds ``OUT/.fp4jax-lock``)."""
+
+
+LOCK_FILE = ".fp4jax-lock"
+_held: dict[str, list] = {}  # realpath of a locked directory -> [fd, count]
+_scopes: list[list[str]] = []  # the locks taken inside each running ``releases_locks`` call
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _lock_key(out: str | os.PathLike) -> str:
+    return os.path.realpath(Path(out).expanduser())
+
+
+def lock_owner(out: str | os.PathLike) -> int | None:
+    """The pid of the live process (another than this one) that holds ``out``'s lock, or
+    None. A lock file left by a dead process is not held (the kernel released its ``flock``);
+    -1 when the holder's pid cannot be read."""
+    path = Path(out).expanduser() / LOCK_FILE
+    if fcntl is None or not path.is_file() or _lock_key(out) in _held:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:  # held by a live process
+            try:
+                return int(os.read(fd, 64).split()[0])
+            except (OSError, ValueError, IndexError):
+                return -1
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _locked_message(out: str | os.PathLike, pid: int) -> str:
+    who = "another process" if pid < 0 else f"process {pid}"
+    return (f"{str(out)!r} is being written by {who} (it holds {LOCK_FILE} there): a second "
+            "writer would corrupt the run. Wait for it to end or stop it (e.g. an orphaned "
+            "sweep worker: kill " + ("<pid>" if pid < 0 else str(pid)) + "), then run again")
+
+
+def check_unlocked(out: str | os.PathLike) -> None:
+    """Raises ``RunLocked`` when another live process holds ``out``'s lock."""
+    pid = lock_owner(out)
+    if pid is not None:
+        raise RunLocked(_locked_message(out, pid))
+
+
+def lock_out(out: str | os.PathLike) -> None:
+    """Takes ``out``'s lock for this process (``out`` exists): ``OUT/.fp4jax-lock`` holding
+    the pid under an exclusive ``flock``. Re-entrant within a process; released by
+    ``release_out``, at the end of the enclosing ``releases_locks`` call, or by the kernel
+    when the process ends (so a killed owner never holds it). No-op without ``fcntl``.
+
+    Raises:
+      RunLocked: another live process holds it.
+    """
+    if fcntl is None:
+        return
+    key = _lock_key(out)
+    if key in _held:
+        _held[key][1] += 1
+    else:
+        fd = os.open(Path(out).expanduser() / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                pid = int(os.read(fd, 64).split()[0])
+            except (OSError, ValueError, IndexError):
+                pid = -1
+            os.close(fd)
+            raise RunLocked(_locked_message(out, pid)) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        _held[key] = [fd, 1]
+    if _scopes:
+        _scopes[-1].append(key)
+
+
+def release_out(out: str | os.PathLike) -> None:
+    """Releases one ``lock_out`` of ``out`` by this process (the lock goes with the last)."""
+    _release(_lock_key(out))
+
+
+def _release(key: str) -> None:
+    entry = _held.get(key)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] <= 0:
+        del _held[key]
+        os.close(entry[0])  # closing the descriptor drops the flock
+
+
+def releases_locks(fn: F) -> F:
+    """Decorator: the directory locks ``fn`` takes (``lock_out``) are released when it
+    returns or raises."""
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        _scopes.append([])
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for key in _scopes.pop():
+                _release(key)
+    return wrapped  # type: ignore[return-value]
 
 
 def check_out(out: str | os.PathLike, field: str = "out") -> None:
@@ -97,9 +222,11 @@ def claim_out(cfg: TrainConfig, dry_run: bool = False) -> Path | None:
 
     Raises:
       RunExists: ``out`` holds a run and ``cfg.overwrite`` is false (a ``FileExistsError``
-        and a ``ValueError``).
+        and a ``ValueError``); ``RunLocked`` (a ``RunExists``): another live process is
+        writing ``out``.
     """
     out = Path(cfg.out)
+    check_unlocked(out)
     found = run_contents(out)
     if not found:
         return None

@@ -1,0 +1,268 @@
+"""Issue 38, sections 2 and 3: what a careless or unlucky researcher broke, and what a newcomer
+met. Each test failed before its fix."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import zlib
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp4jax
+from fp4jax import recipes as R
+from fp4jax.hadamard import TE_SIGN_VECTOR
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------
+# Hadamard signs: +-1 only, as many as the RHT size.
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("signs,match", [
+    ((0, 1) * 8, "every entry must be"),        # 0/1 bits
+    ((2,) * 16, "every entry must be"),
+    ((True, False) * 8, "every entry must be"),
+    ((1, -1) * 4, "8 signs for an RHT of size 16"),
+    (2**40, "seed"),
+])
+def test_hadamard_signs_validated_where_the_spec_is_built(signs, match):
+    with pytest.raises(ValueError, match=match):
+        R.GemmSpec(R.QuantSpec(), R.QuantSpec(), hadamard=16, hadamard_signs=signs)
+    with pytest.raises(ValueError, match=match):
+        R.nvfp4().replace(**{"wgrad.hadamard_signs": signs})
+    with pytest.raises(ValueError, match=r"wgrad\.hadamard_signs"):
+        R.parse(f"nvfp4(wgrad.hadamard_signs={signs!r})")
+
+
+def test_valid_hadamard_signs_accepted():
+    g = R.GemmSpec(hadamard=16, hadamard_signs=list(TE_SIGN_VECTOR))
+    assert g.hadamard_signs == tuple(float(v) for v in TE_SIGN_VECTOR)
+    r = R.parse("nvfp4(wgrad.hadamard_signs=" + repr(tuple(int(v) for v in TE_SIGN_VECTOR))
+                + ")")
+    assert R.parse(R.spec(r)) == r
+    with pytest.raises(ValueError, match="32"):  # a longer RHT needs 32 signs
+        r.replace(rht=32)
+
+
+# ---------------------------------------------------------------------------
+# Spec values beyond the parser; booleans; get() of a spec.
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["-" * 5000 + "16", "-" * 20000 + "16", "1e999", "16.5",
+                                   "'16'", "True", "10**3", "9" * 400])
+def test_bad_rht_values_are_value_errors_naming_the_key(value):
+    with pytest.raises(ValueError, match="rht") as e:
+        R.parse(f"nvfp4(rht={value})")
+    assert len(str(e.value)) < 400  # one readable line, not the whole spec echoed
+
+
+@pytest.mark.parametrize("key", ["sr", "block_2d", "row_scaled", "fprop.rhs.block_2d"])
+@pytest.mark.parametrize("value", ["Flase", "0", "1", "'False'", "None"])
+def test_spec_booleans_are_true_or_false_only(key, value):
+    with pytest.raises(ValueError, match=rf"{key}={value}.*True or False"):
+        R.parse(f"nvfp4({key}={value})")
+
+
+def test_rht_must_be_an_int_in_replace():
+    for bad in (16.5, "16", True):
+        with pytest.raises(TypeError, match="rht must be an int"):
+            R.nvfp4().replace(rht=bad)
+    with pytest.raises(TypeError, match="block_2d must be True or False"):
+        R.QuantSpec(block_2d="False")
+
+
+def test_get_accepts_spec_strings():
+    assert R.get("nvfp4(sr=False)") == R.parse("nvfp4(sr=False)")
+    assert R.get("nvfp4") == R.nvfp4()
+    with pytest.raises(ValueError, match="unknown recipe"):
+        R.get("nvfp5(sr=False)")
+
+
+def test_spec_of_a_name_with_both_quote_kinds_parses_back():
+    r = R.nvfp4().replace(name="a'b\"c, (d)")
+    assert R.parse(R.spec(r)) == r
+
+
+# ---------------------------------------------------------------------------
+# quartet2 with 0 tokens.
+# ---------------------------------------------------------------------------
+
+def test_dot_with_zero_tokens_under_quartet2_like_nvfp4():
+    """MS-EDEN's reshape of an empty array divided by zero (nvfp4 handled 0 tokens)."""
+    x = jnp.zeros((0, 128), jnp.float32)
+    w = jnp.ones((128, 16), jnp.float32)
+
+    def loss(x, w):
+        y = fp4jax.dot(x, w, recipe=R.quartet2(), key=jax.random.key(0))
+        return y.sum(), y.shape
+
+    (_, shape), (dx, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+    assert shape == (0, 16) and dx.shape == (0, 128)
+    np.testing.assert_array_equal(np.asarray(dw), 0)
+    q = fp4jax.quantize(jnp.zeros((3, 0, 128)), rounding="ms_eden", key=jax.random.key(1))
+    assert q.scale.shape == (3, 0, 8)
+
+
+# ---------------------------------------------------------------------------
+# A gzip corpus with a damaged byte.
+# ---------------------------------------------------------------------------
+
+def test_damaged_gzip_corpus_is_one_line_naming_the_file(tmp_path):
+    from fp4jax import data
+
+    raw = gzip.compress(("To be, or not to be, that is the question. " * 200).encode())
+    hit = 0
+    for i in range(12, len(raw) - 8):  # flip one byte of the deflate stream at a time
+        bad = bytearray(raw)
+        bad[i] ^= 0x5A
+        try:
+            zlib.decompress(bytes(bad), 31)
+            continue
+        except zlib.error:
+            pass
+        except Exception:  # noqa: BLE001 - other failures are not this case
+            continue
+        path = tmp_path / f"corpus{i}.txt.gz"
+        path.write_bytes(bytes(bad))
+        with pytest.raises(ValueError) as e:
+            data.load_documents(path)
+        msg = str(e.value)
+        assert path.name in msg and "damaged" in msg and "\n" not in msg
+        hit += 1
+        if hit == 3:
+            break
+    assert hit == 3
+
+
+# ---------------------------------------------------------------------------
+# --bf16-layers auto:PATH with a bad stats source.
+# ---------------------------------------------------------------------------
+
+def _stats_line(layers) -> str:
+    return json.dumps({"type": "stats", "step": 4, "layers": layers}) + "\n"
+
+
+@pytest.mark.parametrize("content,match", [
+    (b"\x98\x00\xff binary", "not UTF-8"),
+    (_stats_line([]).encode(), r"stats record 1 \(step 4\).*'layers'"),
+    (_stats_line({"block_0/q": {"wgrad": {"rel_error": "x"}}}).encode(),
+     r"stats record 1 .*block_0/q/wgrad/rel_error = 'x' is not a number"),
+    (_stats_line({"block_0/q": ["wgrad"]}).encode(), r"layer 'block_0/q'"),
+])
+def test_bad_bf16_stats_source_names_flag_file_and_record(tmp_path, content, match):
+    from fp4jax.train.precision import read_stats_source
+
+    f = tmp_path / "metrics.jsonl"
+    f.write_bytes(content)
+    flag = f"--bf16-layers auto:{tmp_path}"
+    with pytest.raises(ValueError, match=match) as e:
+        read_stats_source(tmp_path, flag)
+    assert flag in str(e.value) and str(f) in str(e.value)
+
+
+# ---------------------------------------------------------------------------
+# A run directory refuses a second writer; sweep workers end with their parent.
+# ---------------------------------------------------------------------------
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+
+
+def test_run_directory_refuses_a_second_writer(tmp_path):
+    from fp4jax.train import TrainConfig
+    from fp4jax.train.rundir import (
+        RunLocked,
+        check_unlocked,
+        claim_out,
+        lock_out,
+        lock_owner,
+        release_out,
+    )
+
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, time
+            from fp4jax.train.rundir import lock_out
+            lock_out({str(out)!r}); print("locked", flush=True); time.sleep(120)""")],
+        stdout=subprocess.PIPE, text=True, env=_env())
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert lock_owner(out) == holder.pid
+        with pytest.raises(RunLocked, match=f"process {holder.pid}"):
+            check_unlocked(out)
+        with pytest.raises(RunLocked):
+            claim_out(TrainConfig(out=str(out), overwrite=True))
+        with pytest.raises(RunLocked):
+            lock_out(out)
+    finally:
+        holder.kill()
+        holder.wait()
+    # a dead owner does not hold it (its pid is still in the file)
+    assert (out / ".fp4jax-lock").read_text().strip() == str(holder.pid)
+    assert lock_owner(out) is None
+    lock_out(out)
+    lock_out(out)  # re-entrant in one process
+    release_out(out)
+    release_out(out)
+    check_unlocked(out)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped yet does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def test_sweep_worker_ends_when_its_parent_is_killed(tmp_path):
+    """The parent is killed with SIGKILL (as an OOM killer does): its worker, which would
+    otherwise train on as an orphan, ends within seconds."""
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        env = dict(os.environ, FP4JAX_SWEEP_PARENT=str(os.getpid()))
+        child = subprocess.Popen([sys.executable, "-c",
+            "import os, sys, time\\n"
+            "from fp4jax.train._worker import watch_parent\\n"
+            "watch_parent(int(os.environ['FP4JAX_SWEEP_PARENT']), interval=0.2)\\n"
+            "open({str(pid_file)!r}, 'w').write(str(os.getpid()))\\n"
+            "time.sleep(120)\\n"], env=env)
+        time.sleep(120)""")], env=_env())
+    try:
+        deadline = time.time() + 120
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.time() < deadline and parent.poll() is None
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.time() + 15
+        while time.time() < deadline:
+            if not _alive(child):
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(child, signal.SIGKILL)
+            pytest.fail("the worker outlived its parent")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
