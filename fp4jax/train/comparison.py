@@ -435,7 +435,8 @@ def summary_table(agg: dict) -> str:
         gap = "n/a" if x["gap_vs_baseline"] is None else f"{100 * x['gap_vs_baseline']:+.2f}%"
         ex = {None: "n/a", True: "yes", False: "no"}[x["gap_exceeds_spread"]]
         tps = "n/a" if not x["tokens_per_s"] else f"{x['tokens_per_s']:,.0f}"
-        mean = "n/a" if x["mean"] is None else f"{x['mean']:.4f} ± {x['std']:.4f}"
+        std = "n/a" if x["n"] < 2 or x["std"] is None else f"{x['std']:.4f}"
+        mean = "n/a" if x["mean"] is None else f"{x['mean']:.4f} ± {std}"
         lines.append(f"| {x['recipe']} | {','.join(map(str, x['seeds']))} (n={x['n']}) | {mean} "
                      f"| {f(x['min'])} – {f(x['max'])} | {gap} | {ex} | {tps} |")
     return "\n".join(lines)
@@ -457,6 +458,7 @@ def plot_sweep(results: Sequence[dict], path: Path, baseline: str | None = None)
     if not results:
         return None
     specs = list(dict.fromkeys(r.get("spec") or r["recipe"] for r in results))
+    colors = recipe_colors(specs)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     lo = np.inf
     for sp in specs:
@@ -469,7 +471,8 @@ def plot_sweep(results: Sequence[dict], path: Path, baseline: str | None = None)
             y = np.array([_ema(r["history"][ys][:n]) if ys == "loss" else r["history"][ys][:n]
                           for r in mine])
             line, = ax.plot(x, y.mean(0), label=f"{sp} (n={len(mine)})",
-                            marker="o" if ys == "val_loss" else None, ms=3)
+                            marker="o" if ys == "val_loss" else None, ms=3,
+                            color=colors[sp])
             ax.fill_between(x, y.min(0), y.max(0), color=line.get_color(), alpha=0.2)
             for r in mine:
                 _mark_switch(r, (ax,), line.get_color())
@@ -511,7 +514,10 @@ def _ema(xs: Sequence[float]) -> np.ndarray:
 
 
 def comparison_table(results: Sequence[dict]) -> str:
-    """A markdown table: final validation loss and its relative gap to the BF16 run.
+    """A markdown table: final validation loss and its relative gap to the BF16 run, and the
+    share of each run's linear-layer GEMM work kept in BF16 by its policy (at ``micro``, two
+    blocks, the paper's last-15%-of-blocks rule keeps one of them: a "bf16 vs nvfp4"
+    comparison there trains about half of the GEMM work in NVFP4, and the table says so).
 
     A run stopped early (``--stop-at``) shows its last evaluation instead, labelled with its
     step; gaps are only computed between evaluations of the same step."""
@@ -532,8 +538,8 @@ def comparison_table(results: Sequence[dict]) -> str:
         if r["recipe"] == "bf16":
             base.setdefault(r.get("seed"), val(r))
             base.setdefault("any", val(r))
-    lines = ["| recipe | final val loss | gap to bf16 | final train loss | tokens/s | policy |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| recipe | final val loss | gap to bf16 | final train loss | tokens/s | policy | "
+             "BF16 GEMM work |", "|---|---|---|---|---|---|---|"]
     for r in results:
         v, s, shown = val(r)
         b = base.get(r.get("seed"), base.get("any", (None, None, "")))
@@ -542,9 +548,17 @@ def comparison_table(results: Sequence[dict]) -> str:
         label = r.get("spec") or r["recipe"]
         label += f" [seed {r.get('seed')}]" if len(seeds) > 1 else ""
         tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "n/a"
+        frac = r.get("bf16_gemm_fraction")
+        share = "n/a" if frac is None else f"{100 * frac:.0f}%"
         lines.append(f"| {label} | {shown} | {gap} | {fmt(r.get('final_train_loss'))} | {tps} "
-                     f"| {r.get('policy', '')} |")
+                     f"| {r.get('policy', '')} | {share} |")
     return "\n".join(lines)
+
+
+def recipe_colors(labels: Sequence[str]) -> dict[str, str]:
+    """One matplotlib colour per recipe label (``C0``, ``C1``, ... in first-seen order), the
+    same in every panel of a figure (a panel that skips a recipe keeps the others')."""
+    return {lab: f"C{i % 10}" for i, lab in enumerate(dict.fromkeys(labels))}
 
 
 def plot_losses(results: Sequence[dict], path: Path) -> Path | None:
@@ -573,18 +587,20 @@ def plot_losses(results: Sequence[dict], path: Path) -> Path | None:
             out.append(e)
         return np.array(out)
 
+    colors = recipe_colors([r.get("spec") or r["recipe"] for r in results])
     for r in results:
         h = r["history"]
         label = r.get("spec") or r["recipe"]
-        line, = ax1.plot(h["step"], ema(h["loss"]), label=label)
-        _mark_switch(r, (ax1, ax2), line.get_color())
+        c = colors[label]  # one colour per recipe in every panel
+        ax1.plot(h["step"], ema(h["loss"]), label=label, color=c)
+        _mark_switch(r, (ax1, ax2), c)
         v = r.get("final_val_loss")
         v = r.get("last_val_loss") if v is None else v
-        ax2.plot(h["val_step"], h["val_loss"], marker="o", ms=3,
+        ax2.plot(h["val_step"], h["val_loss"], marker="o", ms=3, color=c,
                  label=f"{label} ({'n/a' if v is None else f'{v:.4f}'})")
         if ncols == 3 and r is not base and h["step"] == base["history"]["step"]:
             gap = 100 * (ema(h["loss"]) / ema(base["history"]["loss"]) - 1)
-            axes[2].plot(h["step"], gap, label=label)
+            axes[2].plot(h["step"], gap, label=label, color=c)
     ax1.set(xlabel="step", ylabel="train loss (EMA 0.9, nats/byte)", title="training loss")
     ax2.set(xlabel="step", ylabel="val loss (nats/byte)", title="validation loss")
     if ncols == 3:
