@@ -21,13 +21,13 @@ Copyright (c) 2025-2026 IST Austria):
 
 Modes of this script (run from the repository root with a venv that has torch and numpy):
 
-    python .../quartet2_reference.py compare --fp4jax /tmp/ms_eden_fp4jax.npz
-        the same x, amax and uniforms as fp4jax (dump_fp4jax.py): field-by-field comparison,
-        and the test's bias statistic for both on the same draws.
-    python .../quartet2_reference.py bias --fp4jax /tmp/ms_eden_fp4jax.npz --keys 65536
+    python experiments/quartet2_reference.py compare --fp4jax /tmp/ms_eden_fp4jax.npz
+        the same x, amax and uniforms as fp4jax (experiments/ms_eden_dump.py): field-by-field
+        comparison, and the test's bias statistic for both on the same draws.
+    python experiments/quartet2_reference.py bias --fp4jax /tmp/ms_eden_fp4jax.npz --keys 65536
         their algorithm with torch's own randomness (random signs as in
         ``rerotate_hadamard``, ``torch.rand`` uniforms), and the decomposition variants.
-    python .../quartet2_reference.py mechanism --fp4jax /tmp/ms_eden_fp4jax.npz
+    python experiments/quartet2_reference.py mechanism --fp4jax /tmp/ms_eden_fp4jax.npz
         the identity behind the residual bias and the block statistics that drive it.
 """
 
@@ -405,7 +405,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("mode", choices=("compare", "bias", "mechanism"))
     ap.add_argument("--fp4jax", default="/tmp/ms_eden_fp4jax.npz",
-                    help="dump_fp4jax.py's output (x, and for compare every intermediate)")
+                    help="experiments/ms_eden_dump.py's output (x, and for compare every "
+                         "intermediate)")
     ap.add_argument("--keys", type=int, default=65536)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()

@@ -11,23 +11,22 @@ rounding="ms_eden")`` and writes, per key, every intermediate that the Quartet I
   rotated values (K, 2, 256), back = H^T deq in the original basis (K, 2, 256).
 
 The intermediates are read from the library's own ``ms_eden`` (called through
-``fp4jax.quantize._quantize_impl``, the body of ``fp4jax.quantize`` without its inner jit,
+``fp4jax.quantization._quantize_impl``, the body of ``fp4jax.quantize`` without its inner jit,
 checked bit for bit against ``fp4jax.quantize`` on every key) by wrapping three
 ``fp4jax.numerics`` functions while it is traced (no library file is changed):
 ``round_to_grid`` on the E4M3 grid (s_rn), ``div_rn`` of shape ``(..., groups)`` (c) and
 ``stochastic_round_to_grid`` (its argument sc and uniforms u).
 
-Run from the repository root with the project's venv:
+Run from the repository root with the project's venv (the results of issue 20's run are in
+``experiments/results/numerics/2026-11-25_ms_eden_vs_quartet2_cpu/``):
 
-    D=experiments/results/numerics/2026-11-25_ms_eden_vs_quartet2_cpu
-    .venv/bin/python $D/dump_fp4jax.py --out /tmp/ms_eden_fp4jax.npz
+    PYTHONPATH=$PWD python3 experiments/ms_eden_dump.py --out /tmp/ms_eden_fp4jax.npz
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 
 import jax
@@ -35,11 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import fp4jax
-from fp4jax import numerics
+from fp4jax import numerics, quantization
 from fp4jax.hadamard import hadamard_matrix
-
-# the module (fp4jax.quantize is also a function)
-fp4jax_quantize = importlib.import_module("fp4jax.quantize")
 
 D = 256
 H = hadamard_matrix(128).astype(np.float32)
@@ -88,8 +84,8 @@ def one(k, x):
     q = fp4jax.quantize(xr, rounding="ms_eden", key=kq)  # the public path
     store: dict = {}
     with captured(store):  # its traced body, without quantize's inner jit, for the values
-        q2 = fp4jax_quantize._quantize_impl(xr, kq, fp4jax.NVFP4, -1, False, "ms_eden",
-                                            eden_group=128)
+        q2 = quantization._quantize_impl(xr, kq, fp4jax.NVFP4, -1, False, "ms_eden",
+                                         eden_group=128)
     deq = fp4jax.dequantize(q)
     back = ((deq.reshape(2, D // 128, 128) @ h) * s).reshape(2, D)
     ng = (2, D // 128)
