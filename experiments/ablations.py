@@ -12,7 +12,8 @@ rows, ``SEEDS`` for the others) through ``fp4jax-train --compare ... --seeds ...
 (one process per spec, compiles in parallel; seeds share one compile), in two sweeps
 (``OUT/seeds3``, ``OUT/seeds2``), each resumable by repeating the command. A spec trained for
 one group is reused by every group that lists it (the baselines). ``build`` reads every
-``result.json`` (and its ``metrics.jsonl``) under ``experiments/results/ablations/`` and
+``result.json`` under ``experiments/results/ablations/`` (the per-step ``metrics.jsonl`` of
+the committed runs are packed in each campaign's ``records.tar.xz``: ``pack_results.py``) and
 writes ``TABLES.md``, the plots, and the tables block of ``experiments/README.md``.
 
 Setup (``SETUP``; why in ``experiments/README.md``): the ``mini`` preset (4.7M parameters,
@@ -33,6 +34,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # also when loaded by path (tests)
+    sys.path.insert(1, str(Path(__file__).resolve().parent))
+import pack_results  # noqa: E402  (experiments/pack_results.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results" / "ablations"
@@ -176,6 +181,7 @@ def seed_from(out: Path, recorded: Path = CURRENT) -> list[str]:
         if dest.exists():  # a cut-off attempt of a run that is recorded: set it aside
             dest.rename(dest.with_name(dest.name + f".old-{int(time.time())}"))
         shutil.copytree(run, dest, ignore=shutil.ignore_patterns("checkpoints"))
+        pack_results.restore(run, dest)  # its metrics.jsonl, packed in records.tar.xz
         copied.append(str(rel))
     return copied
 

@@ -50,6 +50,10 @@ import sys
 import time
 from pathlib import Path
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # also when loaded by path (tests)
+    sys.path.insert(1, str(Path(__file__).resolve().parent))
+import pack_results  # noqa: E402  (experiments/pack_results.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # the ablations' SETUP (experiments/ablations.py) at 600 steps, warm-up and evaluation scaled
@@ -193,14 +197,14 @@ def overhead(out: Path, setup: dict, data: str | None, deadline: float | None,
 
 def load_quality(out: Path) -> list[dict]:
     """The runs of the quality sweep: each ``result.json`` with its ``grad_noise`` records
-    (``"ratios"``: ``[(step, global ratio, smallest layer ratio, FP4 layers' ratio)]``)."""
+    (``"ratios"``: ``[(step, global ratio, smallest layer ratio, FP4 layers' ratio)]``), read
+    from its ``metrics.jsonl``, loose or packed in ``records.tar.xz`` (``pack_results.py``)."""
     runs = []
     for path in sorted((out / "quality").glob("*/seed*/result.json")):
         r = json.loads(path.read_text())
         ratios = []
-        metrics = path.parent / "metrics.jsonl"
-        if metrics.exists():
-            for line in metrics.read_text().splitlines():
+        if pack_results.has_records(path.parent):
+            for line in pack_results.read_text(path.parent).splitlines():
                 try:
                     x = json.loads(line)
                 except ValueError:

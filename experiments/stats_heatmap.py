@@ -1,7 +1,8 @@
 """Heat map (layer x step) of one per-layer quantization statistic of a training run.
 
 Reads the ``"stats"`` records that ``fp4jax-train --stats-every N`` writes to
-``RUN_DIR/metrics.jsonl`` (``fp4jax.diagnostics.read_stats``) and draws one statistic for
+``RUN_DIR/metrics.jsonl`` (``fp4jax.diagnostics.read_stats``; a committed run's, packed in
+its campaign's ``records.tar.xz``, through ``pack_results.py``) and draws one statistic for
 every measured layer (rows, in the records' order: by block, then q, k, v, o, up, down)
 and stats step (columns)::
 
@@ -24,7 +25,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from fp4jax.diagnostics import read_stats
+if str(Path(__file__).resolve().parent) not in sys.path:  # also when loaded by path (tests)
+    sys.path.insert(1, str(Path(__file__).resolve().parent))
+import pack_results  # noqa: E402  (experiments/pack_results.py)
+
+from fp4jax.diagnostics import read_stats  # noqa: E402
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 
@@ -43,6 +48,17 @@ def parse_stat(stat: str) -> tuple[str, str]:
     return gemm, "rel_error" if name == "rel_err" else name
 
 
+def _stats_records(run: str | Path) -> list[dict]:
+    """``fp4jax.diagnostics.read_stats`` of the run, or, for a committed run whose
+    ``metrics.jsonl`` is packed in its campaign's ``records.tar.xz``, the same records read
+    from the archive."""
+    p = Path(run)
+    if p.is_dir() and not (p / "metrics.jsonl").is_file() and pack_results.has_records(p):
+        return [r for r in pack_results.read_records(p)
+                if r.get("type") == "stats" and "layers" in r]
+    return read_stats(run)
+
+
 def stat_matrix(run: str | Path, stat: str
                 ) -> tuple[list[str], list[int], list[list[float]]]:
     """``(layers, steps, values)`` of ``stat`` in the run's stats records: ``values[i][j]``
@@ -53,7 +69,7 @@ def stat_matrix(run: str | Path, stat: str
         exist).
     """
     gemm, name = parse_stat(stat)
-    recs = read_stats(run)
+    recs = _stats_records(run)
     if not recs:
         raise ValueError(f"{run}: no 'stats' records in metrics.jsonl (train with "
                          "fp4jax-train --stats-every N)")
