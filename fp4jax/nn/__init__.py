@@ -1,11 +1,18 @@
-"""Flax integration of fp4jax: linen and NNX layers and layer precision policies.
+"""Flax integration of fp4jax: linen and NNX layers, precision rules by module path.
 
+* :func:`quantize_model`: precision rules (:class:`Rule`: module-path regex -> recipe)
+  applied to any unedited linen or NNX model; :func:`report` lists what they did;
+  :func:`load_rules` reads rules from JSON or TOML.
 * :mod:`fp4jax.nn.linen`: ``DotGeneral`` (for ``nn.Dense(dot_general_cls=...)``) and ``Dense``.
 * :mod:`fp4jax.nn.nnx`: ``DotGeneral`` (for ``nnx.Linear(dot_general=...)``) and ``Linear``.
 * :class:`PrecisionPolicy`: which linear layers of a model run in which recipe.
 """
 
 from fp4jax.nn import linen, nnx
+from fp4jax.nn.model import Report, quantize_model, report
 from fp4jax.nn.policy import PrecisionPolicy, recipe_quantizes
+from fp4jax.nn.rules import Rule, einsum_dimension_numbers, layer_key, load_rules, match_rule
 
-__all__ = ["PrecisionPolicy", "linen", "nnx", "recipe_quantizes"]
+__all__ = ["PrecisionPolicy", "Report", "Rule", "einsum_dimension_numbers", "layer_key",
+           "linen", "load_rules", "match_rule", "nnx", "quantize_model", "recipe_quantizes",
+           "report"]

@@ -48,6 +48,9 @@ class DotGeneral(nnx.Module):
       rngs: ``nnx.Rngs``; required when the recipe uses stochastic rounding or per-layer
         RHT signs (the layer's key is drawn from its ``params`` stream).
       rng_stream: name of the stream keys are drawn from.
+      rht_key: the layer's constant RHT key for ``hadamard_signs="layer"`` recipes (a
+        ``jax.random`` key, or an array of them for a stack of layers); default: drawn once
+        from ``rngs``' ``params`` stream. Ignored by other recipes.
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class DotGeneral(nnx.Module):
         *,
         rngs: nnx.Rngs | None = None,
         rng_stream: str = DEFAULT_RNG_STREAM,
+        rht_key: jax.Array | None = None,
     ) -> None:
         self.recipe = recipe
         self.rng_stream = rng_stream
@@ -78,6 +82,8 @@ class DotGeneral(nnx.Module):
             self.rng = None
         if not _needs_layer_key(recipe):
             self.rht_key = None
+        elif rht_key is not None:
+            self.rht_key = RHTKey(jax.random.key_data(rht_key))
         else:
             if rngs is None:
                 name = getattr(recipe, "name", "default")

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
+
+from fp4jax.nn.rules import Rule
 
 if TYPE_CHECKING:  # pragma: no cover
     from fp4jax import Recipe
@@ -80,6 +83,67 @@ class PrecisionPolicy:
         if not recipe_quantizes(self.recipe):
             return self.recipe if self.recipe is not None else self.high_precision
         return self.recipe
+
+    def rules(self, n_blocks: int, block: str = "block_{i}",
+              layers: Mapping[str, str] | None = None) -> list[Rule]:
+        """The policy as precision rules (``fp4jax.nn.quantize_model``) for a model whose
+        ``n_blocks`` transformer blocks sit at the module paths ``block.format(i=i)``.
+
+        In order (the first match wins): the high-precision blocks (``block_0/.*``, ...)
+        -> ``high_precision``; each ``high_precision_layers`` pattern -> ``high_precision``;
+        every other layer inside a block -> ``recipe`` (``high_precision`` when ``recipe``
+        is None). Layers outside the blocks match no rule and run unchanged (embeddings,
+        LM head). For a block of ``n_blocks`` and a layer ``name``, the rules give
+        ``recipe_for(i, n_blocks, name)``.
+
+        Args:
+          n_blocks: number of blocks.
+          block: the blocks' module path with ``{i}`` for the index (``"block_{i}"``,
+            ``"decoder/layers_{i}"``).
+          layers: the policy's layer names (what ``high_precision_layers`` patterns
+            match, e.g. ``"attn.q"``) -> module path inside a block (``"q"``,
+            ``"attn/query"``). None: the patterns match the module paths inside a block
+            themselves (``"attn/*"``). A block-qualified pattern ``"block_3/attn.q"``
+            (``fnmatch`` on the index: ``"block_*/mlp.down"``) names the blocks by index.
+
+        Raises:
+          ValueError: ``block`` without ``{i}``, or ``n_blocks`` < 1.
+        """
+        if "{i}" not in block:
+            raise ValueError(f"PrecisionPolicy.rules: block must contain '{{i}}' (the block "
+                             f"index), got {block!r}")
+        if not isinstance(n_blocks, int) or n_blocks < 1:
+            raise ValueError(f"PrecisionPolicy.rules: n_blocks must be an int >= 1, got "
+                             f"{n_blocks!r}")
+        parts = [re.escape(p) for p in block.split("{i}")]
+
+        def blocks(idx: Sequence[int]) -> str:
+            return "(" + "|".join(str(i).join(parts) for i in idx) + ")"
+
+        any_block = r"\d+".join(parts)
+        out = []
+        hp = [i for i in range(n_blocks) if self.block_is_high_precision(i, n_blocks)]
+        if hp:
+            out.append(Rule(blocks(hp) + "/.*", self.high_precision))
+        for pat in self.high_precision_layers:
+            m = re.fullmatch(r"block_([^/]*)/(.+)", pat)
+            where = any_block
+            if m:
+                idx = [i for i in range(n_blocks) if fnmatch.fnmatchcase(str(i), m[1])]
+                if not idx:
+                    continue
+                where, pat = blocks(idx), m[2]
+            if layers is None:
+                inner = fnmatch.translate(pat)
+            else:
+                names = [layers[n] for n in layers if fnmatch.fnmatchcase(n, pat)]
+                if not names:
+                    continue
+                inner = "(" + "|".join(re.escape(n) for n in names) + ")"
+            out.append(Rule(f"{where}/{inner}", self.high_precision))
+        main = self.recipe if self.recipe is not None else self.high_precision
+        out.append(Rule(any_block + "/.*", main))
+        return out
 
     def count(
         self, n_blocks: int, layers: Sequence[str], n_extra_high_precision: int = 1

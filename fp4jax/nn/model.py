@@ -1,0 +1,858 @@
+"""``quantize_model``: precision rules applied to an unedited linen or NNX model; ``report``.
+
+::
+
+    rules = [fp4jax.nn.Rule(r".*(embed|lm_head).*", None), fp4jax.nn.Rule(r".*", "nvfp4")]
+    qmodel = fp4jax.nn.quantize_model(model, rules)          # linen: same parameter tree
+    params = qmodel.init(key, tokens)
+    logits = qmodel.apply(params, tokens, rngs={"fp4": jax.random.fold_in(key, step)})
+
+    qmodel = fp4jax.nn.quantize_model(nnx_model, rules, rngs=nnx.Rngs(fp4=0))  # in place
+    print(fp4jax.nn.report(qmodel, tokens))   # every linear layer's path -> recipe
+
+**What is a linear layer.** A product ``lax.dot_general(a, b)`` (through the public names
+``jax.lax.dot_general``, ``jax.numpy.einsum``, ``jax.numpy.dot`` or ``jax.numpy.matmul``)
+made by a module's own code in which exactly one operand is one of that module's own
+parameters (the same array, or an array of its shape: the module may have cast it to its
+compute dtype first; a 2-D parameter's transpose counts too). That parameter takes the
+weight role of the recipe (the RHS of fprop: 2-D block scales where the recipe asks, the
+RHS of dgrad, the RHS of wgrad's ``dw``); dimension numbers are transposed and the operands
+reshaped so that ``fp4jax.dot_general`` computes the same product, ``x (..., K) @ w (K, N)``
+(several contracting or output axes, as in ``DenseGeneral``, flattened in order; batch
+dimensions kept). ``flax.linen`` ``Dense``, ``DenseGeneral`` and ``Einsum``, NNX
+``Linear``, ``LinearGeneral`` and ``Einsum`` are covered this way. A product of two
+activations (attention scores) is not a linear layer and stays as it is; so does a product
+whose both operands look like parameters (``report`` lists it).
+
+**Paths.** linen: ``Module.path`` joined by ``/`` (``"decoder/layers_0/attn/query"``).
+Under ``nn.scan`` the scanned body's modules keep the scan's own path for every iteration
+(``"decoder/blocks/attn/query"``, not one path per block): one rule covers every block of a
+scanned stack (the body is traced once, so per-block recipes would need an unrolled stack).
+NNX: the attribute path from the root, list and dict keys included (``"blocks/3/mlp/up"``);
+an ``nnx.scan``/``nnx.vmap`` stack of layers is one module (``"blocks/mlp/up"``).
+
+**Keys.** linen: the product runs through a ``fp4jax.nn.linen.DotGeneral`` submodule that
+the layer creates at the call (auto-named ``DotGeneral_0`` under the layer, no
+parameters), exactly what ``nn.Dense(dot_general_cls=functools.partial(DotGeneral,
+recipe=r))`` or ``fp4jax.nn.linen.Dense`` does: stochastic-rounding keys are
+``make_rng(rng_collection)`` in that submodule's scope (one draw per call; distinct per
+layer, per call, and per step when ``rngs={"fp4": fold_in(key, step)}``), per-layer RHT
+keys ``make_rng(layer_rng_collection)`` (the same at every step, different per layer path).
+A hand-wired model using those layers draws the same keys, bit for bit. Under ``nn.scan``,
+iterations get distinct keys only when the scan splits the stream (``split_rngs={...,
+"fp4": True}``); a scan that broadcasts it gives every block the same key in one call.
+Modules whose method is not ``nn.compact`` (``setup``-style) cannot create a submodule
+there: their keys come from ``make_rng`` in the layer's own scope. The ``perturb``/``sow``
+statistics collections of ``DotGeneral`` (``fp4jax.diagnostics.layer_stats``) work on
+every covered unbatched product, under the paths ``{layer}/DotGeneral_0``.
+
+NNX: each quantized layer gets a ``fp4jax.nn.nnx.DotGeneral`` (attribute ``dot_general``
+of ``Linear``/``LinearGeneral``, ``einsum_op`` of ``Einsum``, ``fp4jax_dot`` of another
+module) with its own RNG stream seeded ``layer_key(rngs[rng_collection](), path)`` and,
+for per-layer RHT signs, the constant key ``layer_key(rngs[layer_rng_collection](), path)``
+(one draw of each stream per ``quantize_model`` call). A layer stacked by ``nnx.vmap`` (its
+kernel has leading axes) gets one stream per stacked layer (keys split along those axes), so
+``nnx.scan`` over the stack slices them like the parameters. Parameters are untouched; the
+streams and RHT keys are new NNX state of the model (``nnx.RngState``, ``RHTKey``).
+
+**How (and why this way).** linen: ``flax.linen.intercept_methods`` (public, made for
+this) sees every module method call and keeps a thread-local stack of the module whose own
+code is running; for the duration of ``qmodel.init``/``apply`` the four public JAX names
+above are replaced by hooks that read that stack (other threads, and code outside a module,
+get the original functions). Patching the public names rather than the ``dot_general_cls``
+attributes reaches modules that have no hook (``nn.Einsum``, raw ``jnp.einsum``), and
+replacing ``jnp.einsum`` itself (translated to one ``dot_general``,
+``einsum_dimension_numbers``) keeps key draws out of ``jnp.einsum``'s internal ``jit``
+(where drawing fails: ``TraceContextError``). NNX layers keep their ``dot_general`` /
+``einsum_op`` as attributes, so the covered layers are changed by graph traversal
+(``nnx.iter_graph``), with no patching; other NNX modules with parameters get a subclass
+whose ``__call__`` runs under the same hooks. google/qwix (``quantize_model``,
+``QuantizationRule(module_path=...)``) patches functions' code objects and disables
+``jit`` inside intercepted calls to reach ``jnp`` internals; fp4jax stays with public
+names and leaves ``jit`` alone (qwix is not a dependency). What neither reaches: a product
+written ``x @ w`` (the operator), ``lax.dot_general`` imported by name before the call
+(``from jax.lax import dot_general``), and products inside a function the module jits
+itself: ``report`` lists every ``dot_general`` of the traced model that no hook saw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fp4jax.nn import linen as fnn
+from fp4jax.nn import nnx as fnnx
+from fp4jax.nn.rules import Rule, as_rules, einsum_dimension_numbers, layer_key, match_rule
+from fp4jax.recipes import Recipe
+
+__all__ = ["Report", "quantize_model", "report"]
+
+# the public names the hooks replace while a quantized model runs, and their originals
+_ORIGINALS = {
+    (jax.lax, "dot_general"): jax.lax.dot_general,
+    (jax.numpy, "einsum"): jax.numpy.einsum,
+    (jax.numpy, "dot"): jax.numpy.dot,
+    (jax.numpy, "matmul"): jax.numpy.matmul,
+}
+_ORIG_DOT_GENERAL = jax.lax.dot_general
+_ORIG_EINSUM = jax.numpy.einsum
+_ORIG_DOT = jax.numpy.dot
+_ORIG_MATMUL = jax.numpy.matmul
+
+_patch_lock = threading.Lock()
+_patch_depth = 0
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.frames: list[_Frame | None] = []
+        self.sessions: list[_Session] = []
+        self.busy = 0
+
+
+_local = _Local()
+
+
+@dataclasses.dataclass
+class _Record:
+    """What ``report`` collects while the model is traced."""
+
+    layers: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    activation: list[str] = dataclasses.field(default_factory=list)
+    uncovered: list[str] = dataclasses.field(default_factory=list)
+    seen: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class _Session:
+    """One ``quantize_model`` call: its rules and stream names."""
+
+    rules: tuple[Rule, ...]
+    rng_collection: str
+    layer_rng_collection: str
+    record: _Record | None = None
+
+    def rule_index(self, path: str) -> int | None:
+        return match_rule(self.rules, path)
+
+
+@dataclasses.dataclass
+class _Frame:
+    """A module whose own code is running: linen (``module`` bound) or NNX."""
+
+    session: _Session
+    path: str
+    module: Any
+    kind: str  # "linen" | "nnx"
+
+
+@contextlib.contextmanager
+def _patched():
+    """Replaces the public product functions by the hooks (reference-counted, so nested
+    and concurrent quantized calls restore them once, at the end of the last)."""
+    global _patch_depth
+    with _patch_lock:
+        if _patch_depth == 0:
+            jax.lax.dot_general = _hook_dot_general
+            jax.numpy.einsum = _hook_einsum
+            jax.numpy.dot = _hook_dot
+            jax.numpy.matmul = _hook_matmul
+        _patch_depth += 1
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _patch_depth -= 1
+            if _patch_depth == 0:
+                for (mod, name), fn in _ORIGINALS.items():
+                    setattr(mod, name, fn)
+
+
+@contextlib.contextmanager
+def _push(frame: _Frame | None):
+    _local.frames.append(frame)
+    try:
+        yield
+    finally:
+        _local.frames.pop()
+
+
+def _current() -> _Frame | None:
+    if _local.busy or not _local.frames:
+        return None
+    return _local.frames[-1]
+
+
+# ---------------------------------------------------------------------------
+# the hooks
+# ---------------------------------------------------------------------------
+
+def _hook_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                      **kw):
+    frame = _current()
+
+    def orig():
+        return _ORIG_DOT_GENERAL(lhs, rhs, dimension_numbers, precision,
+                                 preferred_element_type, **kw)
+
+    if frame is None:
+        return orig()
+    return _product(frame, "dot_general", orig, lhs, rhs, dimension_numbers, None, precision,
+                    preferred_element_type, kw.get("out_sharding"))
+
+
+def _hook_einsum(subscripts, *operands, **kw):
+    frame = _current()
+
+    def orig():
+        return _ORIG_EINSUM(subscripts, *operands, **kw)
+
+    if (frame is None or not isinstance(subscripts, str) or len(operands) != 2
+            or set(kw) - {"precision", "preferred_element_type", "out_sharding",
+                          "optimize"}):
+        return orig()
+    lhs, rhs = operands
+    form = einsum_dimension_numbers(subscripts, jnp.ndim(lhs), jnp.ndim(rhs))
+    if form is None:
+        return _product(frame, "einsum", orig, lhs, rhs, None, None, None, None, None,
+                        why=f"einsum {subscripts!r} is not one dot_general")
+    dims, perm = form
+    return _product(frame, "einsum", orig, lhs, rhs, dims, perm, kw.get("precision"),
+                    kw.get("preferred_element_type"), kw.get("out_sharding"))
+
+
+def _matmul_form(a: Any, b: Any, op: str) -> tuple[Any, None] | None:
+    """``jnp.dot``/``jnp.matmul`` of ``a (..., K)`` and a 2-D ``b (K, N)``, or of a 2-D
+    ``a (M, K)`` and ``b (K,)``, as a dot_general; None for other ranks."""
+    na, nb = jnp.ndim(a), jnp.ndim(b)
+    if nb == 2 and na >= 1:
+        return (((na - 1,), (0,)), ((), ())), None
+    if na == 2 and nb == 1:
+        return (((1,), (0,)), ((), ())), None
+    return None
+
+
+def _hook_dot(a, b, *args, **kw):
+    frame = _current()
+
+    def orig():
+        return _ORIG_DOT(a, b, *args, **kw)
+
+    form = _matmul_form(a, b, "dot")
+    if frame is None or args or set(kw) - {"precision", "preferred_element_type"} or not form:
+        return orig()
+    return _product(frame, "dot", orig, a, b, form[0], None, kw.get("precision"),
+                    kw.get("preferred_element_type"), None)
+
+
+def _hook_matmul(a, b, *args, **kw):
+    frame = _current()
+
+    def orig():
+        return _ORIG_MATMUL(a, b, *args, **kw)
+
+    form = _matmul_form(a, b, "matmul")
+    if frame is None or args or set(kw) - {"precision", "preferred_element_type"} or not form:
+        return orig()
+    return _product(frame, "matmul", orig, a, b, form[0], None, kw.get("precision"),
+                    kw.get("preferred_element_type"), None)
+
+
+# ---------------------------------------------------------------------------
+# one product: which operand is the weight, which recipe, the quantized call
+# ---------------------------------------------------------------------------
+
+def _own_params(frame: _Frame) -> list[Any]:
+    """The module's own parameter arrays (not its submodules'), unboxed."""
+    if frame.kind == "linen":
+        m = frame.module
+        try:
+            params = m.variables.get("params", {})
+        except Exception:  # noqa: BLE001 (an unbound module: no parameters to find)
+            return []
+        return [nn.meta.unbox(v) for v in params.values()
+                if not hasattr(v, "items")]
+    out = []
+    for v in vars(frame.module).values():
+        if isinstance(v, nnx.Param):
+            out.append(v[...])
+    return out
+
+
+def _is_param(x: Any, params: Sequence[Any]) -> bool:
+    shape = jnp.shape(x)
+    for p in params:
+        ps = jnp.shape(p)
+        if x is p or (shape == ps and len(shape) >= 1) or (len(ps) == 2 and shape == ps[::-1]):
+            return True
+    return False
+
+
+def _shapes(a: Any, b: Any) -> str:
+    return f"{tuple(jnp.shape(a))} x {tuple(jnp.shape(b))}"
+
+
+def _product(frame: _Frame, op: str, orig: Callable[[], Any], lhs: Any, rhs: Any,
+             dims: Any, perm: tuple[int, ...] | None, precision: Any,
+             preferred_element_type: Any, out_sharding: Any, why: str | None = None) -> Any:
+    """Runs one product seen by a hook inside ``frame``'s module: quantized when one
+    operand is the module's parameter and a rule gives a recipe, else ``orig()``."""
+    s, rec = frame.session, frame.session.record
+    params = _own_params(frame)
+    roles = [_is_param(lhs, params), _is_param(rhs, params)] if params else [False, False]
+    if not any(roles):
+        if rec is not None:
+            rec.activation.append(f"{frame.path or '/'}: {op} {_shapes(lhs, rhs)}")
+        return _seen(orig)
+    if all(roles) or why is not None:
+        if rec is not None:
+            rec.uncovered.append(f"{frame.path or '/'}: {op} {_shapes(lhs, rhs)} "
+                                 f"({why or 'both operands look like parameters'})")
+        return _seen(orig)
+    idx = s.rule_index(frame.path)
+    recipe = s.rules[idx].recipe if idx is not None else None
+    weight = rhs if roles[1] else lhs
+    if rec is not None:
+        rec.layers.setdefault(frame.path, {
+            "op": op, "weight": tuple(jnp.shape(weight)), "rule": idx,
+            "recipe": None if recipe is None else recipe.name, "calls": 0})
+        rec.layers[frame.path]["calls"] += 1
+    if recipe is None:
+        return _seen(orig)
+    y = _seen(lambda: _quantized(frame, recipe, lhs, rhs, dims, roles[0], precision,
+                                 preferred_element_type, out_sharding))
+    return y if perm is None else jnp.transpose(y, perm)
+
+
+def _seen(f: Callable[[], Any]) -> Any:
+    """``f()`` with the hooks off (its own products are not the model's), under a named
+    scope that ``report`` recognises as a product some hook saw."""
+    _local.busy += 1
+    try:
+        with jax.named_scope("fp4jax_seen"):
+            return f()
+    finally:
+        _local.busy -= 1
+
+
+def _quantized(frame: _Frame, recipe: Recipe, lhs: Any, rhs: Any, dims: Any,
+               weight_is_lhs: bool, precision: Any, preferred_element_type: Any,
+               out_sharding: Any) -> jax.Array:
+    """``lax.dot_general(lhs, rhs, dims)`` through fp4jax with the weight as the RHS: the
+    operands transposed and reshaped to ``x (..., K) @ w (K, N)`` (or ``(B.., ..., K) @
+    (B.., K, N)`` with batch dims), the output put back in ``lax.dot_general``'s order."""
+    (lc, rc), (lb, rb) = dims
+    nl, nr = jnp.ndim(lhs), jnp.ndim(rhs)
+    lc, rc = tuple(d % nl for d in lc), tuple(d % nr for d in rc)
+    lb, rb = tuple(d % nl for d in lb), tuple(d % nr for d in rb)
+    if weight_is_lhs:  # the activation becomes the LHS
+        lhs, rhs, lc, rc, lb, rb, nl, nr = rhs, lhs, rc, lc, rb, lb, nr, nl
+    x, w = jnp.asarray(lhs), jnp.asarray(rhs)
+    xfree = [d for d in range(nl) if d not in lc + lb]
+    wfree = [d for d in range(nr) if d not in rc + rb]
+    bshape = [x.shape[d] for d in lb]
+    xfs, wfs = [x.shape[d] for d in xfree], [w.shape[d] for d in wfree]
+    K = int(np.prod([x.shape[d] for d in lc]))
+    N = int(np.prod(wfs))
+    nb = len(lb)
+    x2 = jnp.transpose(x, [*lb, *xfree, *lc]).reshape(*bshape, *xfs, K)
+    w2 = jnp.transpose(w, [*rb, *rc, *wfree]).reshape(*bshape, K, N)
+    dn = (((x2.ndim - 1,), (nb,)), (tuple(range(nb)), tuple(range(nb))))
+    dot = _dot_fn(frame, recipe)
+    y = dot(x2, w2, dn, precision, preferred_element_type, None)
+    y = y.reshape(*bshape, *xfs, *wfs)
+    if weight_is_lhs:  # lax order: batch, weight free, activation free
+        nx = len(xfs)
+        y = jnp.transpose(y, [*range(nb), *range(nb + nx, nb + nx + len(wfs)),
+                              *range(nb, nb + nx)])
+    if out_sharding is not None:
+        y = jax.lax.with_sharding_constraint(y, out_sharding)
+    return y
+
+
+def _dot_fn(frame: _Frame, recipe: Recipe) -> Callable[..., jax.Array]:
+    """The fp4jax ``dot_general`` of the layer in ``frame`` (see the module docstring's
+    Keys)."""
+    s = frame.session
+    if frame.kind == "nnx":
+        dot = getattr(frame.module, "fp4jax_dot", None)
+        if dot is None:
+            raise ValueError(f"fp4jax.nn.quantize_model: NNX module at {frame.path!r} was "
+                             "not prepared (call quantize_model on the model that runs)")
+        return dot
+    try:
+        return fnn.DotGeneral(recipe=recipe, rng_collection=s.rng_collection,
+                              layer_rng_collection=s.layer_rng_collection)
+    except Exception:  # noqa: BLE001 (not compact: no submodule here; keys from the layer)
+        m = frame.module
+        return _ScopeDot(m, recipe, s.rng_collection, s.layer_rng_collection)
+
+
+@dataclasses.dataclass
+class _ScopeDot:
+    """fp4jax's dot_general with keys drawn in a linen module's own scope (setup-style
+    modules, where no submodule can be created at call time)."""
+
+    module: Any
+    recipe: Recipe
+    stream: str
+    layer_stream: str
+
+    def _draw(self, needed: bool, stream: str) -> jax.Array | None:
+        m = self.module
+        if not needed:
+            return None
+        if m.has_rng(stream):
+            return m.make_rng(stream)
+        if m.is_initializing() and m.has_rng("params"):
+            return m.make_rng("params")
+        raise ValueError(f"fp4jax recipe {self.recipe.name!r} needs the RNG stream "
+                         f"{stream!r}: pass rngs={{{stream!r}: key}} to Module.apply")
+
+    def __call__(self, lhs, rhs, dims, precision=None, preferred_element_type=None,
+                 out_sharding=None):
+        key = self._draw(self.recipe.needs_key, self.stream)
+        rht_key = self._draw(self.recipe.needs_layer_key, self.layer_stream)
+        return fnn.fp4_dot_general(lhs, rhs, dims, precision, preferred_element_type,
+                                   out_sharding, recipe=self.recipe, key=key,
+                                   rht_key=rht_key)
+
+
+# ---------------------------------------------------------------------------
+# linen
+# ---------------------------------------------------------------------------
+
+def _linen_interceptor(session: _Session) -> Callable[..., Any]:
+    def interceptor(next_fun, args, kwargs, context):
+        m = context.module
+        if context.method_name == "setup" or isinstance(m, fnn.DotGeneral):
+            frame = None
+        else:
+            try:
+                path = "/".join(str(p) for p in m.path)
+            except Exception:  # noqa: BLE001 (unbound: not part of this model's tree)
+                path = None
+            frame = None if path is None else _Frame(session, path, m, "linen")
+        with _push(frame):
+            if frame is not None and session.record is not None:
+                with jax.named_scope("fp4jax_module:" + frame.path.replace("/", "|")):
+                    return next_fun(*args, **kwargs)
+            return next_fun(*args, **kwargs)
+    return interceptor
+
+
+@contextlib.contextmanager
+def _active(session: _Session):
+    if any(x is session for x in _local.sessions):  # init -> init_with_output -> apply: once
+        yield
+        return
+    _local.sessions.append(session)
+    try:
+        with _patched(), nn.intercept_methods(_linen_interceptor(session)), _push(None):
+            yield
+    finally:
+        _local.sessions.pop()
+
+
+def _quantize_linen(model: nn.Module, session: _Session) -> nn.Module:
+    base = getattr(type(model), "_fp4jax_base", type(model))
+
+    def wrap(name: str) -> Callable[..., Any]:
+        method = getattr(base, name)
+
+        def run(self, *args, **kwargs):
+            with _active(session):
+                return method(self, *args, **kwargs)
+        run.__name__, run.__doc__ = name, method.__doc__
+        return nn.nowrap(run)
+
+    ns = {"_fp4jax_base": base, "_fp4jax_session": session,
+          **{n: wrap(n) for n in ("init", "init_with_output", "apply")}}
+    cls = type(base.__name__, (base,), ns)
+    q = model.clone()
+    object.__setattr__(q, "__class__", cls)
+    return q
+
+
+# ---------------------------------------------------------------------------
+# NNX
+# ---------------------------------------------------------------------------
+
+_NNX_COVERED = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
+
+
+class _NnxWrapped(nnx.Module):
+    """The ``dot_general`` (``Linear``, ``LinearGeneral``) or ``einsum_op`` (``Einsum``) of
+    a covered NNX layer under rules: the layer's own function (``orig``) where its rule
+    gives no recipe, else the product flattened to ``x (..., K) @ w (K, N)`` and run by the
+    layer's ``fp4jax.nn.nnx.DotGeneral`` (``dot``); the kernel (the RHS) is the weight."""
+
+    def __init__(self, orig: Callable[..., Any], dot: fnnx.DotGeneral | None, path: str,
+                 session: _Session, op: str) -> None:
+        self.orig = orig
+        self.dot = dot
+        self.path = path
+        self.session = session
+        self.op = op
+
+    def _record(self, weight: Any, why: str | None = None) -> None:
+        rec = self.session.record
+        if rec is None:
+            return
+        if why is not None:
+            rec.uncovered.append(f"{self.path}: {self.op} ({why})")
+            return
+        idx = self.session.rule_index(self.path)
+        rec.layers.setdefault(self.path, {
+            "op": self.op, "weight": tuple(jnp.shape(weight)), "rule": idx,
+            "recipe": None if self.dot is None else self.dot.recipe.name, "calls": 0})
+        rec.layers[self.path]["calls"] += 1
+
+    def _run(self, inputs, kernel, dims, precision, preferred_element_type, out_sharding):
+        frame = _Frame(self.session, self.path, _DotHolder(self.dot), "nnx")
+        return _seen(lambda: _quantized(frame, self.dot.recipe, inputs, kernel, dims, False,
+                                        precision, preferred_element_type, out_sharding))
+
+
+class _NnxEinsum(_NnxWrapped):
+    def __call__(self, subscripts, inputs, kernel, *, precision=None,
+                 preferred_element_type=None, out_sharding=None, **kw):
+        form = einsum_dimension_numbers(subscripts, jnp.ndim(inputs), jnp.ndim(kernel))
+        if form is None or kw or self.dot is None:
+            if form is None or kw:
+                self._record(kernel, f"einsum {subscripts!r} is not one dot_general")
+            else:
+                self._record(kernel)
+            extra = {} if out_sharding is None else {"out_sharding": out_sharding}
+            return _seen(lambda: self.orig(subscripts, inputs, kernel, precision=precision,
+                                           preferred_element_type=preferred_element_type,
+                                           **extra, **kw))
+        self._record(kernel)
+        dims, perm = form
+        y = self._run(inputs, kernel, dims, precision, preferred_element_type, out_sharding)
+        return jnp.transpose(y, perm)
+
+
+class _NnxLinearDot(_NnxWrapped):
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None,
+                 preferred_element_type=None, **kw):
+        self._record(rhs)
+        if self.dot is None:
+            return _seen(lambda: self.orig(lhs, rhs, dimension_numbers, precision,
+                                           preferred_element_type, **kw))
+        return self._run(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                         kw.get("out_sharding"))
+
+
+@dataclasses.dataclass
+class _DotHolder:
+    fp4jax_dot: Any
+
+
+def _nnx_own_params(m: Any) -> list[Any]:
+    return [v for v in vars(m).values() if isinstance(v, nnx.Param)]
+
+
+def _stack_shape(m: Any) -> tuple[int, ...]:
+    """Leading (``nnx.vmap``-stacked) axes of a covered layer's kernel."""
+    k = getattr(m, "kernel", None)
+    if k is None:
+        return ()
+    shape = jnp.shape(k[...])
+    if isinstance(m, nnx.Linear):
+        return tuple(shape[:-2])
+    if isinstance(m, nnx.LinearGeneral):
+        n = len(m.in_features) + len(m.out_features) + len(getattr(m, "batch_axis", {}))
+        return tuple(shape[:len(shape) - n])
+    return ()
+
+
+def _make_nnx_dot(recipe: Recipe, path: str, session: _Session, keys: dict[str, Any],
+                  lead: tuple[int, ...]) -> fnnx.DotGeneral:
+    def per_layer(k: jax.Array) -> jax.Array:
+        k = layer_key(k, path)
+        n = int(np.prod(lead)) if lead else 0
+        return jax.random.split(k, n).reshape(*lead) if lead else k
+
+    rngs = None
+    if recipe.needs_key:
+        rngs = nnx.Rngs(**{session.rng_collection: per_layer(keys["key"])})
+    rht = per_layer(keys["layer"]) if recipe.needs_layer_key else None
+    return fnnx.DotGeneral(recipe, rngs=rngs, rng_stream=session.rng_collection,
+                           rht_key=rht)
+
+
+def _quantize_nnx(model: nnx.Module, session: _Session, rngs: Any) -> nnx.Module:
+    nodes = [(path, node) for path, node in nnx.iter_graph(model)
+             if isinstance(node, nnx.Module)]
+    plan = []
+    for path, node in nodes:
+        name = "/".join(str(p) for p in path)
+        if isinstance(node, (fnnx.DotGeneral, _NnxWrapped)):
+            continue
+        covered = isinstance(node, _NNX_COVERED)
+        if not covered and not _nnx_own_params(node):
+            continue
+        idx = session.rule_index(name)
+        recipe = session.rules[idx].recipe if idx is not None else None
+        if isinstance(getattr(node, "dot_general", None), (fnnx.DotGeneral, _NnxWrapped)):
+            continue  # already an fp4jax layer, or quantized before
+        if isinstance(getattr(node, "einsum_op", None), _NnxWrapped):
+            continue
+        plan.append((name, node, covered, recipe))
+    keys: dict[str, Any] = {}
+    needs = [(r.needs_key, r.needs_layer_key) for *_, r in plan if r is not None]
+    for needed, stream, slot in ((any(n for n, _ in needs), session.rng_collection, "key"),
+                                 (any(n for _, n in needs), session.layer_rng_collection,
+                                  "layer")):
+        if not needed:
+            continue
+        if rngs is None:
+            raise ValueError(
+                "fp4jax.nn.quantize_model: a rule's recipe draws random bits (stochastic "
+                f"rounding or per-layer RHT signs): pass rngs=nnx.Rngs({stream}=seed) for "
+                "an NNX model")
+        try:
+            keys[slot] = rngs[stream]()
+        except (KeyError, AttributeError):
+            raise ValueError(f"fp4jax.nn.quantize_model: rngs has no stream {stream!r}: "
+                             f"pass rngs=nnx.Rngs(..., {stream}=seed)") from None
+    for name, node, covered, recipe in plan:
+        dot = (None if recipe is None
+               else _make_nnx_dot(recipe, name, session, keys, _stack_shape(node)))
+        if isinstance(node, nnx.Einsum):
+            node.einsum_op = _as_data(_NnxEinsum(node.einsum_op, dot, name, session, "einsum"))
+        elif covered:
+            orig = node.dot_general
+            if getattr(node, "dot_general_cls", None) is not None:
+                orig = node.dot_general_cls()
+                node.dot_general_cls = None
+            node.dot_general = _as_data(_NnxLinearDot(orig or _ORIG_DOT_GENERAL, dot, name,
+                                                      session, "dot_general"))
+        else:
+            if dot is not None:
+                node.fp4jax_dot = _as_data(dot)
+            _intercept_nnx(node, name, session)
+    return model
+
+
+def _as_data(m: nnx.Module) -> Any:
+    """``nnx.data(m)``: a module assigned to an attribute that held a static value (a
+    function) must say it is data now (flax >= 0.12; older versions need nothing)."""
+    data = getattr(nnx, "data", None)
+    return m if data is None else data(m)
+
+
+_nnx_classes: dict[type, type] = {}
+
+
+def _intercept_nnx(node: Any, path: str, session: _Session) -> None:
+    """Gives a non-covered NNX module with parameters a subclass whose ``__call__`` runs
+    under the hooks with the module on the frame stack."""
+    base = getattr(type(node), "_fp4jax_base", type(node))
+    cls = _nnx_classes.get(base)
+    if cls is None:
+        orig = base.__call__
+
+        def __call__(self, *args, **kwargs):
+            frame = _Frame(self._fp4jax_session, self._fp4jax_path, self, "nnx")
+            with _patched(), _push(frame):
+                return orig(self, *args, **kwargs)
+        cls = type(base.__name__, (base,), {"_fp4jax_base": base, "__call__": __call__})
+        _nnx_classes[base] = cls
+    object.__setattr__(node, "__class__", cls)
+    object.__setattr__(node, "_fp4jax_session", session)
+    object.__setattr__(node, "_fp4jax_path", path)
+
+
+# ---------------------------------------------------------------------------
+# the public functions
+# ---------------------------------------------------------------------------
+
+def quantize_model(model: Any, rules: Any, *, rngs: Any = None,
+                   rng_collection: str = fnn.DEFAULT_RNG_STREAM,
+                   layer_rng_collection: str = fnn.DEFAULT_LAYER_RNG_STREAM) -> Any:
+    """Applies precision rules to an unedited Flax model (see the module docstring).
+
+    Args:
+      model: a ``flax.linen.Module`` (unbound) or an ``nnx.Module``.
+      rules: a list of :class:`~fp4jax.nn.Rule` (or ``(pattern, recipe)`` pairs); the
+        first rule whose pattern ``re.fullmatch``-es a layer's path decides its recipe
+        (``None``: the layer's own dot_general); unmatched layers run unchanged.
+      rngs: NNX only: ``nnx.Rngs`` with the streams ``rng_collection`` (stochastic
+        rounding) and ``layer_rng_collection`` (per-layer RHT signs), each drawn once,
+        needed when a matched recipe uses them.
+      rng_collection: the RNG stream of stochastic-rounding keys (linen: pass
+        ``rngs={rng_collection: key}`` to ``apply``).
+      layer_rng_collection: the stream of per-layer constant RHT keys.
+
+    Returns:
+      linen: a copy of ``model`` (a subclass of its class with the same fields) whose
+      ``init``/``init_with_output``/``apply`` run the rules; its parameter tree is the
+      model's. NNX: ``model`` itself, its matched layers quantized in place (parameters
+      untouched; RNG streams and RHT keys added as state); ``nnx.clone`` first to keep
+      the original.
+
+    Raises:
+      ValueError: ``model`` is not a Flax module, a bad rule (naming the entry), a bad
+        stream name, or (NNX) a recipe needing keys without ``rngs``.
+    """
+    rules_t = as_rules(rules)
+    for name, v in (("rng_collection", rng_collection),
+                    ("layer_rng_collection", layer_rng_collection)):
+        if not isinstance(v, str) or not v:
+            raise ValueError(f"quantize_model: {name} must be a non-empty stream name, "
+                             f"got {v!r}")
+    session = _Session(rules_t, rng_collection, layer_rng_collection)
+    if isinstance(model, nn.Module):
+        if rngs is not None:
+            raise ValueError("quantize_model: rngs is for NNX models; a linen model draws "
+                             f"its keys from apply(..., rngs={{{rng_collection!r}: key}})")
+        if model.scope is not None:
+            raise ValueError("quantize_model: model must be an unbound linen Module "
+                             "(not one bound with .bind or inside another's method)")
+        return _quantize_linen(model, session)
+    if isinstance(model, nnx.Module):
+        return _quantize_nnx(model, session, rngs)
+    raise ValueError(f"quantize_model: model must be a flax.linen.Module or an nnx.Module, "
+                     f"got {type(model).__name__}")
+
+
+def _session_of(model: Any) -> _Session | None:
+    s = getattr(type(model), "_fp4jax_session", None)
+    if s is not None:
+        return s
+    if isinstance(model, nnx.Module):
+        for _, node in nnx.iter_graph(model):
+            s = getattr(node, "_fp4jax_session", None) or getattr(node, "session", None)
+            if isinstance(s, _Session):
+                return s
+    return None
+
+
+@dataclasses.dataclass
+class Report:
+    """What ``report`` found; ``str()`` prints it as a table.
+
+    Attributes:
+      layers: ``{path: {"op", "weight" (shape), "rule" (index or None), "recipe" (name or
+        None: high precision), "calls"}}``, every linear layer the hooks saw.
+      unused_rules: the rules no layer took (matched nothing, or always after an earlier
+        rule that matched), as ``(index, Rule)``.
+      activation_products: products of two activations (left alone by design).
+      uncovered: products that could not be covered: ``"path: op shapes (why)"``; those no
+        hook saw (``x @ w``, a jitted helper, ``lax.dot_general`` imported by name) are
+        listed from the traced program with the module path they ran in.
+    """
+
+    layers: dict[str, dict[str, Any]]
+    unused_rules: list[tuple[int, Rule]]
+    activation_products: list[str]
+    uncovered: list[str]
+
+    def __str__(self) -> str:
+        rows = [("layer", "recipe", "rule", "weight", "op")]
+        for path, d in self.layers.items():
+            rows.append((path or "/", d["recipe"] or "high precision",
+                         "-" if d["rule"] is None else str(d["rule"]), str(d["weight"]),
+                         d["op"] + (f" x{d['calls']}" if d["calls"] > 1 else "")))
+        w = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * x for x in w))
+        n_q = sum(d["recipe"] is not None for d in self.layers.values())
+        lines.append(f"{n_q} of {len(self.layers)} linear layers quantized")
+        if self.unused_rules:
+            lines.append("rules that matched no layer: " + ", ".join(
+                f"[{i}] {r.pattern!r} -> {r.spec}" for i, r in self.unused_rules))
+        if self.uncovered:
+            lines.append("products not covered:")
+            lines += [f"  {u}" for u in self.uncovered]
+        if self.activation_products:
+            lines.append(f"{len(self.activation_products)} activation x activation "
+                         "products left alone")
+        return "\n".join(lines)
+
+
+def report(qmodel: Any, *example_args: Any, rngs: Any = None, method: Any = None,
+           **kwargs: Any) -> Report:
+    """Traces ``qmodel`` (from ``quantize_model``) on example inputs (shapes only, nothing
+    is computed) and reports every linear layer's path and recipe, the rules that matched
+    nothing, and the products it could not cover.
+
+    Args:
+      qmodel: a model returned by ``quantize_model`` (linen or NNX).
+      *example_args, **kwargs: the model's call inputs (linen: ``init``'s after the keys).
+      rngs: linen: the RNG streams for ``init`` (default ``{"params": key(0)}`` plus the
+        quantization streams); NNX: unused.
+      method: linen: the method to trace (as ``Module.init``'s ``method``).
+
+    Returns:
+      a :class:`Report`.
+    """
+    session = _session_of(qmodel)
+    if session is None:
+        raise ValueError("report: qmodel must be a model returned by "
+                         "fp4jax.nn.quantize_model")
+    rec = _Record()
+    session.record = rec
+    try:
+        if isinstance(qmodel, nn.Module):
+            k = jax.random.key(0)
+            streams = {"params": k, session.rng_collection: k,
+                       session.layer_rng_collection: k, **(rngs or {})}
+
+            def fn():
+                kw = dict(kwargs) if method is None else {**kwargs, "method": method}
+                return qmodel.init(streams, *example_args, **kw)
+            jaxpr = jax.make_jaxpr(fn)()
+        else:
+            # traced on a copy of the graph: the model's RNG counters do not advance
+            graphdef, state = nnx.split(qmodel)
+
+            def fn_nnx(state):
+                with _patched(), _push(None):
+                    return nnx.merge(graphdef, state)(*example_args, **kwargs)
+            jaxpr = jax.make_jaxpr(fn_nnx)(state)
+    finally:
+        session.record = None
+    used = {d["rule"] for d in rec.layers.values() if d["rule"] is not None}
+    unused = [(i, r) for i, r in enumerate(session.rules) if i not in used]
+    unseen = _unseen_products(jaxpr)
+    return Report(rec.layers, unused, rec.activation, rec.uncovered + unseen)
+
+
+def _unseen_products(closed: Any) -> list[str]:
+    """``dot_general`` equations of the traced program outside every product a hook saw,
+    as ``"module path: dot_general shapes (not seen: ...)"``."""
+    out = []
+
+    def walk(jaxpr: Any, outer: str) -> None:
+        for eqn in jaxpr.eqns:
+            # a sub-jaxpr's name stacks are relative to the equation that holds it
+            stack = outer + "/" + str(getattr(eqn.source_info, "name_stack", ""))
+            if eqn.primitive.name == "dot_general" and "fp4jax_seen" not in stack:
+                mods = [p.split(":", 1)[1].replace("|", "/") for p in stack.split("/")
+                        if p.startswith("fp4jax_module:")]
+                shapes = " x ".join(str(tuple(v.aval.shape)) for v in eqn.invars)
+                out.append(f"{(mods[-1] if mods else '') or '/'}: dot_general {shapes} "
+                           "(not seen by a hook: an '@', a jitted helper or "
+                           "lax.dot_general imported by name)")
+            for p in eqn.params.values():
+                for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                    inner = getattr(sub, "jaxpr", None)
+                    if inner is not None and hasattr(inner, "eqns"):
+                        walk(inner, stack)
+                    elif hasattr(sub, "eqns"):
+                        walk(sub, stack)
+
+    walk(closed.jaxpr, "")
+    return out

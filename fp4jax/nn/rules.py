@@ -1,0 +1,262 @@
+"""Precision rules by module path: which linear layers of a model run in which recipe.
+
+A :class:`Rule` pairs a regular expression with a recipe::
+
+    rules = [fp4jax.nn.Rule(r".*(embed|logits|lm_head).*", None),   # None: high precision
+             fp4jax.nn.Rule(r"decoder/block_(0|11)/.*", None),
+             fp4jax.nn.Rule(r".*", "nvfp4")]                          # a Recipe or a spec
+
+The pattern is matched with ``re.fullmatch`` against the layer's module path joined by ``/``
+(linen: ``Module.path``, e.g. ``"decoder/block_0/attn/query"``; NNX: the attribute path from
+the root, list indices included, e.g. ``"blocks/3/mlp/up"``); the first rule that matches
+decides; a layer no rule matches runs unchanged. ``recipe`` is a ``fp4jax.Recipe``, a spec
+string (``fp4jax.recipes.parse``: ``"nvfp4"``, ``"nvfp4(sr=False)"``), or ``None`` (or the
+string ``"none"``): the layer's own ``dot_general`` runs untouched, bit for bit the
+unquantized model. ``fp4jax.nn.quantize_model`` applies rules to a model,
+:func:`load_rules` reads them from a JSON or TOML file (``fp4jax-train --rules FILE``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import zlib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+
+from fp4jax.recipes import Recipe, parse
+
+__all__ = ["Rule", "as_rules", "einsum_dimension_numbers", "layer_key", "load_rules",
+           "match_rule"]
+
+_NONE_SPECS = ("none", "high", "high_precision")
+
+
+def _recipe_of(recipe: Any, what: str) -> Recipe | None:
+    """``recipe`` as a ``Recipe`` (a spec string parsed) or ``None``; ValueError naming
+    ``what`` otherwise."""
+    if recipe is None or isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, str):
+        if recipe.strip().lower() in _NONE_SPECS:
+            return None
+        try:
+            return parse(recipe)
+        except ValueError as e:
+            raise ValueError(f"{what}: bad recipe spec {recipe!r}: {e}") from None
+    raise ValueError(f"{what}: recipe must be a fp4jax.Recipe, a spec string such as "
+                     f"'nvfp4' or None (high precision), got {type(recipe).__name__} "
+                     f"{recipe!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One precision rule: layers whose module path ``re.fullmatch``-es ``pattern`` run in
+    ``recipe``.
+
+    Attributes:
+      pattern: a Python regular expression, matched in full against the layer's module
+        path joined by ``/`` (``"decoder/block_0/attn/query"``).
+      recipe: a ``fp4jax.Recipe``; a spec string (``fp4jax.recipes.parse``, e.g.
+        ``"nvfp4(sr=False)"``) is parsed on construction; ``None`` (or ``"none"``) keeps
+        the layer's own, unquantized ``dot_general``.
+
+    Raises:
+      ValueError: a pattern that is not a string or not a valid regular expression, or a
+        recipe that is not a Recipe, a valid spec or None.
+    """
+
+    pattern: str
+    recipe: Recipe | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pattern, str):
+            raise ValueError(f"Rule: pattern must be a regular expression string, got "
+                             f"{type(self.pattern).__name__} {self.pattern!r}")
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise ValueError(f"Rule: pattern {self.pattern!r} is not a valid regular "
+                             f"expression: {e}") from None
+        object.__setattr__(self, "recipe",
+                           _recipe_of(self.recipe, f"Rule({self.pattern!r}, ...)"))
+
+    def __repr__(self) -> str:
+        return f"Rule({self.pattern!r}, {self.spec!r})"
+
+    def matches(self, path: str) -> bool:
+        """Whether ``re.fullmatch(self.pattern, path)``."""
+        return re.fullmatch(self.pattern, path) is not None
+
+    @property
+    def spec(self) -> str:
+        """The recipe's name (``"none"`` for high precision), for tables and logs."""
+        return "none" if self.recipe is None else self.recipe.name
+
+
+def as_rules(rules: Any, what: str = "rules") -> tuple[Rule, ...]:
+    """``rules`` as a tuple of :class:`Rule`: a sequence whose entries are ``Rule``,
+    ``(pattern, recipe)`` pairs or ``{"pattern": ..., "recipe": ...}`` mappings (a single
+    ``Rule`` is accepted too).
+
+    Raises:
+      ValueError: naming ``what`` and the bad entry's index.
+    """
+    if isinstance(rules, Rule):
+        return (rules,)
+    if isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
+        raise ValueError(f"{what} must be a list of fp4jax.nn.Rule (or (pattern, recipe) "
+                         f"pairs), got {type(rules).__name__} {rules!r}")
+    out = []
+    for i, r in enumerate(rules):
+        out.append(_one_rule(r, f"{what}[{i}]"))
+    return tuple(out)
+
+
+def _one_rule(r: Any, what: str) -> Rule:
+    if isinstance(r, Rule):
+        return r
+    if isinstance(r, dict):
+        unknown = set(r) - {"pattern", "recipe"}
+        if "pattern" not in r or unknown:
+            raise ValueError(f"{what}: a rule mapping needs the keys 'pattern' and 'recipe' "
+                             f"(recipe may be null/'none'), got keys {sorted(r)}")
+        pattern, recipe = r["pattern"], r.get("recipe")
+    elif isinstance(r, (list, tuple)) and len(r) == 2:
+        pattern, recipe = r
+    else:
+        raise ValueError(f"{what}: expected a Rule, a [pattern, recipe] pair or a "
+                         f"{{pattern, recipe}} mapping, got {r!r}")
+    try:
+        return Rule(pattern, recipe)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+
+
+def match_rule(rules: Sequence[Rule], path: str) -> int | None:
+    """The index of the first rule of ``rules`` whose pattern ``re.fullmatch``-es
+    ``path``, or None."""
+    for i, r in enumerate(rules):
+        if r.matches(path):
+            return i
+    return None
+
+
+def load_rules(path: str | os.PathLike) -> list[Rule]:
+    """Reads precision rules from a JSON or TOML file (by its suffix; ``.toml`` is TOML,
+    anything else JSON).
+
+    JSON: a list of ``{"pattern": ..., "recipe": ...}`` objects or ``[pattern, recipe]``
+    pairs, or an object ``{"rules": [...]}``; ``"recipe": null`` is high precision. TOML:
+    ``rules = [[pattern, recipe], ...]`` or ``[[rules]]`` tables with ``pattern`` and
+    ``recipe`` keys (TOML has no null: write ``"none"``)::
+
+        [[rules]]
+        pattern = ".*(embed|lm_head).*"
+        recipe = "none"
+        [[rules]]
+        pattern = ".*"
+        recipe = "nvfp4(sr=False)"
+
+    Raises:
+      ValueError: the file does not parse, or an entry is not a valid rule (naming the file
+        and the entry's index).
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ValueError(f"load_rules: cannot read {path!r}: {e}") from None
+    try:
+        if path.lower().endswith(".toml"):
+            import tomllib
+
+            data: Any = tomllib.loads(raw.decode("utf-8"))
+        else:
+            data = json.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        kind = "TOML" if path.lower().endswith(".toml") else "JSON"
+        raise ValueError(f"load_rules: {path}: not valid {kind}: {e}") from None
+    if isinstance(data, dict):
+        if "rules" not in data:
+            raise ValueError(f"load_rules: {path}: expected a list of rules or a 'rules' key, "
+                             f"got keys {sorted(data)}")
+        data = data["rules"]
+    if not isinstance(data, list):
+        raise ValueError(f"load_rules: {path}: the rules must be a list, got "
+                         f"{type(data).__name__}")
+    return list(as_rules(data, f"{path}: rules"))
+
+
+def layer_key(key: jax.Array, path: str) -> jax.Array:
+    """``jax.random.fold_in(key, crc32(path))``: the key of the layer at module path
+    ``path`` derived from a model-wide ``key`` (what ``quantize_model`` gives each NNX layer
+    for its stochastic-rounding stream and its per-layer RHT signs)."""
+    return jax.random.fold_in(key, zlib.crc32(path.encode("utf-8")) & 0x7FFFFFFF)
+
+
+def einsum_dimension_numbers(subscripts: str, lhs_ndim: int, rhs_ndim: int
+                             ) -> tuple[Any, tuple[int, ...]] | None:
+    """The ``lax.dot_general`` form of a two-operand einsum: ``(dimension_numbers, perm)``
+    with ``jnp.einsum(subscripts, a, b) == jnp.transpose(lax.dot_general(a, b,
+    dimension_numbers), perm)``, or None where it has none (an index repeated within one
+    operand, an index summed that appears in one operand only, not two operands).
+
+    Letters in both operands and the output are batch dimensions, in both operands only
+    contracted, in one operand and the output free; ``...`` is expanded from the ranks.
+    """
+    s = subscripts.replace(" ", "")
+    if "->" not in s:  # implicit output: letters seen once, sorted (numpy's rule)
+        ins = s
+        letters = [c for c in s if c.isalpha()]
+        out = ("..." if "..." in s else "") + "".join(
+            sorted(c for c in set(letters) if letters.count(c) == 1))
+    else:
+        ins, out = s.split("->")
+    parts = ins.split(",")
+    if len(parts) != 2:
+        return None
+    terms = []
+    for p, nd in zip(parts, (lhs_ndim, rhs_ndim), strict=True):
+        t = _expand(p, nd)
+        if t is None:
+            return None
+        terms.append(t)
+    a, b = terms
+    n_ell = max(sum(c.isdigit() for c in t) for t in terms)
+    o = _expand(out, n_ell + len(out.replace("...", "")) if "..." in out else len(out))
+    if o is None or len(set(a)) != len(a) or len(set(b)) != len(b) or len(set(o)) != len(o):
+        return None
+    if any(c not in a and c not in b for c in o):
+        return None
+    batch = [c for c in a if c in b and c in o]
+    contract = [c for c in a if c in b and c not in o]
+    if any((c in a) != (c in b) and c not in o for c in a + b):
+        return None  # summed over one operand only
+    lfree = [c for c in a if c not in b]
+    rfree = [c for c in b if c not in a]
+    dims = ((tuple(a.index(c) for c in contract), tuple(b.index(c) for c in contract)),
+            (tuple(a.index(c) for c in batch), tuple(b.index(c) for c in batch)))
+    got = batch + lfree + rfree
+    if sorted(got) != sorted(o):
+        return None
+    return dims, tuple(got.index(c) for c in o)
+
+
+def _expand(term: str, ndim: int) -> list[str] | None:
+    """The letters of one einsum term, ``...`` expanded to ``ndim`` (placeholder letters
+    ``0``, ``1``, ... for the broadcast dims, aligned from the right as numpy does)."""
+    if "..." not in term:
+        return list(term) if len(term) == ndim and all(c.isalpha() for c in term) else None
+    head, _, tail = term.partition("...")
+    if "..." in tail or not all(c.isalpha() for c in head + tail):
+        return None
+    n = ndim - len(head) - len(tail)
+    if n < 0:
+        return None
+    return [*head, *(str(9 - (n - 1 - i)) for i in range(n)), *tail]

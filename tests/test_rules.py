@@ -1,0 +1,475 @@
+"""Precision rules by module path (issue 34): ``fp4jax.nn.quantize_model`` on unedited linen
+and NNX models, bit for bit against the same models hand-wired with fp4jax layers."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import fp4jax
+from fp4jax.nn import Rule, layer_key, load_rules, quantize_model, report
+from fp4jax.nn import linen as fnn
+from fp4jax.nn import nnx as fnnx
+
+B, T, D, H, HD, F, V = 2, 8, 32, 2, 16, 64, 64
+NV = fp4jax.recipes.nvfp4()
+NV_RN = fp4jax.recipes.parse("nvfp4(sr=False)")
+NV_LAYER = fp4jax.recipes.parse("nvfp4(wgrad.hadamard_signs='layer')")  # per-layer RHT key
+
+
+def _close(a, b):
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def _differs(a, b) -> bool:
+    return any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b),
+                                                         strict=True))
+
+
+# ---------------------------------------------------------------------------
+# a linen LM in the style of the Flax examples: DenseGeneral attention projections
+# (features (heads, head_dim), an output projection contracting two axes), an nn.Einsum
+# FFN layer, raw einsums for the attention scores. ``wired`` ((path, recipe) pairs) builds
+# the hand-wired twin: fp4jax.nn.linen.DotGeneral in the same places.
+# ---------------------------------------------------------------------------
+
+def _dg(wired, path):
+    r = dict(wired or ()).get(path)
+    return {} if r is None else {"dot_general_cls": functools.partial(fnn.DotGeneral, recipe=r)}
+
+
+class WiredEinsum(nn.Module):
+    """Hand-wired ``nn.Einsum("btd,df->btf")``: the same parameter, fp4jax's product."""
+
+    shape: tuple[int, ...]
+    recipe: fp4jax.Recipe
+
+    @nn.compact
+    def __call__(self, x):
+        k = self.param("kernel", nn.initializers.lecun_normal(), self.shape)
+        return fnn.DotGeneral(recipe=self.recipe)(x, k, (((2,), (0,)), ((), ())))
+
+
+class Attention(nn.Module):
+    wired: tuple = ()
+
+    @nn.compact
+    def __call__(self, x):
+        p = "/".join(self.path)
+        q = nn.DenseGeneral((H, HD), name="query", **_dg(self.wired, p + "/query"))(x)
+        k = nn.DenseGeneral((H, HD), name="key", **_dg(self.wired, p + "/key"))(x)
+        v = nn.DenseGeneral((H, HD), name="value", **_dg(self.wired, p + "/value"))(x)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / HD**0.5
+        s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -1e9)
+        a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+        return nn.DenseGeneral(D, axis=(-2, -1), name="out",
+                               **_dg(self.wired, p + "/out"))(a)
+
+
+class Block(nn.Module):
+    wired: tuple = ()
+
+    @nn.compact
+    def __call__(self, x, _=None):
+        p = "/".join(self.path)
+        x = x + Attention(self.wired, name="attn")(nn.LayerNorm(name="ln1")(x))
+        h = nn.LayerNorm(name="ln2")(x)
+        r = dict(self.wired).get(p + "/up")
+        if r is None:
+            h = nn.Einsum((D, F), "btd,df->btf", use_bias=False, name="up")(h)
+        else:
+            h = WiredEinsum((D, F), r, name="up")(h)
+        h = nn.Dense(D, name="down", **_dg(self.wired, p + "/down"))(nn.gelu(h))
+        return x + h, None
+
+
+class LM(nn.Module):
+    n_blocks: int = 2
+    scan: bool = False
+    wired: tuple = ()
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(V, D, name="embed")(tokens)
+        if self.scan:
+            stack = nn.scan(nn.remat(Block), variable_axes={"params": 0},
+                            split_rngs={"params": True, "fp4": True},
+                            length=self.n_blocks)
+            x, _ = stack(self.wired, name="blocks")(x, None)
+        else:
+            for i in range(self.n_blocks):
+                x, _ = Block(self.wired, name=f"block_{i}")(x)
+        return nn.Dense(V, name="lm_head", **_dg(self.wired, "lm_head"))(x)
+
+
+LAYERS = ("attn/query", "attn/key", "attn/value", "attn/out", "up", "down")
+# few quantized layers (each costs seconds of CPU compile time), one of each kind:
+# DenseGeneral with two feature axes (query) and two contracting axes (out), nn.Einsum (up);
+# nn.Dense is the Llama test's
+RULES = [Rule(r".*(embed|lm_head).*", None),
+         Rule(r"block_0/attn/query", NV_RN),        # first match wins over the next rule
+         Rule(r"block_0/attn/(query|out)", NV_LAYER),
+         Rule(r"block_1/up", "nvfp4")]
+
+
+def _wired_for(rules, paths):
+    out = []
+    for p in paths:
+        i = fp4jax.nn.match_rule(rules, p)
+        if i is not None and rules[i].recipe is not None:
+            out.append((p, rules[i].recipe))
+    return tuple(out)
+
+
+def _tokens(seed=0):
+    return jax.random.randint(jax.random.key(seed), (B, T), 0, V)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _loss_and_grads(model, params, tokens, key):
+    def loss(p):
+        logits = model.apply(p, tokens, rngs={"fp4": key, "fp4_layer": jax.random.key(9)})
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 0]), logits
+    return jax.value_and_grad(loss, has_aux=True)(params)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "nn.scan"])
+def test_linen_bit_identical_to_hand_wired(scan):
+    tokens, key = _tokens(), jax.random.key(5)
+    if scan:
+        rules = [Rule(r"lm_head", None), Rule(r"blocks/attn/out", NV_RN),
+                 Rule(r"blocks/(attn/out|up)", NV)]
+        paths = ["blocks/" + layer for layer in LAYERS] + ["lm_head"]
+    else:
+        rules = RULES
+        paths = [f"block_{i}/{layer}" for i in range(2) for layer in LAYERS] + ["lm_head"]
+    plain = LM(scan=scan)
+    qmodel = quantize_model(plain, rules)
+    hand = LM(scan=scan, wired=_wired_for(rules, paths))
+    assert isinstance(qmodel, LM) and qmodel.scan == scan
+    params = plain.init(jax.random.key(0), tokens)
+    # the same parameter tree and values as the unedited model's init
+    _close(qmodel.init(jax.random.key(0), tokens), params)
+    assert jax.tree.structure(hand.init(jax.random.key(0), tokens)) == jax.tree.structure(params)
+
+    assert len(hand.wired) == (2 if scan else 3)  # the twin runs fp4jax: equal bits are FP4
+    (lq, yq), gq = _loss_and_grads(qmodel, params, tokens, key)
+    (lh, yh), gh = _loss_and_grads(hand, params, tokens, key)
+    _close((yq, gq), (yh, gh))
+    # another step's key: other stochastic-rounding draws, same forward (RN fprop)
+    (_, yq2), gq2 = _loss_and_grads(qmodel, params, tokens, jax.random.key(6))
+    _close(yq2, yq)
+    assert _differs(gq2, gq)
+
+
+def test_none_rules_keep_the_model_bit_for_bit():
+    tokens = _tokens()
+    plain = LM()
+    params = plain.init(jax.random.key(0), tokens)
+    for rules in ([Rule(".*", None)], [Rule("nothing", "nvfp4")], []):
+        q = quantize_model(plain, rules)
+        _close(_loss_and_grads(q, params, tokens, jax.random.key(1)),
+               _loss_and_grads(plain, params, tokens, jax.random.key(1)))
+
+
+def test_report_lists_layers_unused_rules_and_uncovered():
+    class Raw(nn.Module):
+        """A module with its own parameter in a raw einsum (weight as the LHS) and in an
+        '@' no hook sees."""
+
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", nn.initializers.lecun_normal(), (D, D))
+            y = jnp.einsum("de,bte->btd", w, x)
+            return y + x @ self.param("v", nn.initializers.lecun_normal(), (D, D))
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            x = LM(name="lm")(tokens)
+            return Raw(name="raw")(x[..., :D])
+
+    rules = [Rule(r"lm/lm_head", None), Rule(r"lm/block_0/up", "nvfp4(sr=False)"),
+             Rule(r"lm/block_0/.*", "nvfp4"), Rule(r"block_0/.*", "mxfp4"),  # never full
+             Rule(r"lm/.*/attn/.*", "nvfp4"), Rule(r"raw", "nvfp4")]
+    rep = report(quantize_model(Model(), rules), _tokens())
+    layers = rep.layers
+    assert set(layers) == ({f"lm/block_{i}/{n}" for i in range(2) for n in LAYERS}
+                           | {"lm/lm_head", "raw"})
+    assert layers["lm/lm_head"]["recipe"] is None and layers["lm/lm_head"]["rule"] == 0
+    assert layers["lm/block_0/up"]["rule"] == 1 and layers["lm/block_0/up"]["op"] == "einsum"
+    assert layers["lm/block_0/attn/query"]["rule"] == 2
+    assert layers["lm/block_1/attn/out"]["rule"] == 4
+    assert layers["lm/block_1/attn/out"]["weight"] == (H, HD, D)
+    assert layers["lm/block_1/up"]["rule"] is None and layers["lm/block_1/down"]["rule"] is None
+    assert layers["raw"]["op"] == "einsum" and layers["raw"]["recipe"] == "nvfp4"
+    assert [i for i, _ in rep.unused_rules] == [3]
+    assert len(rep.activation_products) == 4  # the attention scores and values, 2 blocks
+    assert len(rep.uncovered) == 1 and rep.uncovered[0].startswith("raw: dot_general")
+    text = str(rep)
+    assert "lm/block_0/attn/query" in text and "block_0/.*" in text and "raw:" in text
+
+
+def test_weight_as_lhs_and_setup_style_modules():
+    """A raw einsum with the parameter as its LHS, and a setup-style module's jnp.dot:
+    the parameter takes the weight role; keys from the layer's DotGeneral_0 (compact) or
+    from the layer's own scope (setup)."""
+
+    class RawLhs(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", nn.initializers.lecun_normal(), (F, D))
+            return jnp.einsum("fd,btd->btf", w, x)
+
+    class SetupDot(nn.Module):
+        def setup(self):
+            self.w = self.param("w", nn.initializers.lecun_normal(), (F, D))
+
+        def __call__(self, x):
+            return jnp.dot(x, self.w)
+
+    class HandLhs(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", nn.initializers.lecun_normal(), (F, D))
+            return fnn.DotGeneral(recipe=NV)(x, w, (((2,), (1,)), ((), ())))
+
+    class HandSetup(nn.Module):
+        def setup(self):
+            self.w = self.param("w", nn.initializers.lecun_normal(), (F, D))
+
+        def __call__(self, x):
+            return fp4jax.dot_general(x, self.w, (((2,), (0,)), ((), ())), recipe=NV,
+                                      key=self.make_rng("fp4"))
+
+    x = jax.random.normal(jax.random.key(1), (B, T, D))
+    xs = jax.random.normal(jax.random.key(1), (B, T, F))
+    for plain, hand, inp in ((RawLhs(), HandLhs(), x), (SetupDot(), HandSetup(), xs)):
+        params = plain.init(jax.random.key(0), inp)
+        q = quantize_model(plain, [Rule(".*", NV)])
+
+        def run(m, p, inp=inp):
+            return jax.value_and_grad(lambda p, x: jnp.sum(
+                m.apply(p, x, rngs={"fp4": jax.random.key(3)}) ** 2), argnums=(0, 1))(p, inp)
+        _close(run(q, params), run(hand, params))
+        assert _differs(run(q, params), run(plain, params))
+
+
+# ---------------------------------------------------------------------------
+# NNX: nnx.Einsum, nnx.LinearGeneral and nnx.Linear in a list
+# ---------------------------------------------------------------------------
+
+class NnxBlock(nnx.Module):
+    def __init__(self, rngs, dots=None):
+        d = dots or {}
+        self.mix = nnx.Einsum("btd,dhk->bthk", (D, H, HD), rngs=rngs,
+                              **({"einsum_op": d["mix"]} if "mix" in d else {}))
+        self.out = nnx.LinearGeneral((H, HD), D, axis=(-2, -1), rngs=rngs,
+                                     **({"dot_general": d["out"]} if "out" in d else {}))
+        self.mlp = nnx.List([
+            nnx.Linear(D, F, rngs=rngs, **({"dot_general": d["mlp/0"]} if "mlp/0" in d else {})),
+            nnx.Linear(F, D, rngs=rngs, **({"dot_general": d["mlp/1"]} if "mlp/1" in d else {}))])
+
+    def __call__(self, x):
+        x = x + self.out(self.mix(x))
+        return x + self.mlp[1](jax.nn.gelu(self.mlp[0](x)))
+
+
+class NnxLM(nnx.Module):
+    def __init__(self, rngs, dots=None):
+        dots = dots or {}
+        self.embed = nnx.Embed(V, D, rngs=rngs)
+        self.blocks = nnx.List([NnxBlock(rngs, {k.split("/", 2)[2]: v for k, v in dots.items()
+                                                if k.startswith(f"blocks/{i}/")})
+                                for i in range(2)])
+        self.head = nnx.Linear(D, V, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+class HandEinsum(nnx.Module):
+    """Hand-wired ``einsum_op`` of ``nnx.Einsum("btd,dhk->bthk")``: K = d, N = (h, k)."""
+
+    def __init__(self, dg):
+        self.dg = dg
+
+    def __call__(self, subscripts, x, kernel, **kw):
+        return self.dg(x, kernel, (((2,), (0,)), ((), ())))
+
+
+def _nnx_hand_dots(rules, base):
+    """The hand-wired twin's products: fp4jax.nn.nnx.DotGeneral per layer, keyed
+    ``layer_key(base, path)`` (the documented quantize_model keys)."""
+    dots = {}
+    for i in range(2):
+        for name in ("mix", "out", "mlp/0", "mlp/1"):
+            path = f"blocks/{i}/{name}"
+            j = fp4jax.nn.match_rule(rules, path)
+            r = rules[j].recipe if j is not None else None
+            if r is None:
+                continue
+            rht = layer_key(base[1], path) if r.needs_layer_key else None
+            dg = fnnx.DotGeneral(r, rngs=nnx.Rngs(fp4=layer_key(base[0], path)), rht_key=rht)
+            dots[path] = HandEinsum(dg) if name == "mix" else dg
+    return dots
+
+
+def test_nnx_bit_identical_to_hand_wired():
+    tokens = _tokens()
+    rules = [Rule(r"head", None), Rule(r"blocks/0/out", NV_RN),
+             Rule(r"blocks/0/(mix|out)|blocks/1/mlp/0", NV_LAYER)]
+    plain = NnxLM(nnx.Rngs(0))
+    q = quantize_model(nnx.clone(plain), rules, rngs=nnx.Rngs(fp4=7, fp4_layer=8))
+    base = nnx.Rngs(fp4=7)["fp4"](), nnx.Rngs(fp4_layer=8)["fp4_layer"]()
+    dots = _nnx_hand_dots(rules, base)
+    assert len(dots) == 3  # the twin runs fp4jax: equal bits are FP4 bits
+    hand = NnxLM(nnx.Rngs(0), dots)
+    _close(nnx.state(hand, nnx.Param), nnx.state(plain, nnx.Param))
+    _close(nnx.state(q, nnx.Param), nnx.state(plain, nnx.Param))
+
+    def loss(m, t):
+        return jnp.mean(jax.nn.log_softmax(m(t))[..., 0])
+
+    step = nnx.jit(nnx.value_and_grad(loss))
+    for _ in range(2):  # two steps: the per-layer streams advance alike
+        lq, gq = step(q, tokens)
+        lh, gh = step(hand, tokens)
+        _close((lq, nnx.state(gq, nnx.Param)), (lh, nnx.state(gh, nnx.Param)))
+    rep = report(q, tokens)
+    assert rep.layers["blocks/0/out"]["rule"] == 1 and rep.layers["head"]["recipe"] is None
+    assert rep.layers["blocks/1/mlp/0"]["rule"] == 2 and rep.layers["blocks/1/mix"]["rule"] is None
+    assert rep.layers["blocks/0/mix"]["op"] == "einsum"
+    assert len(rep.layers) == 9 and not rep.unused_rules and not rep.uncovered
+
+
+def test_nnx_none_rules_keep_bits():
+    tokens = _tokens()
+    plain = NnxLM(nnx.Rngs(0))
+    q = quantize_model(nnx.clone(plain), [Rule(".*", None)])
+    _close(nnx.jit(lambda m, t: m(t))(q, tokens), nnx.jit(lambda m, t: m(t))(plain, tokens))
+
+
+# ---------------------------------------------------------------------------
+# rules, files, bad inputs
+# ---------------------------------------------------------------------------
+
+def test_rule_fullmatch_and_first_wins():
+    rules = [Rule("block_0", None), Rule(r"query", None), Rule(r".*/query", "nvfp4"),
+             Rule(r".*", "mxfp4")]
+    assert fp4jax.nn.match_rule(rules, "block_0") == 0
+    assert fp4jax.nn.match_rule(rules, "block_0/attn/query") == 2  # not 0 nor 1
+    assert fp4jax.nn.match_rule(rules, "block_0/attn/key") == 3
+    assert fp4jax.nn.match_rule(rules[:2], "block_0/x") is None
+    assert Rule(".*", "nvfp4(sr=False)").recipe == NV_RN
+    assert Rule(".*", "none").recipe is None and Rule(".*", NV).recipe is NV
+
+
+def test_load_rules_json_and_toml(tmp_path):
+    j = tmp_path / "r.json"
+    j.write_text(json.dumps([{"pattern": ".*embed.*", "recipe": None}, [".*", "nvfp4"]]))
+    t = tmp_path / "r.toml"
+    t.write_text('[[rules]]\npattern = ".*embed.*"\nrecipe = "none"\n'
+                 '[[rules]]\npattern = ".*"\nrecipe = "nvfp4"\n')
+    want = [Rule(".*embed.*", None), Rule(".*", NV)]
+    assert load_rules(j) == want and load_rules(t) == want
+    t2 = tmp_path / "pairs.toml"
+    t2.write_text('rules = [[".*embed.*", "none"], [".*", "nvfp4"]]\n')
+    assert load_rules(t2) == want
+
+
+@pytest.mark.parametrize("content,needle", [
+    ('[{"pattern": "(", "recipe": "nvfp4"}]', r"rules\[0\].*not a valid regular"),
+    ('[[".*", "none"], [".*", "nvfp5"]]', r"rules\[1\].*bad recipe spec 'nvfp5'"),
+    ('[{"pattern": ".*", "recipes": "nvfp4"}]', r"rules\[0\].*'pattern' and 'recipe'"),
+    ('{"layers": []}', r"'rules' key"),
+    ('[1, 2', r"not valid JSON"),
+])
+def test_load_rules_errors_name_file_and_entry(tmp_path, content, needle):
+    f = tmp_path / "bad.json"
+    f.write_text(content)
+    with pytest.raises(ValueError, match=needle) as e:
+        load_rules(f)
+    assert "bad.json" in str(e.value)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="pattern"):
+        Rule("(", "nvfp4")
+    with pytest.raises(ValueError, match="pattern"):
+        Rule(3, "nvfp4")
+    with pytest.raises(ValueError, match="recipe"):
+        Rule(".*", "nvfp5")
+    with pytest.raises(ValueError, match="recipe"):
+        Rule(".*", 4)
+    with pytest.raises(ValueError, match="model"):
+        quantize_model(object(), [Rule(".*", "nvfp4")])
+    with pytest.raises(ValueError, match=r"rules\[1\]"):
+        quantize_model(LM(), [Rule(".*", None), ("(", "nvfp4")])
+    with pytest.raises(ValueError, match="rules"):
+        quantize_model(LM(), "nvfp4")
+    with pytest.raises(ValueError, match="rngs"):
+        quantize_model(NnxLM(nnx.Rngs(0)), [Rule(".*", "nvfp4")])
+    with pytest.raises(ValueError, match="rng_collection"):
+        quantize_model(LM(), [], rng_collection="")
+    with pytest.raises(ValueError, match="qmodel"):
+        report(LM(), _tokens())
+
+
+# ---------------------------------------------------------------------------
+# PrecisionPolicy as rules; fp4jax's own Llama as plain Flax layers + rules
+# ---------------------------------------------------------------------------
+
+def test_policy_rules_agree_with_recipe_for():
+    from fp4jax.nn import PrecisionPolicy
+
+    names = ("attn.q", "attn.k", "attn.o", "mlp.up", "mlp.down")
+    layers = {n: n.replace(".", "/") for n in names}
+    for pol in (PrecisionPolicy(NV, 1, 2, ("mlp.*", "block_2/attn.q")),
+                PrecisionPolicy(NV, high_precision_layers=("block_*/attn.o",),
+                                high_precision=fp4jax.recipes.bf16()),
+                PrecisionPolicy(None, 1), PrecisionPolicy(fp4jax.recipes.bf16(), 0, 1)):
+        rules = pol.rules(6, "decoder/layers_{i}", layers)
+        for i in range(6):
+            for n in names:
+                j = fp4jax.nn.match_rule(rules, f"decoder/layers_{i}/{layers[n]}")
+                assert rules[j].recipe == pol.recipe_for(i, 6, n), (pol, i, n)
+        assert fp4jax.nn.match_rule(rules, "decoder/embed") is None
+        assert fp4jax.nn.match_rule(rules, "decoder/layers_1x/attn/q") is None
+    glob = PrecisionPolicy(NV, high_precision_layers=("mlp/*",)).rules(2)
+    assert [fp4jax.nn.match_rule(glob, p) for p in ("block_1/mlp/up", "block_1/q")] == [0, 1]
+    with pytest.raises(ValueError, match="block"):
+        PrecisionPolicy(NV).rules(2, "layers")
+
+
+def test_llama_as_plain_flax_plus_rules_is_todays_llama():
+    """fp4jax's Llama with every linear a plain ``nn.Dense`` (policy recipe None), put under
+    ``PrecisionPolicy.rules``, gives today's Llama's bits (forward and gradients)."""
+    from fp4jax.models.llama import Llama, LlamaConfig
+    from fp4jax.nn import PrecisionPolicy
+
+    cfg = LlamaConfig(vocab_size=V, d_model=D, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=F,
+                      max_seq_len=T, dtype="float32")
+    # two quantized layers (CPU compile time): block_1's q and up
+    policy = PrecisionPolicy(NV, 1, 1, ("attn.[kvo]", "block_*/mlp.down"))
+    today = Llama(cfg, policy)
+    plain = Llama(cfg, PrecisionPolicy(None))
+    rules = policy.rules(cfg.n_layers, layers={n: n.split(".")[1] for n in cfg.linear_layers})
+    q = quantize_model(plain, rules)
+    tokens = _tokens()
+    params = today.init(jax.random.key(0), tokens)
+    _close(q.init(jax.random.key(0), tokens), params)
+    _close(_loss_and_grads(q, params, tokens, jax.random.key(2)),
+           _loss_and_grads(today, params, tokens, jax.random.key(2)))
+    rep = report(q, tokens)
+    assert sorted(p for p, d in rep.layers.items() if d["recipe"]) == ["block_1/q", "block_1/up"]
