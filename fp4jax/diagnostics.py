@@ -301,8 +301,8 @@ def stats_from_metrics(path: str | os.PathLike, step: int | None = None
     return recs[-1]["layers"]
 
 
-def recommend_high_precision_layers(stats: dict[str, dict], budget: float = 0.15
-                                    ) -> list[str]:
+def recommend_high_precision_layers(stats: dict[str, dict], budget: float = 0.15, *,
+                                    rules: bool = False) -> list[Any]:
     """The layers to keep in high precision: the ``floor(budget * len(stats))`` layers with
     the largest measured error, ranked by wgrad error, then dgrad, then fprop.
 
@@ -314,7 +314,11 @@ def recommend_high_precision_layers(stats: dict[str, dict], budget: float = 0.15
     Returns:
       layer names, largest error first, as ``stats`` names them (``layer_stats`` of the
       harness's Llama: ``"block_3/q"``; ``fp4jax.models.llama.policy_layer_name`` turns those
-      into ``PrecisionPolicy.high_precision_layers`` patterns).
+      into ``PrecisionPolicy.high_precision_layers`` patterns). With ``rules=True``, the
+      same as ``fp4jax.nn.Rule(re.escape(path), None)`` (high precision) for
+      ``fp4jax.nn.quantize_model``, to put before the model's other rules; a name's scan
+      index (``"[3]"``) and call suffix (``"#2"``) are dropped: a rule names a module path,
+      and every iteration of a scan shares its module's.
     """
     if not 0.0 <= budget <= 1.0 or math.isnan(budget):
         raise ValueError(f"budget must be a fraction in [0, 1], got {budget!r}")
@@ -324,7 +328,17 @@ def recommend_high_precision_layers(stats: dict[str, dict], budget: float = 0.15
         s = stats[name]
         return tuple(-float(s[g]["rel_error"]) for g in ("wgrad", "dgrad", "fprop"))
 
-    return sorted(stats, key=lambda name: (rank(name), name))[:n]
+    names = sorted(stats, key=lambda name: (rank(name), name))[:n]
+    if not rules:
+        return names
+    from fp4jax.nn.rules import Rule
+
+    out: list[Any] = []
+    for name in names:
+        path = re.sub(r"(\[\d+\])+$", "", name.split("#", 1)[0])
+        if all(r.pattern != re.escape(path) for r in out):
+            out.append(Rule(re.escape(path), None))
+    return out
 
 
 def mean_layer_stats(records: list[Mapping[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
@@ -366,7 +380,8 @@ def _noise_entry(g_sq: jax.Array, e_sq: jax.Array, q_sq: jax.Array, d: int
 
 
 def gradient_noise(grads: Any, grads_q: Any, *,
-                   name_fn: Callable[[tuple[str, ...], tuple[int, ...]], str] | None = None
+                   name_fn: Callable[[tuple[str, ...], tuple[int, ...]], str] | None = None,
+                   scan_axes: Callable[[tuple[str, ...], tuple[int, ...]], int] | None = None
                    ) -> dict[str, Any]:
     """The gradient-to-noise ratio of FP4-all-the-way (Chmiel et al. 2025, Section 4.1 and
     Appendix B.1), globally and per layer. Traceable: call it inside ``jax.jit``.
@@ -398,7 +413,14 @@ def gradient_noise(grads: Any, grads_q: Any, *,
       name_fn: ``name_fn(path, index) -> str`` names a layer from the path of its
         ``"kernel"`` leaf (without ``"kernel"``) and, for a kernel with leading axes
         (``flax.linen.scan``: ``(n, K, N)``), the index along them (as for ``layer_stats``;
-        default ``"/".join(path)`` plus ``"[i]"``).
+        default ``"/".join(path)`` plus ``"[i]"``). Boxed parameters
+        (``nn.LogicallyPartitioned``, an ``nnx.State``'s variables) are named by the
+        path of the box (a trailing ``.value`` is dropped).
+      scan_axes: ``scan_axes(path, shape) -> n``: how many leading axes of the kernel at
+        ``path`` (as for ``name_fn``) stack scanned layers. Default: every axis before
+        the last two (fp4jax's Llama, whose kernels are 2-D); for a model with
+        multi-axis kernels (``DenseGeneral``) pass ``fp4jax.nn.report(...).scan_axes``,
+        which splits only the stacks of actual scans.
 
     Returns:
       ``{"global": entry, "layers": {name: entry}}``, each entry ``{"ratio", "grad_norm"
@@ -426,10 +448,17 @@ def gradient_noise(grads: Any, grads_q: Any, *,
         e32 = q32 - g32
         keys = tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
                      for k in path)
+        while keys and keys[-1] in ("value", "raw_value"):  # a box's (or Variable's) leaf
+            keys = keys[:-1]
         if keys and keys[-1] == "kernel" and g32.ndim >= 2:
-            lead = g32.ndim - 2
-            gs, es, qs = (jnp.sum(jnp.square(a), axis=(-2, -1)) for a in (g32, e32, q32))
-            n = g32.shape[-2] * g32.shape[-1]
+            lead = (g32.ndim - 2 if scan_axes is None
+                    else int(scan_axes(keys[:-1], tuple(g32.shape))))
+            if not 0 <= lead <= g32.ndim - 1:
+                raise ValueError(f"gradient_noise: scan_axes gave {lead} for the kernel "
+                                 f"{'/'.join(keys)} of shape {g32.shape}")
+            inner = tuple(range(lead, g32.ndim))
+            gs, es, qs = (jnp.sum(jnp.square(a), axis=inner) for a in (g32, e32, q32))
+            n = int(np.prod(g32.shape[lead:]))
             for index in np.ndindex(*g32.shape[:lead]):
                 layers[name_fn(keys[:-1], tuple(int(i) for i in index))] = _noise_entry(
                     gs[index], es[index], qs[index], n)

@@ -473,3 +473,53 @@ def test_llama_as_plain_flax_plus_rules_is_todays_llama():
            _loss_and_grads(today, params, tokens, jax.random.key(2)))
     rep = report(q, tokens)
     assert sorted(p for p, d in rep.layers.items() if d["recipe"]) == ["block_1/q", "block_1/up"]
+
+
+# ---------------------------------------------------------------------------
+# diagnostics on a foreign model
+# ---------------------------------------------------------------------------
+
+def test_gradient_noise_unboxes_and_splits_only_scans():
+    from fp4jax.diagnostics import gradient_noise
+
+    class Body(nn.Module):
+        @nn.compact
+        def __call__(self, c, _):
+            return nn.Dense(D, name="dense")(c), None
+
+    class Boxed(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                                ("embed", "heads", "kv"))
+            q = nn.DenseGeneral((H, HD), kernel_init=init, name="query")(x)
+            stack = nn.scan(Body, variable_axes={"params": 0}, split_rngs={"params": True},
+                            length=3)(name="stack")
+            return jnp.sum(q) + jnp.sum(stack(x, None)[0])
+
+    x = jnp.ones((B, T, D))
+    q = quantize_model(Boxed(), [Rule(".*", None)])
+    params = q.init(jax.random.key(0), x)
+    assert type(params["params"]["query"]["kernel"]).__name__ == "LogicallyPartitioned"
+    rep = report(q, x)
+    assert rep.scan_axes(("query",), (D, H, HD)) == 0
+    assert rep.scan_axes(("params", "stack", "dense"), (3, D, D)) == 1
+    g = jax.tree.map(jnp.ones_like, params)
+    gq = jax.tree.map(lambda a: a * 2, g)
+    noise = gradient_noise(g, gq, scan_axes=rep.scan_axes)["layers"]
+    assert sorted(noise) == ["params/query", "params/stack/dense[0]",
+                             "params/stack/dense[1]", "params/stack/dense[2]"]
+    assert int(noise["params/query"]["d"]) == D * H * HD
+    assert len(gradient_noise(g, gq)["layers"]) == 32 + 3  # the old rule: 3-D = a stack
+
+
+def test_recommend_returns_rules():
+    from fp4jax.diagnostics import recommend_high_precision_layers
+
+    def st(e):
+        return {g: {"rel_error": e} for g in ("fprop", "dgrad", "wgrad")}
+    stats = {"block_0/attn/out": st(0.3), "blocks/up[1]": st(0.5), "blocks/up[0]": st(0.4),
+             "a.b": st(0.1)}
+    rules = recommend_high_precision_layers(stats, 0.75, rules=True)
+    assert rules == [Rule(r"blocks/up", None), Rule(r"block_0/attn/out", None)]
+    assert recommend_high_precision_layers(stats, 0.25) == ["blocks/up[1]"]

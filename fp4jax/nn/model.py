@@ -759,6 +759,23 @@ class Report:
     activation_products: list[str]
     uncovered: list[str]
 
+    def scan_axes(self, path: Sequence[str], shape: Sequence[int]) -> int:
+        """How many leading axes of the kernel at module ``path`` (a tuple of names, a
+        leading ``"params"`` allowed) with
+        ``shape`` stack scanned layers: those before the weight shape the layer's product
+        used (``nn.scan``/``nnx.vmap`` stacks), 0 for a layer the report did not see. For
+        ``fp4jax.diagnostics.gradient_noise(..., scan_axes=report.scan_axes)``: a 3-D
+        ``DenseGeneral`` kernel is one layer, a scanned stack of 2-D kernels is several."""
+        path = tuple(str(p) for p in path)
+        d = self.layers.get("/".join(path))
+        if d is None and path[:1] == ("params",):  # a variables tree's path
+            d = self.layers.get("/".join(path[1:]))
+        if d is None:
+            return 0
+        w, shape = tuple(d["weight"]), tuple(shape)
+        n = len(shape) - len(w)
+        return n if n >= 0 and shape[n:] == w else 0
+
     def __str__(self) -> str:
         rows = [("layer", "recipe", "rule", "weight", "op")]
         for path, d in self.layers.items():
