@@ -219,7 +219,7 @@ CHECKS, check = lab.registry()  # name -> (check(ctx), description)
 # ---------------------------------------------------------------------------
 
 
-def _finite_amax(v):
+def finite_amax(v):
     a = jnp.abs(v.astype(F32))
     return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0))
 
@@ -413,7 +413,7 @@ def check_amax(ctx: Ctx) -> None:
         return (*fq.cols_amaxes(x, sg, **ctx.kw), fq.rht_cols_amax(x, sg, **ctx.kw))
 
     def xla(x):
-        return _finite_amax(x), _finite_amax(random_hadamard_transform(x, axis=0, size=16,
+        return finite_amax(x), finite_amax(random_hadamard_transform(x, axis=0, size=16,
                                                                        signs=sg))
 
     def judge(out):
@@ -446,7 +446,7 @@ def check_shards(ctx: Ctx) -> None:
         def run(x):
             n = n_shards(x)
             rows = x.shape[0] // n
-            amax = (fq.rht_cols_amax(x, ctx.signs, **kw) if rotated else _finite_amax(x))
+            amax = (fq.rht_cols_amax(x, ctx.signs, **kw) if rotated else finite_amax(x))
             parts = [kernel(x[i * rows:(i + 1) * rows], amax=amax,
                             offset=row_shard_draw_offset((rows, x.shape[1]), i))
                      for i in range(n)]

@@ -11,7 +11,7 @@ rounding="ms_eden")`` and writes, per key, every intermediate that the Quartet I
   rotated values (K, 2, 256), back = H^T deq in the original basis (K, 2, 256).
 
 The intermediates are read from the library's own ``ms_eden`` (called through
-``fp4jax.quantization._quantize_impl``, the body of ``fp4jax.quantize`` without its inner jit,
+``fp4jax.quantization.quantize_unchecked``, the body of ``fp4jax.quantize`` without its inner jit,
 checked bit for bit against ``fp4jax.quantize`` on every key) by wrapping three
 ``fp4jax.numerics`` functions while it is traced (no library file is changed):
 ``round_to_grid`` on the E4M3 grid (s_rn), ``div_rn`` of shape ``(..., groups)`` (c) and
@@ -84,7 +84,7 @@ def one(k, x):
     q = fp4jax.quantize(xr, rounding="ms_eden", key=kq)  # the public path
     store: dict = {}
     with captured(store):  # its traced body, without quantize's inner jit, for the values
-        q2 = quantization._quantize_impl(xr, kq, fp4jax.NVFP4, -1, False, "ms_eden",
+        q2 = quantization.quantize_unchecked(xr, kq, fp4jax.NVFP4, -1, False, "ms_eden",
                                          eden_group=128)
     deq = fp4jax.dequantize(q)
     back = ((deq.reshape(2, D // 128, 128) @ h) * s).reshape(2, D)

@@ -70,7 +70,7 @@ def main() -> None:
     signs = resolve_signs(None, 16)
 
     def q(a, axis=-1, sr=False, block_2d=False):
-        return qz._quantize_impl(a, key if sr else None, NVFP4, axis, block_2d,
+        return qz.quantize_unchecked(a, key if sr else None, NVFP4, axis, block_2d,
                                  "stochastic" if sr else "nearest")
 
     if not args.skip_pieces:

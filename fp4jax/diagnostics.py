@@ -62,8 +62,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp4jax import quantization as qz
-from fp4jax.quantized_dot import _call_key, _quant, _rht, _subkey, dot
-from fp4jax.recipes import GemmSpec, QuantSpec, Recipe, get, nvfp4
+from fp4jax.quantized_dot import call_key, dot, reference_operand
+from fp4jax.recipes import Recipe, get, nvfp4
 
 # the variable collections through which fp4jax's linen layers hand their operands to
 # ``layer_stats`` (defined here, used by ``fp4jax.nn.linen.DotGeneral``; see its module
@@ -81,20 +81,20 @@ __all__ = ["SQRT3", "SwitchMonitor", "auto_switch_step", "combine_noise", "flatt
 SQRT3 = math.sqrt(3.0)  # FP4-all-the-way Section 4.1: the critical gradient-to-noise ratio
 
 
-def _operand_stats(t: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: jax.Array,
-                   gemm: str, which: str) -> dict[str, jax.Array]:
-    """Format usage of one operand ``t`` (canonical 3D ``(1, R, C)``, blocked along
-    ``axis``) as the GEMM quantizes it."""
-    r = _rht(t.astype(jnp.float32), g, axis, key, gemm)
-    amax = qz._finite_amax(r)
+def _operand_stats(t: jax.Array, recipe: Recipe, key: jax.Array, gemm: str, which: str
+                   ) -> dict[str, jax.Array]:
+    """Format usage of one operand ``t`` (canonical 3D ``(1, R, C)``) as the GEMM quantizes
+    it (``fp4jax.quantized_dot.reference_operand``)."""
+    r, q = reference_operand(t.astype(jnp.float32), recipe, gemm, which, key)
+    amax = qz.finite_amax(r)
+    spec = getattr(getattr(recipe, gemm), which)
     if not spec.quantized:
         return {"amax": amax}
-    q = _quant(r, spec, axis, _subkey(key, gemm, which))
     # each element in the quantizer's encoded domain (its encode scale, Eq. 4): beyond the
     # element maximum there (6 for E2M1), rounding clipped it
     # (a block whose scale underflowed to 0 holds codes +-6 with encode scale FLT_MAX, as in
     # Transformer Engine: its elements count as underflowed, not saturated)
-    s_el = qz._expand_scale(q)
+    s_el = qz.expand_scale(q)
     enc = qz.element_encode_scale(s_el, q.global_scale)
     finite_nz = jnp.isfinite(r) & (r != 0)
     n_nz = jnp.maximum(jnp.sum(finite_nz), 1)
@@ -131,14 +131,14 @@ def gemm_stats(x: jax.Array, w: jax.Array, dy: jax.Array, *,
       ``{"fprop"|"dgrad"|"wgrad": {"rel_error": f32, "lhs": {...}, "rhs": {...}}}``.
     """
     recipe = nvfp4() if recipe is None else get(recipe)
-    x, w, dy = (qz._check_float(a, n, "fp4jax.diagnostics.gemm_stats")
+    x, w, dy = (qz.check_float(a, n, "fp4jax.diagnostics.gemm_stats")
                 for a, n in ((x, "x"), (w, "w"), (dy, "dy")))
     if w.ndim != 2 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"gemm_stats: need x (..., K) and w (K, N), got {x.shape} and {w.shape}")
     if dy.shape != x.shape[:-1] + (w.shape[1],):
         raise ValueError(f"gemm_stats: dy must have shape {x.shape[:-1] + (w.shape[1],)} "
                          f"(y's), got {dy.shape}")
-    k = _call_key(recipe, key, rht_key)  # fp4jax.dot's checks and key packing
+    k = call_key(recipe, key, rht_key)  # fp4jax.dot's checks and key packing
 
     def f(a, b):
         return dot(a, b, recipe=recipe, key=key, rht_key=rht_key,
@@ -155,18 +155,12 @@ def gemm_stats(x: jax.Array, w: jax.Array, dy: jax.Array, *,
 
     # canonical operands (1, M, K), (1, K, N), (1, M, N) and their blocked axes (fp4jax.dot)
     xc, wc, gc = x2[None], w32[None], dy2[None]
-    fp, dg, wg = recipe.fprop, recipe.dgrad, recipe.wgrad
-    return {
-        "fprop": {"rel_error": _rel(y_q, y),
-                  "lhs": _operand_stats(xc, fp, fp.lhs, 2, k, "fprop", "lhs"),
-                  "rhs": _operand_stats(wc, fp, fp.rhs, 1, k, "fprop", "rhs")},
-        "dgrad": {"rel_error": _rel(dx_q, dx),
-                  "lhs": _operand_stats(gc, dg, dg.lhs, 2, k, "dgrad", "lhs"),
-                  "rhs": _operand_stats(wc, dg, dg.rhs, 2, k, "dgrad", "rhs")},
-        "wgrad": {"rel_error": _rel(dw_q, dw),
-                  "lhs": _operand_stats(xc, wg, wg.lhs, 1, k, "wgrad", "lhs"),
-                  "rhs": _operand_stats(gc, wg, wg.rhs, 1, k, "wgrad", "rhs")},
-    }
+    ops = {"fprop": (xc, wc), "dgrad": (gc, wc), "wgrad": (xc, gc)}
+    errs = {"fprop": _rel(y_q, y), "dgrad": _rel(dx_q, dx), "wgrad": _rel(dw_q, dw)}
+    return {gemm: {"rel_error": errs[gemm],
+                   "lhs": _operand_stats(lhs, recipe, k, gemm, "lhs"),
+                   "rhs": _operand_stats(rhs, recipe, k, gemm, "rhs")}
+            for gemm, (lhs, rhs) in ops.items()}
 
 
 def _default_name(path: tuple[str, ...], index: tuple[int, ...]) -> str:

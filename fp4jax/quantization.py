@@ -579,10 +579,10 @@ def check_block_scale_rule(rule: str, fmt: BlockFormat | None, rounding: str = "
 # ---------------------------------------------------------------------------
 
 
-def _check_float(x: Any, argname: str, where: str = "") -> jax.Array:
-    """``x`` as an array; TypeError naming ``argname`` (and the function ``where``) if it is
-    not floating point, or if it is a ``QuantizedArray`` (already quantized: the public
-    functions quantize their inputs themselves)."""
+def check_float(x: Any, argname: str, where: str = "") -> jax.Array:
+    """Validation for public functions: ``x`` as an array; TypeError naming ``argname`` (and
+    the function ``where``) if it is not floating point, or if it is a ``QuantizedArray``
+    (already quantized: the public functions quantize their inputs themselves)."""
     prefix = f"{where}: " if where else ""
     if isinstance(x, QuantizedArray):
         raise TypeError(
@@ -654,7 +654,10 @@ def _check_one_key(key: jax.Array, name: str = "key") -> jax.Array:
 # ---------------------------------------------------------------------------
 
 
-def _finite_amax(x: jax.Array) -> jax.Array:
+def finite_amax(x: jax.Array) -> jax.Array:
+    """The tensor amax: ``max |x|`` over the finite entries of ``x`` (0 when none is finite),
+    a scalar of ``x``'s dtype. NaN/Inf are skipped so that one bad value does not poison the
+    whole tensor's scale (its block gets a NaN scale instead, ``block_amax``)."""
     with jax.named_scope("fp4_amax"):  # op-name metadata for profiles; same program
         a = jnp.abs(x)
         return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), initial=0.0)
@@ -738,7 +741,7 @@ def quantize(
       >>> q.data.dtype, q.scale.shape
       (dtype(float4_e2m1fn), (4, 2))
     """
-    x = _check_float(x, "x")
+    x = check_float(x, "x")
     fmt = get_format(fmt)
     _check_rounding(rounding, key)
     if x.ndim == 0:
@@ -771,7 +774,7 @@ def check_eden_group(eden_group: Any, where: str = "eden_group") -> None:
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8))
 def _quantize_jit(x, key, fmt, axis, block_2d, rounding, block_scale_rule="max",
                   row_scaled=False, eden_group=0):
-    return _quantize_impl(x, key, fmt, axis, block_2d, rounding, block_scale_rule,
+    return quantize_unchecked(x, key, fmt, axis, block_2d, rounding, block_scale_rule,
                           row_scaled=row_scaled, eden_group=eden_group)
 
 
@@ -784,9 +787,9 @@ def row_amax(x: jax.Array, axis: int) -> jax.Array:
     return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), axis=axis, keepdims=True, initial=0.0)
 
 
-def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding: str,
-                   block_scale_rule: str = "max", shard=None, *, row_scaled: bool = False,
-                   eden_group: int = 0):
+def quantize_unchecked(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding: str,
+                       block_scale_rule: str = "max", shard=None, *, row_scaled: bool = False,
+                       eden_group: int = 0, local_amax: bool = False):
     """The traced body of ``quantize`` (arguments already validated). ``shard``: the mesh
     axis name(s) over which ``x`` is one block of rows of a larger tensor, inside
     ``jax.shard_map`` (``fp4jax.sharding``): the tensor amax is the ``pmax`` over them and
@@ -795,16 +798,18 @@ def _quantize_impl(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding
     the row amaxes are reduced over the shards only when ``axis`` is the sharded token axis
     (``x.ndim - 2``, the canonical ``(B, M, K)`` of ``fp4jax.dot``): a row along the last
     axis lies on one device, so it needs no cross-device reduction (TE's point). ``eden_group``:
-    MS-EDEN's group size (``rounding="ms_eden"``)."""
+    MS-EDEN's group size (``rounding="ms_eden"``). ``local_amax`` (with ``shard``): the
+    block's own amax, no ``pmax`` (``Recipe.amax_scope="local"``); the draws stay at the
+    block's rows in the whole tensor."""
     b = fmt.block_size
     xf = x.astype(jnp.float32)
     if row_scaled:
         amax = row_amax(xf, axis)
-        if shard is not None and axis % x.ndim == x.ndim - 2:
+        if shard is not None and not local_amax and axis % x.ndim == x.ndim - 2:
             amax = jax.lax.pmax(amax, shard)
     else:
-        amax = _finite_amax(xf)
-        if shard is not None:
+        amax = finite_amax(xf)
+        if shard is not None and not local_amax:
             amax = jax.lax.pmax(amax, shard)
     offset = None
     if shard is not None:
@@ -899,7 +904,7 @@ def _padded_shape(shape: tuple[int, ...], axis: int, b: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _expand_scale(q: QuantizedArray) -> jax.Array:
+def expand_scale(q: QuantizedArray) -> jax.Array:
     """Block scales broadcast to ``q.shape`` as float32."""
     s = q.scale.astype(jnp.float32)
     b = q.fmt.block_size
@@ -936,7 +941,7 @@ def scaled_data(q: QuantizedArray, dtype: Any = jnp.float32) -> jax.Array:
     Returns:
       array of ``q.shape`` in ``dtype``.
     """
-    return _satfinite(q.data.astype(jnp.float32) * _expand_scale(q), dtype)
+    return _satfinite(q.data.astype(jnp.float32) * expand_scale(q), dtype)
 
 
 def _satfinite(y: jax.Array, dtype: Any) -> jax.Array:

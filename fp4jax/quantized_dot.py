@@ -33,12 +33,12 @@ import numpy as np
 
 from fp4jax import quantization as qz
 from fp4jax import sharding
-from fp4jax.formats import NVFP4
 from fp4jax.hadamard import random_hadamard_transform, resolve_signs
 from fp4jax.recipes import GemmSpec, QuantSpec, Recipe, nvfp4
 from pallas_kernels import dispatch
 
-__all__ = ["dot", "dot_general"]
+__all__ = ["OPERAND_AXES", "call_key", "dot", "dot_general", "reference_operand",
+           "token_row_multiple"]
 
 Operand = Any  # QuantizedArray | jax.Array
 
@@ -87,29 +87,31 @@ def _scoped(name: str):
 
 @_scoped("fp4_quantize")
 def _quant(x: jax.Array, spec: QuantSpec, axis: int, key: jax.Array,
-           use_kernels: bool = False, shard: Any = None, group: int = 0) -> Operand:
+           packed_kernels: bool = False, shard: Any = None, group: int = 0,
+           local_amax: bool = False) -> Operand:
     """Quantize one operand per its spec (or pass it through when unquantized).
 
-    With ``use_kernels`` the dispatcher's packed NVFP4 quantize kernels take the cases
-    they cover (round-to-nearest bf16; 1x16 blocks along the last axis, or 16x16 tiles;
-    the ``"max"`` block scale rule, one tensor scale); everything else runs the XLA
-    reference. ``shard``: ``x`` is a row block of a data-parallel tensor
-    (``fp4jax.sharding``). ``group``: MS-EDEN's group, the GEMM's RHT size.
+    With ``packed_kernels`` (``DotBackend.packed_quantize``) the dispatcher's packed NVFP4
+    quantize kernels take the round-to-nearest operands they cover
+    (``dispatch.quantize_unsupported_reason``); everything else runs the XLA reference.
+    ``shard``: ``x`` is a row block of a data-parallel tensor (``fp4jax.sharding``).
+    ``group``: MS-EDEN's group, the GEMM's RHT size. ``local_amax``: with ``shard``, the
+    shard's own tensor amax (``Recipe.amax_scope="local"``).
     """
     if not spec.quantized:
         return x
-    if (spec.fmt == NVFP4 and spec.rounding == "nearest" and use_kernels and shard is None
-            and (spec.block_2d or axis % x.ndim == x.ndim - 1)):
-        if dispatch.is_supported("quantize", x.shape, x.dtype, fmt=spec.fmt, axis=-1,
-                                 block_2d=spec.block_2d,
-                                 block_scale_rule=spec.block_scale_rule,
-                                 row_scaled=spec.row_scaled):
-            return dispatch.quantize(x, spec.fmt, axis=-1, block_2d=spec.block_2d,
-                                     backend="pallas")
-    return qz._quantize_impl(x, key if spec.random else None, spec.fmt, axis % x.ndim,
-                             spec.block_2d, spec.rounding, spec.block_scale_rule, shard,
-                             row_scaled=spec.row_scaled,
-                             eden_group=group if spec.rounding == "ms_eden" else 0)
+    if (packed_kernels and shard is None and spec.rounding == "nearest"
+            and dispatch.is_supported("quantize", x.shape, x.dtype, fmt=spec.fmt, axis=axis,
+                                      block_2d=spec.block_2d,
+                                      block_scale_rule=spec.block_scale_rule,
+                                      row_scaled=spec.row_scaled)):
+        return dispatch.quantize(x, spec.fmt, axis=-1, block_2d=spec.block_2d,
+                                 backend="pallas")
+    return qz.quantize_unchecked(x, key if spec.random else None, spec.fmt, axis % x.ndim,
+                                 spec.block_2d, spec.rounding, spec.block_scale_rule, shard,
+                                 row_scaled=spec.row_scaled,
+                                 eden_group=group if spec.rounding == "ms_eden" else 0,
+                                 local_amax=local_amax)
 
 
 def _rht_signs(g: GemmSpec, key: jax.Array, gemm: str) -> jax.Array:
@@ -220,11 +222,13 @@ def _scale_to_output(s: jax.Array, sub: str, out: str) -> jax.Array:
 
 
 def _scaled_path_applies(recipe: Recipe) -> bool:
-    """The kernel path covers recipes whose six operands are all NVFP4 with one tensor
-    scale each and no MS-EDEN rounding (row-scaled and MS-EDEN operands make the whole
-    call take the XLA path: its GEMMs need their per-row scales, ``_einsum_scaled``)."""
-    return all(q.quantized and q.fmt == NVFP4 and not q.row_scaled and q.rounding != "ms_eden"
-               for g in (recipe.fprop, recipe.dgrad, recipe.wgrad) for q in (g.lhs, g.rhs))
+    """Whether the kernel path (``DotBackend`` ``"pallas"``) takes the recipe: all six
+    operands quantized with specs the kernels implement (``dispatch.spec_unsupported_reason``:
+    NVFP4 with one tensor scale, round-to-nearest or stochastic rounding; row-scaled and
+    MS-EDEN operands need the XLA path's per-row scales and draws, ``_einsum_scaled``)."""
+    return all(q.quantized and dispatch.spec_unsupported_reason(
+        q.fmt, block_scale_rule="max", row_scaled=q.row_scaled, rounding=q.rounding) is None
+        for g in (recipe.fprop, recipe.dgrad, recipe.wgrad) for q in (g.lhs, g.rhs))
 
 
 def _kernel_for(x: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: jax.Array):
@@ -238,8 +242,8 @@ def _kernel_for(x: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: jax.
 
 
 @_scoped("fp4_operands")
-def _scaled_operands(x: jax.Array, ops: tuple, key: jax.Array, kmode: str, shard: Any = None
-                     ) -> list[tuple[jax.Array, jax.Array]]:
+def _scaled_operands(x: jax.Array, ops: tuple, key: jax.Array, kmode: str, shard: Any = None,
+                     local_amax: bool = False) -> list[tuple[jax.Array, jax.Array]]:
     """Operands made from one tensor ``x``, each ``(scaled_data(Q(x)) in bf16, tensor
     decode scale)``; ``ops``: ``(gemm_spec, quant_spec, axis, gemm, which)`` per operand.
     Each comes from a fused kernel when one covers it, else from the XLA path (the same
@@ -248,7 +252,7 @@ def _scaled_operands(x: jax.Array, ops: tuple, key: jax.Array, kmode: str, shard
     def xla(x, key, op):
         g, spec, axis, gemm, which = op
         q = _quant(_rht(x, g, axis, key, gemm), spec, axis, _subkey(key, gemm, which),
-                   shard=shard, group=g.hadamard)
+                   shard=shard, group=g.hadamard, local_amax=local_amax)
         return qz.scaled_data(q, jnp.bfloat16), q.global_scale
 
     kinds = [_kernel_for(x, op[0], op[1], op[2], key) for op in ops]
@@ -267,7 +271,7 @@ def _scaled_operands(x: jax.Array, ops: tuple, key: jax.Array, kmode: str, shard
     # the XLA path (vmapped), which is what the unbatched kernels compute per example.
     f = jax.custom_batching.custom_vmap(
         lambda x, key: _kernel_operands(x, [ops[i] for i in todo], [kinds[i] for i in todo],
-                                        key, kmode, shard))
+                                        key, kmode, shard, local_amax))
 
     @f.def_vmap
     def _(axis_size, in_batched, x, key):
@@ -280,12 +284,13 @@ def _scaled_operands(x: jax.Array, ops: tuple, key: jax.Array, kmode: str, shard
     return out
 
 
-def _kernel_operands(x, ops, kinds, key, kmode, shard=None):
+def _kernel_operands(x, ops, kinds, key, kmode, shard=None, local_amax=False):
     sr_keys = [_subkey(key, gemm, which) if spec.stochastic else None
                for (_, spec, _, gemm, which) in ops]
     signs = [_rht_signs(op[0], key, op[3]) if kind == "cols" and op[0].hadamard else None
              for op, kind in zip(ops, kinds, strict=True)]
-    return dispatch.make_operands(x, kinds, sr_keys, signs, kmode, shard=shard)
+    return dispatch.make_operands(x, kinds, sr_keys, signs, kmode, shard=shard,
+                                  local_amax=local_amax)
 
 
 _GEMM_LAYOUTS = {"bmk,bkn->bmn": (False, False),  # fprop: x @ w
@@ -309,105 +314,118 @@ def _gemm_kernel_path(subscripts: str, av: jax.Array, bv: jax.Array, sa: Any, sb
                           jax.lax.Precision.HIGHEST).astype(out_dtype)
 
 
-def _make_dot3_scaled(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any,
-                      kmode: str, gemm: str = "xla", shard: Any = None):
-    """The custom_vjp of ``_make_dot3`` for the kernel path: same GEMMs, same bits; the
-    residuals are the bf16 ``data * scale`` operands (as many bytes as the bf16 baseline's
-    ``x`` and ``w``; the XLA path keeps FP4 residuals instead)."""
-    fp, dg, wg = recipe.fprop, recipe.dgrad, recipe.wgrad
-    reuse_w = dg.rhs == fp.rhs and fp.rhs.block_2d and not (fp.hadamard or dg.hadamard)
+OPERAND_AXES = {("fprop", "lhs"): 2, ("fprop", "rhs"): 1, ("dgrad", "lhs"): 2,
+                ("dgrad", "rhs"): 2, ("wgrad", "lhs"): 1, ("wgrad", "rhs"): 1}
+"""The blocked (quantized) axis of each canonical operand ``(gemm, which)``: x (1, M, K) and
+dy (1, M, N) along their last axis for fprop/dgrad and along the tokens for wgrad; w (1, K,
+N) along K for fprop, along N for dgrad (module docstring)."""
 
-    x_fprop = (fp, fp.lhs, 2, "fprop", "lhs")
-    w_fprop = (fp, fp.rhs, 1, "fprop", "rhs")
 
-    def forward(x, w, key, with_x_res=False):
-        xops = (x_fprop, (wg, wg.lhs, 1, "wgrad", "lhs")) if with_x_res else (x_fprop,)
-        xo = _scaled_operands(x, xops, key, kmode, shard)
-        (xs, sx), = xo[:1]
-        (ws, sw), = _scaled_operands(w, (w_fprop,), key, kmode)
-        y = _gemm_kernel_path("bmk,bkn->bmn", xs, ws, sx, sw, out_dtype, kmode, gemm)
-        return y, (ws, sw), xo[1:]
+def _operand_specs(recipe: Recipe) -> dict[str, tuple]:
+    """The six operands as ``(gemm spec, quant spec, blocked axis, gemm, which)``."""
+    def op(gemm, which):
+        g = getattr(recipe, gemm)
+        return (g, getattr(g, which), OPERAND_AXES[(gemm, which)], gemm, which)
 
-    @jax.custom_vjp
-    def dot3(x, w, key):
-        return forward(x, w, key)[0]
+    return {"x_fprop": op("fprop", "lhs"), "w_fprop": op("fprop", "rhs"),
+            "g_dgrad": op("dgrad", "lhs"), "w_dgrad": op("dgrad", "rhs"),
+            "x_wgrad": op("wgrad", "lhs"), "g_wgrad": op("wgrad", "rhs")}
 
-    def fwd(x, w, key):
-        y, w_res, (x_res,) = forward(x, w, key, with_x_res=True)
-        if not reuse_w:
-            w_res, = _scaled_operands(w, ((dg, dg.rhs, 2, "dgrad", "rhs"),), key, kmode)
-        return y, (w_res, x_res, key)
 
-    def bwd(res, g):
-        (ws, sw), (xs, sx), key = res
-        g = g.astype(jnp.float32) if g.dtype != jnp.bfloat16 else g
-        (gs, sg), (gt, sgt) = _scaled_operands(
-            g, ((dg, dg.lhs, 2, "dgrad", "lhs"), (wg, wg.rhs, 1, "wgrad", "rhs")), key, kmode,
-            shard)
-        dx = _gemm_kernel_path("bmn,bkn->bmk", gs, ws, sg, sw, lhs_dtype, kmode, gemm)
-        dw = _gemm_kernel_path("bmk,bmn->bkn", xs, gt, sx, sgt, rhs_dtype, kmode, gemm)
-        return dx, dw, None
+def reference_operand(t: jax.Array, recipe: Recipe, gemm: str, which: str, key: jax.Array
+                      ) -> tuple[jax.Array, Operand]:
+    """One GEMM operand as ``fp4jax.dot``'s XLA reference makes it.
 
-    dot3.defvjp(fwd, bwd)
-    return jax.jit(dot3)
+    Args:
+      t: the canonical tensor: x ``(1, M, K)``, w ``(1, K, N)`` or dy ``(1, M, N)`` (the
+        operands of ``gemm``: fprop ``x @ w``, dgrad ``dy @ w.T``, wgrad ``x.T @ dy``).
+      recipe: the ``Recipe``; gemm: ``"fprop"``, ``"dgrad"`` or ``"wgrad"``; which:
+        ``"lhs"`` or ``"rhs"``.
+      key: the call's key as ``call_key`` returns it.
+
+    Returns:
+      ``(r, q)``: ``r`` is ``t`` zero-padded and rotated by the GEMM's RHT along the blocked
+      axis (``OPERAND_AXES``; ``t`` itself without RHT), the quantizer's input; ``q`` its
+      ``QuantizedArray`` (``r`` itself when the operand is unquantized).
+    """
+    g = getattr(recipe, gemm)
+    axis = OPERAND_AXES[(gemm, which)]
+    r = _rht(t, g, axis, key, gemm)
+    return r, _quant(r, getattr(g, which), axis, _subkey(key, gemm, which), group=g.hadamard)
+
+
+def _operands(t: jax.Array, ops: tuple, key: jax.Array, backend: dispatch.DotBackend,
+              shard: Any = None, local_amax: bool = False) -> list:
+    """The GEMM operands ``ops`` made from one tensor ``t``, as ``backend`` consumes them:
+    on the kernel path ``(scaled_data in bf16, tensor decode scale)`` pairs
+    (``_scaled_operands``), otherwise the reference's ``QuantizedArray`` (or ``t`` itself
+    where the spec is unquantized). ``shard``: ``t`` is a token-row shard (x and dy);
+    ``local_amax``: its operands take the shard's own amax (``Recipe.amax_scope``)."""
+    if backend.kmode != "off":
+        return _scaled_operands(t, ops, key, backend.kmode, shard, local_amax)
+    return [_quant(_rht(t, g, axis, key, gemm), spec, axis, _subkey(key, gemm, which),
+                   backend.packed_quantize, shard, g.hadamard, local_amax)
+            for g, spec, axis, gemm, which in ops]
+
+
+def _run_gemm(subscripts: str, a: Any, b: Any, out_dtype: Any, precision: Any,
+              backend: dispatch.DotBackend) -> jax.Array:
+    """One of the three GEMMs on ``backend``'s operands (``_operands``)."""
+    if backend.kmode != "off":
+        (av, sa), (bv, sb) = a, b
+        return _gemm_kernel_path(subscripts, av, bv, sa, sb, out_dtype, backend.kmode,
+                                 backend.gemm)
+    return _gemm_out(subscripts, a, b, precision, out_dtype, backend.native)
 
 
 @functools.cache
 def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, precision: Any,
-               kmode: str = "off", forced: bool = False, gemm: str = "xla", shard: Any = None,
-               native: str = "off"):
-    """The custom_vjp for canonical ``(B, M, K) @ (B, K, N)``, specialized on static args
-    (``forced``: ``FP4JAX_KERNELS`` forces the kernels; ``gemm``: ``FP4JAX_KERNEL_GEMM``;
-    ``shard``: the ``fp4jax.sharding.data_parallel`` axes, x and dy being row shards;
-    ``native``: ``dispatch.native_mode()``, the Blackwell GEMM backend for the quantized
-    operands of this XLA path; all part of the cache key)."""
-    if kmode != "off" and _scaled_path_applies(recipe):
-        return _make_dot3_scaled(recipe, out_dtype, lhs_dtype, rhs_dtype, kmode, gemm, shard)
-    # the older packed-quantize kernels of _quant: only when explicitly forced
-    use_kernels = kmode == "on" and forced
-    fp, dg, wg = recipe.fprop, recipe.dgrad, recipe.wgrad
-    reuse_w = dg.rhs == fp.rhs and (not fp.rhs.quantized or fp.rhs.block_2d) and not (
-        fp.hadamard or dg.hadamard
-    )
+               backend: dispatch.DotBackend, shard: Any = None):
+    """The one custom_vjp of canonical ``(B, M, K) @ (B, K, N)`` (the module docstring's
+    three GEMMs), specialized on static args (all part of the cache key): ``backend``
+    (``dispatch.dot_backend``: how operands and GEMMs run, the same bits on each);
+    ``shard``: the ``fp4jax.sharding.data_parallel`` axes, x and dy being row shards.
 
-    def forward(x, w, key):
-        xq = _quant(_rht(x, fp, 2, key, "fprop"), fp.lhs, 2, _subkey(key, "fprop", "lhs"),
-                    use_kernels, shard, fp.hadamard)
-        wq = _quant(_rht(w, fp, 1, key, "fprop"), fp.rhs, 1, _subkey(key, "fprop", "rhs"),
-                    use_kernels, group=fp.hadamard)
-        return _gemm_out("bmk,bkn->bmn", xq, wq, precision, out_dtype, native), wq
+    Residuals: the dgrad-ready weight (the fprop one itself when the two specs are equal
+    and 2D-scaled, or both unquantized, with no RHT) and the wgrad-ready activation, in the
+    backend's operand form (the XLA path: FP4 ``QuantizedArray``; the kernel path: bf16
+    ``data * scale``, as many bytes as the bf16 baseline's ``x`` and ``w``)."""
+    fp, dg = recipe.fprop, recipe.dgrad
+    ops = _operand_specs(recipe)
+    reuse_w = dg.rhs == fp.rhs and (not fp.rhs.quantized or fp.rhs.block_2d) and not (
+        fp.hadamard or dg.hadamard)
+    local = recipe.amax_scope == "local"
+
+    def forward(x, w, key, with_res=False):
+        xo = _operands(x, (ops["x_fprop"], ops["x_wgrad"]) if with_res else (ops["x_fprop"],),
+                       key, backend, shard, local)
+        wq, = _operands(w, (ops["w_fprop"],), key, backend)
+        y = _run_gemm("bmk,bkn->bmn", xo[0], wq, out_dtype, precision, backend)
+        return y, wq, xo[1:]
 
     @jax.custom_vjp
     def dot3(x, w, key):
         return forward(x, w, key)[0]
 
     def fwd(x, w, key):
-        y, wq = forward(x, w, key)
-        if reuse_w:
-            wq_d = wq
-        else:
-            wq_d = _quant(_rht(w, dg, 2, key, "dgrad"), dg.rhs, 2, _subkey(key, "dgrad", "rhs"),
-                          use_kernels, group=dg.hadamard)
-        xq_w = _quant(_rht(x, wg, 1, key, "wgrad"), wg.lhs, 1, _subkey(key, "wgrad", "lhs"),
-                      use_kernels, shard, wg.hadamard)
+        y, wq, (xq_w,) = forward(x, w, key, with_res=True)
+        wq_d = wq if reuse_w else _operands(w, (ops["w_dgrad"],), key, backend)[0]
         return y, (wq_d, xq_w, key)
 
     def bwd(res, g):
         wq_d, xq_w, key = res
         g = g.astype(jnp.float32) if g.dtype != jnp.bfloat16 else g
-        gq_d = _quant(_rht(g, dg, 2, key, "dgrad"), dg.lhs, 2, _subkey(key, "dgrad", "lhs"),
-                      use_kernels, shard, dg.hadamard)
-        dx = _gemm_out("bmn,bkn->bmk", gq_d, wq_d, precision, lhs_dtype, native)
-        gq_w = _quant(_rht(g, wg, 1, key, "wgrad"), wg.rhs, 1, _subkey(key, "wgrad", "rhs"),
-                      use_kernels, shard, wg.hadamard)
-        dw = _gemm_out("bmk,bmn->bkn", xq_w, gq_w, precision, rhs_dtype, native)
+        gq_d, gq_w = _operands(g, (ops["g_dgrad"], ops["g_wgrad"]), key, backend, shard,
+                               local)
+        dx = _run_gemm("bmn,bkn->bmk", gq_d, wq_d, lhs_dtype, precision, backend)
+        dw = _run_gemm("bmk,bmn->bkn", xq_w, gq_w, rhs_dtype, precision, backend)
         return dx, dw, None
 
     dot3.defvjp(fwd, bwd)
     return jax.jit(dot3)
 
 
-def _call_key(recipe: Recipe, key: Any, rht_key: Any) -> jax.Array:
+def call_key(recipe: Recipe, key: Any, rht_key: Any = None) -> jax.Array:
     """The key a call of ``recipe`` runs with: ``key`` checked (required when the recipe
     draws random bits; ``key(0)``, never used, otherwise), packed with ``rht_key`` when the
     recipe draws RHT signs per layer (``_pack_keys``)."""
@@ -442,6 +460,7 @@ def dot_general(
     recipe: Recipe | str | None = None,
     key: jax.Array | None = None,
     rht_key: jax.Array | None = None,
+    implementation: str | None = None,
 ) -> jax.Array:
     """A drop-in for ``jax.lax.dot_general`` whose GEMMs (forward and backward) are FP4.
 
@@ -459,6 +478,18 @@ def dot_general(
         ``hadamard_signs`` is ``"layer"`` (required then, ignored otherwise): one key per
         layer, the same at every step (the Flax layers draw it from the ``"fp4_layer"``
         stream).
+      implementation: which backend runs the operands and GEMMs; every one computes the
+        XLA reference's bits (GEMMs up to float32 accumulation order off XLA's einsum).
+        ``None`` (default): automatic, the Hopper kernels on an sm_90 GPU for large
+        unbatched calls of NVFP4 recipes, Blackwell's native FP4 GEMMs on sm_100+, else
+        ``"xla"``; the ``FP4JAX_KERNELS`` environment variable sets this choice only
+        (``off``: always XLA, ``on``: kernels at every size, ``native``). ``"xla"``: the
+        reference. ``"pallas"``: the Hopper kernel path; raises a ValueError where it cannot
+        run the call (no sm_90 GPU, a batched call, a recipe with operands the kernels do
+        not implement: MXFP4/FP8, row-scaled, MS-EDEN, unquantized); an operand or GEMM whose
+        shape the kernels do not tile runs on the reference inside it. ``"native"``:
+        ``jax.nn.scaled_matmul`` for the NVFP4 GEMMs (raises where this JAX does not lower
+        it), the reference for the other GEMMs. See ``pallas_kernels.dispatch.dot_backend``.
 
     Returns:
       ``lax.dot_general``'s output shape: batch dims, lhs free dims, rhs free dims.
@@ -467,8 +498,8 @@ def dot_general(
     from fp4jax.recipes import get as get_recipe
 
     recipe = nvfp4() if recipe is None else get_recipe(recipe)
-    lhs = qz._check_float(lhs, "lhs", "fp4jax.dot_general")
-    rhs = qz._check_float(rhs, "rhs", "fp4jax.dot_general")
+    lhs = qz.check_float(lhs, "lhs", "fp4jax.dot_general")
+    rhs = qz.check_float(rhs, "rhs", "fp4jax.dot_general")
     try:
         (lc, rc), (lb, rb) = dimension_numbers
         lc, rc, lb, rb = (tuple(int(d) for d in ds) for ds in (lc, rc, lb, rb))
@@ -500,7 +531,7 @@ def dot_general(
             )
     if not lc:
         raise ValueError("fp4jax.dot_general needs at least one contracting dimension")
-    key = _call_key(recipe, key, rht_key)
+    key = call_key(recipe, key, rht_key)
 
     lfree = [d for d in range(lhs.ndim) if d not in lc + lb]
     rfree = [d for d in range(rhs.ndim) if d not in rc + rb]
@@ -513,11 +544,11 @@ def dot_general(
     w3 = jnp.transpose(rhs, list(rb) + list(rc) + rfree).reshape(B, K, N)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
     shard = _data_parallel_axis(B, M, recipe) if recipe.quantized else None
+    backend = dispatch.dot_backend(implementation,
+                                   mkn=M * K * N if B == 1 else 0,  # kernels need B == 1
+                                   kernel_recipe=_scaled_path_applies(recipe))
     fn = _make_dot3(recipe, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype),
-                    _hashable_precision(precision),
-                    dispatch.kernel_mode(M * K * N if B == 1 else 0),  # kernels need B == 1
-                    dispatch.kernels_forced(), dispatch.gemm_backend(), shard,
-                    dispatch.native_mode())
+                    _hashable_precision(precision), backend, shard)
     y3 = fn(x3, w3, key)
     return y3.reshape(*bshape, *lfshape, *rfshape)
 
@@ -579,6 +610,7 @@ def dot(
     key: jax.Array | None = None,
     preferred_element_type: Any = None,
     rht_key: jax.Array | None = None,
+    implementation: str | None = None,
 ) -> jax.Array:
     """FP4 matrix product ``x @ w`` with the recipe's forward and backward quantization.
 
@@ -591,6 +623,8 @@ def dot(
       preferred_element_type: output dtype (default ``result_type(x, w)``).
       rht_key: the layer's constant key for ``hadamard_signs="layer"`` (see
         ``dot_general``).
+      implementation: ``None`` (automatic), ``"xla"``, ``"pallas"`` or ``"native"``: the
+        backend (see ``dot_general``); the same bits on each.
 
     Returns:
       ``(..., N)`` array.
@@ -598,8 +632,8 @@ def dot(
     Example:
       >>> y = fp4jax.dot(x, w, recipe=fp4jax.recipes.nvfp4(), key=jax.random.key(0))
     """
-    x = qz._check_float(x, "x", "fp4jax.dot")
-    w = qz._check_float(w, "w", "fp4jax.dot")
+    x = qz.check_float(x, "x", "fp4jax.dot")
+    w = qz.check_float(w, "w", "fp4jax.dot")
     if w.ndim != 2:
         raise ValueError(f"fp4jax.dot: w must be 2-D (K, N), got shape {w.shape}")
     if x.ndim < 1 or x.shape[-1] != w.shape[0]:
@@ -609,4 +643,4 @@ def dot(
         )
     return dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
                        preferred_element_type=preferred_element_type, recipe=recipe, key=key,
-                       rht_key=rht_key)
+                       rht_key=rht_key, implementation=implementation)

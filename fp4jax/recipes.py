@@ -223,6 +223,10 @@ def _map_quant(spec: GemmSpec, fn: Callable[[QuantSpec], QuantSpec]) -> GemmSpec
     return spec.replace(lhs=fn(spec.lhs), rhs=fn(spec.rhs))
 
 
+AMAX_SCOPES = ("global", "local")
+"""``Recipe.amax_scope`` values."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """Per-GEMM quantization of a linear layer (frozen, hashable, a static jit argument).
@@ -234,6 +238,12 @@ class Recipe:
         2D-scaled, the weight quantized for fprop is reused (one quantized W
         serves both passes: the chain rule holds, NVFP4 paper sec. 4.2).
       wgrad: ``GemmSpec(lhs=x, rhs=dy)``; its RHT runs along the token axis.
+      amax_scope: whose amax sets a data-parallel tensor's scale inside
+        ``fp4jax.sharding.data_parallel`` (``AMAX_SCOPES``; no effect elsewhere):
+        ``"global"`` (the default: the whole batch's, one ``pmax`` over the devices: the
+        one-device bits) or ``"local"`` (each device quantizes its shard of x and dy with
+        its shard's own tensor amax, Transformer Engine's data-parallel semantics: no
+        collective, bits that depend on the device count).
 
     ``replace`` takes the dataclass fields and a few ablation knobs:
       * ``sr=False``: every stochastic operand becomes round-to-nearest.
@@ -257,6 +267,12 @@ class Recipe:
     fprop: GemmSpec
     dgrad: GemmSpec
     wgrad: GemmSpec
+    amax_scope: str = "global"
+
+    def __post_init__(self):
+        if self.amax_scope not in AMAX_SCOPES:
+            raise ValueError(f"Recipe.amax_scope must be one of {AMAX_SCOPES}, got "
+                             f"{self.amax_scope!r}")
 
     @property
     def gemms(self) -> dict[str, GemmSpec]:
@@ -615,7 +631,8 @@ def get(name: str | Recipe) -> Recipe:
 # Recipe spec strings: "nvfp4(sr=False, dgrad.lhs.rounding=nearest)".
 # ---------------------------------------------------------------------------
 
-_SPEC_KNOBS = ("sr", "rht", "block_2d", "fmt", "block_scale_rule", "row_scaled", "name")
+_SPEC_KNOBS = ("sr", "rht", "block_2d", "fmt", "block_scale_rule", "row_scaled", "name",
+               "amax_scope")
 _GEMM_KEYS = ("hadamard", "hadamard_signs")
 _QUANT_KEYS = ("fmt", "rounding", "block_2d", "block_scale_rule", "row_scaled")
 _RULE_RE = re.compile(r"[A-Za-z0-9_-]+$")  # a bare block_scale_rule value: 4over6-mse
@@ -863,6 +880,8 @@ def spec(recipe: Recipe | str) -> str:
             items.append(f"fmt={_format_spec(fmt)}")
     if r.name != base.name:
         items.append(f"name={r.name!r}")
+    if r.amax_scope != base.amax_scope:
+        items.append(f"amax_scope={r.amax_scope}")
     for gname in ("fprop", "dgrad", "wgrad"):
         g, bg = getattr(r, gname), getattr(base, gname)
         for k in _GEMM_KEYS:

@@ -20,7 +20,11 @@ activation ``x`` and its output gradient ``dy`` as one shard of a tensor split a
 token rows over the mesh axes ``axis_name`` (weights replicated), and
 
 * takes the tensor amax of every quantized ``x``/``dy`` operand as ``lax.pmax`` over the
-  axes (the per-tensor scale is that of the whole tensor);
+  axes (the per-tensor scale is that of the whole tensor; on the kernel path one all-reduce
+  per tensor for all its operands). A recipe with ``amax_scope="local"``
+  (``Recipe.amax_scope``, Transformer Engine's data-parallel semantics) skips it: each
+  device quantizes its rows with their own amax, no collective, other bits than one
+  device's (what ``fp4jax.dot`` gives on those rows alone, for round-to-nearest operands);
 * draws shard ``i``'s stochastic-rounding bits at its rows' positions in the whole tensor
   (``numerics.row_shard_draw_offset``; threefry keys);
 * lets the Pallas kernels run (``pallas_kernels.dispatch.kernel_mode``).

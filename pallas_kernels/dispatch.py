@@ -11,6 +11,9 @@ scales; ``common_sm90``: their shared numerics) and ``pallas_kernels/gemm/``
 
 Operations (reference in parentheses):
 
+* ``fp4jax.dot``'s backend (``dot_backend``: its ``implementation=`` argument, None =
+  automatic with fallback, an explicit one or a ValueError; ``spec_unsupported_reason``:
+  the kernels' coverage by quantization spec, the one place it is stated);
 * ``fp4jax.dot``'s operands and GEMMs (``fp4jax.dot``'s XLA path):
   ``kernel_mode`` (whether a ``dot`` call uses kernels), ``operand_kernel`` (which fused
   kernel makes one operand, or None), ``make_operands`` (run them), ``scaled_gemm``
@@ -43,6 +46,7 @@ This module imports core modules of ``fp4jax`` only, never the package root.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -140,6 +144,27 @@ def _e2m1_reason(fmt) -> str | None:
     return None
 
 
+def spec_unsupported_reason(fmt: Any, *, block_scale_rule: str = "max",
+                            row_scaled: bool = False, rounding: str = "nearest") -> str | None:
+    """None when the Hopper quantize kernels implement this quantization spec, else why
+    not: the one statement of their coverage by spec (shapes are checked apart, per kernel).
+    They quantize NVFP4 itself (E2M1 elements, E4M3 block scales of 16, one float32
+    tensor scale: not MXFP4/FP6/FP8), with the ``"max"`` block scale rule (not 4over6),
+    rounding to nearest or stochastically (not MS-EDEN), one tensor scale per tensor (not
+    row-scaled). ``fmt``: a ``BlockFormat`` or its name (None: NVFP4)."""
+    if fmt is not None and not _nvfp4(fmt):
+        return _e2m1_reason(fmt) or (f"the kernels implement NVFP4 only, got format "
+                                     f"{get_format(fmt).name!r}")
+    if block_scale_rule != "max":
+        return (f"the kernels implement the 'max' block scale rule only, got "
+                f"block_scale_rule={block_scale_rule!r}")
+    if row_scaled:
+        return "the kernels compute one tensor scale per tensor, got row_scaled=True"
+    if rounding not in ("nearest", "stochastic"):
+        return f"the kernels round to nearest or stochastically, got rounding={rounding!r}"
+    return None
+
+
 def _interpret_kw(mode: str) -> dict:
     """Kernel keyword arguments for ``mode``: Mosaic GPU's interpret mode for
     ``"interpret"`` (CPU tests, JAX >= 0.10), nothing otherwise."""
@@ -208,6 +233,94 @@ def kernel_mode(mkn: int | None = None) -> str:
     return "on" if big and on_sm90() and single else "off"
 
 
+IMPLEMENTATIONS = ("xla", "pallas", "native")
+"""The values of ``fp4jax.dot``'s ``implementation=`` besides None (automatic)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DotBackend:
+    """How one ``fp4jax.dot`` call runs (hashable: part of its trace cache key).
+
+    ``name``: ``"xla"`` (the reference: every operand a ``QuantizedArray``, einsum GEMMs),
+    ``"pallas"`` (the Hopper kernel path: every operand its bf16 ``data * scale`` from the
+    fused operand kernels where they cover it, else from the reference; GEMMs on
+    ``gemm/alpha_sm90`` where it tiles them, else XLA's) or ``"native"`` (the reference's
+    operands, its NVFP4 GEMMs on Blackwell's block-scaled tensor cores). ``kmode``: the
+    kernels' mode (``"on"``, ``"interpret"``: CPU tests; ``"off"`` unless ``"pallas"``);
+    ``gemm``: ``FP4JAX_KERNEL_GEMM``; ``native``: ``native_mode``'s value;
+    ``packed_quantize``: the reference path with its NVFP4 round-to-nearest operands from
+    the packed quantize kernels (only under ``FP4JAX_KERNELS=on`` for recipes the kernel
+    path does not take, as before). Every backend gives the reference's bits (GEMMs up to
+    float32 accumulation order where they do not run XLA's einsum)."""
+
+    name: str = "xla"
+    kmode: str = "off"
+    gemm: str = "pallas"
+    native: str = "off"
+    packed_quantize: bool = False
+
+
+def dot_backend(implementation: str | None, *, mkn: int, kernel_recipe: bool
+                ) -> DotBackend:
+    """The backend of one ``fp4jax.dot`` call (tokamax style: one API, backends tried in
+    order, the XLA reference last).
+
+    ``implementation``: None (automatic: ``FP4JAX_KERNELS`` sets the choice, see
+    ``kernel_mode`` and ``native_mode``; a backend that does not take the call falls back
+    to the next, ending with ``"xla"``), or ``"xla"``, ``"pallas"``, ``"native"``: that
+    backend or a ValueError saying why it cannot run the call. ``mkn``: ``M*K*N`` of an
+    unbatched call, 0 for a batched one (the kernels take unbatched calls only);
+    ``kernel_recipe``: every operand of the recipe is NVFP4 with one tensor scale and
+    round-to-nearest or stochastic rounding (what the kernel path implements).
+
+    ``"pallas"`` needs an sm_90 GPU (or ``FP4JAX_KERNELS=interpret``: Mosaic GPU's
+    interpret mode, for CPU tests), an unbatched call and a kernel recipe; it then runs
+    at every size and device count (no ``KERNEL_AUTO_MIN_MKN`` bound). Inside such a call
+    an operand or GEMM whose shape the kernels do not tile runs on the reference (same
+    bits). ``"native"`` runs ``jax.nn.scaled_matmul`` on any device that lowers it
+    (``gemm/blockscale_sm100.jax_lowers_on``: CUDA, and the CPU from JAX 0.11); GEMMs whose
+    operands are not NVFP4 blocked along the contracted axis run on the reference."""
+    if implementation is None:
+        kmode = kernel_mode(mkn)
+        if kmode != "off" and kernel_recipe:
+            return DotBackend("pallas", kmode, gemm_backend())
+        native = native_mode()
+        if native != "off":
+            return DotBackend("native", native=native)
+        return DotBackend(packed_quantize=kmode == "on" and kernels_forced())
+    if implementation == "xla":
+        return DotBackend()
+    if implementation == "pallas":
+        interpret = _kernels_env() == "interpret"
+        reason = None
+        if not kernel_recipe:
+            reason = ("the recipe has operands the kernels do not implement (they quantize "
+                      "NVFP4 with one tensor scale, rounding to nearest or stochastically: "
+                      "not MXFP4/FP8, row-scaled or MS-EDEN operands, nor unquantized ones)")
+        elif mkn == 0:
+            reason = "the call is batched (dot_general batch dimensions): kernels take B == 1"
+        elif not interpret and not on_sm90():
+            reason = ("no sm_90 (Hopper) GPU is the default device (set "
+                      "FP4JAX_KERNELS=interpret to run the kernels in interpret mode on CPU)")
+        if reason is not None:
+            raise ValueError(f"fp4jax.dot(implementation='pallas'): {reason}; use "
+                             "implementation=None (automatic, with fallback) or 'xla'")
+        return DotBackend("pallas", "interpret" if interpret else "on", gemm_backend())
+    if implementation == "native":
+        from pallas_kernels.gemm import blockscale_sm100 as bs
+
+        platform = jax.devices()[0].platform
+        if not bs.jax_lowers_on(platform):
+            raise ValueError(
+                f"fp4jax.dot(implementation='native'): this JAX ({jax.__version__}) does not "
+                f"lower jax.nn.scaled_matmul on {platform!r} (CUDA, or the CPU from JAX "
+                "0.11); use implementation=None or 'xla'")
+        native = "tcgen05" if _kernels_env() == "tcgen05" else "scaled_matmul"
+        return DotBackend("native", native=native)
+    raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got "
+                     f"{implementation!r}")
+
+
 def operand_kernel(x: jax.Array, *, block_2d: bool, axis: int, stochastic: bool,
                    rht: int, key: jax.Array, block_scale_rule: str = "max",
                    fmt: Any = None, row_scaled: bool = False,
@@ -225,12 +338,11 @@ def operand_kernel(x: jax.Array, *, block_2d: bool, axis: int, stochastic: bool,
     format (None: NVFP4; any other format, e.g. MXFP8, takes the XLA path);
     ``row_scaled`` (per-row tensor scales) and ``rounding="ms_eden"`` (Quartet II's MS-EDEN)
     take the XLA path too: the kernels compute one tensor scale and RNE/SR elements."""
-    if block_scale_rule != "max":
-        return None  # the kernels compute the "max" rule's scales, not 4over6's
-    if row_scaled or rounding == "ms_eden":
-        return None  # one tensor scale per tensor, RNE or SR: not row scales nor MS-EDEN
-    if fmt is not None and not _nvfp4(fmt):
-        return None  # NVFP4 kernels: E2M1 elements, E4M3 scales, tensor scale
+    if spec_unsupported_reason(fmt, block_scale_rule=block_scale_rule,
+                               row_scaled=row_scaled,
+                               rounding=rounding or ("stochastic" if stochastic else "nearest")
+                               ) is not None:
+        return None
     from pallas_kernels.quantize import operand_sm90 as fq
 
     if x.shape[0] != 1 or x.dtype not in (jnp.bfloat16, jnp.float32):
@@ -250,7 +362,8 @@ def operand_kernel(x: jax.Array, *, block_2d: bool, axis: int, stochastic: bool,
 
 
 def make_operands(x: jax.Array, kinds: list[str], sr_keys: list[Any], signs: list[Any],
-                  mode: str, shard: Any = None) -> list[tuple[jax.Array, jax.Array]]:
+                  mode: str, shard: Any = None, local_amax: bool = False
+                  ) -> list[tuple[jax.Array, jax.Array]]:
     """Run the fused operand kernels on one tensor ``x`` (1, R, C) bfloat16 (or float32 when
     every operand is ``"2d"``).
 
@@ -261,9 +374,12 @@ def make_operands(x: jax.Array, kinds: list[str], sr_keys: list[Any], signs: lis
     tensor take both tensor amaxes from one read (``cols_amaxes``).
 
     ``shard``: ``x`` is one device's token rows of a data-parallel tensor
-    (``fp4jax.sharding``): each tensor amax is the ``pmax`` over the mesh axes ``shard``
-    and the stochastic-rounding draws start at the rows' place in the whole tensor
-    (``numerics.row_shard_draw_offset``), so the operands are the whole tensor's rows."""
+    (``fp4jax.sharding``): the tensor amaxes are the ``pmax`` over the mesh axes ``shard``
+    (all of this tensor's operands in one all-reduce of a vector: the same bits as one per
+    operand) and the stochastic-rounding draws start at the rows' place in the whole tensor
+    (``numerics.row_shard_draw_offset``), so the operands are the whole tensor's rows.
+    ``local_amax`` (``Recipe.amax_scope="local"``): each device keeps its rows' own amaxes
+    (no all-reduce; the draws still at the rows' place)."""
     from fp4jax.numerics import row_shard_draw_offset
     from pallas_kernels.quantize import operand_sm90 as fq
     from pallas_kernels.quantize.common_sm90 import finite_amax, global_scales, key_words, scalars
@@ -283,8 +399,10 @@ def make_operands(x: jax.Array, kinds: list[str], sr_keys: list[Any], signs: lis
             else:
                 amaxes[i] = fq.rht_cols_amax(m, sg, **kw)
     offset = None
-    if shard is not None:  # the whole tensor's amaxes
-        amaxes = [jax.lax.pmax(a, shard) for a in amaxes]
+    if shard is not None:
+        if not local_amax:  # the whole tensor's amaxes: one all-reduce for all of them
+            amaxes = list(jax.lax.pmax(jnp.stack([jnp.asarray(a, jnp.float32)
+                                                  for a in amaxes]), shard))
         offset = row_shard_draw_offset(m.shape, jax.lax.axis_index(shard),
                                        jax.lax.axis_size(shard))
     # The tensor scales and the kernels' scalar vectors of all operands at once (elementwise
@@ -435,19 +553,12 @@ def quantize_unsupported_reason(shape, dtype, *, fmt=None, axis=-1, block_2d=Fal
     MS-EDEN take the XLA path).
     Stochastic rounding needs a threefry ``key`` (checked when given). Blocks along
     another axis (e.g. 16x1 along the token axis) take the XLA path."""
-    if block_scale_rule != "max":
-        return (f"kernels implement the 'max' block scale rule only, got "
-                f"block_scale_rule={block_scale_rule!r}")
-    if row_scaled:
-        return "kernels compute one tensor scale per tensor, got row_scaled=True"
-    if rounding == "ms_eden":
-        return "kernels round to nearest or stochastically, got rounding='ms_eden'"
+    reason = spec_unsupported_reason(fmt, block_scale_rule=block_scale_rule,
+                                     row_scaled=row_scaled, rounding=rounding)
+    if reason is not None:
+        return reason
     from pallas_kernels.quantize import packed_sm90 as qk
 
-    if fmt is not None and not _nvfp4(fmt):
-        return _e2m1_reason(fmt) or "kernel implements NVFP4 only"
-    if rounding not in ("nearest", "stochastic"):
-        return f"unknown rounding {rounding!r}"
     sr = rounding == "stochastic"
     if sr and (reason := _key_reason(key)) is not None:
         return reason

@@ -72,7 +72,7 @@ def _np_scaled(codes, sbits, scale_repeat):
 
 def _xla_scaled(x, axis, *, key=None, block_2d=False, rht=False):
     xin = random_hadamard_transform(x, axis=0, size=16, signs=SIGNS) if rht else x
-    q = qz._quantize_impl(xin, key, NVFP4, axis, block_2d,
+    q = qz.quantize_unchecked(xin, key, NVFP4, axis, block_2d,
                           "stochastic" if key is not None else "nearest")
     return qz.scaled_data(q, jnp.bfloat16), q.global_scale
 

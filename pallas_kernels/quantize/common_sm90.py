@@ -52,10 +52,10 @@ FLT_MAX = float(np.finfo(np.float32).max)
 
 def finite_amax(x: jax.Array) -> jax.Array:
     """``max |x|`` over the finite values of ``x`` (float32 scalar; an XLA reduction): the
-    core's tensor amax rule itself (``fp4jax.quantization._finite_amax``)."""
-    from fp4jax.quantization import _finite_amax
+    core's tensor amax rule itself (``fp4jax.quantization.finite_amax``)."""
+    from fp4jax import quantization
 
-    return _finite_amax(x.astype(jnp.float32))
+    return quantization.finite_amax(x.astype(jnp.float32))
 
 
 def global_scales(x: jax.Array | None, amax: jax.Array | None = None
@@ -374,7 +374,7 @@ def strip_layout(g: int):
 def _block_amax_bits(w):
     """Per-row (block) max of |x| as float32 bits (int32; integer order == float order
     for >= 0, NaN/Inf compare above every finite value). Rule: the block amax of
-    ``fp4jax.quantization._quantize_impl`` (``max |x|`` over the block, NaN/Inf poison it)."""
+    ``fp4jax.quantization.quantize_unchecked`` (``max |x|`` over the block, NaN/Inf poison it)."""
     return jnp.max(jnp.maximum((w << 16) & 0x7FFFFFFF, w & 0x7FFF0000), axis=1)
 
 
@@ -401,7 +401,7 @@ def _word_scales(sc_ref, w, mode: str):
 def _strip_2d_scales(sc_ref, x_ref, plain: bool, mode: str):
     """Tile scales of a strip of 16x16 tiles, x_ref (16, g, 8) words: the tile amax is the
     elementwise max of the 16 rows' block amaxes. Returns ``(s_val, s_byte, e, finite)``,
-    one per tile. Rule: ``fp4jax.quantization._quantize_impl`` with ``block_2d=True``."""
+    one per tile. Rule: ``fp4jax.quantization.quantize_unchecked`` with ``block_2d=True``."""
     amax = None
     for k in range(16):
         a = _block_amax_bits(_load_words(x_ref.at[k], slice(None), plain))

@@ -507,7 +507,7 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: 
 
 def _fq_strip_2d(sc_ref, x_ref, o_ref, *, g: int, plain: bool, mode: str):
     """One strip of ``g`` 16x16 tiles: x_ref/o_ref (16, g, 8) words; one scale per tile
-    (amax over its 16 rows' blocks). Rule: ``fp4jax.quantization._quantize_impl`` with
+    (amax over its 16 rows' blocks). Rule: ``fp4jax.quantization.quantize_unchecked`` with
     ``block_2d=True``, round-to-nearest."""
     s_val, _, e, finite = _strip_2d_scales(sc_ref, x_ref, plain, mode)
     for k in range(16):
@@ -519,7 +519,7 @@ def _fq_strip_2d(sc_ref, x_ref, o_ref, *, g: int, plain: bool, mode: str):
 def _fq_strip_2d_f32(sc_ref, x_ref, o_ref, *, g: int, plain: bool, mode: str):
     """``_fq_strip_2d`` of a float32 input: x_ref (16, g, 16) uint32 words (one element
     each: a tile row's block is a row of 16 words), o_ref (16, g, 16) bfloat16. The same
-    rules on the element's float32 value (``fp4jax.quantization._quantize_impl`` with
+    rules on the element's float32 value (``fp4jax.quantization.quantize_unchecked`` with
     ``block_2d=True`` computes in float32 whatever the input): the tile amax is the max of
     ``|x|`` bits over its 256 elements (NaN/Inf above every finite value), then
     ``_block_scale``, ``_elem_scale``, ``_e2m1_value``; a NaN/Inf tile gives NaN."""
@@ -690,7 +690,7 @@ def fq_2d_scaled(x, sc, *, interpret: bool = False, recip: str = "rn", g: int | 
 
 def _finite_max_bits(v):
     """Elementwise max over the list ``v`` of float32 arrays of ``|v|``, with NaN/Inf
-    counted as 0 (the core's ``_finite_amax``), as int32 bits. Float compares, selects
+    counted as 0 (the core's ``finite_amax``), as int32 bits. Float compares, selects
     and max (full rate, the abs folds into them) rather than integer ones (half rate)."""
     m = None
     for t in v:
@@ -723,7 +723,7 @@ def rht_cols_amax(x, signs, *, interpret: bool = False, g: int | None = None):
     bits as the XLA path's ``random_hadamard_transform``), without writing the rotated
     tensor: a Pallas pass writes one amax per column block (1/16 of x, int32 bits) and
     XLA reduces those. x: bf16 (R, C), see ``supported_cols``. Rule: the finite amax of
-    ``fp4jax.quantization._quantize_impl`` (``_finite_amax``)."""
+    ``fp4jax.quantization.quantize_unchecked`` (``finite_amax``)."""
     return _max_f32(_rht_strip_amaxes(x, signs, interpret, g, plain_amax=False))
 
 

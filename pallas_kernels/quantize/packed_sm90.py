@@ -105,7 +105,7 @@ def _quant_strip_2d(sc_ref, x_ref, q_ref, s_ref, *, g: int, plain: bool = False,
     scale bits. Two passes over the shared-memory strip: the tile amax is the
     elementwise max of the 16 rows' block amaxes (all in the row layout, no shuffles
     across rows), then every row is encoded with its tile's scale.
-    Rule: ``fp4jax.quantization._quantize_impl`` with ``block_2d=True`` (one scale per
+    Rule: ``fp4jax.quantization.quantize_unchecked`` with ``block_2d=True`` (one scale per
     16x16 tile, amax over the tile)."""
     _, s_byte, e, finite = _strip_2d_scales(sc_ref, x_ref, plain, mode)
     s_ref[...] = jnp.where(finite, s_byte, 0x7F).astype(jnp.uint8)
