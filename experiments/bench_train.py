@@ -70,7 +70,7 @@ from typing import Any
 import jax
 import lab  # before fp4jax: puts the repository root on sys.path
 
-from fp4jax.models.llama import SCAN_REMAT, LlamaConfig
+from fp4jax.models.llama import ATTENTION, SCAN_REMAT, LlamaConfig, resolve_attention
 from fp4jax.train.cli import THREEFRY_LOWERINGS, set_threefry_lowering, threefry_lowering
 
 JSON_NAME = "bench_train.json"
@@ -181,7 +181,7 @@ def scan_remat_in_effect(requested: str | None, scan: bool) -> str | None:
 
 
 def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
-                iterations: int, devices: int = 1, attention: str = "xla",
+                iterations: int, devices: int = 1, attention: str = "auto",
                 scan_remat: str | None = None) -> dict[str, Any]:
     """Builds, cold-compiles and times one configuration in this process; emits a tagged
     JSON line after each stage (the parent keeps the last one of a child it stops)."""
@@ -201,6 +201,7 @@ def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
         "tokens_per_step": batch_size * seq_len, "device": str(dev.device_kind),
         "platform": dev.platform, "device_count": jax.device_count(), "jax": jax.__version__,
         "devices": devices, "attention": attention,
+        "attention_resolved": resolve_attention(attention),
         "scan_remat": scan_remat_in_effect(scan_remat, scan),
         "threefry_lowering": threefry_lowering(),
     }
@@ -418,8 +419,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--devices", type=_positive, default=1,
                     help="local devices of the data-parallel step (the batch split over "
                          "them; default 1)")
-    ap.add_argument("--attention", default="xla", choices=("xla", "cudnn"),
-                    help="the model's attention, as fp4jax-train --attention (default xla)")
+    ap.add_argument("--attention", default="auto", choices=ATTENTION,
+                    help="the model's attention, as fp4jax-train --attention (default auto: "
+                         "cuDNN's on an NVIDIA GPU, else XLA's; each row records what ran as "
+                         "attention_resolved)")
     ap.add_argument("--scan-remat", default=None, choices=SCAN_REMAT,
                     help="what the ':scan' configurations' blocks save, as fp4jax-train "
                          "--scan-remat (default: fp4jax-train's, dots)")

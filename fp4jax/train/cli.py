@@ -162,9 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
            "(the block recomputed) or none (every residual, stacked: slower). Same results; "
            "speed and memory (default: dots)")
     a("--attention", default=d.attention, choices=ATTENTION,
-      help="the causal attention (not quantized): xla (float32 scores and softmax, "
-           "einsums) or cudnn (jax.nn.dot_product_attention on cuDNN's fused kernel; "
-           "NVIDIA GPUs)")
+      help="the causal attention (not quantized): auto (the default: cudnn where it runs, "
+           "else xla), xla (float32 scores and softmax, einsums) or cudnn "
+           "(jax.nn.dot_product_attention on cuDNN's fused kernel; NVIDIA GPUs)")
     a("--stats-every", type=int, default=d.stats_every,
       help="every N steps (0: never), measure each quantized linear layer on that step's "
            "batch: per GEMM (fprop, dgrad, wgrad) the relative error of the quantized "

@@ -32,7 +32,7 @@ SCHEDULES = ("wsd", "cosine")
 RESUMABLE_KEYS = frozenset(
     {"out", "resume", "stop_at", "progress", "cache_dir", "checkpoint_every", "log_every",
      "devices", "fsdp", "compare", "resume_override", "overwrite", "keep_checkpoints",
-     "stats_every", "scan_remat"}
+     "stats_every", "scan_remat", "attention"}
 )
 # Config keys that ``--resume-override`` may change (they leave the state's structure alone);
 # ``data`` lets the corpus (its path and its content, see ``ByteDataset.fingerprint``) change.
@@ -102,7 +102,7 @@ class TrainConfig:
     resume_override: str | None = None
     scan_layers: bool = False
     scan_remat: str | None = None  # None: the model's default with scan_layers ("dots")
-    attention: str = "xla"
+    attention: str = "auto"  # cuDNN's fused attention where it runs, else XLA's
     overwrite: bool = False
     keep_checkpoints: int = 3
     stats_every: int = 0
@@ -517,8 +517,7 @@ def model_config(cfg: TrainConfig) -> LlamaConfig:
         changes["scan_layers"] = True
     if cfg.scan_remat is not None:
         changes["scan_remat"] = cfg.scan_remat
-    if cfg.attention != "xla":
-        changes["attention"] = cfg.attention
+    changes["attention"] = cfg.attention
     return mc.replace(**changes)
 
 

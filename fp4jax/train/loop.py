@@ -167,13 +167,20 @@ def make_train_step(model: Llama, tx: optax.GradientTransformation,
 
 def make_eval_step(model: Llama, base_key: jax.Array | None, mesh: Mesh) -> Callable:
     """A jit-compiled ``eval(params, batch) -> mean loss`` (``base_key=None``: ``eval(params,
-    batch, base_key)``, as for ``make_train_step``)."""
+    batch, base_key)``, as for ``make_train_step``). On several devices the loss runs in
+    ``jax.shard_map`` as the train step's does (``parallel.sharded_value``; parameters laid
+    out by ``parallel.state_specs``), so cuDNN's attention sees per-device arrays."""
+
+    def loss_of(p, b, key, layer_key):
+        return loss_fn(model, p, b, key, layer_key)
 
     def ev(p, b, key_arg=None):
         _traced("eval")
         k = base_key if key_arg is None else key_arg
-        return loss_fn(model, p, b, jax.random.fold_in(k, 2**31 - 1),
-                       jax.random.fold_in(k, LAYER_KEY_INDEX))
+        f = loss_of
+        if mesh.devices.size > 1:
+            f = parallel.sharded_value(loss_of, parallel.state_specs(p, mesh), mesh)
+        return f(p, b, jax.random.fold_in(k, 2**31 - 1), jax.random.fold_in(k, LAYER_KEY_INDEX))
 
     return jax.jit(ev, out_shardings=NamedSharding(mesh, P()))
 

@@ -120,3 +120,33 @@ def sharded_value_and_grad(loss: Callable[..., jax.Array], param_specs: Any, mes
         return sm(params, batch, *args)
 
     return f
+
+
+def sharded_value(loss: Callable[..., jax.Array], param_specs: Any, mesh: Mesh
+                  ) -> Callable[..., jax.Array]:
+    """``f(params, batch, *args) -> loss`` of ``loss(params, batch, *args)`` (a scalar mean
+    over the batch rows) on ``mesh``, laid out as for ``sharded_value_and_grad``: each device
+    its rows of the batch inside ``fp4jax.sharding.data_parallel`` (the whole batch's amaxes
+    and random bits, the kernels on), the parameters gathered over ``fsdp``, the devices'
+    losses averaged. Every op runs on per-device arrays: cuDNN's fused attention (whose
+    partitioner needs q, k and v sharded alike, which a plain ``jit`` over ``fsdp``-sharded
+    weights does not give) included."""
+
+    def f(params, batch, *args):
+        treedef = jax.tree.structure(params)
+        specs = (treedef.unflatten([param_specs] * treedef.num_leaves)
+                 if isinstance(param_specs, P) else param_specs)
+        flat_specs = treedef.flatten_up_to(specs)
+
+        def local(params, batch, *args):
+            full = [_gather(x, s) for x, s in zip(treedef.flatten_up_to(params), flat_specs,
+                                                  strict=True)]
+            with fp4jax.sharding.data_parallel(AXES):
+                value = loss(treedef.unflatten(full), batch, *args)
+            return jax.lax.pmean(value, AXES)
+
+        sm = jax.shard_map(local, mesh=mesh, in_specs=(specs, BATCH, *([P()] * len(args))),
+                           out_specs=P(), check_vma=False)
+        return sm(params, batch, *args)
+
+    return f
