@@ -182,7 +182,7 @@ def scan_remat_in_effect(requested: str | None, scan: bool) -> str | None:
 
 def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
                 iterations: int, devices: int = 1, attention: str = "auto",
-                scan_remat: str | None = None) -> dict[str, Any]:
+                scan_remat: str | None = None, fsdp: int = 1) -> dict[str, Any]:
     """Builds, cold-compiles and times one configuration in this process; emits a tagged
     JSON line after each stage (the parent keeps the last one of a child it stops)."""
     for name, value in (("jax_enable_compilation_cache", False),
@@ -200,7 +200,7 @@ def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
         "quantized": quantized(spec), "batch_size": batch_size, "seq_len": seq_len,
         "tokens_per_step": batch_size * seq_len, "device": str(dev.device_kind),
         "platform": dev.platform, "device_count": jax.device_count(), "jax": jax.__version__,
-        "devices": devices, "attention": attention,
+        "devices": devices, "fsdp": fsdp, "attention": attention,
         "attention_resolved": resolve_attention(attention),
         "scan_remat": scan_remat_in_effect(scan_remat, scan),
         "threefry_lowering": threefry_lowering(),
@@ -213,7 +213,7 @@ def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
         rec["persistent_cache"] = None
     t = time.perf_counter()
     step, state, batch, key, mc = build_step(preset, spec, scan, batch_size, seq_len, devices,
-                                             attention, scan_remat)
+                                             attention, scan_remat, fsdp)
     jax.block_until_ready(state)
     rec["params"] = mc.num_params()
     rec["build_s"] = round(time.perf_counter() - t, 3)
@@ -282,7 +282,7 @@ def child_main(args: argparse.Namespace) -> int:
     set_threefry_lowering(args.threefry)  # as fp4jax-train --threefry does
     try:
         measure_one(preset, config, args.batch_size, args.seq_len, args.iterations,
-                    args.devices, args.attention, args.scan_remat)
+                    args.devices[0], args.attention, args.scan_remat, args.fsdp)
     except Exception as e:  # noqa: BLE001 (reported to the parent as the row's error)
         _emit({"error": lab.error_text(e)})  # the last stage line says where
         raise
@@ -315,24 +315,35 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def child_command(args: argparse.Namespace, preset: str, config: str) -> list[str]:
+def batch_for(args: argparse.Namespace, devices: int) -> int:
+    """The global batch of a run on ``devices`` devices: ``--batch-per-device`` times the
+    devices (weak scaling), else ``--batch-size``."""
+    return args.batch_per_device * devices if args.batch_per_device else args.batch_size
+
+
+def child_command(args: argparse.Namespace, preset: str, config: str, devices: int = 0
+                  ) -> list[str]:
+    devices = devices or args.devices[0]
     return [sys.executable, str(Path(__file__).resolve()), "--one", preset, config,
-            "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-            "--iterations", str(args.iterations), "--devices", str(args.devices),
+            "--batch-size", str(batch_for(args, devices)), "--seq-len", str(args.seq_len),
+            "--iterations", str(args.iterations), "--devices", str(devices),
+            "--fsdp", str(args.fsdp),
             "--attention", args.attention,
             *(["--scan-remat", args.scan_remat] if args.scan_remat else []),
             "--threefry", args.threefry]
 
 
-def run_child(args: argparse.Namespace, preset: str, config: str, timeout: float
-              ) -> dict[str, Any]:
+def run_child(args: argparse.Namespace, preset: str, config: str, timeout: float,
+              devices: int = 0) -> dict[str, Any]:
     """One configuration in a fresh process: its row (status ok, timeout or error)."""
     spec, scan = split_config(config)
+    devices = devices or args.devices[0]
     base = {"preset": preset, "config": config, "spec": spec, "scan_layers": scan,
-            "quantized": quantized(spec)}
+            "quantized": quantized(spec), "devices": devices, "fsdp": args.fsdp,
+            "batch_size": batch_for(args, devices)}
     t = time.perf_counter()
     try:
-        r = subprocess.run(child_command(args, preset, config), env=child_env(),
+        r = subprocess.run(child_command(args, preset, config, devices), env=child_env(),
                            capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         rec = base | _last_record(e.stdout)
@@ -351,11 +362,18 @@ def run_child(args: argparse.Namespace, preset: str, config: str, timeout: float
     return rec
 
 
+def group_key(r: dict[str, Any]) -> tuple:
+    """The rows compared with each other: one preset on one mesh (devices, fsdp)."""
+    return r["preset"], r.get("devices", 1), r.get("fsdp", 1)
+
+
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Per preset: ``vs_fastest_bf16`` and ``compile_vs_bf16`` on every row (None where a
-    row or its reference has no measurement)."""
-    for preset in dict.fromkeys(r["preset"] for r in rows):
-        mine = [r for r in rows if r["preset"] == preset]
+    """Per preset and mesh (``group_key``): ``vs_fastest_bf16`` and ``compile_vs_bf16`` on
+    every row (None where a row or its reference has no measurement), and
+    ``scaling_vs_1_device``: tokens/s over the same preset and configuration on one device
+    (weak scaling with ``--batch-per-device``)."""
+    for key in dict.fromkeys(group_key(r) for r in rows):
+        mine = [r for r in rows if group_key(r) == key]
         bf16 = [r for r in mine if not r.get("quantized") and r.get("status") == "ok"]
         fastest = max(bf16, key=lambda r: r["tokens_per_s"], default=None)
         base = next((r for r in mine if not r.get("quantized") and not r.get("scan_layers")
@@ -367,6 +385,11 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             r["compile_bf16"] = base["config"] if base else None
             r["compile_vs_bf16"] = (r["compile_s"] / base["compile_s"]
                                     if base and r.get("compile_s") else None)
+    for r in rows:
+        one = next((o for o in rows if o["preset"] == r["preset"] and o["config"] == r["config"]
+                    and o.get("devices", 1) == 1 and o.get("status") == "ok"), None)
+        r["scaling_vs_1_device"] = (r["tokens_per_s"] / one["tokens_per_s"]
+                                    if one and r.get("status") == "ok" else None)
 
 
 def _fmt(v: float | None, spec: str) -> str:
@@ -374,12 +397,14 @@ def _fmt(v: float | None, spec: str) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """A markdown table per preset."""
+    """A markdown table per preset and mesh, then issue 35's summary (``summary``)."""
     out = []
-    for preset in dict.fromkeys(r["preset"] for r in rows):
-        mine = [r for r in rows if r["preset"] == preset]
+    for key in dict.fromkeys(group_key(r) for r in rows):
+        preset, devices, fsdp = key
+        mine = [r for r in rows if group_key(r) == key]
         info = next((r for r in mine if "params" in r), {})
-        head = f"### {preset}"
+        head = f"### {preset}" + (f", {devices} devices" if devices > 1 else "") + (
+            f", fsdp {fsdp}" if fsdp > 1 else "")
         if info:
             head += (f" ({info['params'] / 1e6:.1f}M parameters, batch {info['batch_size']}"
                      f" x seq {info['seq_len']}, {info.get('device', '?')})")
@@ -402,7 +427,43 @@ def table(rows: list[dict[str, Any]]) -> str:
                        f"| {_fmt(r.get('compile_s'), '.1f')}"
                        f" | {_fmt(comp, '.2f')}{'x' if comp is not None else ''} |")
         out.append("")
+    out += summary(rows)
     return "\n".join(out)
+
+
+def summary(rows: list[dict[str, Any]]) -> list[str]:
+    """Issue 35's table: per preset and mesh, the fastest bf16 configuration against each
+    quantized one (tokens/s, ratio, scaling over one device, compile + first call)."""
+    out = ["### NVFP4 against the fastest bf16 (issue 35)", "",
+           "| preset | devices (fsdp) | attention | bf16 (fastest) tokens/s | configuration "
+           "| tokens/s | vs bf16 | scaling vs 1 device (bf16 / it) "
+           "| compile + first step s (bf16 / it) |",
+           "| --- | --- | --- | ---: | --- | ---: | ---: | --- | --- |"]
+    for key in dict.fromkeys(group_key(r) for r in rows):
+        mine = [r for r in rows if group_key(r) == key]
+        bf = next((r for r in mine if r.get("config") == r.get("fastest_bf16")), None)
+        if bf is None:
+            continue
+        for r in mine:
+            if not r.get("quantized"):
+                continue
+
+            def cf(x):
+                c = (x.get("compile_s") or 0) + (x.get("first_call_s") or 0)
+                return f"{c:.1f}" if x.get("compile_s") else "n/a"
+
+            def sc(x):
+                return _fmt(x.get("scaling_vs_1_device"), ".2f")
+
+            ratio = r.get("vs_fastest_bf16")
+            out.append(
+                f"| {key[0]} | {key[1]} ({key[2]}) | {bf.get('attention_resolved', '?')} "
+                f"| {bf['tokens_per_s']:,.0f} ({bf['config']}) | `{r['config']}` "
+                f"| {_fmt(r.get('tokens_per_s'), ',.0f')} "
+                f"| {_fmt(ratio, '.3f')}{'x' if ratio is not None else ''} "
+                f"| {sc(bf)} / {sc(r)} | {cf(bf)} / {cf(r)} |")
+    out.append("")
+    return out
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -416,9 +477,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seq-len", type=_positive, default=256)
     ap.add_argument("--iterations", type=_positive, default=20,
                     help=f"timed steps after {WARMUP} warm-up steps")
-    ap.add_argument("--devices", type=_positive, default=1,
+    ap.add_argument("--devices", type=_positive, nargs="+", default=[1],
                     help="local devices of the data-parallel step (the batch split over "
-                         "them; default 1)")
+                         "them; default 1); several values: every configuration on each")
+    ap.add_argument("--batch-per-device", type=_positive, default=None,
+                    help="weak scaling: the global batch is this times the devices "
+                         "(overrides --batch-size)")
+    ap.add_argument("--fsdp", type=_positive, default=1,
+                    help="the state split over this many devices, as fp4jax-train --fsdp")
     ap.add_argument("--attention", default="auto", choices=ATTENTION,
                     help="the model's attention, as fp4jax-train --attention (default auto: "
                          "cuDNN's on an NVIDIA GPU, else XLA's; each row records what ran as "
@@ -441,22 +507,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="check the presets and configurations, print the child commands, exit")
     ap.add_argument("--one", nargs=2, metavar=("PRESET", "CONFIG"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    from fp4jax.train.config import TrainConfig, run_recipe
+    from fp4jax.train.config import TrainConfig, run_recipe, validate_config
 
     configs = [args.one[1]] if args.one else args.configs
     if args.scan_remat is not None and not any(split_config(c)[1] for c in configs):
         ap.error("--scan-remat applies to the ':scan' configurations: there is none")
 
+    if args.one and len(args.devices) != 1:
+        ap.error("--one runs on one --devices value")
     for preset in [args.one[0]] if args.one else args.presets:
         for config in configs:
             spec, scan = split_config(config)
-            try:  # the whole run's config, as build_step makes it (flags named in the message)
-                run_recipe(TrainConfig(preset=preset, recipe=spec, scan_layers=scan,
-                                       batch_size=args.batch_size, seq_len=args.seq_len,
-                                       devices=args.devices, attention=args.attention,
-                                       scan_remat=args.scan_remat if scan else None))
-            except (TypeError, ValueError) as e:
-                ap.error(f"{preset} {config}: {e}")
+            for devices in args.devices:
+                try:  # the whole run's config, as build_step makes it (flags in the message)
+                    cfg = TrainConfig(preset=preset, recipe=spec, scan_layers=scan,
+                                      batch_size=batch_for(args, devices),
+                                      seq_len=args.seq_len, devices=devices, fsdp=args.fsdp,
+                                      attention=args.attention,
+                                      scan_remat=args.scan_remat if scan else None)
+                    run_recipe(cfg)
+                    validate_config(cfg)
+                except (TypeError, ValueError) as e:
+                    ap.error(f"{preset} {config} on {devices} devices: {e}")
     return args
 
 
@@ -471,13 +543,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         for preset in args.presets:
             for config in args.configs:
-                print(shlex.join(child_command(args, preset, config)))
+                for devices in args.devices:
+                    print(shlex.join(child_command(args, preset, config, devices)))
         return 0
     out = args.out or os.environ.get("OUT") or "bench_out"
     meta = lab.run_info(__file__, argv, args.commit)
     meta.update(device=None, platform=None, device_count=None,  # filled from the children
                 presets=args.presets, configs=args.configs, batch_size=args.batch_size,
-                seq_len=args.seq_len, devices=args.devices, attention=args.attention,
+                seq_len=args.seq_len, devices=args.devices, fsdp=args.fsdp,
+                batch_per_device=args.batch_per_device, attention=args.attention,
                 scan_remat=scan_remat_in_effect(
                     args.scan_remat, any(split_config(c)[1] for c in args.configs)),
                 iterations=args.iterations,
@@ -488,28 +562,29 @@ def main(argv: list[str] | None = None) -> int:
     res = lab.Results(os.path.join(out, JSON_NAME), meta)
     rows: list[dict[str, Any]] = res.data.setdefault("rows", [])
     start = time.monotonic()
-    for preset in args.presets:
-        for config in args.configs:
-            left = (None if args.time_limit is None
-                    else args.time_limit - (time.monotonic() - start))
-            if left is not None and left < 5:
-                spec, scan = split_config(config)
-                row = {"preset": preset, "config": config, "spec": spec, "scan_layers": scan,
-                       "quantized": quantized(spec), "status": "skipped",
-                       "error": "--time-limit reached"}
-            else:
-                print(f"[bench_train] {preset} {config} ...", flush=True)
-                row = run_child(args, preset, config,
-                                args.timeout_s if left is None else min(args.timeout_s, left))
-            if res.data.get("device") is None and row.get("device"):
-                res.data.update({k: row[k] for k in ("device", "platform", "device_count")})
-            rows.append(row)
-            add_ratios(rows)
-            res.save()
-            print(json.dumps({k: row.get(k) for k in (
-                "preset", "config", "status", "tokens_per_s", "step_median_s", "compile_s",
-                "lower_s", "xla_compile_s", "first_call_s", "waited_s", "error")
-                if row.get(k) is not None}), flush=True)
+    todo = [(p, c, d) for p in args.presets for d in args.devices for c in args.configs]
+    for preset, config, devices in todo:
+        left = (None if args.time_limit is None
+                else args.time_limit - (time.monotonic() - start))
+        if left is not None and left < 5:
+            spec, scan = split_config(config)
+            row = {"preset": preset, "config": config, "spec": spec, "scan_layers": scan,
+                   "quantized": quantized(spec), "devices": devices, "fsdp": args.fsdp,
+                   "status": "skipped", "error": "--time-limit reached"}
+        else:
+            print(f"[bench_train] {preset} {config} on {devices} devices ...", flush=True)
+            row = run_child(args, preset, config,
+                            args.timeout_s if left is None else min(args.timeout_s, left),
+                            devices)
+        if res.data.get("device") is None and row.get("device"):
+            res.data.update({k: row[k] for k in ("device", "platform", "device_count")})
+        rows.append(row)
+        add_ratios(rows)
+        res.save()
+        print(json.dumps({k: row.get(k) for k in (
+            "preset", "config", "status", "tokens_per_s", "step_median_s", "compile_s",
+            "lower_s", "xla_compile_s", "first_call_s", "waited_s", "error")
+            if row.get(k) is not None}), flush=True)
     text = table(rows)
     res.finish(table=text)
     print()

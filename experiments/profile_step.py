@@ -47,7 +47,6 @@ import jax
 import jax.numpy as jnp
 import lab  # before fp4jax: puts the repository root on sys.path
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from fp4jax.models.llama import SCAN_REMAT, Llama
 from fp4jax.train.cli import THREEFRY_LOWERINGS, set_threefry_lowering, threefry_lowering
@@ -235,23 +234,28 @@ def _op_of(kernel: str, instrs: dict) -> str:
 
 
 def build_step(preset: str, spec: str, scan_layers: bool, batch_size: int, seq_len: int,
-               devices: int = 1, attention: str = "xla", scan_remat: str | None = None):
+               devices: int = 1, attention: str = "xla", scan_remat: str | None = None,
+               fsdp: int = 1):
     """The harness's train step for one spec, its initial state and one batch (on
-    ``devices`` local devices: the data-parallel step, the batch split over them;
-    ``attention`` as ``--attention``)."""
+    ``devices`` local devices: the data-parallel step, the batch split over them; ``fsdp``:
+    the state split over that many of them, as ``--fsdp``; ``attention`` as
+    ``--attention``)."""
+    from fp4jax.train import parallel
+
     cfg = TrainConfig(preset=preset, recipe=spec, scan_layers=scan_layers,
-                      batch_size=batch_size, seq_len=seq_len, devices=devices,
+                      batch_size=batch_size, seq_len=seq_len, devices=devices, fsdp=fsdp,
                       attention=attention, scan_remat=scan_remat if scan_layers else None)
     rcfg, recipe = run_recipe(cfg)
     mc = model_config(cfg)
     model = Llama(mc, make_policy(rcfg, mc, recipe))
     tx = make_optimizer(cfg)
-    mesh = make_mesh(devices)
-    repl = NamedSharding(mesh, P())
-    state = jax.jit(make_init_state(model, tx, cfg), out_shardings=repl)(jax.random.key(0))
-    step = make_train_step(model, tx, None, mesh)
+    mesh = make_mesh(devices, fsdp)
+    init = make_init_state(model, tx, cfg)
+    specs = parallel.state_specs(jax.eval_shape(init, jax.random.key(0)), mesh)
+    state = jax.jit(init, out_shardings=parallel.shardings(specs, mesh))(jax.random.key(0))
+    step = make_train_step(model, tx, None, mesh, specs)
     batch = jax.random.randint(jax.random.key(1), (batch_size, seq_len + 1), 0, 256, jnp.int32)
-    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    batch = jax.device_put(batch, NamedSharding(mesh, parallel.BATCH))
     return step, state, batch, jax.random.key(2), mc
 
 
