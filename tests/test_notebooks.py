@@ -32,10 +32,10 @@ def _kernel_env() -> dict[str, str]:
     return env
 
 
-def test_all_five_notebooks_present():
+def test_all_six_notebooks_present():
     names = [p.name for p in NOTEBOOKS]
-    assert len(names) == 5, names
-    assert names[0].startswith("01_") and names[-1].startswith("05_")
+    assert len(names) == 6, names
+    assert [n[:3] for n in names] == [f"{i:02d}_" for i in range(1, 7)], names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
