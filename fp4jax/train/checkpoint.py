@@ -13,6 +13,10 @@ file of the checkpoint. ``Checkpointer.restore_verified`` checks the files again
 bytes match the checksum; any failure raises ``CheckpointDamaged`` saying how.
 Pruning is explicit (``Checkpointer.prune``: keep the newest N, and never a protected one),
 not orbax's ``max_to_keep``, so that the last checkpoint known to be good always survives.
+
+``RunCheckpoints`` is a run's use of them: opening ``--out``, saving a state checked to be
+finite, resuming from the newest checkpoint that restores (``restore_newest``), and deleting
+the checkpoints a divergence makes bad (``drop_bad``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +37,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax.train.config import RESUMABLE_KEYS, TrainConfig, split_run_spec
+from fp4jax.train import processes
+from fp4jax.train.config import (
+    OVERRIDABLE_KEYS,
+    RESUMABLE_KEYS,
+    TrainConfig,
+    split_run_spec,
+)
 
 # the file manifest written into each checkpoint's directory after orbax commits it
 MANIFEST = "fp4jax_files.json"
@@ -379,3 +390,220 @@ def _history_from_metrics(path: Path) -> dict[str, list]:
             history["val_step"].append(rec["step"])
             history["val_loss"].append(rec["val_loss"])
     return history
+
+
+def restore_newest(ckpt: Checkpointer, target: Any, cfg_dict: dict, overrides: list[str],
+                   data_sha: str, out: Path) -> tuple[Any, dict, list[CheckpointDamaged]]:
+    """Restores the newest checkpoint that restores completely (metadata, arrays, checksum)
+    after checking that its config and data fingerprint match ``cfg_dict`` and ``data_sha``
+    (keys in ``overrides`` may differ); damaged newer checkpoints are moved to
+    ``OUT/checkpoints.damaged/`` and reported. Returns ``(state, meta, damaged)``.
+
+    Raises:
+      ValueError: a changed config or corpus, or no checkpoint that restores.
+    """
+    where = ckpt.directory
+
+    def check_meta(meta: dict) -> None:
+        # with a recorded fingerprint the corpus is checked by content: its path may change
+        free = [*overrides, *(["data"] if meta.get("data_sha256") else [])]
+        free += ["tokenizer"] if "data" in free else []  # the fingerprint covers it
+        diff = config_diff({**meta["config"], **{k: cfg_dict[k] for k in free}}, cfg_dict)
+        if diff:
+            raise ValueError("refusing to resume with a changed config; differing keys: "
+                             + "; ".join(diff) + f" (only {list(OVERRIDABLE_KEYS)} can change, "
+                             "named in --resume-override)")
+        saved = meta.get("data_sha256")
+        if saved is not None and saved != data_sha and "data" not in overrides:
+            raise ValueError(
+                f"refusing to resume: the training data differ from those of checkpoint "
+                f"{meta['step']} (SHA-256 of the split corpus {saved[:12]}... then, "
+                f"{data_sha[:12]}... now; --data {cfg_dict['data']!r}, --val-fraction "
+                f"{cfg_dict['val_fraction']}): resume on the data the run started with, or pass "
+                "--resume-override data to continue on these (recorded in metrics.jsonl)")
+
+    damaged: list[CheckpointDamaged] = []
+    steps = ckpt.all_steps()
+    for c in reversed(steps):
+        try:
+            state, meta, note = ckpt.restore_verified(c, target, check_meta)
+            if int(state["step"]) != c:
+                raise CheckpointDamaged(c, f"it holds the state of step {int(state['step'])}")
+        except CheckpointDamaged as e:
+            damaged.append(e)
+            continue
+        for e in damaged:
+            moved = ckpt.set_aside(e.step, out / "checkpoints.damaged")
+            _note(f"{e}; moved it to {moved}")
+        if damaged:
+            _note(f"resuming from checkpoint {c}, the newest in {where} that restores completely")
+        if note:
+            _note(note)
+        return state, meta, damaged
+    if not steps:
+        raise ValueError(f"--resume: no checkpoint in {where}: nothing to resume; start a fresh "
+                         "run without --resume (with --overwrite if --out holds an earlier run, "
+                         "which moves it aside)")
+    raise ValueError(
+        f"--resume: no checkpoint in {where} restores completely ("
+        + "; ".join(str(e) for e in damaged) + "). Options: start afresh with --overwrite "
+        f"(moves this run aside to {out}.old-<time>), or put back an intact copy of "
+        f"{where} and resume again")
+
+
+@dataclasses.dataclass
+class Resumed:
+    """What ``RunCheckpoints.resume`` restored: the ``state``, its ``step``, the checkpoint's
+    ``meta``, the config keys it overrode (``{key: [then, now]}``) and the damaged newer
+    checkpoints it set aside."""
+
+    state: Any
+    step: int
+    meta: dict | None
+    overridden: dict[str, list]
+    damaged: list[CheckpointDamaged]
+
+
+class RunCheckpoints:
+    """The checkpoints of one run in ``OUT/checkpoints`` (process 0 reads and writes them;
+    ``ckpt`` is None elsewhere and where orbax-checkpoint is not installed): opening the run
+    directory, saving a checked state, resuming, and what to keep after a divergence.
+
+    Args:
+      out: the run directory.
+      keep: ``--keep-checkpoints``.
+      main: whether this is process 0.
+    """
+
+    def __init__(self, out: Path, keep: int, main: bool) -> None:
+        self.out, self.keep, self.main = Path(out), keep, main
+        self.ckpt: Checkpointer | None = None
+
+    def open(self, cfg: TrainConfig) -> None:
+        """Process 0: checks the log of a resumed run, claims ``OUT`` for a fresh one
+        (``--overwrite`` moves an earlier run aside), opens ``OUT/checkpoints``."""
+        from fp4jax.train.rundir import claim_out, lock_out
+
+        if cfg.resume:  # a damaged log stops before any change
+            read_metrics(self.out / "metrics.jsonl", note=lambda _: None)
+        else:
+            claim_out(cfg)
+        self.out.mkdir(parents=True, exist_ok=True)
+        lock_out(self.out)  # a second writer is refused (released when train returns)
+        try:
+            self.ckpt = Checkpointer(self.out / "checkpoints")
+        except ImportError:  # orbax-checkpoint is optional: train without checkpoints
+            print("fp4jax-train: orbax-checkpoint is not installed: no checkpoints will be "
+                  "written (pip install orbax-checkpoint)", file=sys.stderr)
+
+    def resume(self, state: Any, cfg_dict: dict, overrides: list[str], data_sha: str,
+               check: Callable[[dict], None]) -> Resumed:
+        """Restores the newest good checkpoint into the layout of ``state`` (several
+        processes: process 0 restores host arrays and broadcasts them); ``check(meta)`` runs
+        on process 0 after the restore (its errors stop every process).
+
+        Raises:
+          ValueError: see ``restore_newest``; no orbax-checkpoint.
+        """
+        multi = processes.count() > 1
+        host_target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state) if multi else None
+        found: dict[str, Any] = {"meta": None, "overridden": {}, "damaged": []}
+
+        def restore() -> Any:
+            if self.ckpt is None:
+                raise ValueError("--resume needs orbax-checkpoint (pip install "
+                                 "orbax-checkpoint)")
+            restored, meta, found["damaged"] = restore_newest(
+                self.ckpt, host_target if multi else state, cfg_dict, overrides, data_sha,
+                self.out)
+            saved_cfg = meta["config"]
+            overridden = {k: [saved_cfg.get(k), cfg_dict[k]] for k in overrides
+                          if saved_cfg.get(k) != cfg_dict[k]}
+            saved_sha = meta.get("data_sha256")
+            if "data" in overrides and saved_sha not in (None, data_sha):
+                overridden["data_sha256"] = [saved_sha, data_sha]
+            found["meta"], found["overridden"] = meta, overridden
+            check(meta)
+            return restored
+
+        restored = processes.on_main(restore, template=host_target, what="restoring --resume")
+        if multi:  # host arrays -> the state's layout over every process's devices
+            restored = jax.tree.map(lambda h, d: jax.make_array_from_callback(
+                h.shape, d.sharding, lambda idx, h=h: h[idx]), restored, state)
+        step = int(processes.host_value(restored["step"]))
+        return Resumed(restored, step, found["meta"], found["overridden"], found["damaged"])
+
+    def drop_bad(self, s: int) -> str:
+        """Deletes checkpoints whose parameters give the non-finite step ``s`` (checkpoint
+        ``s`` itself: step ``s`` starts from it) and says which checkpoint is good."""
+        if not self.main:
+            return "process 0 says which checkpoint is good"
+        ckpt = self.ckpt
+        if ckpt is None:
+            return "no checkpoints are written (orbax-checkpoint is not installed)"
+        bad = [c for c in ckpt.all_steps() if c >= s]
+        for c in bad:
+            ckpt.delete(c)
+        good = [c for c in ckpt.all_steps() if c < s]
+        dropped = f" (deleted checkpoint {bad[0]}: step {s} starts from it)" if bad else ""
+        rerun = ("resuming unchanged repeats the divergence exactly; resume with a change, e.g. "
+                 "--resume --resume-override lr --lr SMALLER (overridable: "
+                 f"{', '.join(OVERRIDABLE_KEYS)}), or retrain with a lower --lr or more blocks in "
+                 "BF16 (--first-bf16/--last-bf16)")
+        if not good:
+            return (f"No good checkpoint was saved{dropped}; retrain with a lower --lr or more "
+                    "blocks in BF16 (--first-bf16/--last-bf16)")
+        c = max(good)
+        return (f"Last good checkpoint: {c} (the state before step {c}) in "
+                f"{self.out / 'checkpoints'}{dropped}; {rerun}")
+
+    def save(self, s: int, state: Any, meta: dict, log: Any) -> None:
+        """Checks that ``state`` (the state before step ``s``) is finite, then checkpoints it
+        with ``meta`` (``{"config", "step": s, "data_sha256", ...}``) and its checksum, and
+        prunes: the newest ``keep`` stay, and the newest older one, known good (its step
+        gave a finite loss) until this one is. ``log``: the run's ``RunLog`` (a
+        ``"checkpoint"`` record; the time kept out of tokens/s).
+
+        Raises:
+          TrainingDiverged: a non-finite array (no checkpoint written).
+          OSError: the checkpoint could not be written.
+        """
+        t0 = time.perf_counter()
+        host = processes.host_value(state)  # checked below, then saved as it is (one copy)
+        leaves = host_leaves(host)
+        bad = nonfinite_leaves(leaves)
+        if bad:
+            raise log.diverged(
+                {"step": s, "nonfinite": bad},
+                f"the state became non-finite in step {s - 1} (0-based; NaN or Inf in "
+                f"{len(bad)} arrays: {', '.join(bad[:3])}{', ...' if bad[3:] else ''}); "
+                "stopped, not checkpointed.", s, s - 1)
+
+        def write_checkpoint() -> None:
+            ckpt = self.ckpt
+            if ckpt is None:
+                return
+            try:
+                ckpt.save(s, host, meta, checksum=state_checksum(leaves))
+            except Exception as e:
+                raise OSError(
+                    f"checkpoint {s} could not be written to {ckpt.directory} ({e}); the "
+                    "checkpoints before it are intact: free the space or fix the folder, then "
+                    "rerun with --resume") from e
+            ckpt.prune(self.keep, max((c for c in ckpt.all_steps() if c < s), default=None))
+            # the training stall of this checkpoint (synchronous: device-to-host copy,
+            # finiteness check, checksum, write, prune), kept out of tokens/s. Writing in a
+            # background thread was measured and made training slower (issue 16's note).
+            log.write({"type": "checkpoint", "step": s, "seconds": time.perf_counter() - t0})
+
+        processes.on_main(write_checkpoint, what=f"writing checkpoint {s}")
+        log.pause(time.perf_counter() - t0)
+
+    def finish(self) -> None:
+        """The run ended good: prunes to the newest ``keep``."""
+        if self.ckpt is not None:
+            self.ckpt.prune(self.keep)
+
+    def close(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()

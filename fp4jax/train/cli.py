@@ -69,6 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
                "and, through --last-bf16 -1, the BF16 blocks).")
     a = p.add_argument
     a("--preset", default=d.preset, help=f"model size: {sorted(PRESETS)}")
+    a("--model", default=None, metavar="MODULE:FACTORY",
+      help="train your own model instead of the built-in Llama: FACTORY(vocab_size, seq_len, "
+           "**MODEL_ARGS) in MODULE (dotted, importable from the current directory, or "
+           "path/to/file.py) returns a flax linen Module, or (taking a rngs keyword) an NNX "
+           "Module, mapping int32 tokens (batch, seq) to logits (batch, seq, vocab); its "
+           "linear layers are quantized by --rules, then by the defaults: embed/lm_head/"
+           "logits high precision, --first-bf16/--last-bf16 where blocks are recognized, "
+           "--recipe elsewhere (docs/training.md)")
+    a("--model-args", default=None, metavar="JSON",
+      help="keyword arguments of --model's factory, a JSON object ('{\"d_model\": 64}')")
+    a("--rules", default=None, metavar="FILE",
+      help="with --model: a JSON or TOML file of precision rules, pattern -> recipe spec "
+           "(null: high precision), matched (re.fullmatch, first match wins) against each "
+           "layer's module path before the default rules")
     a("--recipe", default=d.recipe,
       help=f"fp4jax recipe, a name ({', '.join(fp4jax.recipes.names())}) or a spec such as "
            "'nvfp4(sr=False, rht=0)'; a spec may also set the run-level keys "

@@ -106,6 +106,9 @@ class TrainConfig:
     overwrite: bool = False
     keep_checkpoints: int = 3
     stats_every: int = 0
+    model: str | None = None  # MODULE:FACTORY (fp4jax.train.models.FACTORY_PROTOCOL)
+    model_args: str | None = None  # JSON object: the factory's keyword arguments
+    rules: str | None = None  # JSON/TOML file of pattern -> recipe spec (with --model)
 
     def __post_init__(self) -> None:
         validate_config(self)
@@ -377,6 +380,7 @@ def validate_config(cfg: TrainConfig) -> None:
         twice = sorted({n for n, c in zip(names, canon, strict=True) if canon.count(c) > 1})
         if twice:
             raise ConfigError("compare", f"names {', '.join(twice)} more than once")
+    validate_model(cfg)
     keys = override_keys(cfg.resume_override)
     bad = [k for k in keys if k not in OVERRIDABLE_KEYS]
     if bad:
@@ -388,6 +392,57 @@ def validate_config(cfg: TrainConfig) -> None:
         raise ConfigError("overwrite", "--overwrite starts afresh and --resume continues: "
                           "give one of them")
     validate_precision(cfg)
+
+
+# flags of the built-in Llama that a --model run refuses (their non-default values)
+LLAMA_ONLY = ("ffn", "dtype", "scan_layers", "scan_remat")
+
+
+def validate_model(cfg: TrainConfig) -> None:
+    """The checks of ``model``, ``model_args`` and ``rules`` (``--model MODULE:FACTORY``):
+    their forms (the factory itself is loaded by the run), the Llama-only flags, and the
+    features that do not take a foreign model yet.
+
+    Raises:
+      ConfigError: naming the field, why, and the fix.
+    """
+    import json
+
+    if cfg.model is not None:
+        where, colon, name = str(cfg.model).rpartition(":") if isinstance(cfg.model, str) \
+            else ("", "", "")
+        if not colon or not where.strip() or not name.strip():
+            raise ConfigError("model", f"must be MODULE:FACTORY (a dotted module importable "
+                              f"from the current directory, or path/to/file.py), got "
+                              f"{cfg.model!r}")
+        for field in LLAMA_ONLY:
+            if getattr(cfg, field) not in (None, False):
+                raise ConfigError(field, f"sets the built-in Llama; --model {cfg.model} "
+                                  "builds its own model: leave it out (pass the model's "
+                                  "options in --model-args)")
+        if cfg.attention not in ("xla", "auto"):
+            raise ConfigError("attention", f"sets the built-in Llama's attention; --model "
+                              f"{cfg.model} builds its own: leave it out")
+        if cfg.stats_every:
+            raise ConfigError("stats_every", "per-layer statistics of a --model model are not "
+                              "supported yet (fp4jax.diagnostics.layer_stats names the "
+                              "built-in Llama's layers only): leave --stats-every out")
+    for field in ("model_args", "rules"):
+        v = getattr(cfg, field)
+        if v is not None and cfg.model is None:
+            raise ConfigError(field, "applies to a model given by --model MODULE:FACTORY "
+                              "(the built-in Llama takes --preset and the recipe flags)")
+    if cfg.model_args is not None:
+        try:
+            ok = isinstance(json.loads(cfg.model_args), dict)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ConfigError("model_args", f"must be a JSON object such as "
+                              f"'{{\"d_model\": 64}}', got {cfg.model_args!r}")
+    if cfg.rules is not None and (not isinstance(cfg.rules, str) or not cfg.rules.strip()):
+        raise ConfigError("rules", f"must be a path to a JSON or TOML rules file, got "
+                          f"{cfg.rules!r}")
 
 
 AUTO = "auto"
@@ -481,13 +536,17 @@ def validate_precision(cfg: TrainConfig) -> None:
             if names is None and bl != AUTO and not bl[len(AUTO) + 1:].strip():
                 raise ConfigError("bf16_layers", f"{bl!r}: give the run directory or "
                                   "metrics.jsonl after auto: (auto:runs/nvfp4)")
-            if names is not None:
+            if names is not None and cfg.model is None:  # a --model's: checked by the run
                 mc = model_config(cfg)
                 for n in names or [""]:
                     try:
                         policy_layer_name(n, mc)
                     except ValueError as e:
                         raise ConfigError("bf16_layers", f"{e}{where}") from None
+            if names is None and cfg.model is not None:
+                raise ConfigError("bf16_layers", f"{bl}: chosen by per-layer statistics, "
+                                  "which a --model model does not have yet: name the layers "
+                                  f"(their paths, as in --rules){where}")
             if bl == AUTO and cfg.bf16_warmup > cfg.steps:
                 raise ConfigError("bf16_warmup", f"the FP4 warm-up of --bf16-layers auto "
                                   f"({cfg.bf16_warmup} steps) is longer than the run "

@@ -1,0 +1,231 @@
+"""The step functions of a training run, each a pure function compiled by ``jax.jit``: the
+loss (``loss_fn``), the initial state (``make_init_state``), the train step
+(``make_train_step``: loss, gradients, AdamW update; on several devices in ``jax.shard_map``,
+``parallel``), the validation loss (``make_eval_step``) and the two measurements kept apart
+from the train step: per-layer quantization statistics (``make_stats_step``, ``--stats-every``)
+and the gradient-to-noise ratio (``make_grad_noise_step``, ``--grad-noise-every``).
+
+A model here is anything with flax linen's ``init(rngs, tokens)`` and ``apply({"params":
+params}, tokens, rngs=...)``: a linen ``Module`` (fp4jax's ``Llama``, a model under
+``fp4jax.nn.quantize_model``) or ``fp4jax.train.models.NnxModel`` (an NNX model, split into
+a pure state). Keys: step ``s`` draws its stochastic-rounding bits from ``fold_in(base, s)``
+(stream ``"fp4"``), every step the same per-layer RHT key ``fold_in(base, LAYER_KEY_INDEX)``
+(stream ``"fp4_layer"``), evaluation ``fold_in(base, EVAL_KEY_INDEX)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fp4jax import diagnostics
+from fp4jax.models.llama import layer_name
+from fp4jax.train import parallel
+from fp4jax.train.config import TrainConfig
+
+NameFn = Callable[[tuple[str, ...], tuple[int, ...]], str]
+
+# fold_in index of the run's layer key (constant per-layer RHT signs) under the base key;
+# steps use their own index and evaluation EVAL_KEY_INDEX.
+LAYER_KEY_INDEX = 2**31 - 2
+EVAL_KEY_INDEX = 2**31 - 1
+
+
+def loss_fn(model: Any, params: Any, batch: jax.Array, key: jax.Array,
+            layer_key: jax.Array | None = None) -> jax.Array:
+    """Mean next-token cross-entropy (nats). ``batch (B, T+1)`` int32 -> float32 scalar
+    (the model's logits ``(B, T, vocab)``, any float dtype, taken in float32).
+    ``key``: the step's stochastic-rounding key; ``layer_key``: the run's constant key of
+    per-layer RHT signs (stream ``"fp4_layer"``; needed by ``hadamard_signs="layer"``)."""
+    rngs = {"fp4": key} if layer_key is None else {"fp4": key, "fp4_layer": layer_key}
+    logits = model.apply({"params": params}, batch[:, :-1], rngs=rngs)
+    return optax.softmax_cross_entropy_with_integer_labels(
+        jnp.asarray(logits, jnp.float32), batch[:, 1:]).mean()
+
+
+def _global_norm(tree: Any) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+# Times each step function was traced (once per compilation):
+# {"init", "train", "eval", "stats", "noise"}.
+TRACE_COUNTS: dict[str, int] = {"init": 0, "train": 0, "eval": 0, "stats": 0, "noise": 0}
+
+
+def _traced(kind: str) -> None:
+    TRACE_COUNTS[kind] += 1
+
+
+def make_init_state(model: Any, tx: optax.GradientTransformation,
+                    cfg: TrainConfig) -> Callable[..., dict]:
+    """``init(root=None) -> {"step", "params", "opt_state"}``: parameters from
+    ``fold_in(root, 0)``, ``root`` defaulting to ``jax.random.key(cfg.seed)``; ``train`` passes
+    the root key, so the seed is data and one compilation serves every seed."""
+
+    def init_state(root=None):
+        _traced("init")
+        root = jax.random.key(cfg.seed) if root is None else root
+        x0 = jnp.zeros((1, cfg.seq_len), jnp.int32)
+        params = model.init(jax.random.fold_in(root, 0), x0)["params"]
+        return {"step": jnp.zeros((), jnp.int32), "params": params,
+                "opt_state": tx.init(params)}
+
+    return init_state
+
+
+# The train state's layout without --fsdp: every array replicated (a prefix of the state).
+REPLICATED = {"step": P(), "params": P(), "opt_state": P()}
+
+
+def make_train_step(model: Any, tx: optax.GradientTransformation,
+                    base_key: jax.Array | None, mesh: Mesh, specs: Any = None) -> Callable:
+    """A jit-compiled ``step(state, batch) -> (state, metrics)``. The stochastic-rounding key
+    of step ``s`` is ``fold_in(base_key, s)``. With ``base_key=None`` (what ``train`` uses)
+    the key is an argument, ``step(state, batch, base_key)``, so one compilation serves
+    every seed.
+
+    ``specs``: the state's ``PartitionSpec``s (``parallel.state_specs``; None: replicated,
+    which an ``fsdp`` axis larger than 1 does not allow). On several devices the loss and
+    gradients run in ``jax.shard_map`` (``parallel.sharded_value_and_grad``: each device its
+    rows of the batch, the Pallas kernels on, every quantized tensor's amax and random bits
+    those of the whole batch, parameters gathered over ``fsdp``); the optimizer update runs
+    on the state as it is laid out."""
+    if tuple(mesh.axis_names) != parallel.AXES:
+        raise ValueError(f"make_train_step needs a mesh with axes {parallel.AXES} "
+                         f"(parallel.make_mesh), got {tuple(mesh.axis_names)}")
+    if specs is None:
+        if mesh.shape["fsdp"] > 1:
+            raise ValueError("make_train_step on an fsdp mesh needs the state's specs "
+                             "(parallel.state_specs)")
+        specs = REPLICATED
+
+    def loss_of(params, batch, key, layer_key):
+        return loss_fn(model, params, batch, key, layer_key)
+
+    value_and_grad = jax.value_and_grad(loss_of)
+    if mesh.devices.size > 1:
+        value_and_grad = parallel.sharded_value_and_grad(loss_of, specs["params"], mesh)
+
+    def step(state, batch, key_arg=None):
+        _traced("train")
+        base = base_key if key_arg is None else key_arg
+        key = jax.random.fold_in(base, state["step"])
+        layer_key = jax.random.fold_in(base, LAYER_KEY_INDEX)
+        loss, grads = value_and_grad(state["params"], batch, key, layer_key)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss, "grad_norm": _global_norm(grads)}
+        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+
+    return jax.jit(step, out_shardings=(parallel.shardings(specs, mesh), NamedSharding(mesh, P())),
+                   donate_argnums=0)
+
+
+def make_eval_step(model: Any, base_key: jax.Array | None, mesh: Mesh) -> Callable:
+    """A jit-compiled ``eval(params, batch) -> mean loss`` (``base_key=None``: ``eval(params,
+    batch, base_key)``, as for ``make_train_step``). On several devices the loss runs in
+    ``jax.shard_map`` as the train step's does (``parallel.sharded_value``; parameters laid
+    out by ``parallel.state_specs``), so cuDNN's attention sees per-device arrays."""
+
+    def loss_of(p, b, key, layer_key):
+        return loss_fn(model, p, b, key, layer_key)
+
+    def ev(p, b, key_arg=None):
+        _traced("eval")
+        k = base_key if key_arg is None else key_arg
+        f = loss_of
+        if mesh.devices.size > 1:
+            f = parallel.sharded_value(loss_of, parallel.state_specs(p, mesh), mesh)
+        return f(p, b, jax.random.fold_in(k, EVAL_KEY_INDEX),
+                 jax.random.fold_in(k, LAYER_KEY_INDEX))
+
+    return jax.jit(ev, out_shardings=NamedSharding(mesh, P()))
+
+
+def make_stats_step(model: Any, mesh: Mesh, name_fn: NameFn = layer_name) -> Callable:
+    """A jit-compiled ``stats(params, batch, base_key, step) -> {layer: gemm_stats}``: the
+    quantization statistics (``fp4jax.diagnostics.gemm_stats``) of every fp4jax linear layer
+    of ``model`` on ``batch (B, T+1)`` int32, each on its own operands at train step
+    ``step`` (int32 scalar): its input, its weight (both in the compute dtype) and the
+    cotangent of the loss with respect to its output, with the stochastic-rounding key
+    ``fold_in(base_key, step)`` and layer key that ``make_train_step`` uses, so the errors
+    are those of that step's GEMMs. Layer names are ``name_fn``'s (default: Llama's
+    ``layer_name``, ``"block_3/q"``;
+    layers the policy keeps in BF16 are plain ``nn.Dense`` and absent). Values are float32
+    scalars, replicated. A function apart from the train step, which it leaves unchanged."""
+
+    def stats(params, batch, key_arg, step):
+        _traced("stats")
+        rngs = {"fp4": jax.random.fold_in(key_arg, step),
+                "fp4_layer": jax.random.fold_in(key_arg, LAYER_KEY_INDEX)}
+
+        def loss(logits: jax.Array) -> jax.Array:
+            return optax.softmax_cross_entropy_with_integer_labels(
+                jnp.asarray(logits, jnp.float32), batch[:, 1:]).mean()
+
+        return diagnostics.layer_stats(model, {"params": params}, batch[:, :-1], loss=loss,
+                                       rngs=rngs, name_fn=name_fn)
+
+    return jax.jit(stats, out_shardings=NamedSharding(mesh, P()))
+
+
+def noise_gradients(model: Any, model_hp: Any) -> Callable:
+    """``grads(params, batch, base_key, step) -> (g, g_q)``: the gradients of the loss of
+    train step ``step`` (its SR key ``fold_in(base_key, step)`` and the run's layer key, as
+    ``make_train_step`` derives them) through ``model_hp`` (``g``) and ``model`` (``g_q``)."""
+
+    def grads(params, batch, key_arg, step):
+        key = jax.random.fold_in(key_arg, step)
+        layer_key = jax.random.fold_in(key_arg, LAYER_KEY_INDEX)
+        g_q = jax.grad(lambda p: loss_fn(model, p, batch, key, layer_key))(params)
+        g = jax.grad(lambda p: loss_fn(model_hp, p, batch, key, layer_key))(params)
+        return g, g_q
+
+    return grads
+
+
+def flat_kernels(tree: Any) -> Any:
+    """``tree`` with every ``"kernel"`` leaf of 3 or more dimensions reshaped to 2-D
+    (``(-1, last)``): one layer each for ``diagnostics.gradient_noise``, which would take
+    the leading axes of a ``DenseGeneral``/``Einsum`` kernel for a scanned stack."""
+
+    def flat(path: Any, x: Any) -> Any:
+        last = path[-1] if path else None
+        name = str(getattr(last, "key", getattr(last, "name", last)))
+        return x.reshape(-1, x.shape[-1]) if name == "kernel" and x.ndim > 2 else x
+
+    return jax.tree_util.tree_map_with_path(flat, tree)
+
+
+def make_grad_noise_step(model: Any, model_hp: Any, mesh: Mesh,
+                         name_fn: NameFn = layer_name, flat: bool = False) -> Callable:
+    """A jit-compiled ``noise(params, batch, base_key, step) ->
+    fp4jax.diagnostics.gradient_noise(g, g_q)``: the gradient-to-noise ratio of train step
+    ``step`` (FP4-all-the-way Section 4), globally and per layer (named by ``name_fn``,
+    default Llama's ``layer_name``). ``g_q`` is the gradient of ``model`` (the train step's
+    own: the same batch, SR key ``fold_in(base_key, step)`` and layer key), ``g`` that of
+    ``model_hp``, the same
+    model with its backward GEMMs in high precision (``switched_recipe(recipe, "bwd")``: the
+    same forward pass and parameters). Float32 scalars, replicated. A function apart from
+    the train step, which it leaves unchanged. ``flat``: every kernel is one layer
+    (``flat_kernels``; a foreign model, whose kernels' leading axes are not scans)."""
+
+    grads = noise_gradients(model, model_hp)
+
+    def noise(params, batch, key_arg, step):
+        _traced("noise")
+        g, g_q = grads(params, batch, key_arg, step)
+        if flat:
+            g, g_q = flat_kernels(g), flat_kernels(g_q)
+        return diagnostics.gradient_noise(g, g_q, name_fn=name_fn)
+
+    return jax.jit(noise, out_shardings=NamedSharding(mesh, P()))
+
+
+# Config keys that leave the compiled init/train/eval functions unchanged (the seed enters as
