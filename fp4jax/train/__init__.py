@@ -1,5 +1,6 @@
-"""The training harness: train a byte-level Llama-style model with fp4jax recipes and compare
-recipes (the ``fp4jax-train`` command, also ``python -m fp4jax.train``).
+"""The training harness: train a byte-level Llama-style model, or any linen or NNX model a
+factory returns (``--model MODULE:FACTORY``, under ``--rules``), with fp4jax recipes and
+compare recipes (the ``fp4jax-train`` command, also ``python -m fp4jax.train``).
 ``pip install 'fp4jax[train]'`` adds the optional progress bar (tqdm), orbax checkpoints and
 the comparison plot (matplotlib), each imported on first use.
 
@@ -47,8 +48,12 @@ What is guaranteed:
 Modules: ``config`` (``TrainConfig``, its checks, schedules, optimizer, precision policy),
 ``rundir`` (the output directory: writable, holds a run, moved aside), ``precision`` (the
 BF16 layer set of ``--bf16-layers``, the GEMM work run in BF16), ``checkpoint`` (orbax
-checkpoints and their verification, ``metrics.jsonl`` helpers), ``loop`` (train/eval steps,
-``train``), ``comparison`` (``compare``, the table and the plot) and ``cli`` (``main``). Every
+checkpoints and their verification, ``metrics.jsonl`` helpers, ``RunCheckpoints``: a run's
+use of them), ``models`` (the run's model and rules: the built-in Llama or ``--model``'s,
+the precision switch), ``steps`` (the jitted init/train/eval/measurement functions),
+``evaluation`` (validation loss, per-layer statistics, gradient noise), ``runlog``
+(``metrics.jsonl``, progress, throughput), ``loop`` (``train``: the parts in order),
+``comparison`` (``compare``, the table and the plot) and ``cli`` (``main``). Every
 public name is re-exported here: ``from fp4jax import train as T; T.train(T.TrainConfig(...))``.
 """
 

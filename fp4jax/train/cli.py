@@ -11,6 +11,7 @@ The ``fp4jax-train`` command (also ``python -m fp4jax.train``): its argument par
     fp4jax-train --recipe nvfp4 --bf16-layers auto --bf16-budget 0.15
     fp4jax-train --data my_corpus/ --compare bf16,nvfp4,mxfp4
     fp4jax-train --compare "bf16,nvfp4,nvfp4(sr=False, rht=0)" --seeds 0,1,2 --out runs/abl
+    fp4jax-train --model mymodels:build --rules rules.json --recipe nvfp4   # your own model
 """
 
 from __future__ import annotations
