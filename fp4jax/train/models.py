@@ -418,6 +418,11 @@ def _as_recipe(value: Any) -> Recipe | None:
     return fp4jax.recipes.parse(value) if isinstance(value, str) else value
 
 
+def quantizes(rules: Rules) -> bool:
+    """Whether a rule of ``rules`` has a recipe that quantizes."""
+    return any(r is not None and r.quantized for _, r in rules)
+
+
 def read_rules(path: str) -> Rules:
     """The rules of a ``--rules`` file as ``(pattern, Recipe | None)`` pairs, read by
     ``fp4jax.nn.load_rules`` (JSON or TOML: a list of pattern -> recipe spec, null or
@@ -428,6 +433,9 @@ def read_rules(path: str) -> Rules:
     """
     import fp4jax.nn
 
+    if not hasattr(fp4jax.nn, "load_rules"):
+        raise ValueError("--rules needs fp4jax.nn.load_rules, which this version of fp4jax "
+                         "does not have")
     rules = fp4jax.nn.load_rules(path)
     return [(getattr(r.pattern, "pattern", r.pattern), _as_recipe(r.recipe)) for r in rules]
 
@@ -482,9 +490,19 @@ def switched_rules(rules: Rules, mode: str) -> Rules:
 
 
 def quantized_model(model: Any, rules: Rules, rngs: dict | None = None) -> Any:
-    """``fp4jax.nn.quantize_model(model, rules)`` (NNX: with ``rngs=nnx.Rngs(**rngs)``)."""
+    """``fp4jax.nn.quantize_model(model, rules)`` (NNX: with ``rngs=nnx.Rngs(**rngs)``);
+    ``model`` itself, unchanged, when no rule quantizes.
+
+    Raises:
+      ValueError: this fp4jax has no ``fp4jax.nn.quantize_model``.
+    """
     import fp4jax.nn
 
+    if not quantizes(rules):
+        return model
+    if not hasattr(fp4jax.nn, "quantize_model"):
+        raise ValueError("--model with a quantizing recipe needs fp4jax.nn.quantize_model, "
+                         "which this version of fp4jax does not have")
     kw = {}
     if rngs is not None:
         from flax import nnx
@@ -628,10 +646,12 @@ def foreign_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
     def make(rs: Rules) -> Any:
         if not nnx_factory:
             return quantized_model(plain, rs)
-        return NnxModel(build_plain, lambda m, rngs: quantized_model(m, rs, rngs))
+        return NnxModel(build_plain, (lambda m, rngs: quantized_model(m, rs, rngs))
+                        if quantizes(rs) else None)
 
     models = {False: make(rules), True: make(sw_rules)}
-    _say_report(models[False], x0, cfg.model)
+    if quantizes(rules):
+        _say_report(models[False], x0, cfg.model)
     hp_rules = {k: switched_rules(r, "bwd") for k, r in ((False, rules), (True, sw_rules))}
     recipes = {False: layer_recipes(rules, layers), True: layer_recipes(sw_rules, layers)}
     summary = describe_rules(recipes[False], recipe)
