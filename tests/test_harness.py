@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import fp4jax.recipes
 from fp4jax import train as T
 from fp4jax.train import checkpoint, config, models, runlog, steps
 from tests import harness_models as hm
@@ -265,8 +266,10 @@ def test_cli_trains_a_linen_model_with_rules_and_resumes_exactly(corpus, tmp_pat
     assert "tests.harness_models:linen_lm, linen" in err and "linear layers in" in err
     prec = next(r for r in _records(tmp_path / "full") if r["type"] == "precision")["layers"]
     assert prec["layers_0/wo"] is None and prec["lm_head"] is None  # the file; the default
-    assert prec["layers_0/query"].startswith("nvfp4") and "sr=False" in prec["layers_0/query"]
-    assert prec["layers_0/key"] is not None and "sr=False" not in prec["layers_0/key"]
+    spec = fp4jax.recipes.spec
+    assert prec["layers_0/query"] == spec(fp4jax.recipes.parse("nvfp4(sr=False)"))
+    assert prec["layers_0/key"] == spec(fp4jax.recipes.nvfp4())
+    assert prec["layers_1/key"] is None  # the last ~15% of the blocks (1 of 2)
     part = ["--out", str(tmp_path / "part"), "--checkpoint-every", "2"]
     assert T.main([*args, *part, "--stop-at", "2"]) == 0
     assert T.main([*args, *part, "--resume"]) == 0
@@ -287,8 +290,8 @@ def test_cli_trains_an_nnx_model_from_a_file(corpus, tmp_path, capsys):
     one = _losses(tmp_path / "one")
     assert all(math.isfinite(v) for v in one.values())
     assert one["eval", 4] < one["eval", 0]
-    two = [a for a in args if a != "--devices"]
-    two[two.index("1", two.index("--no-progress"))] = "2"  # --devices 2
+    two = list(args)
+    two[two.index("--devices") + 1] = "2"
     assert T.main([*two, "--fsdp", "2", "--out", str(tmp_path / "fsdp")]) == 0
     fsdp = _losses(tmp_path / "fsdp")
     np.testing.assert_allclose([fsdp[k] for k in one], list(one.values()), rtol=2e-3)
@@ -298,8 +301,9 @@ def test_cli_compares_recipes_on_a_foreign_model(corpus, tmp_path):
     """``--compare bf16,nvfp4`` on a foreign linen model: two runs, the summary written."""
     pytest.importorskip("fp4jax.nn.model", reason="needs fp4jax.nn.quantize_model")
     out = tmp_path / "cmp"
-    args = [a for a in CLI if a not in ("--eval-every", "2")]
-    assert T.main([*args, "--eval-every", "4", "--model", "tests.harness_models:linen_lm",
+    args = list(CLI)
+    args[args.index("--eval-every") + 1] = "4"
+    assert T.main([*args, "--model", "tests.harness_models:linen_lm",
                    "--compare", "bf16,nvfp4", "--data", corpus, "--out", str(out)]) == 0
     res = {json.loads((out / d / "result.json").read_text())["recipe"]: d
            for d in ("bf16", "nvfp4")}

@@ -103,16 +103,18 @@ def _step_fns(cfg: TrainConfig, recipe: Recipe, mesh: Mesh,
     recipe (``run_recipe``); ``extra``: more of the key (digests of the files a ``--model``
     run reads). The newest few are kept. Returns ``(functions, reused)``."""
     # the builders as looked up now: a monkeypatched one (tests) gets its own entry
+    builders = (make_init_state, make_train_step, make_eval_step)
     fields = dataclasses.asdict(cfg)  # the recipe canonical: nvfp4(switch_at=0.8) ~ nvfp4
     fields["recipe"] = fp4jax.recipes.spec(recipe)
     key = (tuple(sorted((k, repr(v)) for k, v in fields.items() if k not in _NOT_COMPILED)),
            tuple(d.id for d in mesh.devices.flat),
-           tuple(id(f) for f in (make_init_state, make_train_step, make_eval_step)), extra)
+           tuple(id(f) for f in builders), extra)
     reused = key in _STEP_CACHE
     if reused:
         _STEP_CACHE[key] = _STEP_CACHE.pop(key)  # most recently used last
     else:
-        _STEP_CACHE[key] = build()
+        # the entry keeps the builders alive: their ids in the key are not reused meanwhile
+        _STEP_CACHE[key] = {**build(), "builders": builders}
         while len(_STEP_CACHE) > _STEP_CACHE_SIZE:
             _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
     return _STEP_CACHE[key], reused
