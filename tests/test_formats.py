@@ -10,6 +10,8 @@ formats are independent), so each case compiles once.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -507,13 +509,14 @@ def test_diagnostics_saturation_uses_the_element_max():
     from fp4jax import diagnostics
 
     x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 32, 64)), jnp.float32)
-    g = R.GemmSpec()
+    base = R.nvfp4()
     key = jax.random.key(0)
     sat = {}
     for fmt in (F.MXFP8_E4M3_UP, F.MXFP8_E4M3):
         spec = R.QuantSpec(fmt)
-        st = jax.jit(lambda t, spec=spec: diagnostics._operand_stats(
-            t, g, spec, 2, key, "fprop", "lhs"))(x)
+        recipe = dataclasses.replace(base, fprop=dataclasses.replace(base.fprop, lhs=spec))
+        st = jax.jit(lambda t, recipe=recipe: diagnostics._operand_stats(
+            t, recipe, key, "fprop", "lhs"))(x)
         sat[fmt.name] = float(st["saturation"])
     assert sat["mxfp8_e4m3_up"] == 0.0
     assert 0.0 < sat["mxfp8_e4m3"] < 0.1, sat
