@@ -241,30 +241,28 @@ def _matmul_form(a: Any, b: Any, op: str) -> tuple[Any, None] | None:
     return None
 
 
-def _hook_dot(a, b, *args, **kw):
-    frame = _current()
+def _matmul_hook(name: str, original):
+    """The hook of ``jnp.dot``/``jnp.matmul`` (``name``): a two-operand product in the
+    ``x @ w`` form goes to ``_product``; any other call runs ``original`` unchanged."""
 
-    def orig():
-        return _ORIG_DOT(a, b, *args, **kw)
+    def hook(a, b, *args, **kw):
+        frame = _current()
 
-    form = _matmul_form(a, b, "dot")
-    if frame is None or args or set(kw) - {"precision", "preferred_element_type"} or not form:
-        return orig()
-    return _product(frame, "dot", orig, a, b, form[0], None, kw.get("precision"),
-                    kw.get("preferred_element_type"), None)
+        def orig():
+            return original(a, b, *args, **kw)
+
+        form = _matmul_form(a, b, name)
+        if (frame is None or args or set(kw) - {"precision", "preferred_element_type"}
+                or not form):
+            return orig()
+        return _product(frame, name, orig, a, b, form[0], None, kw.get("precision"),
+                        kw.get("preferred_element_type"), None)
+
+    return hook
 
 
-def _hook_matmul(a, b, *args, **kw):
-    frame = _current()
-
-    def orig():
-        return _ORIG_MATMUL(a, b, *args, **kw)
-
-    form = _matmul_form(a, b, "matmul")
-    if frame is None or args or set(kw) - {"precision", "preferred_element_type"} or not form:
-        return orig()
-    return _product(frame, "matmul", orig, a, b, form[0], None, kw.get("precision"),
-                    kw.get("preferred_element_type"), None)
+_hook_dot = _matmul_hook("dot", _ORIG_DOT)
+_hook_matmul = _matmul_hook("matmul", _ORIG_MATMUL)
 
 
 # ---------------------------------------------------------------------------
