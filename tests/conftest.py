@@ -61,3 +61,16 @@ def keep_compile_cache():
     yield
     for n, v in old.items():
         jax.config.update(n, v)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """A 1-D ``("data",)`` mesh over the first 4 devices (the forced virtual CPU devices);
+    skips when fewer are present. Shared by the data-parallel tests."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    devs = jax.devices()
+    if len(devs) < 4:
+        pytest.skip(f"needs 4 devices, got {len(devs)}")
+    return Mesh(np.array(devs[:4]), ("data",))

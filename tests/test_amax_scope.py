@@ -22,7 +22,6 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
-from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import fp4jax  # noqa: E402
@@ -31,13 +30,6 @@ from fp4jax import sharding  # noqa: E402
 
 N_DEV = 4
 
-
-@pytest.fixture(scope="module")
-def mesh():
-    devs = jax.devices()
-    if len(devs) < N_DEV:
-        pytest.skip(f"needs {N_DEV} devices, got {len(devs)}")
-    return Mesh(np.array(devs[:N_DEV]), ("data",))
 
 
 def _data(m=128, k=256, n=128):

@@ -8,22 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import fp4jax
 from fp4jax import numerics, sharding
 from tests.interpret import needs_interpret
-
-N_DEV = 4
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    devs = jax.devices()
-    if len(devs) < N_DEV:
-        pytest.skip(f"needs {N_DEV} devices, got {len(devs)}")
-    return Mesh(np.array(devs[:N_DEV]), ("data",))
 
 
 def _data(m, k, n, dtype_w=jnp.float32, dtype_g=jnp.float32, seed=0):
