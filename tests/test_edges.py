@@ -306,3 +306,36 @@ def test_compare_tables_one_seed_and_bf16_share():
     assert "BF16 GEMM work" in rows and "| 50% |" in rows and "| 100% |" in rows
     assert recipe_colors(["bf16", "nvfp4", "bf16", "mxfp4"]) == {
         "bf16": "C0", "nvfp4": "C1", "mxfp4": "C2"}
+
+
+# ---------------------------------------------------------------------------
+# Per-device token rows: checked before --out is claimed.
+# ---------------------------------------------------------------------------
+
+def test_token_rows_per_device_refused_before_out_is_claimed(tmp_path):
+    """quartet2's 128-token RHT with 48 token rows a device (4 devices, 4 sequences of 48):
+    refused with the numbers and a fix before anything is written, so the corrected command
+    runs without ``--overwrite``; a batch that fits passes the check."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs the 4 virtual CPU devices of conftest.py")
+    from fp4jax.train import TrainConfig, loop
+    from tests.textdata import write_text
+
+    corpus = write_text(tmp_path / "corpus.txt", 20_000)
+    out = tmp_path / "run"
+    cfg = TrainConfig(preset="micro", recipe="quartet2", steps=2, batch_size=4, seq_len=48,
+                      devices=4, eval_every=0, eval_batches=1, progress=False,
+                      data=str(corpus), out=str(out))
+    with pytest.raises(ValueError, match=r"48 token rows a device; recipe 'quartet2' needs a "
+                                         r"multiple of 128.*multiple of 32"):
+        loop.train(cfg)
+    assert not out.exists()
+    # the suggested batch (8 sequences a device: 384 rows, a multiple of 128) passes the check
+    ds = loop.load_data(cfg)
+    rcfg, recipe = loop.run_recipe(cfg)
+    good = cfg.replace(batch_size=32)
+    mesh = loop.run_mesh(good, rcfg)
+    loop.check_token_rows(good, loop.build_models(good, rcfg, recipe, ds), mesh)
+    # nvfp4 needs 16 rows: 48 a device is fine
+    loop.check_token_rows(cfg.replace(recipe="nvfp4"), loop.build_models(
+        cfg, *loop.run_recipe(cfg.replace(recipe="nvfp4")), ds), mesh)

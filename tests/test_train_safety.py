@@ -423,3 +423,21 @@ def test_failed_checkpoint_write_stops_the_run_naming_it(base, tmp_path, monkeyp
     monkeypatch.setattr(ck.Checkpointer, "save", real)
     T.train(base[0].replace(out=str(out), resume=True, stop_at=4, checkpoint_every=2))
     assert _steps(out) == [2, 4]
+
+
+def test_resumed_segments_record_their_own_xla_flags(base, tmp_path, monkeypatch):
+    """A run resumed under other XLA flags (e.g. without ``--deterministic``) says so and
+    result.json lists every segment's flags: the first part's and the resumption's."""
+    cfg = _copy(base, tmp_path, stop_at=8)
+    first = [r for r in _records(cfg.out) if r["type"] == "segment"]
+    assert [r["step"] for r in first] == [0]
+    before = first[0]["xla_flags"]
+    monkeypatch.setenv("XLA_FLAGS", before + " --xla_gpu_deterministic_ops=true")
+    res = T.train(cfg.replace(resume=True))
+    assert [s["step"] for s in res["segments"]] == [0, 6]
+    assert res["segments"][0]["xla_flags"] == before
+    assert res["segments"][1]["xla_flags"].endswith("--xla_gpu_deterministic_ops=true")
+    assert res["xla_flags"] == res["segments"][1]["xla_flags"]
+    # resumed again from its last checkpoint (8): the segment that started at 6 is kept
+    res = T.train(cfg.replace(resume=True, stop_at=10))
+    assert [s["step"] for s in res["segments"]] == [0, 6, 8]

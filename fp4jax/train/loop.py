@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 
 import fp4jax.recipes
 from fp4jax.data import ByteDataset
+from fp4jax.quantized_dot import token_row_multiple
 from fp4jax.recipes import Recipe
 from fp4jax.tokens import load_dataset, model_vocab_size
 from fp4jax.train import parallel, processes
@@ -41,6 +43,7 @@ from fp4jax.train.checkpoint import (
     RunCheckpoints,
     _history_from_metrics,
     _truncate_metrics,
+    read_metrics,
 )
 from fp4jax.train.config import (
     TrainConfig,
@@ -75,7 +78,8 @@ from fp4jax.train.steps import (
     noise_gradients,
 )
 
-__all__ = ["LAYER_KEY_INDEX", "TRACE_COUNTS", "TrainingDiverged", "compiled_steps",
+__all__ = ["LAYER_KEY_INDEX", "TRACE_COUNTS", "TrainingDiverged", "check_token_rows",
+           "compiled_steps",
            "load_data", "loss_fn", "make_eval_step", "make_grad_noise_step",
            "make_init_state", "make_mesh", "make_stats_step", "make_train_step",
            "noise_gradients", "run_mesh", "run_result", "train"]
@@ -175,6 +179,37 @@ def build_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe, ds: Any) -
                         train, ds)
 
 
+def check_token_rows(cfg: TrainConfig, rm: RunModels, mesh: Mesh) -> None:
+    """Checks, before anything is written, what the first sharded step would refuse: each
+    device's token rows (``batch_size / devices * seq_len``) a multiple of
+    ``fp4jax.quantized_dot.token_row_multiple`` of every recipe the run uses (before and
+    after its precision switch, and every ``--rules`` recipe of a ``--model``). One device:
+    nothing to check.
+
+    Raises:
+      ValueError: naming the recipe, the rows per device and a batch size that works.
+    """
+    n_dev = mesh.devices.size
+    if n_dev == 1:
+        return
+    used = {r.name: r for r in rm.recipes.values() if r is not None}
+    for spec in (rm.layers or {}).values():
+        if spec is not None:
+            r = fp4jax.recipes.get(spec)
+            used.setdefault(r.name, r)
+    rows = cfg.batch_size // n_dev * cfg.seq_len
+    for r in used.values():
+        mult = token_row_multiple(r)
+        if rows % mult:
+            per_dev = mult // math.gcd(mult, cfg.seq_len)  # sequences a device needs, at least
+            raise ValueError(
+                f"--batch-size {cfg.batch_size} over {n_dev} devices with --seq-len "
+                f"{cfg.seq_len} gives {rows} token rows a device; recipe {r.name!r} needs a "
+                f"multiple of {mult} (its quantization blocks and RHT along the tokens must "
+                f"not straddle devices): use a --batch-size that is a multiple of "
+                f"{n_dev * per_dev}, or a --seq-len that is a multiple of {mult}")
+
+
 def compiled_steps(cfg: TrainConfig, rm: RunModels, recipe: Recipe, mesh: Mesh,
                    root: jax.Array) -> tuple[dict, bool]:
     """The jitted functions of the run: ``{"init": init(root) -> state, "train":
@@ -231,10 +266,17 @@ def measurement_steps(fns: dict, rm: RunModels, mesh: Mesh) -> tuple[dict | None
     return stats, noise
 
 
+def _threefry_lowering() -> str:
+    return "kernel" if jax.config.jax_threefry_gpu_kernel_lowering else "xla"
+
+
 def run_result(cfg: TrainConfig, rm: RunModels, log: RunLog, mesh: Mesh, *, status: str,
                end: int, diverged_at: int | None, n_params: int, data_sha: str,
-               switch: PrecisionSwitch, wall: float, out: Path | None) -> dict:
-    """The result dict of a run (also written to ``out/result.json`` when ``out``)."""
+               switch: PrecisionSwitch, wall: float, out: Path | None,
+               segments: list[dict] | None = None) -> dict:
+    """The result dict of a run (also written to ``out/result.json`` when ``out``).
+    ``segments``: ``{"step", "xla_flags", "threefry_lowering"}`` of each part of the run
+    (the first, then each resumption), as ``metrics.jsonl``'s ``"segment"`` records."""
     history = log.history
     vs, vl = history["val_step"], history["val_loss"]
     finished = status == "finished" and bool(vs) and vs[-1] == cfg.steps
@@ -254,8 +296,8 @@ def run_result(cfg: TrainConfig, rm: RunModels, log: RunLog, mesh: Mesh, *, stat
         "device_kind": mesh.devices.flat[0].device_kind, "wall_s": wall,
         "data_sha256": data_sha, "config": dataclasses.asdict(cfg), "history": history,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "threefry_lowering": ("kernel" if jax.config.jax_threefry_gpu_kernel_lowering
-                              else "xla"),
+        "threefry_lowering": _threefry_lowering(),
+        "segments": segments,
         "bf16_layers": rm.bf16["layers"] if rm.bf16 is not None else None,
         "switch_step": switch.step if switch.step < end else None,
         "bf16_gemm_fraction": rm.gemm_fraction(ran, switch.step),
@@ -300,6 +342,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     ds = load_data(cfg, dataset)
     rm = build_models(cfg, rcfg, recipe, ds)
     rcfg = rm.rcfg
+    check_token_rows(cfg, rm, mesh)  # before --out is claimed (the first step would find it)
     switch = PrecisionSwitch(rcfg, cfg.steps)
 
     # the step functions, the initial state
@@ -371,6 +414,18 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         if damaged:
             rec["damaged_checkpoints"] = {str(e.step): e.reason for e in damaged}
         log.write(rec)
+    # the XLA flags of this segment (a resumed run may run under other flags, e.g. without
+    # --deterministic): every segment's are recorded, and result.json lists them
+    segment = {"type": "segment", "step": start, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+               "threefry_lowering": _threefry_lowering()}
+    segments = ([{k: v for k, v in r.items() if k != "type"}
+                 for _, r in read_metrics(metrics_path) if r.get("type") == "segment"]
+                if cfg.resume and main else [])
+    segments.append({k: v for k, v in segment.items() if k != "type"})
+    log.write(segment)
+    if len({s["xla_flags"] for s in segments}) > 1:
+        log.say(f"resumed at step {start} with XLA_FLAGS {segment['xla_flags']!r}, other "
+                "than an earlier segment's (result.json 'segments' lists them)")
     if overridden:
         log.say(f"resuming at step {start} with overrides: "
                 + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in overridden.items()))
@@ -385,7 +440,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     def result(status: str, diverged_at: int | None = None) -> dict:
         return run_result(cfg, rm, log, mesh, status=status, end=end, diverged_at=diverged_at,
                           n_params=n_params, data_sha=data_sha, switch=switch,
-                          wall=time.perf_counter() - t_start, out=out if main else None)
+                          wall=time.perf_counter() - t_start, out=out if main else None,
+                          segments=segments)
 
     t_start = time.perf_counter()
     try:
