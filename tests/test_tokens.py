@@ -81,6 +81,51 @@ def test_byte_level_encode_in_pieces_equals_whole(cache):
 
 
 @needs_tokenizers
+def test_batched_encoding_equals_one_text_at_a_time(cache):
+    """``encode_many``/``encode_documents`` encode many documents in one parallel batch: the
+    same ids as ``encode`` one text at a time, empty texts included, in any batch size."""
+    rng = np.random.default_rng(1)
+    texts = ["".join(rng.choice(list("ab c\n\n  \t'sxyz,.!Ü✓"), n)) for n in (3000, 0, 40, 900)]
+    tok = T.train_bpe(texts, 300)
+    one = [tok.encode(t, chunk_chars=64) for t in texts]
+    for got, want in zip(tok.encode_many(texts, chunk_chars=64), one, strict=True):
+        np.testing.assert_array_equal(got, want)
+    want = [np.append(w, 0) for w, t in zip(one, texts, strict=True) if t]
+    for batch in (1, 50, 10**9):
+        got = list(T.encode_documents(tok, texts, batch_chars=batch))
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+
+
+@needs_tokenizers
+def test_tokenize_with_a_validation_corpus_splits_by_document(cache, tmp_path):
+    """``--val-data``: every document of DATA is training text, every document of the
+    validation corpus validation text; BPE trains on DATA only; the key covers both."""
+    tr, va = tmp_path / "tr", tmp_path / "va"
+    tr.mkdir()
+    va.mkdir()
+    write_text(tr / "a.txt", 9_000, seed=0)
+    write_text(tr / "b.txt", 6_000, seed=1)
+    write_text(va / "c.txt", 2_000, seed=2)
+    out = tmp_path / "tok"
+    meta = T.tokenize_corpus(tr, "bpe:300", out, val_data=va)
+    assert meta["source"]["val_data"] == str(va) and meta["source"]["val_fraction"] is None
+    tok = T.bpe_tokenizer([(tr / n).read_text() for n in ("a.txt", "b.txt")], 300, cache)
+    ds = T.load_dataset(out, 16)
+    assert ds.tokenizer_sha256 == tok.sha256
+    want = {"train": np.concatenate([np.append(tok.encode((tr / n).read_text()), 0)
+                                     for n in ("a.txt", "b.txt")]),
+            "val": np.append(tok.encode((va / "c.txt").read_text()), 0)}
+    np.testing.assert_array_equal(ds.train[:], want["train"])
+    np.testing.assert_array_equal(ds.val[:], want["val"])
+    # a changed validation corpus is another corpus: refused without --overwrite
+    write_text(va / "c.txt", 2_100, seed=2)
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        T.tokenize_corpus(tr, "bpe:300", out, val_data=va)
+
+
+@needs_tokenizers
 def test_text_corpus_with_bpe_and_user_tokenizer(cache, corpus, tmp_path):
     ds = T.load_dataset(corpus, seq_len=16, val_fraction=0.1, tokenizer="bpe:300")
     assert isinstance(ds, T.TokenDataset) and ds.vocab_size <= 300 and ds.train.dtype == np.uint16
