@@ -339,3 +339,87 @@ def test_token_rows_per_device_refused_before_out_is_claimed(tmp_path):
     # nvfp4 needs 16 rows: 48 a device is fine
     loop.check_token_rows(cfg.replace(recipe="nvfp4"), loop.build_models(
         cfg, *loop.run_recipe(cfg.replace(recipe="nvfp4")), ds), mesh)
+
+
+def test_paired_difference_against_numpy_and_in_the_compare_table():
+    """Recipes compared per seed: mean of (loss - baseline loss) over the shared seeds with
+    its standard error std(d, ddof=1)/sqrt(n), and the same relative, against a hand NumPy
+    computation; a seed only one recipe ran is left out; one shared seed gives n/a."""
+    from fp4jax.train.comparison import paired_difference, summarize, summary_table
+
+    base = {0: 1.20, 1: 1.25, 2: 1.22, 3: 1.30}
+    other = {0: 1.21, 1: 1.27, 2: 1.225, 5: 1.0}
+    p = paired_difference(base, other)
+    b = np.array([1.20, 1.25, 1.22])
+    d = np.array([1.21, 1.27, 1.225]) - b
+    assert p["seeds"] == [0, 1, 2] and p["n"] == 3
+    assert p["mean"] == pytest.approx(d.mean(), rel=1e-12)
+    assert p["se"] == pytest.approx(np.std(d, ddof=1) / np.sqrt(3), rel=1e-12)
+    assert p["rel_mean"] == pytest.approx((d / b).mean(), rel=1e-12)
+    assert p["rel_se"] == pytest.approx(np.std(d / b, ddof=1) / np.sqrt(3), rel=1e-12)
+    # the paired SE is far below the unpaired spread when seeds move both recipes together
+    assert p["se"] < np.std(list(base.values())[:3], ddof=1) / 3
+    one = paired_difference({0: 1.0}, {0: 1.1, 1: 1.2})
+    assert one["n"] == 1 and one["mean"] == pytest.approx(0.1) and one["se"] is None
+    assert paired_difference({0: 1.0}, {1: 1.0})["mean"] is None
+    assert paired_difference({0: 1.0, 1: float("nan")}, {0: 1.1, 1: 1.0})["n"] == 1
+
+    runs = [{"recipe": sp, "seed": s, "final_val_loss": v, "status": "finished"}
+            for sp, vals in (("bf16", base), ("nvfp4", other)) for s, v in vals.items()]
+    agg = summarize(runs)
+    row = agg["summary"][1]
+    assert row["paired"]["mean"] == pytest.approx(p["mean"]) and row["paired"]["n"] == 3
+    assert agg["summary"][0]["paired"]["se"] == 0.0  # the baseline against itself
+    md = summary_table(agg)
+    assert f"{p['mean']:+.4f} ± {p['se']:.4f} (n=3)" in md
+    assert f"{100 * p['rel_mean']:+.2f}% ± {100 * p['rel_se']:.2f}%" in md
+    solo = summarize([{"recipe": "bf16", "seed": 0, "final_val_loss": 1.0},
+                      {"recipe": "nvfp4", "seed": 0, "final_val_loss": 1.1}])
+    assert "| n/a | n/a |" in summary_table(solo)
+
+
+def test_sweep_workers_get_gpus_of_their_own(tmp_path, monkeypatch):
+    """``--jobs N`` with runs of ``--devices d``: when N x d fit the GPUs, each worker gets
+    its own ``CUDA_VISIBLE_DEVICES`` (a finished worker's GPUs go to the next); otherwise
+    (``--devices 0``, too few GPUs, none) they share every device, without preallocation."""
+    import subprocess
+
+    from fp4jax.train import comparison as C
+    from fp4jax.train.config import TrainConfig
+
+    assert C.gpu_slots(2, 2, ["0", "1", "2", "3"]) == ["0,1", "2,3"]
+    assert C.gpu_slots(4, 1, ["4", "5", "6", "7"]) == ["4", "5", "6", "7"]
+    assert C.gpu_slots(3, 2, ["0", "1", "2", "3"]) is None
+    assert C.gpu_slots(2, 0, ["0", "1"]) is None and C.gpu_slots(1, 1, []) is None
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert C.local_gpus() == ["3", "5"]
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert C.local_gpus() == []
+
+    started = []
+
+    class FakeProc:
+        returncode = 0
+
+        def __init__(self, argv, env, **kw):
+            started.append(env.get("CUDA_VISIBLE_DEVICES"))
+            self.env = env
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", FakeProc)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+
+    def subs(devices):
+        return {(sp, s): TrainConfig(recipe=sp, seed=s, devices=devices,
+                                     out=str(tmp_path / sp / f"seed{s}"))
+                for sp in ("bf16", "nvfp4", "mxfp4") for s in (0,)}
+
+    slugs = {"bf16": "bf16", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
+    assert C._train_parallel(subs(1), slugs, tmp_path, 2, gpus=["0", "1"]) == []
+    assert started == ["0", "1", "0"] or started == ["0", "1", "1"]
+    started.clear()
+    C._train_parallel(subs(0), slugs, tmp_path, 2, gpus=["0", "1"])  # all devices: shared
+    assert started == [None, None, None]

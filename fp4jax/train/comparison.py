@@ -36,8 +36,9 @@ from fp4jax.train.rundir import (
     run_contents,
 )
 
-__all__ = ["SweepFailed", "compare", "comparison_table", "parse_seeds", "plot_losses",
-           "plot_sweep", "slug", "spec_slugs", "split_specs", "summarize", "summary_table"]
+__all__ = ["SweepFailed", "compare", "comparison_table", "paired_cells", "paired_difference",
+           "parse_seeds", "plot_losses", "plot_sweep", "slug", "spec_slugs", "split_specs",
+           "summarize", "summary_table"]
 
 class SweepFailed(RuntimeError):
     """A worker process of a parallel sweep failed (its log is named); the other runs'
@@ -299,11 +300,46 @@ PARENT_ENV = "FP4JAX_SWEEP_PARENT"
 """Environment variable naming a sweep worker's parent pid (``_worker.watch_parent``)."""
 
 
+def local_gpus() -> list[str]:
+    """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` entries, found without
+    starting CUDA (which would claim memory on every GPU in the sweep's parent): the entries
+    of ``CUDA_VISIBLE_DEVICES`` when set, else ``0 .. n-1`` for the ``/dev/nvidiaN`` device
+    files; none under ``JAX_PLATFORMS=cpu``."""
+    import os
+
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return []
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g.strip() for g in env.split(",") if g.strip() and g.strip() != "-1"]
+    try:
+        n = sum(1 for f in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", f))
+    except OSError:
+        n = 0
+    return [str(i) for i in range(n)]
+
+
+def gpu_slots(jobs: int, devices_per_run: int, gpus: Sequence[str]) -> list[str] | None:
+    """``CUDA_VISIBLE_DEVICES`` values giving each of ``jobs`` workers GPUs of its own
+    (``devices_per_run`` each, consecutive in ``gpus``), or None when they must share:
+    a run that takes all devices (``devices_per_run`` 0), no GPUs, or more GPUs asked for
+    than there are (``jobs x devices_per_run > len(gpus)``)."""
+    if devices_per_run < 1 or not gpus or jobs * devices_per_run > len(gpus):
+        return None
+    return [",".join(gpus[i * devices_per_run:(i + 1) * devices_per_run])
+            for i in range(jobs)]
+
+
 def _train_parallel(subs: dict[tuple[str, int], TrainConfig], slugs: dict[str, str],
-                    out: Path, jobs: int) -> list[str]:
+                    out: Path, jobs: int, gpus: Sequence[str] | None = None) -> list[str]:
     """Trains ``subs`` with up to ``jobs`` worker processes, one per spec (its seeds one after
     the other in it, sharing compiled steps), or, with more jobs than specs, a spec's seeds
-    split over several workers. Returns the logs of the workers that failed."""
+    split over several workers. Returns the logs of the workers that failed.
+
+    When every worker can have GPUs of its own (``gpu_slots``: the runs' ``devices`` x
+    ``jobs`` <= the GPUs, ``gpus`` or ``local_gpus()``), each worker runs with its own
+    ``CUDA_VISIBLE_DEVICES``; otherwise the workers share every device (and do not
+    preallocate GPU memory)."""
     import os
     import signal
     import subprocess
@@ -324,8 +360,13 @@ def _train_parallel(subs: dict[tuple[str, int], TrainConfig], slugs: dict[str, s
         spec, runs = units[i]
         units[i:i + 1] = [(spec, runs[:len(runs) // 2]), (spec, runs[len(runs) // 2:])]
     whole = {spec: sum(u[0] == spec for u in units) == 1 for spec, _ in units}
+    per_run = max(sub.devices for sub in subs.values()) if subs else 0
+    if any(sub.devices == 0 for sub in subs.values()):
+        per_run = 0
+    slots = gpu_slots(min(jobs, len(units)), per_run, local_gpus() if gpus is None else gpus)
     env = dict(os.environ)
-    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # processes share the devices
+    if slots is None:
+        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # processes share devices
     env[PARENT_ENV] = str(os.getpid())  # the workers end when this process does
     cache = jax.config.jax_compilation_cache_dir
     logs = out / "workers"  # beside the runs: a worker moving its run aside keeps its log
@@ -347,25 +388,32 @@ def _train_parallel(subs: dict[tuple[str, int], TrainConfig], slugs: dict[str, s
                                             "compile_cache": cache}, indent=1))
                 path = logs / f"{tag}.log"
                 log = open(path, "a")  # appended: a repeated sweep keeps the old log
-                _note(f"sweep: {spec}: {len(runs)} run(s) in a worker, log {path}")
+                wenv, slot = env, None
+                if slots is not None:
+                    slot = slots.pop(0)
+                    wenv = {**env, "CUDA_VISIBLE_DEVICES": slot}
+                _note(f"sweep: {spec}: {len(runs)} run(s) in a worker, log {path}"
+                      + (f", GPU {slot}" if slot is not None else ""))
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "fp4jax.train._worker", str(plan)],
-                    stdout=log, stderr=subprocess.STDOUT, env=env)
-                running[path] = (proc, log, spec)
+                    stdout=log, stderr=subprocess.STDOUT, env=wenv)
+                running[path] = (proc, log, spec, slot)
             time.sleep(0.2)
-            for path, (proc, log, spec) in list(running.items()):
+            for path, (proc, log, spec, slot) in list(running.items()):
                 if proc.poll() is not None:
                     log.close()
                     del running[path]
+                    if slot is not None:
+                        slots.append(slot)
                     if proc.returncode != 0:
                         failed.append(str(path))
                         _note(f"sweep: {spec}: worker exited {proc.returncode}; see {path}")
                     else:
                         _note(f"sweep: {spec}: worker done ({path.name})")
     finally:
-        for proc, _, _ in running.values():  # interrupted: no orphans
+        for proc, _, _, _ in running.values():  # interrupted: no orphans
             proc.terminate()
-        for proc, log, _ in running.values():
+        for proc, log, _, _ in running.values():
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
@@ -381,6 +429,34 @@ def _final(r: dict) -> float | None:
     return None if v is None or not math.isfinite(v) else float(v)
 
 
+def paired_difference(base: dict[int, float], other: dict[int, float]) -> dict:
+    """Paired comparison of two recipes over the seeds both have (a seed fixes the
+    initialization, the batch order and the stochastic-rounding draws, so runs of the same
+    seed are paired): per shared seed ``d_i = other_i - base_i`` and ``r_i = d_i / base_i``.
+
+    Returns ``{"seeds", "n", "mean", "se", "rel_mean", "rel_se"}``: the mean of ``d`` and
+    its standard error ``std(d, ddof=1) / sqrt(n)``, the same for ``r``; ``se``/``rel_se``
+    None for fewer than 2 shared seeds, everything but ``seeds``/``n`` None for none.
+    Non-finite or missing values leave their seed out.
+    """
+    def ok(v: Any) -> bool:
+        return v is not None and math.isfinite(v)
+
+    seeds = sorted(s for s in base if s in other and ok(base[s]) and ok(other[s]))
+    out: dict[str, Any] = {"seeds": seeds, "n": len(seeds), "mean": None, "se": None,
+                           "rel_mean": None, "rel_se": None}
+    if not seeds:
+        return out
+    b = np.array([base[s] for s in seeds], np.float64)
+    d = np.array([other[s] for s in seeds], np.float64) - b
+    r = d / b
+    out["mean"], out["rel_mean"] = float(d.mean()), float(r.mean())
+    if len(seeds) > 1:
+        out["se"] = float(d.std(ddof=1) / math.sqrt(len(seeds)))
+        out["rel_se"] = float(r.std(ddof=1) / math.sqrt(len(seeds)))
+    return out
+
+
 def summarize(results: Sequence[dict], baseline: str | None = None) -> dict:
     """``compare.json``: ``{"runs": [...], "summary": [...], "baseline": SPEC, "rule": ...}``.
 
@@ -389,7 +465,10 @@ def summarize(results: Sequence[dict], baseline: str | None = None) -> dict:
     loss), ``mean``, ``std`` (sample std, ddof=1; 0 for one run), ``min``, ``max``,
     ``gap_vs_baseline`` ((mean - base mean) / base mean) and ``gap_exceeds_spread``:
     |mean - base mean| > max(std, base std), None when either has fewer than two runs (no
-    spread to compare with) or a mean is missing. ``baseline`` defaults to the first spec.
+    spread to compare with) or a mean is missing, and ``paired``: the paired difference to
+    the baseline over the seeds both ran (:func:`paired_difference`: mean difference and
+    relative difference with their standard errors). ``baseline`` defaults to the first
+    spec.
     """
     runs = [{"recipe": r.get("spec") or r["recipe"], "seed": r.get("seed"),
              "final_val_loss": r.get("final_val_loss"), "tokens_per_s": r.get("tokens_per_s"),
@@ -410,7 +489,9 @@ def summarize(results: Sequence[dict], baseline: str | None = None) -> dict:
             "statuses": sorted({x["status"] for x in mine if x["status"]}),
         })
     base = next((x for x in summary if x["recipe"] == baseline), None)
+    finals = {sp: {x["seed"]: _final(x) for x in runs if x["recipe"] == sp} for sp in specs}
     for x in summary:
+        x["paired"] = paired_difference(finals.get(baseline, {}), finals[x["recipe"]])
         ok = base is not None and base["mean"] is not None and x["mean"] is not None
         x["gap_vs_baseline"] = (x["mean"] - base["mean"]) / base["mean"] if ok else None
         x["gap_exceeds_spread"] = (
@@ -418,7 +499,10 @@ def summarize(results: Sequence[dict], baseline: str | None = None) -> dict:
             if ok and x["n"] > 1 and base["n"] > 1 else None)
     return {"runs": runs, "summary": summary, "baseline": baseline,
             "rule": "gap_exceeds_spread: |mean - baseline mean| > max(std, baseline std), "
-                    "sample stds over seeds (ddof=1); null with fewer than 2 seeds"}
+                    "sample stds over seeds (ddof=1); null with fewer than 2 seeds. paired: "
+                    "per shared seed d = loss - baseline loss; mean(d) ± std(d, ddof=1) / "
+                    "sqrt(n) (the standard error), and the same for d / baseline loss; "
+                    "se null with fewer than 2 shared seeds"}
 
 
 def summary_table(agg: dict) -> str:
@@ -428,18 +512,32 @@ def summary_table(agg: dict) -> str:
 
     lines = [f"Final validation loss over seeds (mean ± sample std); gap: relative gap of the "
              f"means to the baseline {agg['baseline']}; exceeds spread: |mean difference| > "
-             "the larger of the two stds (n/a with fewer than 2 seeds).", "",
+             "the larger of the two stds (n/a with fewer than 2 seeds); paired: the mean "
+             "over the seeds both ran of (loss - baseline loss) ± its standard error "
+             "(std/sqrt(n)), and the same relative to the baseline (n/a with fewer than 2 "
+             "shared seeds).", "",
              "| recipe | seeds | val loss (mean ± std) | min – max | gap vs baseline | "
-             "exceeds spread | tokens/s |", "|---|---|---|---|---|---|---|"]
+             "exceeds spread | paired diff ± SE | paired rel. ± SE | tokens/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for x in agg["summary"]:
         gap = "n/a" if x["gap_vs_baseline"] is None else f"{100 * x['gap_vs_baseline']:+.2f}%"
         ex = {None: "n/a", True: "yes", False: "no"}[x["gap_exceeds_spread"]]
         tps = "n/a" if not x["tokens_per_s"] else f"{x['tokens_per_s']:,.0f}"
         std = "n/a" if x["n"] < 2 or x["std"] is None else f"{x['std']:.4f}"
         mean = "n/a" if x["mean"] is None else f"{x['mean']:.4f} ± {std}"
+        pd, pr = paired_cells(x.get("paired"))
         lines.append(f"| {x['recipe']} | {','.join(map(str, x['seeds']))} (n={x['n']}) | {mean} "
-                     f"| {f(x['min'])} – {f(x['max'])} | {gap} | {ex} | {tps} |")
+                     f"| {f(x['min'])} – {f(x['max'])} | {gap} | {ex} | {pd} | {pr} | {tps} |")
     return "\n".join(lines)
+
+
+def paired_cells(p: dict | None) -> tuple[str, str]:
+    """The two table cells of a :func:`paired_difference`: ``"+0.0123 ± 0.0015 (n=3)"`` and
+    ``"+1.02% ± 0.12%"``; ``"n/a"`` with fewer than 2 shared seeds."""
+    if not p or p.get("se") is None:
+        return "n/a", "n/a"
+    return (f"{p['mean']:+.4f} ± {p['se']:.4f} (n={p['n']})",
+            f"{100 * p['rel_mean']:+.2f}% ± {100 * p['rel_se']:.2f}%")
 
 
 def plot_sweep(results: Sequence[dict], path: Path, baseline: str | None = None) -> Path | None:
