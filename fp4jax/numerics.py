@@ -578,6 +578,8 @@ def round_to_grid(v: jax.Array, grid: FloatGrid, mode: str = "nearest") -> jax.A
       float32 array, same shape, every finite entry on ``grid``.
     """
     v = v.astype(jnp.float32)
+    if mode == "up" and grid.man_bits == 0:
+        return _pow2_round_up(v, grid)
     q, inv_q = _quantum(v, grid)
     t = v * inv_q
     if mode == "nearest":
@@ -592,6 +594,21 @@ def round_to_grid(v: jax.Array, grid: FloatGrid, mode: str = "nearest") -> jax.A
     if not grid.has_zero:
         out = jnp.maximum(out, grid.min_value)
     return out
+
+
+def _pow2_round_up(v: jax.Array, grid: FloatGrid) -> jax.Array:
+    """``round_to_grid(v, grid, "up")`` for a power-of-two grid (``man_bits == 0``: E8M0,
+    the MX scales), from the float32 bits: adding ``0x7FFFFF`` carries into the exponent
+    unless the significand is already 1.0, and clearing the mantissa leaves ``2**ceil(log2
+    v)`` (a subnormal or zero ``v`` gives ``2**-126``, ``+inf`` and values above the top
+    binade give ``2**128``); then the clamp to ``[min_value, max_value]``. The same values
+    as the quantum arithmetic of ``round_to_grid`` (NaN stays NaN), in integer and
+    compare/select operations only, so the Pallas kernels run this very function on
+    register arrays (``pallas_kernels/quantize/common_sm90.mx_word_scales``)."""
+    bits = jax.lax.bitcast_convert_type(v, jnp.int32)
+    up = jax.lax.bitcast_convert_type((bits + 0x7FFFFF) & 0x7F800000, jnp.float32)
+    out = jnp.minimum(jnp.maximum(up, grid.min_value), grid.max_value)
+    return jnp.where(v != v, v, out)  # NaN in, NaN out (its bits + 0x7FFFFF would wrap)
 
 
 def uniform_from_key(key: jax.Array, shape: tuple[int, ...],

@@ -187,6 +187,11 @@ def block_decode_scale(amax_block: jax.Array, enc: jax.Array, fmt: BlockFormat) 
 
     A block with a non-finite amax gets a NaN scale, so it dequantizes to NaN.
 
+    For power-of-two scale formats (E8M0: MXFP4, MXFP4_OCP) every operation here (and in
+    ``numerics.round_to_grid``'s ``"up"`` path for them) is integer or compare/select
+    arithmetic that Mosaic GPU lowers: the Hopper MX quantize kernels call this very
+    function on register arrays (``pallas_kernels/quantize/common_sm90.mx_word_scales``).
+
     Args:
       amax_block: float32 block amaxes (any shape).
       enc: float32 scalar from ``global_encode_scale``.
@@ -203,7 +208,8 @@ def block_decode_scale(amax_block: jax.Array, enc: jax.Array, fmt: BlockFormat) 
     else:
         v = amax_block * (enc * jnp.float32(1.0 / fmt.elem_max))
         s = numerics.round_to_grid(v, grid, fmt.scale_rule)
-    return jnp.where(jnp.isfinite(amax_block), s, jnp.float32(jnp.nan))
+    # |amax| < inf: isfinite, in compares the Pallas kernels lower (they call this function)
+    return jnp.where(jnp.abs(amax_block) < jnp.inf, s, jnp.float32(jnp.nan))
 
 
 def element_encode_scale(s: jax.Array, dec: jax.Array) -> jax.Array:

@@ -414,6 +414,40 @@ def _strip_2d_scales(sc_ref, x_ref, plain: bool, mode: str):
     return s_val, s_byte, _elem_scale(sc_ref, s_val, s_byte, mode), finite
 
 
+BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)  # the satfinite bound of bf16 operands
+
+
+def is_mx(fmt) -> bool:
+    """Whether ``fmt`` (a ``BlockFormat``; None: NVFP4) is one of the MX FP4 formats the
+    kernels quantize besides NVFP4: E2M1 elements in blocks of 32 with a power-of-two
+    (E8M0) scale and no tensor scale (``fp4jax.MXFP4``, its ``"up"`` rule, and
+    ``fp4jax.MXFP4_OCP``, the ``"ocp"`` rule)."""
+    return (fmt is not None and fmt.block_size == 32 and not fmt.tensor_scale
+            and (fmt.elem_exp_bits, fmt.elem_man_bits) == (2, 1)
+            and (fmt.scale_exp_bits, fmt.scale_man_bits) == (8, 0) and not fmt.scale_ieee
+            and fmt.scale_rule in ("up", "ocp"))
+
+
+def mx_block_scales(amax_bits, fmt):
+    """MX block scales from the block amax bits (int32, ``_block_amax_bits``: NaN/Inf above
+    every finite value): ``(s_val, e, finite)``.
+
+    ``s_val`` is the core's own rule, ``fp4jax.quantization.block_decode_scale(amax, 1,
+    fmt)`` (the format's scale rule, ``"up"`` or ``"ocp"``; no tensor scale: ``enc = 1``),
+    run here on register arrays (for E8M0 scales it is integer and compare/select
+    arithmetic); ``e`` the element encode scale ``fp4jax.quantization.element_encode_scale
+    (s, 1) = 1/s``, exact for a power of two ``s`` in ``[2^-126, 2^126]`` (every finite
+    block's: ``amax * f32(1/6) <= FLT_MAX / 6 < 2^126``), as ``numerics.pow2(-floor_log2
+    s)``. A NaN/Inf block (``finite`` False) gets s = 1 here: the caller writes NaN."""
+    from fp4jax.numerics import floor_log2, pow2
+    from fp4jax.quantization import block_decode_scale
+
+    finite = amax_bits < 0x7F800000
+    s = block_decode_scale(_f32(amax_bits), np.float32(1.0), fmt)
+    s = jnp.where(finite, s, 1.0)
+    return s, pow2(-floor_log2(s)), finite
+
+
 def _pick_block(n: int, candidates) -> int | None:
     for c in candidates:
         if n % c == 0:
@@ -434,7 +468,8 @@ def _mode(recip: str, exact_recip: bool | None) -> str:
 
 _SC_SIGNS = 32  # f32 scalars: kernel_scalars (32 words) then the 16 RHT signs
 
-SC_WIDTH = _SC_SIGNS + 16  # float32 words of one operand's scalar input (``scalars``)
+SC_WIDTH = _SC_SIGNS + 32  # float32 words of one operand's scalar input (``scalars``):
+# room for the 32 signs of the MX formats' RHT-32 (NVFP4's 16 use the first 16)
 
 
 class _ScalarRow:
@@ -455,12 +490,17 @@ def scalar_row(sc_ref, row: int | None):
 
 
 def scalars(enc: jax.Array, dec: jax.Array, signs: jax.Array | None = None) -> jax.Array:
-    """The kernels' float32 scalar input: ``kernel_scalars(enc, dec)`` then 16 RHT signs.
-    Batched as ``kernel_scalars``: ``enc``, ``dec`` (k,) and ``signs`` (k, 16) (or None)
-    give (k, N_SC + 16)."""
+    """The kernels' float32 scalar input: ``kernel_scalars(enc, dec)`` then 32 RHT sign
+    slots (16 or 32 signs, padded with ones). Batched as ``kernel_scalars``: ``enc``,
+    ``dec`` (k,) and ``signs`` (k, 16 or 32) (or None) give (k, SC_WIDTH)."""
     ks = kernel_scalars(enc, dec)
-    s = (jnp.ones(ks.shape[:-1] + (16,), jnp.float32) if signs is None
-         else jnp.asarray(signs, jnp.float32).reshape(ks.shape[:-1] + (16,)))
+    n = SC_WIDTH - _SC_SIGNS
+    if signs is None:
+        s = jnp.ones(ks.shape[:-1] + (n,), jnp.float32)
+    else:
+        s = jnp.asarray(signs, jnp.float32)
+        s = s.reshape(ks.shape[:-1] + (s.shape[-1],))
+        s = jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, n - s.shape[-1])], constant_values=1.0)
     return jnp.concatenate([ks, s], axis=-1)
 
 
@@ -533,13 +573,15 @@ GR = (128, 64)  # blocks per row of an SR quad tile (fq_rows with a key)
 QUAD_BLOCKS = 512  # blocks per CTA of the SR rows kernel (as kt * SUB of the RtN one)
 
 
-def supported_rows(shape, dtype, sr: bool = False, padded: bool = False) -> bool:
-    """bf16 (R, C), C % 16 == 0, R*C/16 a multiple of 256, R*C < 2^31; with stochastic
-    rounding (``sr``) also R % 4 == 0 (rows are taken in quads) and C % 1024 == 0 (64
-    blocks of each row per tile at least), unless ``padded``: the operand kernel's SR
-    tiles may overhang the row (``operand_sm90.fq_rows_scaled``: any C % 16 == 0)."""
+def supported_rows(shape, dtype, sr: bool = False, padded: bool = False,
+                   block: int = 16) -> bool:
+    """bf16 (R, C), C % ``block`` == 0 (16: NVFP4; 32: MX), R*C a multiple of 4096 (16 *
+    ``SUB``), R*C < 2^31; with stochastic rounding (``sr``) also R % 4 == 0 (rows are taken
+    in quads) and C % (64 * block) == 0 (64 blocks of each row per tile at least), unless
+    ``padded``: the operand kernel's SR tiles may overhang the row
+    (``operand_sm90.fq_rows_scaled``: any C % block == 0)."""
     if len(shape) != 2 or jnp.dtype(dtype) != jnp.bfloat16:
         return False
     r, c = shape
-    ok = c % 16 == 0 and (r * c // 16) % SUB == 0 and r * c < 2**31
-    return ok and (not sr or (r % 4 == 0 and (padded or c % (16 * GR[-1]) == 0)))
+    ok = c % block == 0 and (r * c // 16) % SUB == 0 and r * c < 2**31
+    return ok and (not sr or (r % 4 == 0 and (padded or c % (block * GR[-1]) == 0)))

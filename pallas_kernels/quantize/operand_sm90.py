@@ -53,10 +53,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from fp4jax.numerics import threefry2x32
 from pallas_kernels.quantize.common_sm90 import (
     _SC_SIGNS,
+    BF16_MAX,
     G2D,
     GR,
     QUAD_BLOCKS,
     SUB,
+    _block_amax_bits,
     _block_scale,
     _by_mode,
     _e2m1_value,
@@ -71,8 +73,10 @@ from pallas_kernels.quantize.common_sm90 import (
     _strip_2d_scales,
     _word_scales,
     global_scales,
+    is_mx,
     key_words,
     lane_params,
+    mx_block_scales,
     scalar_row,
     scalars,
     strip_layout,
@@ -89,17 +93,56 @@ def _bf16_hi(v):
     return _i32(v) & -0x10000
 
 
-def _scaled_words(w, e, s_val, finite, n: int, plain: bool, u_lo=None, u_hi=None):
-    """bf16 ``data * scale`` words (int32, (n, 8)) of a (n, 8) word tile whose row ``i``
-    has element encode scale ``e[i]``, block scale ``s_val[i]`` and ``finite[i]`` (a
-    NaN/Inf block gives NaN); ``u_lo``/``u_hi``: SR uniforms of the low/high elements."""
-    eb = lax.broadcast_in_dim(e, (n, 8), (0,))
-    sb = lax.broadcast_in_dim(s_val, (n, 8), (0,))
-    fin = lax.broadcast_in_dim(finite.astype(jnp.int32), (n, 8), (0,))
-    lo = _e2m1_value(_f32(w << 16) * eb, u_lo, plain) * sb
-    hi = _e2m1_value(_f32(w & -0x10000) * eb, u_hi, plain) * sb
+def _satfinite_bf16(v, mx: bool):
+    """``v`` clamped to bf16's finite range (``fp4jax.quantization.scaled_data``'s
+    ``satfinite``): only MX products (E2M1 times a power-of-two scale up to 2^126) can
+    exceed it; NVFP4's stay below 6 * 448."""
+    return jnp.minimum(jnp.maximum(v, -BF16_MAX), BF16_MAX) if mx else v
+
+
+def _scaled_words(w, e, s_val, finite, n: int, plain: bool, u_lo=None, u_hi=None,
+                  mx: bool = False):
+    """bf16 ``data * scale`` words (int32, (n, nw)) of a (n, nw) word tile (nw = 8: an
+    NVFP4 block a row; 16: an MX block of 32) whose row ``i`` has element encode scale
+    ``e[i]``, block scale ``s_val[i]`` and ``finite[i]`` (a NaN/Inf block gives NaN);
+    ``u_lo``/``u_hi``: SR uniforms of the low/high elements; ``mx``: clamp to bf16's
+    range (``_satfinite_bf16``)."""
+    nw = w.shape[1]
+    eb = lax.broadcast_in_dim(e, (n, nw), (0,))
+    sb = lax.broadcast_in_dim(s_val, (n, nw), (0,))
+    fin = lax.broadcast_in_dim(finite.astype(jnp.int32), (n, nw), (0,))
+    lo = _satfinite_bf16(_e2m1_value(_f32(w << 16) * eb, u_lo, plain) * sb, mx)
+    hi = _satfinite_bf16(_e2m1_value(_f32(w & -0x10000) * eb, u_hi, plain) * sb, mx)
     word = lax.shift_right_logical(_i32(lo), 16) | _bf16_hi(hi)
     return jnp.where(fin != 0, word, _NAN2)
+
+
+def _row_scales(sc_ref, w, mode: str, fmt):
+    """Block scales of a word tile whose rows are blocks: ``(s_val, e, finite)``, NVFP4
+    (``fmt`` None: ``_word_scales``, E4M3 with the tensor scale) or MX (``fmt``: the
+    core's ``block_decode_scale`` through ``mx_block_scales``)."""
+    if fmt is not None:
+        return mx_block_scales(_block_amax_bits(w), fmt)
+    s_val, _, e, finite = _word_scales(sc_ref, w, mode)
+    return s_val, e, finite
+
+
+def _check_fmt(fmt):
+    """The kernels' format argument: None (or NVFP4 itself) for NVFP4, an MX FP4 format
+    (``is_mx``: blocks of 32, E8M0 scales) as is; anything else is a ValueError."""
+    from fp4jax.formats import NVFP4
+
+    if fmt is None or fmt == NVFP4:
+        return None
+    if not is_mx(fmt):
+        raise ValueError(f"fmt: the operand kernels quantize NVFP4 (fmt=None) or MX FP4 "
+                         f"(blocks of 32, E8M0 scales, no tensor scale), got {fmt!r}")
+    return fmt
+
+
+def _bw(fmt) -> int:
+    """bf16 words (element pairs) per block: 8 (NVFP4, 16 elements) or 16 (MX, 32)."""
+    return 8 if fmt is None else 16
 
 
 # ---------------------------------------------------------------------------
@@ -108,22 +151,23 @@ def _scaled_words(w, e, s_val, finite, n: int, plain: bool, u_lo=None, u_hi=None
 
 
 def _fq_tile(sc_ref, kw_ref, x_ref, o_ref, *, nb: int, plain: bool, mode: str,
-             chunk: int = SUB):
-    """Round-to-nearest: ``nb`` blocks, x_ref (nb, 8) uint32 words in, o_ref (nb, 8)
-    uint32 words of bf16 ``data * scale`` out, ``chunk`` blocks (a multiple of 64) per
-    register tile (stochastic rounding: ``_fq_quad_tile``)."""
+             chunk: int = SUB, fmt=None):
+    """Round-to-nearest: ``nb`` blocks, x_ref (nb, nw) uint32 words in (``_bw``), o_ref
+    (nb, nw) uint32 words of bf16 ``data * scale`` out, ``chunk`` blocks (a multiple of 64)
+    per register tile (stochastic rounding: ``_fq_quad_tile``). ``fmt``: None (NVFP4) or
+    an MX format (``_check_fmt``)."""
     del kw_ref
     for a in range(0, nb, chunk):
         rows = pl.ds(a, chunk) if nb > chunk else slice(None)
         n = min(nb, chunk)
         w = _load_words(x_ref, rows, plain)
-        s_val, _, e, finite = _word_scales(sc_ref, w, mode)
-        word = _scaled_words(w, e, s_val, finite, n, plain)
+        s_val, e, finite = _row_scales(sc_ref, w, mode, fmt)
+        word = _scaled_words(w, e, s_val, finite, n, plain, mx=fmt is not None)
         o_ref[rows, :] = lax.bitcast_convert_type(word, jnp.uint32)
 
 
 def _fq_quad_tile(sc_ref, kw_ref, x_rows, o_rows, *, g: int, draw0, plain: bool, mode: str,
-                  dyn: bool = False):
+                  dyn: bool = False, fmt=None):
     """Stochastic rounding of the same ``g`` blocks of four neighbouring rows (4m ..
     4m+3): ``x_rows[r]``/``o_rows[r]`` (g, 8) words of row 4m+r (views of one (4, g, 8)
     tile, or, in the flat layout of ``_fq_rows_quads``, of row r of consecutive quads).
@@ -134,28 +178,32 @@ def _fq_quad_tile(sc_ref, kw_ref, x_rows, o_rows, *, g: int, draw0, plain: bool,
     odd row bytes 2 and 3); ``draw0 = m * C/2 + 8 * (first block of the tile in its
     row)``. ``dyn``: x_rows/o_rows are the (4, g, 8) tile refs themselves and the four rows
     run as a loop (one row's code instead of four: a quarter of the instructions to fetch;
-    the row picks its word and bytes by integer masks and shifts, the same bits)."""
-    d = draw0 + kw_ref[2] + (_iota((g, 8), 0, plain) << 3) + _iota((g, 8), 1, plain)
+    the row picks its word and bytes by integer masks and shifts, the same bits).
+    ``fmt``: an MX format (blocks of 32: (g, 16) words, word (i, j) draw ``draw0 + 16 i +
+    j``, ``draw0`` counting 16 words a block) or None (NVFP4)."""
+    nw = _bw(fmt)
+    d = (draw0 + kw_ref[2] + (_iota((g, nw), 0, plain) << (nw.bit_length() - 1))
+         + _iota((g, nw), 1, plain))
     words = threefry2x32(kw_ref[0], kw_ref[1], d - d, d)
     if dyn:
         @pl.loop(0, 4)
         def _(r):
             w = _load_words(x_rows.at[r], slice(None), plain)
-            s_val, _, e, finite = _word_scales(sc_ref, w, mode)
+            s_val, e, finite = _row_scales(sc_ref, w, mode, fmt)
             m = -(lax.shift_right_logical(r, 1) & 1)  # rows 0, 1: word y0; rows 2, 3: y1
             bits = words[0] ^ ((words[0] ^ words[1]) & m)
             bits = lax.shift_right_logical(bits, (r & 1) << 4)  # odd rows: bytes 2, 3
             word = _scaled_words(w, e, s_val, finite, g, plain, _sr_uniform(bits, 0),
-                                 _sr_uniform(bits, 1))
+                                 _sr_uniform(bits, 1), mx=fmt is not None)
             o_rows.at[r][...] = lax.bitcast_convert_type(word, jnp.uint32)
 
         return
     for r in range(4):
         w = _load_words(x_rows[r], slice(None), plain)
-        s_val, _, e, finite = _word_scales(sc_ref, w, mode)
+        s_val, e, finite = _row_scales(sc_ref, w, mode, fmt)
         bits = words[r // 2]
         word = _scaled_words(w, e, s_val, finite, g, plain, _sr_uniform(bits, 2 * (r % 2)),
-                             _sr_uniform(bits, 2 * (r % 2) + 1))
+                             _sr_uniform(bits, 2 * (r % 2) + 1), mx=fmt is not None)
         o_rows[r][...] = lax.bitcast_convert_type(word, jnp.uint32)
 
 
@@ -166,12 +214,12 @@ def _quads(ref):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr", "g", "rq", "kt",
                                              "chunk", "steps", "sc_row", "flat",
-                                             "compact"))
+                                             "compact", "fmt"))
 def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = None,
                    sr: bool = False, g: int | None = None, rq: int | None = None,
                    kt: int | None = None, chunk: int = SUB, steps: int | None = None,
                    sc_row: int | None = None, flat: bool | None = None,
-                   compact: bool | None = None):
+                   compact: bool | None = None, fmt=None):
     """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec)`` (or, with ``sc_row``, the flat
     (k * SC_WIDTH,) scalars of k operands, of which row ``sc_row`` is this one's: no slice
     of it runs outside the kernel), ``kw = key_words(key)``.
@@ -189,14 +237,28 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
     ``steps`` pipeline steps (tiles) a CTA (double-buffered when > 1), ``compact`` a
     tile's rows and quads as loops rather than unrolled code (default on the GPU: 201.6
     against 223.3 µs with the amax pass at 8192^2 on an H100, fewer instructions to fetch;
-    off in interpret mode)."""
-    if not supported_rows(x.shape, x.dtype, sr, padded=True):
-        raise ValueError(f"fq_rows needs bf16 (R, C), C % 16 == 0, R*C % {16 * SUB} == 0 "
-                         f"(with a key also R % 4 == 0), got {x.dtype} {x.shape}")
+    off in interpret mode).
+
+    ``fmt``: None (NVFP4, 1x16 E4M3 blocks with the tensor scale of ``sc``) or an MX FP4
+    format (``fp4jax.MXFP4`` / ``MXFP4_OCP``: 1x32 blocks, E8M0 scales by the format's
+    rule, no tensor scale: ``sc`` is not read; C % 32 == 0). MX tiles hold as many
+    elements as NVFP4's (128 blocks of 32 per 256-block tile; ``chunk`` halved); MX SR
+    takes the quad tiles (``g`` blocks of 32), never the flat layout."""
+    fmt = _check_fmt(fmt)
+    if not supported_rows(x.shape, x.dtype, sr, padded=True, block=16 if fmt is None else 32):
+        raise ValueError(f"fq_rows needs bf16 (R, C), C % {16 if fmt is None else 32} == 0, "
+                         f"R*C % {16 * SUB} == 0 (with a key also R % 4 == 0), got {x.dtype} "
+                         f"{x.shape}")
     # "auto" (table, branching to recip_rn for extreme dec) emits the body twice; with
-    # SR's Threefry that doubles an already long kernel, so SR takes "rn" alone
-    mode = _mode(recip or ("rn" if sr else "auto"), None)
+    # SR's Threefry that doubles an already long kernel, so SR takes "rn" alone. MX
+    # formats take no reciprocal (a power-of-two scale): one body, "rn" unread.
+    mode = _mode(recip or ("rn" if sr or fmt is not None else "auto"), None)
     r, c = x.shape
+    nw = _bw(fmt)
+    if sr and fmt is not None:
+        return _fq_rows_quads(x, sc, kw, interpret=interpret, mode=mode, g=g, rq=rq,
+                              sc_row=sc_row, steps=steps or 1,
+                              compact=not interpret if compact is None else compact, fmt=fmt)
     if sr:
         if flat or (flat is None and not interpret and g is None):
             frq = flat_quads(r, c, rq)
@@ -210,20 +272,22 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
         return _fq_rows_quads(x, sc, kw, interpret=interpret, mode=mode, g=g, rq=rq,
                               sc_row=sc_row, steps=steps or 1,
                               compact=not interpret if compact is None else compact)
-    nbt = r * c // 16
-    xw = lax.bitcast_convert_type(x.reshape(nbt, 8, 2), jnp.uint32)
+    nbt = r * c // (2 * nw)
+    bpt = SUB * 8 // nw  # blocks per tile: 4096 elements either way
+    xw = lax.bitcast_convert_type(x.reshape(nbt, nw, 2), jnp.uint32)
     if interpret:
         def interp_body(sc_ref, kw_ref, x_ref, o_ref):
             sc_ref = scalar_row(sc_ref, sc_row)
             _by_mode(sc_ref, mode, lambda md: _fq_tile(
-                sc_ref, kw_ref, x_ref, o_ref, nb=nbt, plain=True, mode=md))
+                sc_ref, kw_ref, x_ref, o_ref, nb=nbt, plain=True, mode=md, fmt=fmt))
 
         o = pl.pallas_call(
-            interp_body, out_shape=jax.ShapeDtypeStruct((nbt, 8), jnp.uint32),
+            interp_body, out_shape=jax.ShapeDtypeStruct((nbt, nw), jnp.uint32),
             interpret=interpret, compiler_params=lane_params())(sc, kw, xw)
         return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
 
-    ns = nbt // SUB
+    ns = nbt // bpt
+    chunk = chunk * 8 // nw
     # Defaults from the H200 sweep of run 40 (experiments/results/kernels/gpu_run40_tune_rows/):
     # one 256-block tile per step and 4 double-buffered steps per CTA, "auto" reciprocal:
     # 140.6 us with the amax pass at 8192^2 (86.8% of copy bandwidth) against 159.2 us for
@@ -234,7 +298,8 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
     kt = 1 if kt is None else kt
     if ns % (kt * steps) or chunk not in (64, 128, 256):
         raise ValueError(f"fq_rows tiling: kt={kt} x steps={steps} must divide {ns} tiles "
-                         f"of {SUB} blocks, chunk={chunk} must be 64, 128 or 256")
+                         f"of {bpt} blocks, chunk={chunk * nw // 8} must be 64, 128 or 256 "
+                         "(NVFP4 blocks)")
 
     def body(sc_gmem, kw_gmem, x_gmem, o_gmem):
         sc_gmem = scalar_row(sc_gmem, sc_row)
@@ -243,40 +308,42 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
         def step(_, x_smem, o_smem):
             def tiles(md):
                 for i in range(kt):
-                    _fq_tile(sc_gmem, kw_gmem, x_smem.at[i], o_smem.at[i], nb=SUB,
-                             plain=False, mode=md, chunk=chunk)
+                    _fq_tile(sc_gmem, kw_gmem, x_smem.at[i], o_smem.at[i], nb=bpt,
+                             plain=False, mode=md, chunk=chunk, fmt=fmt)
 
             _by_mode(sc_gmem, mode, tiles)
 
         plgpu.emit_pipeline(
             step, grid=(steps,),
-            in_specs=[plgpu.BlockSpec((kt, SUB, 8), lambda j: (cta * steps + j, 0, 0))],
-            out_specs=[plgpu.BlockSpec((kt, SUB, 8), lambda j: (cta * steps + j, 0, 0))],
+            in_specs=[plgpu.BlockSpec((kt, bpt, nw), lambda j: (cta * steps + j, 0, 0))],
+            out_specs=[plgpu.BlockSpec((kt, bpt, nw), lambda j: (cta * steps + j, 0, 0))],
             max_concurrent_steps=min(steps, 2),
         )(x_gmem, o_gmem)
 
     o = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((ns, SUB, 8), jnp.uint32),
+        body, out_type=jax.ShapeDtypeStruct((ns, bpt, nw), jnp.uint32),
         grid=(ns // (kt * steps),), grid_names=("ctas",),
         compiler_params=lane_params(unsafe_no_auto_barriers=True),
-    )(sc, kw, xw.reshape(ns, SUB, 8))
+    )(sc, kw, xw.reshape(ns, bpt, nw))
     return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
 
 
 def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = None,
                    rq: int | None = None, sc_row: int | None = None, steps: int = 1,
-                   compact: bool = False):
+                   compact: bool = False, fmt=None):
     """``fq_rows_scaled`` with stochastic rounding: x viewed as (R, C/16, 8) words, each
     CTA (i, j) takes row quads ``i * rq + p`` (p < rq) x blocks ``j * g ..`` of them
     (``_fq_quad_tile`` per quad, first draw ``_quad_draw0``). On the GPU, when no width
     of ``GR`` divides C/16 (e.g. C = 768 or 256), g = 64 and the last tile of each row
     overhangs it: TMA reads the blocks past the row as zeros and skips them on the store,
     so only the row's own blocks, with their own draws (``_quad_draw0`` counts in C, not
-    in tiles), are written."""
+    in tiles), are written. ``fmt``: an MX format (``g`` blocks of 32, (g, 16) words) or
+    None (NVFP4)."""
     r, c = x.shape
-    nbr = c // 16
-    xw = lax.bitcast_convert_type(x.reshape(r, nbr, 8, 2), jnp.uint32)
-    out_type = jax.ShapeDtypeStruct((r, nbr, 8), jnp.uint32)
+    nw = _bw(fmt)
+    nbr = c // (2 * nw)
+    xw = lax.bitcast_convert_type(x.reshape(r, nbr, nw, 2), jnp.uint32)
+    out_type = jax.ShapeDtypeStruct((r, nbr, nw), jnp.uint32)
 
     def result(o):
         return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
@@ -285,8 +352,8 @@ def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
         g = g or nbr
         rq = rq or 1
     else:
-        g = g or _pick_block(nbr, GR) or GR[-1]
-        rq = rq or max(1, QUAD_BLOCKS // (4 * g))
+        g = g or _pick_block(nbr, GR if nw == 8 else GR[-1:]) or GR[-1]  # MX: (64, 16)
+        rq = rq or max(1, QUAD_BLOCKS * 8 // nw // (4 * g))
         while (r // 4) % rq:
             rq //= 2
     if (interpret and nbr % g) or (not interpret and g % 64) or (r // 4) % (rq * steps):
@@ -295,7 +362,7 @@ def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
                          f"divide R/4={r // 4}")
 
     def _quad_draw0(i, j, p):  # draw of word (0, 0) of row quad i * rq + p, block j * g
-        return (i * rq + p) * (c // 2) + 8 * g * j
+        return (i * rq + p) * (c // 2) + nw * g * j
 
     if interpret:
         def interp_body(sc_ref, kw_ref, x_ref, o_ref):
@@ -311,7 +378,7 @@ def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
                             xs, os = _quads(xs), _quads(os)
                         _fq_quad_tile(sc_ref, kw_ref, xs, os, g=g,
                                       draw0=_quad_draw0(i, j, p), plain=True, mode=mode,
-                                      dyn=compact)
+                                      dyn=compact, fmt=fmt)
 
         return result(pl.pallas_call(
             interp_body, out_shape=out_type, interpret=interpret,
@@ -331,7 +398,7 @@ def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
                 if not compact:
                     xs, os = _quads(xs), _quads(os)
                 _fq_quad_tile(sc_gmem, kw_gmem, xs, os, g=g, draw0=_quad_draw0(tile, j, p),
-                              plain=False, mode=mode, dyn=compact)
+                              plain=False, mode=mode, dyn=compact, fmt=fmt)
 
             if compact and rq > 1:
                 pl.loop(0, rq)(quad)
@@ -339,7 +406,7 @@ def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
                 for p in range(rq):
                     quad(p)
 
-        spec = plgpu.BlockSpec((4 * rq, g, 8), lambda t: (i * steps + t, j, 0))
+        spec = plgpu.BlockSpec((4 * rq, g, nw), lambda t: (i * steps + t, j, 0))
         plgpu.emit_pipeline(step, grid=(steps,), in_specs=[spec], out_specs=[spec],
                             max_concurrent_steps=min(steps, 2))(x_gmem, o_gmem)
 
