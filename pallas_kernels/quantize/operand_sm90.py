@@ -46,6 +46,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -502,20 +503,23 @@ def _fq_rows_flat(x, sc, kw, *, interpret: bool, mode: str, rq: int,
 
 
 def _fwht16(v):
-    """``fp4jax.hadamard.fwht_tiles`` over a list of 16 arrays (the tile axis is the list):
-    the same stages, pairs and float32 operations, then times 1/4."""
+    """``fp4jax.hadamard.fwht_tiles`` over a list of 16 (or 32: the MX formats' RHT-32)
+    arrays (the tile axis is the list): the same stages, pairs and float32 operations,
+    then times ``f32(1/sqrt(n))`` (1/4 for 16)."""
     v = list(v)
+    n = len(v)
     h = 1
-    while h < 16:
-        for i in range(0, 16, 2 * h):
+    while h < n:
+        for i in range(0, n, 2 * h):
             for j in range(i, i + h):
                 v[j], v[j + h] = v[j] + v[j + h], v[j] - v[j + h]
         h *= 2
-    return [t * 0.25 for t in v]
+    c = 0.25 if n == 16 else np.float32(1.0 / np.sqrt(n))
+    return [t * c for t in v]
 
 
 def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: int,
-                   plain: bool, mode: str, sr: bool, rht: bool):
+                   plain: bool, mode: str, sr: bool, rht: bool, fmt=None):
     """One strip: x_ref (16, g, 8) uint32 words (row k of the strip is x_ref[k]; word
     (i, w) holds columns ``col0 + 16 i + 2 w`` (low half) and ``+1`` (high half)),
     o_ref (16, g, 8) words out. Each column of the strip is one 16-element block (along
@@ -530,21 +534,29 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: 
     (pairs of rows, or quads with SR: one draw per iteration), so
     it is emitted once, not 16 times (an unrolled SR strip took minutes to compile). The
     rotated low halves wait in ``o_ref`` and the high halves in ``x_ref`` (float32 bits,
-    one word per element) between the two phases."""
+    one word per element) between the two phases.
+
+    ``fmt``: an MX format: strips of 32 rows (x_ref, o_ref (32, g, 8)), 32x1 blocks, the
+    RHT (if ``rht``) of size 32 (``sc``'s 32 signs), scales by ``mx_block_scales``."""
     enc6 = sc_ref[0]
+    nk = x_ref.shape[0]  # 16 (NVFP4) or 32 (MX): the block, and the RHT size
     lay = None if plain else strip_layout(g)
-    words = [_load_words(x_ref.at[k], slice(None), plain, lay) for k in range(16)]
+    words = [_load_words(x_ref.at[k], slice(None), plain, lay) for k in range(nk)]
     scales = []
     for half, stash in ((0, o_ref), (1, x_ref)):
         v = [_f32(w << 16) if half == 0 else _f32(w & -0x10000) for w in words]
         if rht:
-            v = _fwht16([v[k] * sc_ref[_SC_SIGNS + k] for k in range(16)])
+            v = _fwht16([v[k] * sc_ref[_SC_SIGNS + k] for k in range(nk)])
         amax = jnp.abs(v[0])  # float max: NaN propagates, Inf stays above every finite
-        for k in range(1, 16):
+        for k in range(1, nk):
             amax = jnp.maximum(amax, jnp.abs(v[k]))
-        s_val, s_byte, finite = _block_scale(_i32(amax), enc6)
-        scales.append((s_val, _elem_scale(sc_ref, s_val, s_byte, mode), finite))
-        for k in range(16):
+        if fmt is None:
+            s_val, s_byte, finite = _block_scale(_i32(amax), enc6)
+            scales.append((s_val, _elem_scale(sc_ref, s_val, s_byte, mode), finite))
+        else:
+            s_val, e, finite = mx_block_scales(_i32(amax), fmt)
+            scales.append((s_val, e, finite))
+        for k in range(nk):
             stash[k] = lax.bitcast_convert_type(v[k], jnp.uint32)
     draw0 = None
     per = 4 if sr else 2  # rows per loop iteration
@@ -553,7 +565,7 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: 
                  + lax.shift_right_logical(col0, 1) + (_iota((g, 8), 0, plain, lay) << 3)
                  + _iota((g, 8), 1, plain, lay))
 
-    @pl.loop(0, 16 // per)
+    @pl.loop(0, nk // per)
     def _(p):
         if sr:
             d = draw0 + p * (n_cols // 2)
@@ -565,7 +577,8 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: 
                 s_val, e, finite = scales[half]
                 v = _f32(_load_words(stash.at[k], slice(None), plain, lay))
                 u = _sr_uniform(draws[r // 2], 2 * (r % 2) + half) if sr else None
-                out.append((_e2m1_value(v * e, u, plain) * s_val, finite))
+                out.append((_satfinite_bf16(_e2m1_value(v * e, u, plain) * s_val,
+                                            fmt is not None), finite))
             (lo, flo), (hi, fhi) = out
             bits = (jnp.where(flo, lax.shift_right_logical(_i32(lo), 16), _NAN2 & 0xFFFF)
                     | jnp.where(fhi, _bf16_hi(hi), _NAN2 & -0x10000))
@@ -618,12 +631,16 @@ def _cols_g(nc: int) -> int:
     return g
 
 
-def supported_cols(shape, dtype) -> bool:
-    """bf16 (R, C), R % 16 == 0, C % 256 == 0, R*C < 2^31."""
+GC_MX = (32, 16)  # column groups per strip of the MX columns kernel (32 rows: fewer groups)
+
+
+def supported_cols(shape, dtype, block: int = 16) -> bool:
+    """bf16 (R, C), R % ``block`` == 0 (16: NVFP4; 32: the MX formats' 32x1 blocks),
+    C % 256 == 0, R*C < 2^31."""
     if len(shape) != 2 or jnp.dtype(dtype) != jnp.bfloat16:
         return False
     r, c = shape
-    return r % 16 == 0 and c % COLS_MULTIPLE == 0 and r * c < 2**31
+    return r % block == 0 and c % COLS_MULTIPLE == 0 and r * c < 2**31
 
 
 def supported_2d(shape, dtype) -> bool:
@@ -635,30 +652,33 @@ def supported_2d(shape, dtype) -> bool:
     return r % 16 == 0 and c % (16 * G2D[-1]) == 0
 
 
-def _strip_call(x, sc, kw, strip, *, g: int, interpret: bool, name: str, out_rows: int = 16,
-                steps: int = 1):
+def _strip_call(x, sc, kw, strip, *, g: int, interpret: bool, name: str,
+                out_rows: int | None = None, steps: int = 1, rows: int = 16, cw: int = 16):
     """Run ``strip(sc_ref, kw_ref, x_ref, o_ref, g, row0, col0, plain)`` over all strips of
-    16 rows x 16g columns of x (R, C) bf16. With ``out_rows == 16`` returns the bf16 (R, C)
-    output; else the raw (R/16, out_rows, C/16, 8) uint32 output (``o_ref`` of a strip is
-    (out_rows, g, 8)). On the GPU a CTA takes ``steps`` neighbouring strips of a row of
-    strips, double-buffered when ``steps > 1`` (tuning only)."""
+    ``rows`` rows x ``cw * g`` columns of x (R, C) bf16 (``rows``, ``cw``: 16, or 32 for the
+    MX formats' 32x1 columns and 32x32 tiles). With ``out_rows`` None (``rows``) returns
+    the bf16 (R, C) output; else the raw (R/rows, out_rows, C/cw, cw/2) uint32 output
+    (``o_ref`` of a strip is (out_rows, g, cw/2)). On the GPU a CTA takes ``steps``
+    neighbouring strips of a row of strips, double-buffered when ``steps > 1`` (tuning
+    only)."""
     r, c = x.shape
-    nr, nc = r // 16, c // 16
+    nr, nc = r // rows, c // cw
+    out_rows = rows if out_rows is None else out_rows
     if x.dtype == jnp.float32:  # one element a word; the operand out as bf16 elements
-        if out_rows != 16:
+        if out_rows != rows:
             raise ValueError(f"{name}: float32 input only for operand kernels")
-        wpb = 16
-        xw = lax.bitcast_convert_type(x.reshape(nr, 16, nc, 16), jnp.uint32)
-        out_type = jax.ShapeDtypeStruct((nr, 16, nc, 16), jnp.bfloat16)
+        wpb = cw
+        xw = lax.bitcast_convert_type(x.reshape(nr, rows, nc, cw), jnp.uint32)
+        out_type = jax.ShapeDtypeStruct((nr, rows, nc, cw), jnp.bfloat16)
     else:
-        wpb = 8
-        xw = lax.bitcast_convert_type(x.reshape(nr, 16, nc, 8, 2), jnp.uint32)
-        out_type = jax.ShapeDtypeStruct((nr, out_rows, nc, 8), jnp.uint32)
+        wpb = cw // 2
+        xw = lax.bitcast_convert_type(x.reshape(nr, rows, nc, wpb, 2), jnp.uint32)
+        out_type = jax.ShapeDtypeStruct((nr, out_rows, nc, wpb), jnp.uint32)
 
     def result(o):
-        if out_rows != 16:
+        if out_rows != rows:
             return o
-        if wpb == 16:
+        if x.dtype == jnp.float32:
             return o.reshape(r, c)
         return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
 
@@ -668,7 +688,7 @@ def _strip_call(x, sc, kw, strip, *, g: int, interpret: bool, name: str, out_row
             def _(i):
                 for j in range(nc // g):
                     strip(sc_ref, kw_ref, x_ref.at[i, :, pl.ds(j * g, g)],
-                          o_ref.at[i, :, pl.ds(j * g, g)], g, 16 * i, 16 * g * j, True)
+                          o_ref.at[i, :, pl.ds(j * g, g)], g, rows * i, cw * g * j, True)
 
         o = pl.pallas_call(
             interp_body, out_shape=out_type,
@@ -683,11 +703,12 @@ def _strip_call(x, sc, kw, strip, *, g: int, interpret: bool, name: str, out_row
 
         def step(idx, x_smem, o_smem):
             jj = j * steps + (idx[0] if isinstance(idx, (tuple, list)) else idx)
-            strip(sc_gmem, kw_gmem, x_smem.at[0], o_smem.at[0], g, 16 * i, 16 * g * jj, False)
+            strip(sc_gmem, kw_gmem, x_smem.at[0], o_smem.at[0], g, rows * i, cw * g * jj,
+                  False)
 
         plgpu.emit_pipeline(
             step, grid=(steps,),
-            in_specs=[plgpu.BlockSpec((1, 16, g, wpb), lambda t: (i, 0, j * steps + t, 0))],
+            in_specs=[plgpu.BlockSpec((1, rows, g, wpb), lambda t: (i, 0, j * steps + t, 0))],
             out_specs=[plgpu.BlockSpec((1, out_rows, g, wpb),
                                        lambda t: (i, 0, j * steps + t, 0))],
             max_concurrent_steps=min(steps, 2),
@@ -702,29 +723,40 @@ def _strip_call(x, sc, kw, strip, *, g: int, interpret: bool, name: str, out_row
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "recip", "sr", "rht", "g", "steps",
-                                             "sc_row"))
+                                             "sc_row", "fmt"))
 def fq_cols_scaled(x, sc, kw, *, interpret: bool = False, recip: str = "rn",
                    sr: bool = False, rht: bool = False, g: int | None = None,
-                   steps: int = 1, sc_row: int | None = None):
+                   steps: int = 1, sc_row: int | None = None, fmt=None):
     """Kernel call: x (R, C) bf16, ``sc = scalars(enc, dec, signs)`` (``sc_row``: as
     ``fq_rows_scaled``'s), ``kw = key_words(key)``. Returns bf16 (R, C): ``data * scale``
     of 16x1 NVFP4 blocks along the rows of ``rht16(x)`` (rows rotated in tiles of 16 when
-    ``rht``) or of ``x``."""
-    if not supported_cols(x.shape, x.dtype):
-        raise ValueError(f"fq_cols needs bf16 (R, C), R % 16 == 0, C % {COLS_MULTIPLE} == 0, "
+    ``rht``) or of ``x``. ``fmt`` an MX FP4 format: 32x1 blocks (R % 32 == 0) with E8M0
+    scales by its rule, after the RHT of size 32 (``sc``'s 32 signs) when ``rht``; the
+    tensor scales of ``sc`` are not read."""
+    fmt = _check_fmt(fmt)
+    b = 16 if fmt is None else 32
+    if not supported_cols(x.shape, x.dtype, b):
+        raise ValueError(f"fq_cols needs bf16 (R, C), R % {b} == 0, C % {COLS_MULTIPLE} == 0, "
                          f"got {x.dtype} {x.shape}")
     mode = _mode(recip, None)
     n_cols = x.shape[1]
-    g = g or (x.shape[1] // 16 if interpret else _cols_g(x.shape[1] // 16))
+    if fmt is None:
+        g = g or (x.shape[1] // 16 if interpret else _cols_g(x.shape[1] // 16))
+    else:
+        g = g or (x.shape[1] // 16 if interpret else _pick_block(x.shape[1] // 16, GC_MX))
 
     def strip(sc_ref, kw_ref, x_ref, o_ref, g_, row0, col0, plain):
         sc_ref = scalar_row(sc_ref, sc_row)
-        _by_mode(sc_ref, mode, lambda md: _fq_strip_cols(
-            sc_ref, kw_ref, x_ref, o_ref, g=g_, row0=row0, col0=col0, n_cols=n_cols,
-            plain=plain, mode=md, sr=sr, rht=rht))
+        body = functools.partial(_fq_strip_cols, sc_ref, kw_ref, x_ref, o_ref, g=g_,
+                                 row0=row0, col0=col0, n_cols=n_cols, plain=plain, sr=sr,
+                                 rht=rht, fmt=fmt)
+        if fmt is not None:  # no reciprocal: one body
+            body(mode=mode)
+            return
+        _by_mode(sc_ref, mode, lambda md: body(mode=md))
 
     return _strip_call(x, sc, kw, strip, g=g, interpret=interpret, name="fq_cols",
-                       steps=steps)
+                       steps=steps, rows=b)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "recip", "g", "sc_row"))
