@@ -224,7 +224,7 @@ def _scale_to_output(s: jax.Array, sub: str, out: str) -> jax.Array:
 def _scaled_path_applies(recipe: Recipe) -> bool:
     """Whether the kernel path (``DotBackend`` ``"pallas"``) takes the recipe: all six
     operands quantized with specs the kernels implement (``dispatch.spec_unsupported_reason``:
-    NVFP4 with one tensor scale, round-to-nearest or stochastic rounding; row-scaled and
+    NVFP4 with one tensor scale or MX FP4, round-to-nearest or stochastic rounding; row-scaled and
     MS-EDEN operands need the XLA path's per-row scales and draws, ``_einsum_scaled``)."""
     return all(q.quantized and dispatch.spec_unsupported_reason(
         q.fmt, block_scale_rule="max", row_scaled=q.row_scaled, rounding=q.rounding) is None
@@ -290,7 +290,7 @@ def _kernel_operands(x, ops, kinds, key, kmode, shard=None, local_amax=False):
     signs = [_rht_signs(op[0], key, op[3]) if kind == "cols" and op[0].hadamard else None
              for op, kind in zip(ops, kinds, strict=True)]
     return dispatch.make_operands(x, kinds, sr_keys, signs, kmode, shard=shard,
-                                  local_amax=local_amax)
+                                  local_amax=local_amax, fmts=[op[1].fmt for op in ops])
 
 
 _GEMM_LAYOUTS = {"bmk,bkn->bmn": (False, False),  # fprop: x @ w
@@ -481,12 +481,12 @@ def dot_general(
       implementation: which backend runs the operands and GEMMs; every one computes the
         XLA reference's bits (GEMMs up to float32 accumulation order off XLA's einsum).
         ``None`` (default): automatic, the Hopper kernels on an sm_90 GPU for large
-        unbatched calls of NVFP4 recipes, Blackwell's native FP4 GEMMs on sm_100+, else
+        unbatched calls of NVFP4 and MXFP4 recipes, Blackwell's native FP4 GEMMs on sm_100+, else
         ``"xla"``; the ``FP4JAX_KERNELS`` environment variable sets this choice only
         (``off``: always XLA, ``on``: kernels at every size, ``native``). ``"xla"``: the
         reference. ``"pallas"``: the Hopper kernel path; raises a ValueError where it cannot
         run the call (no sm_90 GPU, a batched call, a recipe with operands the kernels do
-        not implement: MXFP4/FP8, row-scaled, MS-EDEN, unquantized); an operand or GEMM whose
+        not implement: FP6/FP8, row-scaled, MS-EDEN, unquantized); an operand or GEMM whose
         shape the kernels do not tile runs on the reference inside it. ``"native"``:
         ``jax.nn.scaled_matmul`` for the NVFP4 GEMMs (raises where this JAX does not lower
         it), the reference for the other GEMMs. See ``pallas_kernels.dispatch.dot_backend``.

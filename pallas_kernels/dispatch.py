@@ -144,16 +144,30 @@ def _e2m1_reason(fmt) -> str | None:
     return None
 
 
+def _mx_fp4(fmt) -> bool:
+    """Whether ``fmt`` (a ``BlockFormat``, its name or None) is an MX FP4 format of the
+    operand kernels (``quantize/common_sm90.is_mx``: MXFP4, MXFP4_OCP)."""
+    if fmt is None or _nvfp4(fmt):
+        return False
+    from pallas_kernels.quantize.common_sm90 import is_mx
+
+    return is_mx(get_format(fmt))
+
+
 def spec_unsupported_reason(fmt: Any, *, block_scale_rule: str = "max",
                             row_scaled: bool = False, rounding: str = "nearest") -> str | None:
-    """None when the Hopper quantize kernels implement this quantization spec, else why
+    """None when the Hopper operand kernels implement this quantization spec, else why
     not: the one statement of their coverage by spec (shapes are checked apart, per kernel).
     They quantize NVFP4 itself (E2M1 elements, E4M3 block scales of 16, one float32
-    tensor scale: not MXFP4/FP6/FP8), with the ``"max"`` block scale rule (not 4over6),
-    rounding to nearest or stochastically (not MS-EDEN), one tensor scale per tensor (not
-    row-scaled). ``fmt``: a ``BlockFormat`` or its name (None: NVFP4)."""
-    if fmt is not None and not _nvfp4(fmt):
-        return _e2m1_reason(fmt) or (f"the kernels implement NVFP4 only, got format "
+    tensor scale) and the MX FP4 formats (``fp4jax.MXFP4``, ``MXFP4_OCP``: E2M1, E8M0
+    scales of 32 by the format's rule, no tensor scale; not FP6/FP8 or other block
+    formats), with the ``"max"`` block scale rule (not 4over6), rounding to nearest or
+    stochastically (not MS-EDEN), one tensor scale per tensor (not row-scaled). ``fmt``:
+    a ``BlockFormat`` or its name (None: NVFP4). The packed quantize kernels take NVFP4
+    only (``quantize_unsupported_reason``)."""
+    if fmt is not None and not _nvfp4(fmt) and not _mx_fp4(fmt):
+        return _e2m1_reason(fmt) or (f"the kernels implement NVFP4 and MXFP4 (blocks of 32, "
+                                     f"E8M0 scales, no tensor scale) only, got format "
                                      f"{get_format(fmt).name!r}")
     if block_scale_rule != "max":
         return (f"the kernels implement the 'max' block scale rule only, got "
@@ -270,8 +284,9 @@ def dot_backend(implementation: str | None, *, mkn: int, kernel_recipe: bool
     to the next, ending with ``"xla"``), or ``"xla"``, ``"pallas"``, ``"native"``: that
     backend or a ValueError saying why it cannot run the call. ``mkn``: ``M*K*N`` of an
     unbatched call, 0 for a batched one (the kernels take unbatched calls only);
-    ``kernel_recipe``: every operand of the recipe is NVFP4 with one tensor scale and
-    round-to-nearest or stochastic rounding (what the kernel path implements).
+    ``kernel_recipe``: every operand of the recipe is NVFP4 with one tensor scale or MX FP4,
+    with round-to-nearest or stochastic rounding (what the kernel path implements:
+    ``spec_unsupported_reason``).
 
     ``"pallas"`` needs an sm_90 GPU (or ``FP4JAX_KERNELS=interpret``: Mosaic GPU's
     interpret mode, for CPU tests), an unbatched call and a kernel recipe; it then runs
@@ -295,8 +310,9 @@ def dot_backend(implementation: str | None, *, mkn: int, kernel_recipe: bool
         reason = None
         if not kernel_recipe:
             reason = ("the recipe has operands the kernels do not implement (they quantize "
-                      "NVFP4 with one tensor scale, rounding to nearest or stochastically: "
-                      "not MXFP4/FP8, row-scaled or MS-EDEN operands, nor unquantized ones)")
+                      "NVFP4 with one tensor scale and MXFP4, rounding to nearest or "
+                      "stochastically: not FP6/FP8, row-scaled or MS-EDEN operands, nor "
+                      "unquantized ones)")
         elif mkn == 0:
             reason = "the call is batched (dot_general batch dimensions): kernels take B == 1"
         elif not interpret and not on_sm90():
@@ -325,10 +341,13 @@ def operand_kernel(x: jax.Array, *, block_2d: bool, axis: int, stochastic: bool,
                    rht: int, key: jax.Array, block_scale_rule: str = "max",
                    fmt: Any = None, row_scaled: bool = False,
                    rounding: str | None = None) -> str | None:
-    """Which fused kernel of ``quantize/operand_sm90`` makes the NVFP4 GEMM operand
+    """Which fused kernel of ``quantize/operand_sm90`` makes the GEMM operand
     ``scaled_data(quantize(RHT(x)), bfloat16)``: ``"rows"`` (1x16 along the last axis),
     ``"cols"`` (16x1 along the token axis, with the 16-point RHT if ``rht``), ``"2d"``
-    (16x16 tiles), or None (the XLA path).
+    (16x16 tiles), or None (the XLA path). MX FP4 operands (``fmt`` MXFP4/MXFP4_OCP): 1x32
+    ``"rows"`` and 32x1 ``"cols"`` (RHT of size 32, or none), bfloat16 only; their 32x32
+    weight tiles take the XLA path (a strip of 64 such tiles, the least the kernel's
+    register layout takes, outgrows shared memory).
 
     ``x`` is ``fp4jax.dot``'s canonical (B, R, C) operand; ``axis`` (1 or 2) its blocked
     axis; ``rht`` the RHT size (0: none) along ``axis``; ``key`` the call's key (SR
@@ -345,25 +364,27 @@ def operand_kernel(x: jax.Array, *, block_2d: bool, axis: int, stochastic: bool,
         return None
     from pallas_kernels.quantize import operand_sm90 as fq
 
+    mx = _mx_fp4(fmt)
+    b = 32 if mx else 16
     if x.shape[0] != 1 or x.dtype not in (jnp.bfloat16, jnp.float32):
         return None
-    if x.dtype == jnp.float32 and not block_2d:
-        return None  # float32 input: the 16x16 kernel only (a float32 master weight)
+    if x.dtype == jnp.float32 and (mx or not block_2d):
+        return None  # float32 input: the NVFP4 16x16 kernel only (a float32 master weight)
     if stochastic and not _is_threefry(key):
         return None  # the kernels compute threefry draws (numerics.draws_from_key)
     mat = x.shape[1:]
     if block_2d:
-        ok = not rht and not stochastic and fq.supported_2d(mat, x.dtype)
+        ok = not mx and not rht and not stochastic and fq.supported_2d(mat, x.dtype)
         return "2d" if ok else None
     if axis == 2:
-        ok = not rht and fq.supported_rows(mat, x.dtype, stochastic, padded=True)
+        ok = not rht and fq.supported_rows(mat, x.dtype, stochastic, padded=True, block=b)
         return "rows" if ok else None
-    return "cols" if rht in (0, 16) and fq.supported_cols(mat, x.dtype) else None
+    return "cols" if rht in (0, b) and fq.supported_cols(mat, x.dtype, b) else None
 
 
 def make_operands(x: jax.Array, kinds: list[str], sr_keys: list[Any], signs: list[Any],
-                  mode: str, shard: Any = None, local_amax: bool = False
-                  ) -> list[tuple[jax.Array, jax.Array]]:
+                  mode: str, shard: Any = None, local_amax: bool = False,
+                  fmts: list[Any] | None = None) -> list[tuple[jax.Array, jax.Array]]:
     """Run the fused operand kernels on one tensor ``x`` (1, R, C) bfloat16 (or float32 when
     every operand is ``"2d"``).
 
@@ -379,20 +400,29 @@ def make_operands(x: jax.Array, kinds: list[str], sr_keys: list[Any], signs: lis
     operand) and the stochastic-rounding draws start at the rows' place in the whole tensor
     (``numerics.row_shard_draw_offset``), so the operands are the whole tensor's rows.
     ``local_amax`` (``Recipe.amax_scope="local"``): each device keeps its rows' own amaxes
-    (no all-reduce; the draws still at the rows' place)."""
+    (no all-reduce; the draws still at the rows' place).
+
+    ``fmts[i]``: operand ``i``'s format (None or NVFP4; or MXFP4/MXFP4_OCP, whose kernels
+    take no tensor amax: their decode scale is 1, ``global_encode_scale``'s for formats
+    without a tensor scale). Default: all NVFP4."""
     from fp4jax.numerics import row_shard_draw_offset
     from pallas_kernels.quantize import operand_sm90 as fq
     from pallas_kernels.quantize.common_sm90 import finite_amax, global_scales, key_words, scalars
 
     kw = _interpret_kw(mode)
     m = x[0]
+    fmts = [get_format(f) if _mx_fp4(f) else None
+            for f in (fmts if fmts is not None else [None] * len(kinds))]
+    nv = [i for i, f in enumerate(fmts) if f is None]  # NVFP4: a tensor amax each
     amax = rht_amax = None
-    rot = [i for i, sg in enumerate(signs) if sg is not None]
-    if kinds.count("rows") == 1 and len(rot) == 1:  # x (fprop, wgrad) or dy (dgrad, wgrad)
+    rot = [i for i in nv if signs[i] is not None]
+    if [kinds[i] for i in nv].count("rows") == 1 and len(rot) == 1:  # x or dy of nvfp4
         amax, rht_amax = fq.cols_amaxes(m, signs[rot[0]], **kw)
     amaxes = [rht_amax if sg is not None else amax for sg in signs]
     for i, sg in enumerate(signs):  # every amax explicit (as fq_rows/fq_cols/fq_2d get them)
-        if amaxes[i] is None:
+        if fmts[i] is not None:  # MX: amax 0 gives enc = dec = 1 (no tensor scale)
+            amaxes[i] = jnp.float32(0.0)
+        elif amaxes[i] is None:
             if sg is None:
                 amax = finite_amax(m) if amax is None else amax
                 amaxes[i] = amax
@@ -409,10 +439,11 @@ def make_operands(x: jax.Array, kinds: list[str], sr_keys: list[Any], signs: lis
     # over a vector: the same bits as one operand at a time, in one XLA fusion instead of a
     # chain of tiny ones per operand)
     enc, dec = global_scales(None, jnp.stack([jnp.asarray(a, jnp.float32) for a in amaxes]))
-    ones = jnp.ones((16,), jnp.float32)
-    sc = scalars(enc, dec, jnp.stack([ones if sg is None else
-                                      jnp.asarray(sg, jnp.float32).reshape(16)
-                                      for sg in signs]))
+    def sign_row(sg):  # 16 (NVFP4) or 32 (MX) signs, padded to 32 with ones
+        sg = jnp.ones((32,), jnp.float32) if sg is None else jnp.asarray(sg, jnp.float32)
+        return jnp.pad(sg.reshape(-1), (0, 32 - sg.size), constant_values=1.0)
+
+    sc = scalars(enc, dec, jnp.stack([sign_row(sg) for sg in signs]))
     sc = sc.reshape(-1)  # every kernel takes the whole batch and reads its own row
     res = []
     for i, (kind, sr_key, sg) in enumerate(zip(kinds, sr_keys, signs, strict=True)):
@@ -420,10 +451,10 @@ def make_operands(x: jax.Array, kinds: list[str], sr_keys: list[Any], signs: lis
             o = fq.fq_2d_scaled(m, sc, sc_row=i, **kw)
         elif kind == "rows":
             o = fq.fq_rows_scaled(m, sc, key_words(sr_key, offset), sr=sr_key is not None,
-                                  sc_row=i, **kw)
+                                  sc_row=i, fmt=fmts[i], **kw)
         else:
             o = fq.fq_cols_scaled(m, sc, key_words(sr_key, offset), sr=sr_key is not None,
-                                  rht=sg is not None, sc_row=i, **kw)
+                                  rht=sg is not None, sc_row=i, fmt=fmts[i], **kw)
         res.append((o[None], dec[i]))
     return res
 
@@ -557,6 +588,9 @@ def quantize_unsupported_reason(shape, dtype, *, fmt=None, axis=-1, block_2d=Fal
                                      row_scaled=row_scaled, rounding=rounding)
     if reason is not None:
         return reason
+    if _mx_fp4(fmt):
+        return ("the packed quantize kernels implement NVFP4 only (MXFP4 is quantized by "
+                "fp4jax.dot's operand kernels; packed MXFP4 takes the XLA path)")
     from pallas_kernels.quantize import packed_sm90 as qk
 
     sr = rounding == "stochastic"

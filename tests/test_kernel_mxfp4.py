@@ -1,0 +1,193 @@
+"""CPU tests of the MXFP4 operand kernels (``pallas_kernels/quantize/operand_sm90`` with
+``fmt=MXFP4`` / ``MXFP4_OCP``: 1x32 rows, 32x1 columns with the RHT-32, round-to-nearest
+and stochastic rounding) and of ``fp4jax.dot``'s kernel path for the ``mxfp4`` recipe.
+
+* The block scale inside the kernels is the core's ``block_decode_scale`` itself; its
+  power-of-two round-up (``numerics.round_to_grid(.., "up")`` on E8M0, from the bits) is
+  checked against NumPy's ``2**ceil(log2 v)`` over the whole float32 range.
+* The rows kernels run in Mosaic GPU interpret mode and equal the XLA path
+  (``scaled_data(fp4jax.quantize(...), bfloat16)``) bit for bit, on inputs with NaN, Inf,
+  -0, tiny values and values near bf16's maximum (whose MX scale 2**126 makes products
+  beyond bf16's range: both sides saturate).
+* ``fp4jax.dot`` forward + backward of the ``mxfp4`` recipe with every operand kernel in
+  interpret mode (rows RtN and SR, columns with the RHT-32, RtN and SR) equals the XLA
+  path bit for bit.
+* The kernels lower for CUDA (``jax.export``), and the dispatcher routes MXFP4 specs to them
+  (its 32x32 weight tiles and packed MXFP4 to XLA, with reasons).
+GPU: ``experiments/gpu_check.py mxfp4`` (bit-identity on fresh inputs, timings).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+fp4jax = pytest.importorskip("fp4jax")
+
+from fp4jax import numerics as nm  # noqa: E402
+from fp4jax import quantization as qz  # noqa: E402
+from fp4jax.formats import MXFP4, MXFP4_OCP, MXFP8_E4M3_UP, NVFP4  # noqa: E402
+from fp4jax.hadamard import default_signs, random_hadamard_transform  # noqa: E402
+from pallas_kernels import dispatch  # noqa: E402
+from pallas_kernels.quantize import common_sm90 as cm  # noqa: E402
+from pallas_kernels.quantize import operand_sm90 as fq  # noqa: E402
+from tests.interpret import InterpretGPUParams, needs_interpret  # noqa: E402
+
+IP = InterpretGPUParams() if InterpretGPUParams is not None else None
+SIGNS32 = jnp.asarray(default_signs(32))
+
+
+def _same(got, want) -> int:
+    """Mismatching elements of two arrays read as float32 bits (any NaN equals any NaN)."""
+    g = np.asarray(jnp.asarray(got, jnp.float32))
+    w = np.asarray(jnp.asarray(want, jnp.float32))
+    ok = (g.view(np.uint32) == w.view(np.uint32)) | (np.isnan(g) & np.isnan(w))
+    return int((~ok).sum())
+
+
+def _data(shape, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) * np.exp(rng.uniform(-6, 6, (shape[0], 1)))
+    x[0, :32] = 0.0
+    x[1, :32] = -0.0
+    x[2, 5] = np.nan
+    x[3, 40] = np.inf
+    x[5, 70] = -np.inf
+    x[6, 3] = 1e-30
+    x[7, :] *= 1e4
+    x[8, :] = 3e38 * np.sign(x[8, :])  # MX scale 2**126: 4 * 2**126 saturates to bf16 max
+    x[9, :] *= 1e-36
+    return jnp.asarray(x.astype(np.float32)).astype(jnp.bfloat16)
+
+
+def _xla(x, fmt, axis, key=None, rht=False):
+    xin = random_hadamard_transform(x, axis=0, size=32, signs=SIGNS32) if rht else x
+    q = qz.quantize_unchecked(xin, key, fmt, axis, False,
+                              "stochastic" if key is not None else "nearest")
+    return qz.scaled_data(q, jnp.bfloat16)
+
+
+def test_e8m0_round_up_is_two_to_the_ceil_log2():
+    """The MX "up" scale rule on the E8M0 grid (integer ops, run inside the kernels) equals
+    NumPy's ``clip(2**ceil(log2 v), 2**-126, 2**127)`` on random float32 bit patterns,
+    every power of two and its neighbours, subnormals, zero, Inf and NaN."""
+    rng = np.random.default_rng(0)
+    p2 = np.arange(1, 255, dtype=np.int64) << 23
+    bits = np.concatenate([rng.integers(0, 2**31, 20000), np.arange(0, 4096), p2, p2 + 1,
+                           p2 - 1, [0x7F800000, 0x7FC00000, 0x7F7FFFFF]])
+    v = bits.astype(np.uint32).view(np.float32)
+    got = np.asarray(jax.jit(lambda a: nm.round_to_grid(a, nm.E8M0, "up"))(jnp.asarray(v)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        f = v.astype(np.float64)
+        want = np.clip(np.exp2(np.ceil(np.log2(np.where(f > 0, f, 2.0**-200)))), 2.0**-126,
+                       2.0**127)
+    want = np.where(np.isnan(f), np.nan, want)
+    assert _same(got, want.astype(np.float32)) == 0
+
+
+def test_is_mx_names_the_two_mxfp4_formats():
+    assert cm.is_mx(MXFP4) and cm.is_mx(MXFP4_OCP)
+    assert not cm.is_mx(NVFP4) and not cm.is_mx(MXFP8_E4M3_UP)
+    assert not cm.is_mx(MXFP4.replace(block_size=16))
+    with pytest.raises(ValueError, match="fmt"):
+        fq.fq_rows_scaled(jnp.zeros((16, 256), jnp.bfloat16), cm.scalars(1.0, 1.0),
+                          cm.key_words(None), fmt=MXFP8_E4M3_UP)
+
+
+@needs_interpret
+@pytest.mark.parametrize("fmt,sr", [(MXFP4, False), (MXFP4, True), (MXFP4_OCP, False)])
+def test_mx_rows_kernel_matches_xla(fmt, sr):
+    x = _data((16, 256), 0)
+    key = jax.random.key(3) if sr else None
+    got = fq.fq_rows_scaled(x, cm.scalars(1.0, 1.0), cm.key_words(key), sr=sr,
+                            interpret=IP, fmt=fmt)
+    assert _same(got, _xla(x, fmt, -1, key)) == 0
+    if sr:  # the draws matter: round-to-nearest differs
+        assert _same(got, _xla(x, fmt, -1)) > 200
+
+
+def _dot_fwd_bwd(recipe="mxfp4"):
+    kx, kw, kc = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(kx, (32, 256)).astype(jnp.bfloat16)
+    w = (0.05 * jax.random.normal(kw, (256, 256))).astype(jnp.bfloat16)
+    ct = jax.random.normal(kc, (32, 256)).astype(jnp.bfloat16)
+
+    def loss(x, w):
+        y = fp4jax.dot(x, w, recipe=recipe, key=jax.random.key(9))
+        return (y.astype(jnp.float32) * ct).sum(), y
+
+    (v, y), (dx, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+    return [np.asarray(a, np.float32) for a in (y, v, dx, dw)]
+
+
+@needs_interpret
+def test_dot_mxfp4_kernel_path_equals_xla_path(monkeypatch):
+    """The mxfp4 recipe on the kernel path: x 1x32 rows, dy 1x32 rows with SR, x and dy
+    32x1 columns after the RHT-32 (dy with SR) from the kernels, the 32x32 weight from the
+    XLA path; y, loss, dx and dw bit for bit equal to the XLA path (the columns kernel's
+    only CPU check of its numerics: it takes ~30 s to interpret alone)."""
+    monkeypatch.setenv("FP4JAX_KERNELS", "off")
+    want = _dot_fwd_bwd()
+    monkeypatch.setenv("FP4JAX_KERNELS", "interpret")
+    seen = []
+    for name in ("fq_rows_scaled", "fq_cols_scaled"):
+        real = getattr(fq, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            seen.append((_name, k.get("fmt"), k.get("sr"), k.get("rht")))
+            return _real(*a, **k)
+
+        monkeypatch.setattr(fq, name, spy)
+    got = _dot_fwd_bwd()
+    assert sorted(seen, key=str) == sorted([
+        ("fq_rows_scaled", MXFP4, False, None), ("fq_rows_scaled", MXFP4, False, None),
+        ("fq_rows_scaled", MXFP4, True, None), ("fq_cols_scaled", MXFP4, False, True),
+        ("fq_cols_scaled", MXFP4, True, True)], key=str)
+    for g, w, name in zip(got, want, ("y", "loss", "dx", "dw"), strict=True):
+        assert (g.view(np.uint32) == w.view(np.uint32)).all(), name
+
+
+@pytest.mark.parametrize("variant", ["rows", "rows_ocp", "rows_sr", "cols_rht_sr"])
+def test_mx_kernels_lower_for_cuda(variant):
+    """The real kernels (GPU tiling: WGMMA rows tiles, 64-block SR quads overhanging a
+    768-column row, strided 32-row column strips) lower for CUDA, with the flat scalars of
+    several operands, as ``dispatch.make_operands`` calls them."""
+    sc = jax.ShapeDtypeStruct((3 * cm.SC_WIDTH,), jnp.float32)
+    kw = jax.ShapeDtypeStruct((3,), jnp.int32)
+    x = jax.ShapeDtypeStruct((16384, 768), jnp.bfloat16)
+    f = {"rows": lambda x, s, k: fq.fq_rows_scaled(x, s, k, sc_row=2, fmt=MXFP4),
+         "rows_ocp": lambda x, s, k: fq.fq_rows_scaled(x, s, k, sc_row=0, fmt=MXFP4_OCP),
+         "rows_sr": lambda x, s, k: fq.fq_rows_scaled(x, s, k, sr=True, sc_row=1, fmt=MXFP4),
+         "cols_rht_sr": lambda x, s, k: fq.fq_cols_scaled(x, s, k, sr=True, rht=True,
+                                                          sc_row=1, fmt=MXFP4)}[variant]
+    exp = jax.export.export(jax.jit(f), platforms=["cuda"])(x, sc, kw)
+    assert "mosaic_gpu" in exp.mlir_module()
+
+
+def test_dispatch_routes_mxfp4():
+    """MXFP4 specs are the kernels' (one statement: ``spec_unsupported_reason``); the
+    recipe takes the kernel path; per operand: rows and RHT-32 columns from the kernels,
+    32x32 weight tiles and float32 inputs from XLA; packed MXFP4 stays on XLA."""
+    assert dispatch.spec_unsupported_reason(MXFP4) is None
+    assert dispatch.spec_unsupported_reason("mxfp4_ocp", rounding="stochastic") is None
+    assert "E4M3 elements" in dispatch.spec_unsupported_reason(MXFP8_E4M3_UP)
+    from fp4jax.quantized_dot import _scaled_path_applies
+
+    assert _scaled_path_applies(fp4jax.recipes.mxfp4())
+    key = jax.random.key(0)
+    x = jnp.zeros((1, 64, 512), jnp.bfloat16)
+    kind = dispatch.operand_kernel
+    assert kind(x, block_2d=False, axis=2, stochastic=True, rht=0, key=key, fmt=MXFP4) == "rows"
+    assert kind(x, block_2d=False, axis=1, stochastic=True, rht=32, key=key,
+                fmt=MXFP4) == "cols"
+    assert kind(x, block_2d=False, axis=1, stochastic=False, rht=16, key=key,
+                fmt=MXFP4) is None  # an RHT other than the block's 32
+    assert kind(x, block_2d=True, axis=1, stochastic=False, rht=0, key=key, fmt=MXFP4) is None
+    assert kind(x.astype(jnp.float32), block_2d=False, axis=2, stochastic=False, rht=0,
+                key=key, fmt=MXFP4) is None
+    assert kind(x[:, :48], block_2d=False, axis=1, stochastic=False, rht=32, key=key,
+                fmt=MXFP4) is None  # 48 tokens: not whole 32x1 blocks
+    reason = dispatch.quantize_unsupported_reason((64, 512), jnp.bfloat16, fmt=MXFP4)
+    assert "NVFP4 only" in reason
