@@ -73,7 +73,7 @@ def test_dot_rejects_unsupported_implementations():
     with pytest.raises(ValueError, match="no sm_90"):
         fp4jax.dot(x, w, key=k, implementation="pallas")
     with pytest.raises(ValueError, match="operands the kernels do not implement"):
-        fp4jax.dot(x, w, recipe="mxfp4", key=k, implementation="pallas")
+        fp4jax.dot(x, w, recipe="mxfp8", key=k, implementation="pallas")
     with pytest.raises(ValueError, match="batched"):
         fp4jax.dot_general(jnp.stack([x, x]), jnp.stack([w, w]),
                            (((2,), (1,)), ((0,), (0,))), key=k, implementation="pallas")
