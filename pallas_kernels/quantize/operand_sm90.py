@@ -16,6 +16,13 @@ to ``scaled_data(fp4jax.quantize(...), bfloat16)``:
   no transposed copy is ever written: the GEMM contracts the first axis directly;
 * ``fq_2d``: 16x16 tiles (the fprop/dgrad weight).
 
+MX FP4 (``fmt=fp4jax.MXFP4`` or ``MXFP4_OCP``: blocks of 32, E8M0 scales, no tensor scale):
+``fq_rows`` with 1x32 blocks and ``fq_cols`` with 32x1 blocks (strips of 32 rows, the RHT of
+size 32), RtN and SR; the block scale is the core's ``block_decode_scale`` itself on register
+arrays (``common_sm90.mx_block_scales``), products saturate to bf16's range as
+``scaled_data``'s. The 32x32 MX weight tiles stay on XLA (a strip of 64 tiles, the least the
+WGMMA register layout takes, needs 256 KiB of shared memory), as do float32 MX inputs.
+
 Each does round-to-nearest-even or stochastic rounding. Stochastic rounding draws its
 8 bits per element in the kernel from the key (``fp4jax.numerics.threefry2x32``, the
 counter-based Threefry-2x32 of ``jax.random``; the eight elements of four rows x two
