@@ -72,6 +72,9 @@ def test_corpus_is_deterministic_deduplicated_and_split_by_file(L, tmp_path):
     (root / "pkg" / "__pycache__" / "c.py").write_text("skipped")
     (root / ".hidden" / "h.py").write_text("skipped")
     os.symlink(root / "pkg" / "m01.py", root / "pkg" / "link.py")
+    (root / "fp4jax").mkdir()  # an installed copy of this project: left out
+    (root / "fp4jax" / "x.py").write_text("left out")
+    (root / "__editable___fp4jax_finder.py").write_text("MAPPING = {'/a/checkout': 1}")
     m = B.build([root], tmp_path / "a", max_file_bytes=200, val_per_10k=3000, workers=2)
     c = m["counts"]
     assert (c["py_files"], c["duplicates"], c["empty"], c["large"], c["replaced_utf8"]) == \
@@ -99,9 +102,10 @@ def test_corpus_is_deterministic_deduplicated_and_split_by_file(L, tmp_path):
         B.build([root], tmp_path / "d", 200, 0)
 
 
-def _result(spec, seed, final, steps=(0, 4, 8), tps=1000.0, status="finished"):
+def _result(spec, seed, final, cfg=None, steps=(0, 4, 8), tps=1000.0, status="finished"):
     curve = [final + 1.0, final + 0.3, final]
-    return {"recipe": spec.split("(")[0], "spec": spec, "seed": seed, "status": status,
+    return {"config": {"recipe": spec, "seed": seed, **(cfg or {})},
+            "recipe": spec.split("(")[0], "spec": spec, "seed": seed, "status": status,
             "final_val_loss": final if status == "finished" else None, "steps": 8,
             "tokens_per_s": tps, "device_kind": "test", "preset": "mini", "params": 1,
             "history": {"step": list(steps), "loss": curve, "val_step": list(steps),
@@ -110,17 +114,21 @@ def _result(spec, seed, final, steps=(0, 4, 8), tps=1000.0, status="finished"):
 
 def _tree(L, base):
     S = L["spec"]
+    cfg = {"preset": "mini", "seq_len": S.SEQ_LEN, "batch_size": S.BATCH}
     for i, r in enumerate(S.runs("sweep", ("mini",))):
         d = base / "runs" / r["name"]
         d.mkdir(parents=True)
-        (d / "result.json").write_text(json.dumps(_result("bf16", 0, 3.0 - 0.1 * (i == 2))))
+        (d / "result.json").write_text(json.dumps(_result(
+            "bf16", 0, 3.0 - 0.1 * (i == 2),
+            {**cfg, "lr": r["lr"], "steps": S.run_tokens(r) // S.TOKENS_PER_STEP})))
     finals = {("bf16", 0): 2.50, ("bf16", 1): 2.60, ("bf16", 2): 2.55,
               ("nvfp4", 0): 2.53, ("nvfp4", 1): 2.62, ("nvfp4", 2): 2.59,
               ("mxfp4", 0): 2.56}
     for (sp, s), v in finals.items():
         d = base / "runs" / "ladder" / "mini" / sp / f"seed{s}"
         d.mkdir(parents=True)
-        (d / "result.json").write_text(json.dumps(_result(sp, s, v)))
+        (d / "result.json").write_text(json.dumps(_result(
+            sp, s, v, {**cfg, "steps": S.SIZES["mini"]["steps"]})))
     return finals
 
 
@@ -134,6 +142,12 @@ def test_driver_picks_the_sweeps_lr_and_skips_finished_runs(L, tmp_path, capsys)
                    "--results", str(tmp_path), "--work", str(tmp_path / "w")]) == 0
     out = capsys.readouterr().out
     assert "13 runs queued, 11 already finished" in out
+    # a result of another setup (a --toy run's micro preset) is not taken for a ladder run
+    f = tmp_path / "runs" / "ladder" / "mini" / "mxfp4" / "seed0" / "result.json"
+    f.write_text(json.dumps({**json.loads(f.read_text()), "config": {"preset": "micro"}}))
+    assert R.main(["--phases", "ladder:mini", "--plan-only", "--results", str(tmp_path),
+                   "--work", str(tmp_path / "w")]) == 0
+    assert "9 runs queued, 6 already finished" in capsys.readouterr().out
     assert "ladder/mini/mxfp4/seed1" in out and "ladder/mini/bf16/seed0 " not in out
     argv = R.run_argv({**S.runs("ladder", ("mini",))[0], "lr": 2e-3}, None, Path("T"), Path("O"))
     assert argv[argv.index("--lr") + 1] == "0.002" and "--devices" in argv
@@ -166,7 +180,7 @@ def test_analyze_matches_numpy_and_notices_stale_tables(L, tmp_path):
         assert (tmp_path / f).stat().st_size > 5_000
     assert A.main([*args, "--check"]) == 0
     f = tmp_path / "runs" / "ladder" / "mini" / "nvfp4" / "seed1" / "result.json"
-    f.write_text(json.dumps(_result("nvfp4", 1, 2.70)))
+    f.write_text(json.dumps({**json.loads(f.read_text()), "final_val_loss": 2.70}))
     assert A.main([*args, "--check"]) == 1
 
 

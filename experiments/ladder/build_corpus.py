@@ -10,7 +10,9 @@ ladder trains on it because the GPU machine has no network and ~370 MB of it ins
 Rules (all recorded in ``manifest.json``; the same tree gives the same bytes):
 
 * files: every regular ``.py`` file under each root (``os.walk``, symbolic links neither
-  followed nor read, ``__pycache__`` and hidden directories skipped), named
+  followed nor read, ``__pycache__`` and hidden directories skipped; an installed copy of
+  this project (``fp4jax``, ``pallas_kernels``, ...) and ``__editable__*`` finders left out,
+  so the corpus does not change with the project's commits), named
   ``<root index>/<path relative to the root>`` (forward slashes) and sorted by name;
 * size: files above ``--max-file-bytes`` (default 1,000,000: generated tables, vendored
   data) and empty files are left out, counted;
@@ -19,7 +21,8 @@ Rules (all recorded in ``manifest.json``; the same tree gives the same bytes):
 * duplicates: files with the same content (SHA-256 of the bytes as written) are kept once,
   the first by name;
 * split: a file is held out for validation when the first 8 hex digits of its SHA-256,
-  as an integer, modulo 10,000 fall below ``--val-per-10k`` (default 150: ~1.5%), so the
+  as an integer, modulo 10,000 fall below ``--val-per-10k`` (default 300: ~3% of the
+  files, ~2.3% of the bytes of the development venv's site-packages), so the
   split is by file and does not depend on which other files exist.
 
 Output (``--out DIR``): ``train.tar`` and ``val.tar`` (uncompressed, one member per file,
@@ -47,20 +50,29 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 FORMAT = "fp4jax.ladder.corpus v1"
+# top-level names left out of every root: this project's own packages (an installed copy
+# would change the corpus with every commit) and editable-install finders (which hold the
+# absolute paths of a checkout)
+EXCLUDE_TOP = ("fp4jax", "pallas_kernels", "tests", "experiments")
+EXCLUDE_PREFIX = ("__editable__",)
 MAX_FILE_BYTES = 1_000_000
-VAL_PER_10K = 150
+VAL_PER_10K = 300
 
 
 def list_files(roots: list[Path]) -> list[tuple[str, Path]]:
     """``[(name, path)]`` of every regular ``.py`` file under ``roots``, sorted by name
     (``<root index>/<relative path>``); symbolic links, ``__pycache__`` and hidden
-    directories are skipped."""
+    directories, this project's packages at a root's top (``EXCLUDE_TOP``) and
+    editable-install finders (``EXCLUDE_PREFIX``) are skipped."""
     out = []
     for i, root in enumerate(roots):
         for d, dirs, files in os.walk(root, followlinks=False):
-            dirs[:] = sorted(x for x in dirs if x != "__pycache__" and not x.startswith("."))
+            top = Path(d) == Path(root)
+            dirs[:] = sorted(x for x in dirs if x != "__pycache__" and not x.startswith(".")
+                             and not (top and x in EXCLUDE_TOP))
             for f in files:
-                if not f.endswith(".py"):
+                if not f.endswith(".py") or f.startswith(EXCLUDE_PREFIX) or (
+                        top and f[:-3] in EXCLUDE_TOP):
                     continue
                 p = Path(d) / f
                 if p.is_symlink() or not p.is_file():

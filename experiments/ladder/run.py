@@ -14,17 +14,19 @@ Each call:
 2. **tokens** (``fp4jax-tokenize``, BPE 16384) into ``WORK/tokens``: with the committed
    ``experiments/results/ladder/corpus/tokenizer.json`` when there is one (then the shards'
    SHA-256 are checked against the committed ``tokens_meta.json``), else the vocabulary is
-   trained on the training split here and it, ``meta.json``, the manifest and the file list
-   go to ``OUT/corpus/`` to be committed; an up-to-date ``WORK/tokens`` is reused;
+   trained here on a deterministic third of the training files (``spec.BPE_SAMPLE``) and
+   it, ``meta.json``, the manifest and the file list go to ``OUT/corpus/`` to be committed;
+   an up-to-date ``WORK/tokens`` is reused;
 3. **runs**: the phases' runs (``spec.py``) not yet finished, here or in the committed
    results (``experiments/results/ladder/runs/<name>/result.json``), one ``fp4jax-train``
    process per GPU (``CUDA_VISIBLE_DEVICES``), into ``WORK/runs/<name>``; each run is
-   started only if its estimate (measured tokens/s of finished runs, else ``spec.RATES``)
-   fits before the time limit; a ladder run waits for its size's LR sweep (the LR of the
-   lowest final validation loss). With ``--split`` a run too long for what is left starts
-   anyway with ``--stop-at`` (the steps that fit) and a checkpoint there, and a later call
-   on the same warm machine resumes it. At the limit every run still going is stopped
-   (SIGTERM) and reported.
+   started only if its estimate (measured tokens/s and overheads of finished runs, else
+   ``spec.RATES`` and ``spec.COMPILE_S``) fits before the time limit (sweeps first, then
+   size by size in ``spec.SIZES`` order, the longest run first); a ladder run waits for
+   its size's LR sweep (the LR of the lowest final validation loss). With ``--split`` a
+   run too long for what is left starts anyway with ``--stop-at`` (the steps that fit) and
+   a checkpoint there, and a later call on the same warm machine resumes it. At the limit
+   every run still going is stopped (SIGTERM) and reported.
 
 What comes back, under ``--out``: ``runs/<name>/`` (``result.json``, ``metrics.jsonl``,
 ``train.log``; no checkpoints), ``driver.json`` (the plan, each run's GPU, start, end,
@@ -36,6 +38,7 @@ process seconds and exit status, the prep times) and ``corpus/`` on the first ca
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -95,13 +98,18 @@ def prepare(work: Path, out: Path, roots: list[Path] | None, committed: Path,
                          f"{want['corpus_sha256']} ({committed / 'manifest.json'}): another "
                          "image or package set; compare files.tsv")
     tok_file = committed / "tokenizer.json"
-    spec = tokenizer or (str(tok_file) if tok_file.is_file() else f"bpe:{S.VOCAB}")
-    tdir = work / "tokens"
+    spec = tokenizer or (str(tok_file) if tok_file.is_file() else None)
+    bpe = {}
     t1 = time.perf_counter()
+    if spec is None:  # the first call: train the vocabulary on a sample of the train split
+        spec, bpe = train_tokenizer(cdir / "train.tar", work / "tokenizer.json")
+        say(f"BPE {S.VOCAB} trained on {bpe['files']} files, {bpe['bytes'] / 1e6:.1f} MB, "
+            f"{bpe['seconds']:.1f} s")
+    tdir = work / "tokens"
     meta = T.tokenize_corpus(cdir / "train.tar", spec, tdir, shard_tokens=SHARD_TOKENS,
                              val_data=cdir / "val.tar", cache=work / "cache",
                              overwrite=True)
-    t_tok = time.perf_counter() - t1
+    t_tok = time.perf_counter() - t1 - bpe.get("seconds", 0.0)
     say(f"tokens ({spec}): train {meta['tokens']['train'] / 1e6:.2f}M, val "
         f"{meta['tokens']['val'] / 1e6:.3f}M, "
         f"{man['bytes']['train'] / max(meta['tokens']['train'], 1):.3f} bytes/token, "
@@ -122,13 +130,35 @@ def prepare(work: Path, out: Path, roots: list[Path] | None, committed: Path,
         shutil.copy2(tdir / "meta.json", dest / "tokens_meta.json")
         say(f"first build: manifest, file list, tokenizer and token meta in {dest} "
             "(commit them to experiments/results/ladder/corpus/)")
-    return {"tokens": tdir, "corpus_sha256": man["corpus_sha256"],
+    return {"tokens": tdir, "corpus_sha256": man["corpus_sha256"], "bpe": bpe,
             "train_tokens": meta["tokens"]["train"], "val_tokens": meta["tokens"]["val"],
             "bytes": man["bytes"], "seconds": {"corpus": round(t_corpus, 1),
                                                "tokens": round(t_tok, 1)}}
 
 
 SHARD_TOKENS = 50_000_000
+
+
+def bpe_sampled(body: bytes) -> bool:
+    """Whether a training file is in the BPE vocabulary's training sample (``S.BPE_SAMPLE``)."""
+    return int(hashlib.sha256(body).hexdigest()[8:16], 16) % S.BPE_SAMPLE == 0
+
+
+def train_tokenizer(train_tar: Path, dest: Path) -> tuple[str, dict]:
+    """Trains ``bpe:VOCAB`` (``fp4jax.tokens.train_bpe``: deterministic) on the sampled
+    training files of ``train_tar``; saves it to ``dest``; returns its path and a record."""
+    from fp4jax import tokens as T
+    from fp4jax.data import load_documents
+
+    t0 = time.perf_counter()
+    texts = [b.decode("utf-8") for _, b in load_documents(train_tar) if bpe_sampled(b)]
+    tok = T.train_bpe(texts, S.VOCAB)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(dest)
+    return str(dest), {"files": len(texts), "bytes": sum(len(t.encode()) for t in texts),
+                       "sample": f"sha256[8:16] % {S.BPE_SAMPLE} == 0",
+                       "vocab_size": tok.vocab_size, "sha256": tok.sha256,
+                       "seconds": round(time.perf_counter() - t0, 1)}
 
 
 # ------------------------------------------------------------------------------ runs
@@ -155,6 +185,18 @@ def known_results(*bases: Path) -> dict[str, dict]:
             if r is not None:
                 out.setdefault(name, r)
     return out
+
+
+def matches(run: dict, res: dict) -> bool:
+    """Whether ``res`` (a ``result.json``) is a run of ``run``'s setup: preset, spec, seed,
+    steps, sequence length and batch (and the sweep run's LR)."""
+    cfg = res.get("config", {})
+    want = {"preset": S.SIZES[run["size"]]["preset"], "recipe": run["spec"],
+            "seed": run["seed"], "steps": S.run_tokens(run) // S.TOKENS_PER_STEP,
+            "seq_len": S.SEQ_LEN, "batch_size": S.BATCH}
+    if run["lr"] is not None:
+        want["lr"] = run["lr"]
+    return all(cfg.get(k) == v for k, v in want.items())
 
 
 def chosen_lr(size: str, results: dict[str, dict]) -> float | None:
@@ -184,12 +226,44 @@ def measured_rates(results: dict[str, dict]) -> dict[tuple[str, str], float]:
     return {k: sorted(v)[len(v) // 2] for k, v in by.items()}
 
 
+def measured_overheads(records: list[dict], results: dict[str, dict]
+                       ) -> dict[tuple[str, str], float]:
+    """Per ``spec.overhead_key`` the largest measured overhead of a whole run (process
+    seconds minus its tokens at its measured tokens/s: start-up, compiles, evaluations)
+    among the driver records ``records`` (``driver.json``'s ``runs``) of finished runs."""
+    out: dict[tuple[str, str], float] = {}
+    runs = {r["name"]: r for ph in ("sweep", "ladder") for r in S.runs(ph)}
+    for rec in records:
+        run, res = runs.get(rec.get("name")), results.get(rec.get("name"))
+        if (run is None or res is None or rec.get("resumed") or rec.get("stop_at")
+                or not rec.get("process_s") or not res.get("tokens_per_s")
+                or rec.get("toy")):
+            continue
+        ov = rec["process_s"] - S.run_tokens(run) / res["tokens_per_s"]
+        key = S.overhead_key(run)
+        out[key] = max(out.get(key, 0.0), ov)
+    return out
+
+
+def driver_records(*bases: Path) -> list[dict]:
+    """The run records of every ``driver.json`` under ``BASE/calls`` (committed calls)."""
+    recs = []
+    for base in bases:
+        for f in sorted((base / "calls").rglob("driver.json")) if (base / "calls").is_dir() \
+                else []:
+            try:
+                d = json.loads(f.read_text())
+            except ValueError:
+                continue
+            if not d.get("toy"):
+                recs += d.get("runs", [])
+    return recs
+
+
 def run_argv(run: dict, toy: dict | None, tokens_dir: Path, out: Path) -> list[str]:
     """The ``fp4jax-train`` command line of ``run``."""
     size = S.SIZES[run["size"]]
-    steps = size["steps"]
-    if run["phase"] == "sweep":
-        steps = max(1, int(round(steps * size.get("sweep_fraction", 1.0))))
+    steps = S.run_tokens(run) // S.TOKENS_PER_STEP
     argv = [sys.executable, "-m", "fp4jax.train", "--preset", size["preset"],
             "--recipe", run["spec"], "--seed", str(run["seed"]), "--lr", f"{run['lr']:g}",
             "--steps", str(steps), *S.COMMON, "--data", str(tokens_dir), "--out", str(out)]
@@ -250,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit", type=float, default=540.0,
                    help="seconds from the start of this command to the end of the last run")
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all)")
-    p.add_argument("--work", default=str(ROOT / ".data" / "ladder"))
+    p.add_argument("--work", default=None,
+                   help="corpus, tokens, runs and caches (default: .data/ladder, with --toy "
+                        ".data/ladder-toy)")
     p.add_argument("--out", default=os.environ.get("OUT", str(ROOT / ".data" / "ladder-out")))
     p.add_argument("--results", default=str(RESULTS),
                    help="the committed results (finished runs are skipped; corpus/ checks)")
@@ -270,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     t_start = time.perf_counter()
     deadline = t_start + a.time_limit
-    work, out, committed = Path(a.work), Path(a.out), Path(a.results)
+    work = Path(a.work or ROOT / ".data" / ("ladder-toy" if a.toy else "ladder"))
+    out, committed = Path(a.out), Path(a.results)
     toy = TOY if a.toy else None
     if toy and a.results == str(RESULTS):  # a dry run never checks against the real ones
         committed = work / "toy-results"
@@ -285,11 +362,27 @@ def main(argv: list[str] | None = None) -> int:
         keep_s = {int(x) for x in a.seeds.split(",")}
         queue = [r for r in queue if r["seed"] in keep_s]
     results = known_results(committed, work)
+    if not toy:  # a result of another setup (a --toy run, other steps) is no ladder result
+        runs_by = {r["name"]: r for ph in ("sweep", "ladder") for r in S.runs(ph)}
+        for name in [n for n, r in results.items() if n in runs_by and not matches(
+                runs_by[n], r)]:
+            say(f"ignoring {name}: its result.json is not of this ladder's setup")
+            del results[name]
     gpus = gpu_ids(a.gpus)
     rates = measured_rates(results)
+    past = driver_records(committed)
+    overheads = measured_overheads(past, results)
 
     def est(r: dict) -> float:
-        return TOY_ESTIMATE_S if toy else S.estimate_s(r, rates)
+        """Seconds ``r`` needs, less the part a checkpoint here already holds."""
+        if toy:
+            return TOY_ESTIMATE_S
+        full = S.estimate_s(r, rates, overheads)
+        done = checkpoint_step(work / "runs" / r["name"])
+        if not done:
+            return full
+        ov = overheads.get(S.overhead_key(r), S.COMPILE_S[S.overhead_key(r)[1]])
+        return ov + (full - ov) * (1 - done / (S.run_tokens(r) // S.TOKENS_PER_STEP))
 
     todo = [r for r in queue if r["name"] not in results]
     say(f"{len(queue)} runs queued, {len(queue) - len(todo)} already finished, "
@@ -321,8 +414,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def launch(r: dict, gpu: str, stop_at: int | None) -> None:
         rdir = work / "runs" / r["name"]
-        resume = (rdir / "checkpoints").is_dir() and any(
-            x.name.isdigit() for x in (rdir / "checkpoints").iterdir())
+        resume = checkpoint_step(rdir) > 0
         if rdir.exists() and not resume:
             shutil.rmtree(rdir)  # a run cut off before its checkpoint: nothing to keep
         rdir.parent.mkdir(parents=True, exist_ok=True)
@@ -352,15 +444,22 @@ def main(argv: list[str] | None = None) -> int:
     def reap(name: str, stopped: bool = False) -> None:
         proc, f, gpu, r, rec, t0, log = running.pop(name)
         f.close()
+        rdir = work / "runs" / name
+        if rec["resumed"] and proc.returncode == 2 and not stopped:  # resume refused
+            aside = rdir.with_name(f"{rdir.name}.old-{int(time.time())}")
+            rdir.rename(aside)
+            say(f"{name}: its resume was refused (see {log}); moved to {aside.name}, it "
+                "starts afresh next time")
         free.append(gpu)
         rec.update(end_s=round(time.perf_counter() - t_start, 1),
                    process_s=round(time.perf_counter() - t0, 1), returncode=proc.returncode,
                    killed_at_limit=stopped)
-        rdir = work / "runs" / name
         res = finished(rdir)
         if res is not None:
             results[name] = res
-            rates.update(measured_rates({name: res}))
+            rates.update(measured_rates(results))
+            if not toy:
+                overheads.update(measured_overheads(past + record["runs"], results))
         try:
             st = json.loads((rdir / "result.json").read_text()).get("status")
         except (OSError, ValueError):
@@ -385,14 +484,16 @@ def main(argv: list[str] | None = None) -> int:
             while free and pending:
                 ready = [r for r in pending if r["lr"] is not None]
                 fits = [r for r in ready if est(r) <= left]
-                if fits:
-                    r = fits[0]
+                if fits:  # sweeps first (they unlock a size), then size by size, longest first
+                    r = min(fits, key=lambda x: (x["phase"] != "sweep",
+                                                 list(S.SIZES).index(x["size"]), -est(x)))
                     pending.remove(r)
                     launch(r, free.pop(0), None)
                     continue
                 if a.split and ready and not running_sweeps(running):
                     r = ready[0]
-                    steps = _fit_steps(r, est(r), left, toy)
+                    steps = _fit_steps(r, rates, overheads, left,
+                                       checkpoint_step(work / "runs" / r["name"]), toy)
                     if steps:
                         pending.remove(r)
                         launch(r, free.pop(0), steps)
@@ -430,13 +531,22 @@ def running_sweeps(running: dict) -> bool:
     return any(v[3]["phase"] == "sweep" for v in running.values())
 
 
-def _fit_steps(r: dict, estimate: float, left: float, toy: dict | None) -> int | None:
-    """The steps of ``r`` (estimated ``estimate`` seconds in all) that fit ``left``
-    seconds (at least 10% of its steps), or None."""
-    steps = S.SIZES[r["size"]]["steps"] if not toy else int(toy["--steps"])
-    per_step = (estimate - S.COMPILE_S["other"]) / steps
-    n = int((left - S.COMPILE_S["other"] - 15) / max(per_step, 1e-9))
-    return n if steps // 10 <= n < steps else None
+def checkpoint_step(run_dir: Path) -> int:
+    """The step of the newest checkpoint of a run cut off by ``--stop-at`` (0: none)."""
+    ck = run_dir / "checkpoints"
+    steps = [int(x.name) for x in ck.iterdir() if x.name.isdigit()] if ck.is_dir() else []
+    return max(steps, default=0)
+
+
+def _fit_steps(r: dict, rates: dict, overheads: dict, left: float, done: int,
+               toy: dict | None) -> int | None:
+    """The step to stop ``r`` at (``--stop-at``) so that it fits ``left`` seconds, resumed
+    from step ``done``: at least 10% of its steps more, short of the end; else None."""
+    steps = S.run_tokens(r) // S.TOKENS_PER_STEP if not toy else int(toy["--steps"])
+    ov = overheads.get(S.overhead_key(r), S.COMPILE_S[S.overhead_key(r)[1]])
+    per_step = (S.estimate_s(r, rates, overheads) - ov) / steps
+    n = int((left - ov - 15) / max(per_step, 1e-9))
+    return done + n if steps // 10 <= n and done + n < steps else None
 
 
 if __name__ == "__main__":
