@@ -149,6 +149,18 @@ def test_driver_picks_the_sweeps_lr_and_skips_finished_runs(L, tmp_path, capsys)
                    "--work", str(tmp_path / "w")]) == 0
     assert "9 runs queued, 6 already finished" in capsys.readouterr().out
     assert "ladder/mini/mxfp4/seed1" in out and "ladder/mini/bf16/seed0 " not in out
+    # a run stopped at a call's limit still measures its tokens/s (its metrics.jsonl)
+    d = tmp_path / "w" / "runs" / "ladder" / "small" / "mxfp4" / "seed0"
+    d.mkdir(parents=True)
+    tps = [10.0, 20.0, 30.0, 40.0, 100.0, 300.0, 200.0, 400.0, 500.0, 600.0]
+    d.joinpath("metrics.jsonl").write_text("".join(
+        json.dumps({"type": "train", "step": i, "tokens_per_s": t}) + "\n"
+        for i, t in enumerate(tps)) + '{"type": "eval", "step": 10}\n{"torn')
+    assert R.metrics_rate(d) == 400.0 and R.metrics_rate(d.parent) is None
+    assert R.record_rates([{"name": "ladder/small/mxfp4/seed0", "tokens_per_s": 400.0},
+                           {"name": "ladder/small/mxfp4/seed1", "tokens_per_s": 500.0},
+                           {"name": "ladder/small/mxfp4/seed2", "tokens_per_s": None}]) == {
+        ("small", "mxfp4"): 500.0}
     argv = R.run_argv({**S.runs("ladder", ("mini",))[0], "lr": 2e-3}, None, Path("T"), Path("O"))
     assert argv[argv.index("--lr") + 1] == "0.002" and "--devices" in argv
     assert R._toy_argv(argv, R.TOY)[argv.index("--preset") + 1] == "micro"

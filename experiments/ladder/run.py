@@ -226,6 +226,39 @@ def measured_rates(results: dict[str, dict]) -> dict[tuple[str, str], float]:
     return {k: sorted(v)[len(v) // 2] for k, v in by.items()}
 
 
+def metrics_rate(run_dir: Path) -> float | None:
+    """Tokens/s of a run from its ``metrics.jsonl`` (the median of the second half of its
+    ``train`` records; None with fewer than 8): also for a run stopped at the limit."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    tps = []
+    for ln in lines:
+        try:
+            rec = json.loads(ln)
+        except ValueError:
+            continue
+        if rec.get("type") == "train" and rec.get("tokens_per_s"):
+            tps.append(float(rec["tokens_per_s"]))
+    if len(tps) < 8:
+        return None
+    half = sorted(tps[len(tps) // 2:])
+    return half[len(half) // 2]
+
+
+def record_rates(records: list[dict]) -> dict[tuple[str, str], float]:
+    """Median tokens/s per (size, spec) of the driver records that measured one (runs
+    stopped at a call's limit included)."""
+    runs = {r["name"]: r for ph in ("sweep", "ladder") for r in S.runs(ph)}
+    by: dict[tuple[str, str], list[float]] = {}
+    for rec in records:
+        run = runs.get(rec.get("name"))
+        if run is not None and rec.get("tokens_per_s"):
+            by.setdefault((run["size"], run["spec"]), []).append(float(rec["tokens_per_s"]))
+    return {k: sorted(v)[len(v) // 2] for k, v in by.items()}
+
+
 def measured_overheads(records: list[dict], results: dict[str, dict]
                        ) -> dict[tuple[str, str], float]:
     """Per ``spec.overhead_key`` the largest measured overhead of a whole run (process
@@ -371,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     gpus = gpu_ids(a.gpus)
     rates = measured_rates(results)
     past = driver_records(committed)
+    rates = {**record_rates(past), **rates}  # a finished run's own tokens/s first
     overheads = measured_overheads(past, results)
 
     def est(r: dict) -> float:
@@ -455,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
                    process_s=round(time.perf_counter() - t0, 1), returncode=proc.returncode,
                    killed_at_limit=stopped)
         res = finished(rdir)
+        rec["tokens_per_s"] = metrics_rate(rdir)
+        rates.update({**record_rates(record["runs"]), **measured_rates(results)})
         if res is not None:
             results[name] = res
             rates.update(measured_rates(results))
