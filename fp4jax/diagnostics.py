@@ -54,7 +54,10 @@ import math
 import numbers
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import jax
@@ -72,11 +75,11 @@ PERTURB_COLLECTION = "fp4_perturbations"
 COTANGENT_COLLECTION = "fp4_cotangents"
 STATS_COLLECTION = "fp4_stats"
 
-__all__ = ["SQRT3", "SwitchMonitor", "auto_switch_step", "combine_noise", "flatten_noise",
-           "flatten_stats",
-           "gemm_stats",
-           "gradient_noise", "layer_stats", "mean_layer_stats", "read_stats",
-           "recommend_high_precision_layers", "stats_from_metrics"]
+__all__ = ["SQRT3", "SwitchMonitor", "UnmeasuredLayerWarning", "auto_switch_step",
+           "combine_noise", "flatten_noise", "flatten_stats", "gemm_stats", "gradient_noise",
+           "is_dense_product", "layer_stats", "mean_layer_stats", "note_unmeasured",
+           "observe_product", "probing", "read_stats", "recommend_high_precision_layers",
+           "stats_from_metrics"]
 
 SQRT3 = math.sqrt(3.0)  # FP4-all-the-way Section 4.1: the critical gradient-to-noise ratio
 
@@ -168,56 +171,261 @@ def _default_name(path: tuple[str, ...], index: tuple[int, ...]) -> str:
     return "/".join(path) + "".join(f"[{i}]" for i in index)
 
 
-def layer_stats(model: Any, variables: Mapping[str, Any], *args: Any,
+# ---------------------------------------------------------------------------
+# the probe: how layers that are not linen DotGeneral modules (NNX layers, linen modules
+# quantized in their own scope) hand their operands to ``layer_stats``
+# ---------------------------------------------------------------------------
+
+class UnmeasuredLayerWarning(UserWarning):
+    """``layer_stats`` met quantized products it cannot measure (named in the message)."""
+
+
+def is_dense_product(lhs: Any, rhs: Any, dimension_numbers: Any) -> bool:
+    """Whether ``lax.dot_general(lhs, rhs, dimension_numbers)`` is ``lhs (..., K) @ rhs (K,
+    N)``: the one form ``gemm_stats`` measures (``fp4jax.nn.quantize_model`` flattens
+    every covered product to it, batch dimensions aside)."""
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+        return (jnp.ndim(rhs) == 2 and tuple(lc) == (jnp.ndim(lhs) - 1,) and tuple(rc) == (0,)
+                and not tuple(lb) and not tuple(rb))
+    except (TypeError, ValueError):
+        return False
+
+
+def _trace_state() -> Any:
+    """The current JAX trace (what Flax NNX compares to refuse cross-trace mutation)."""
+    from jax.extend.core import get_opaque_trace_state
+
+    return get_opaque_trace_state(convention="nnx")
+
+
+@dataclasses.dataclass(eq=False)
+class _Probe:
+    """One pass of ``layer_stats`` over the model: ``"shapes"`` (records each product's
+    output shape, and the products it cannot measure), ``"perturb"`` (adds ``values[name]``,
+    zeros, to each output: their gradients are the cotangents ``dy``) or ``"stats"``
+    (``gemm_stats`` of each product with ``values[name]`` as ``dy``)."""
+
+    mode: str
+    trace: Any
+    values: dict[str, Any] = dataclasses.field(default_factory=dict)
+    names: dict[int, str] = dataclasses.field(default_factory=dict)
+    calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    shapes: dict[str, Any] = dataclasses.field(default_factory=dict)
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    unmeasured: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+class _Probes(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[_Probe] = []
+
+
+_probes = _Probes()
+
+
+@contextmanager
+def _probing(probe: _Probe) -> Iterator[_Probe]:
+    _probes.stack.append(probe)
+    try:
+        yield probe
+    finally:
+        _probes.stack.pop()
+
+
+def probing() -> str | None:
+    """The pass ``layer_stats`` is running in this thread (``"shapes"``, ``"perturb"``,
+    ``"stats"``), or None outside it."""
+    return _probes.stack[-1].mode if _probes.stack else None
+
+
+def note_unmeasured(name: str, why: str) -> None:
+    """Records, while ``layer_stats`` runs, that the quantized product of layer ``name``
+    cannot be measured and ``why`` (``layer_stats`` names it in an
+    ``UnmeasuredLayerWarning``); nothing outside ``layer_stats``."""
+    if _probes.stack and _probes.stack[-1].mode == "shapes":
+        _probes.stack[-1].unmeasured.setdefault(name, why)
+
+
+def observe_product(layer: Any, name: str | None, lhs: jax.Array, rhs: jax.Array,
+                    dimension_numbers: Any, y: jax.Array, *, recipe: Recipe,
+                    key: jax.Array | None = None, rht_key: jax.Array | None = None
+                    ) -> jax.Array:
+    """The statistics hook of a quantized product outside a linen ``DotGeneral`` module
+    (``fp4jax.nn.nnx.DotGeneral``, the products ``fp4jax.nn.quantize_model`` runs in a
+    setup-style linen module's own scope): returns ``y = dot_general(lhs, rhs,
+    dimension_numbers)`` as computed by ``recipe`` with ``key``/``rht_key``, unchanged
+    outside ``layer_stats``; inside it, records the product's shape, adds its perturbation
+    or measures ``gemm_stats(lhs, rhs, dy, recipe=recipe, key=key, rht_key=rht_key)``.
+
+    ``name`` is the layer's module path (None: the name ``layer_stats`` found for the
+    object ``layer`` in the model's graph); a second call of the same layer in one pass is
+    ``name#2``. A product that is not ``x (..., K) @ w (K, N)``, or that runs inside a
+    transform of the model (``nnx.scan``/``vmap``/``jit``/``remat``, a ``jax.lax.scan``:
+    its operands cannot leave that trace), is named as not measured."""
+    if not _probes.stack:
+        return y
+    p = _probes.stack[-1]
+    base = name or p.names.get(id(layer)) or f"<{type(layer).__name__} {id(layer):x}>"
+    n = p.calls.get(base, 0) + 1
+    p.calls[base] = n
+    full = base if n == 1 else f"{base}#{n}"
+    if p.mode == "shapes":
+        if _trace_state() != p.trace:
+            p.unmeasured.setdefault(full, "runs inside a transform of the model (scan, "
+                                    "vmap, jit or remat): its operands cannot leave it")
+        elif not is_dense_product(lhs, rhs, dimension_numbers):
+            p.unmeasured.setdefault(full, f"not an x (..., K) @ w (K, N) product "
+                                    f"({_shape_str(lhs, rhs)}, dimension numbers "
+                                    f"{dimension_numbers})")
+        else:
+            p.shapes[full] = jax.ShapeDtypeStruct(jnp.shape(y), jnp.result_type(y))
+        return y
+    if full not in p.values:
+        return y
+    if p.mode == "perturb":
+        return y + p.values[full]
+    p.stats[full] = gemm_stats(lhs, rhs, p.values[full], recipe=recipe, key=key,
+                               rht_key=rht_key)
+    return y
+
+
+def _shape_str(a: Any, b: Any) -> str:
+    return f"{tuple(jnp.shape(a))} x {tuple(jnp.shape(b))}"
+
+
+def _graph_names(model: Any) -> dict[int, str]:
+    """``{id(node): path of its parent}`` of an NNX graph: the layer an unnamed
+    ``fp4jax.nn.nnx.DotGeneral`` (``layer.dot_general``) measures for."""
+    from flax import nnx
+
+    return {id(node): "/".join(str(k) for k in path[:-1])
+            for path, node in nnx.iter_graph(model) if path}
+
+
+def layer_stats(model: Any, variables: Mapping[str, Any] | None, *args: Any,
                 loss: Callable[[Any], jax.Array], rngs: Mapping[str, jax.Array] | None = None,
                 name_fn: Callable[[tuple[str, ...], tuple[int, ...]], str] | None = None,
-                **kwargs: Any) -> dict[str, dict[str, dict[str, Any]]]:
-    """``gemm_stats`` of every fp4jax linen layer (``fp4jax.nn.linen.DotGeneral``, inside
-    ``fp4jax.nn.linen.Dense`` or ``nn.Dense(dot_general_cls=...)``) of a Flax model on one
-    batch, each on its own operands. Traceable: call it inside ``jax.jit``.
+                unmeasured: str = "warn", **kwargs: Any) -> dict[str, dict[str, dict[str, Any]]]:
+    """``gemm_stats`` of every quantized linear layer of a model on one batch, each on its
+    own operands. Traceable: call it inside ``jax.jit``.
 
-    Three passes of ``model.apply(variables, *args, rngs=rngs, **kwargs)``: one traced
-    only for the shapes of the layers' outputs; a forward and backward pass of ``loss``
-    with zero perturbations added to those outputs (``Module.perturb``), whose gradients
-    are the cotangents ``dy`` (the backward pass of the model's own recipes, as in
-    training); and a forward pass given ``dy``, in which each layer computes
-    ``gemm_stats(x, w, dy, recipe=its recipe, key=its key, rht_key=its RHT key)`` on its
-    inputs (in their compute dtype) with the keys it draws from ``rngs`` in that call: the
-    same ones as in an ``apply`` with the same ``rngs``, so with the train step's ``rngs``
-    the errors are those of that step's GEMMs (stochastic rounding draws included).
+    Measured: fp4jax's linen layers (``fp4jax.nn.linen.DotGeneral``, inside
+    ``fp4jax.nn.linen.Dense`` or ``nn.Dense(dot_general_cls=...)``), NNX layers
+    (``fp4jax.nn.nnx.DotGeneral``), and every layer that ``fp4jax.nn.quantize_model`` runs
+    in a recipe (linen or NNX: ``Dense``, ``DenseGeneral`` with several axes and ``Einsum``
+    products flattened to ``x (..., K) @ w (K, N)``, raw ``jnp.einsum``/``dot`` on a
+    parameter), named by the module path its rules match.
+
+    Three passes of the model: one traced only for the shapes of the layers' outputs; a
+    forward and backward pass of ``loss`` with zero perturbations added to those outputs
+    (linen: ``Module.perturb``), whose gradients are the cotangents ``dy`` (the backward
+    pass of the model's own recipes, as in training); and a forward pass given ``dy``, in
+    which each layer computes ``gemm_stats(x, w, dy, recipe=its recipe, key=its key,
+    rht_key=its RHT key)`` on its inputs (in their compute dtype) with the keys it draws in
+    that call: the same ones as in an ``apply`` with the same ``rngs`` (NNX: each pass runs
+    on a copy of the model's state, so each draws what one call of the model draws), so
+    with the train step's keys the errors are those of that step's GEMMs.
+
+    Not measured (named in an ``UnmeasuredLayerWarning``, or see ``unmeasured``): products
+    other than ``x (..., K) @ w (K, N)`` (an einsum with batch dimensions on the weight);
+    NNX layers inside ``nnx.scan``/``vmap``/``jit``/``remat`` of the model; linen layers
+    inside an ``nn.scan``/``nn.vmap`` whose ``variable_axes`` do not carry the statistics
+    collections (``PERTURB_COLLECTION``, ``COTANGENT_COLLECTION``, ``STATS_COLLECTION``:
+    list them with axis 0, as fp4jax's Llama does, to measure each scanned block).
 
     Args:
-      model: a ``flax.linen.Module``.
-      variables: its variables (``{"params": ...}``).
+      model: a ``flax.linen.Module``, an ``nnx.Module``, or any object with linen's
+        ``apply(variables, *args, rngs=...)`` whose layers are NNX
+        (``fp4jax.train.models.NnxModel``).
+      variables: linen (and ``apply`` objects): its variables (``{"params": ...}``); NNX:
+        None (the module holds its state).
       *args, **kwargs: the call's inputs (e.g. tokens ``(B, T)`` int32).
       loss: ``loss(model output) -> float scalar``, the function whose gradient ``dy`` is.
-      rngs: the call's RNG streams (``"fp4"``, ``"fp4_layer"``).
+      rngs: the call's RNG streams (``"fp4"``, ``"fp4_layer"``); NNX: None (its streams
+        are state).
       name_fn: ``name_fn(path, index) -> str``: the name of the layer at module ``path``
         (a tuple of module names, the ``DotGeneral`` submodule left out) and, for layers
         inside ``flax.linen.scan``, ``index`` (the iteration, one int per scan level);
         default ``"/".join(path)`` plus ``"[i]"`` per scan level.
+      unmeasured: what to do about quantized products it cannot measure: ``"warn"``
+        (default: one ``UnmeasuredLayerWarning`` naming each and why, when traced),
+        ``"raise"`` (ValueError) or ``"ignore"``.
 
     Returns:
-      ``{layer name: gemm_stats(...)}``, float32 scalars; layers that are not fp4jax
-      layers (plain ``nn.Dense``, e.g. those a precision policy keeps in BF16) and fp4jax
-      ``dot_general`` calls other than ``x (..., K) @ w (K, N)`` are absent; a layer called
-      more than once gets ``"#2"``, ``"#3"``, ... after its name for the later calls.
+      ``{layer name: gemm_stats(...)}``, float32 scalars; layers not quantized (plain
+      ``nn.Dense``, layers a rule keeps in high precision) are absent; a layer called more
+      than once gets ``"#2"``, ``"#3"``, ... after its name for the later calls.
+
+    Raises:
+      ValueError: a bad ``unmeasured``; NNX with ``variables`` or ``rngs``; with
+        ``unmeasured="raise"``, a product it cannot measure.
     """
+    if unmeasured not in ("warn", "raise", "ignore"):
+        raise ValueError(f"layer_stats: unmeasured must be 'warn', 'raise' or 'ignore', got "
+                         f"{unmeasured!r}")
     name_fn = name_fn or _default_name
-    variables = {k: v for k, v in variables.items()
-                 if k not in (PERTURB_COLLECTION, COTANGENT_COLLECTION, STATS_COLLECTION)}
+    import flax.linen as nn
+    from flax import nnx
 
-    def run(extra: dict, mutable: Any) -> Any:
-        return model.apply({**variables, **extra}, *args, rngs=rngs, mutable=mutable,
-                           **kwargs)
+    if isinstance(model, nnx.Module):
+        if variables is not None or rngs is not None:
+            raise ValueError("layer_stats: an NNX model holds its parameters and RNG streams: "
+                             "pass variables=None and no rngs")
+        graphdef, state = nnx.split(model)
 
-    shapes = jax.eval_shape(lambda: run({}, [PERTURB_COLLECTION])[1])
+        def call(extra: dict, mutable: Any) -> Any:
+            # new Variables (tree.map) in the pass's own trace: NNX refuses to advance an
+            # RNG counter created in another
+            m = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
+            if _probes.stack:
+                _probes.stack[-1].names = _graph_names(m)
+            return m(*args, **kwargs), {}
+        linen = False
+    else:
+        variables = {k: v for k, v in dict(variables or {}).items()
+                     if k not in (PERTURB_COLLECTION, COTANGENT_COLLECTION, STATS_COLLECTION)}
+        linen = isinstance(model, nn.Module)
+
+        def call(extra: dict, mutable: Any) -> Any:
+            if not linen:
+                return model.apply(variables, *args, rngs=rngs, **kwargs), {}
+            out = model.apply({**variables, **extra}, *args, rngs=rngs, mutable=mutable,
+                              **kwargs)
+            return out if mutable else (out, {})
+
+    def run(mode: str, values: dict, extra: dict, mutable: Any) -> tuple[Any, dict, _Probe]:
+        with _probing(_Probe(mode, _trace_state(), dict(values))) as p:
+            out, state = call(extra, mutable)
+        return out, dict(state), p
+
+    found: dict[str, _Probe] = {}
+
+    def shapes_pass() -> dict:
+        _, state, p = run("shapes", {}, {}, [PERTURB_COLLECTION] if linen else False)
+        found["p"] = p
+        return state
+
+    shapes = jax.eval_shape(shapes_pass)
+    probe = found["p"]
+    if probe.unmeasured and unmeasured != "ignore":
+        msg = ("layer_stats: quantized products not measured: " + "; ".join(
+            f"{n}: {why}" for n, why in probe.unmeasured.items()))
+        if unmeasured == "raise":
+            raise ValueError(msg)
+        warnings.warn(msg, UnmeasuredLayerWarning, stacklevel=2)
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                         dict(shapes.get(PERTURB_COLLECTION, {})))
-    if not zeros:
+                         (dict(shapes.get(PERTURB_COLLECTION, {})), probe.shapes))
+    if not zeros[0] and not zeros[1]:
         return {}
-    dys = jax.grad(lambda z: loss(run({PERTURB_COLLECTION: z}, False)))(zeros)
-    _, state = run({COTANGENT_COLLECTION: dys}, [STATS_COLLECTION])
+
+    def perturbed_loss(z: tuple[dict, dict]) -> jax.Array:
+        extra = {PERTURB_COLLECTION: z[0]} if z[0] else {}
+        return loss(run("perturb", z[1], extra, False)[0])
+
+    dys = jax.grad(perturbed_loss)(zeros)
+    extra = {COTANGENT_COLLECTION: dys[0]} if dys[0] else {}
+    _, state, p = run("stats", dys[1], extra, [STATS_COLLECTION] if linen else False)
 
     out: dict[str, dict] = {}
 
@@ -227,14 +435,17 @@ def layer_stats(model: Any, variables: Mapping[str, Any], *args: Any,
                 walk(v, (*path, k))
                 continue
             layer = path[:-1] if path and re.fullmatch(r"DotGeneral_\d+", path[-1]) else path
-            for call, st in enumerate(v):
+            for call_i, st in enumerate(v):
                 shape = jnp.shape(st["fprop"]["rel_error"])  # the scan axes
                 for index in np.ndindex(*shape):
                     name = name_fn(layer, tuple(int(i) for i in index))
-                    name += f"#{call + 1}" if call else ""
+                    name += f"#{call_i + 1}" if call_i else ""
                     out[name] = jax.tree.map(lambda a, i=index: a[i], st)
 
     walk(dict(state.get(STATS_COLLECTION, {})), ())
+    for full, st in p.stats.items():
+        base, _, n = full.partition("#")
+        out[name_fn(tuple(base.split("/")), ()) + (f"#{n}" if n else "")] = st
     return out
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import jax
@@ -113,10 +114,7 @@ def test_config_refuses_what_a_foreign_model_cannot_take():
         T.TrainConfig(model="nocolon")
     with pytest.raises(T.ConfigError, match=r"--ffn.*built-in Llama"):
         T.TrainConfig(model="m:f", ffn="swiglu")
-    with pytest.raises(T.ConfigError, match=r"--stats-every.*not supported yet"):
-        T.TrainConfig(model="m:f", stats_every=2)
-    with pytest.raises(T.ConfigError, match=r"--bf16-layers.*statistics"):
-        T.TrainConfig(model="m:f", bf16_layers="auto")
+    T.TrainConfig(model="m:f", stats_every=2, bf16_layers="auto")  # measured on any model
     with pytest.raises(T.ConfigError, match=r"--rules.*--model"):
         T.TrainConfig(rules="r.json")
     with pytest.raises(T.ConfigError, match=r"--model-args.*JSON object"):
@@ -319,3 +317,48 @@ def test_cli_grad_noise_and_auto_switch_on_a_foreign_model(corpus, tmp_path):
     sw = next(r for r in recs if r["type"] == "switch")
     assert sw["step"] == 1
     assert [r["recipe"] for r in recs if r["type"] == "train"] == ["nvfp4"] + ["bf16"] * 3
+
+
+def test_cli_bf16_layers_auto_and_stats_on_a_linen_model(corpus, tmp_path):
+    """``--bf16-layers auto`` on a foreign linen model: the FP4 warm-up measures every
+    quantized layer (DenseGeneral with two feature axes, with two contracting axes,
+    nn.Einsum) by its module path, the worst becomes a high-precision rule that the run
+    keeps (its stats, step 0, measure the others)."""
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps([[r".*/(key|value|wo)", None]]))
+    out = tmp_path / "auto"
+    assert T.main([*CLI, "--model", "tests.harness_models:linen_lm", "--data", corpus,
+                   "--model-args", json.dumps({**SMALL, "n_layers": 1}),
+                   "--rules", str(rules), "--recipe", "nvfp4(sr=False)",
+                   "--bf16-layers", "auto", "--bf16-warmup", "2", "--bf16-budget", "0.34",
+                   "--stats-every", "2", "--stop-at", "1", "--out", str(out)]) == 0
+    quantized = {"layers_0/query", "layers_0/out", "layers_0/wi"}
+    warm = [r for r in _records(out / "bf16_warmup") if r["type"] == "stats"]
+    assert warm and all(set(r["layers"]) == quantized and "unmeasured" not in r
+                        for r in warm)
+    rec = json.loads((out / "bf16_layers.json").read_text())
+    assert len(rec["layers"]) == 1 and rec["layers"][0] in quantized
+    (bf16,) = rec["layers"]
+    assert rec["rules"] == [re.escape(bf16)] and rec["measured_layers"] == 3
+    recs = _records(out)
+    assert next(r for r in recs if r["type"] == "precision")["layers"][bf16] is None
+    stats = [r for r in recs if r["type"] == "stats"]
+    assert [r["step"] for r in stats] == [0]
+    assert all(set(r["layers"]) == quantized - {bf16} and "unmeasured" not in r
+               for r in stats)
+    assert all(0 < r["layers"][n]["wgrad"]["rel_error"] < 1 for r in stats for n in r["layers"])
+
+
+def test_cli_stats_on_an_nnx_model(corpus, tmp_path):
+    """``--stats-every`` on a foreign NNX model: every quantized layer (Linear,
+    nnx.Einsum) measured by its attribute path."""
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps([[r".*/(k|v|o|down)", None]]))
+    out = tmp_path / "nnx"
+    assert T.main([*CLI, "--model", "tests.harness_models:nnx_lm", "--data", corpus,
+                   "--model-args", json.dumps({**SMALL, "n_layers": 1}),
+                   "--rules", str(rules), "--recipe", "nvfp4", "--stop-at", "1",
+                   "--stats-every", "1", "--out", str(out)]) == 0
+    (st,) = [r for r in _records(out) if r["type"] == "stats"]
+    assert set(st["layers"]) == {"layers/0/q", "layers/0/up"} and "unmeasured" not in st
+    assert all(0 < st["layers"][n]["wgrad"]["rel_error"] < 1 for n in st["layers"])

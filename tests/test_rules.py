@@ -523,3 +523,111 @@ def test_recommend_returns_rules():
     rules = recommend_high_precision_layers(stats, 0.75, rules=True)
     assert rules == [Rule(r"blocks/up", None), Rule(r"block_0/attn/out", None)]
     assert recommend_high_precision_layers(stats, 0.25) == ["blocks/up[1]"]
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a.reshape(b.shape) - b) / np.linalg.norm(b)
+
+
+def test_layer_stats_of_an_nnx_layer_are_its_own_gemms():
+    """An NNX ``LinearGeneral`` with two output axes under an SR recipe: layer_stats
+    measures its flattened product ``x (B, T, D) @ w (D, H*HD)`` with the keys the model's
+    own call draws: its wgrad/dgrad/fprop errors are those of the gradients and output that
+    a plain call of the quantized model computes (independently, from the same state)."""
+    from fp4jax.diagnostics import layer_stats
+
+    class Two(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.LinearGeneral(D, (H, HD), use_bias=False, rngs=rngs)
+            self.b = nnx.Einsum("bthk,hkd->btd", (H, HD, D), rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(jnp.tanh(self.a(x)))
+
+    x = jax.random.normal(jax.random.key(1), (B, T, D))
+    tgt = jax.random.normal(jax.random.key(2), (B, T, D))
+
+    def loss(out):
+        return jnp.mean(jnp.square(out - tgt))
+
+    sr = fp4jax.recipes.parse("nvfp4(rht=0)")  # SR on dy (keys matter), no RHT: fast
+    assert sr.needs_key
+    q = quantize_model(Two(nnx.Rngs(0)), [Rule("a", sr)], rngs=nnx.Rngs(fp4=3))
+    stats = jax.jit(lambda: layer_stats(q, None, x, loss=loss, unmeasured="raise"))()
+    assert sorted(stats) == ["a"]  # b runs in high precision: not measured
+    graphdef, params, rest = nnx.split(q, nnx.Param, ...)
+
+    @jax.jit
+    def reference(params, rest):
+        def model(params):  # a copy of the model's state: the keys of one call
+            return nnx.merge(graphdef, params, jax.tree.map(lambda a: a, rest))
+
+        dp, dx = jax.grad(lambda p, x_: loss(model(p)(x_)), argnums=(0, 1))(params, x)
+        m = model(params)
+        h = m.a(x)
+        dy = jax.grad(lambda h: loss(m.b(jnp.tanh(h))))(h)
+        return h, dy, dp["a"]["kernel"][...], dx
+
+    h, dy, dw, dx = reference(params, rest)
+    w = np.asarray(params["a"]["kernel"][...]).reshape(D, H * HD)
+    x2, dy2 = np.asarray(x).reshape(-1, D), np.asarray(dy).reshape(-1, H * HD)
+    st = stats["a"]
+    np.testing.assert_allclose(float(st["wgrad"]["rel_error"]),
+                               _rel(dw, (x2.T @ dy2).reshape(D, H, HD)), rtol=1e-4)
+    np.testing.assert_allclose(float(st["dgrad"]["rel_error"]),
+                               _rel(dx, (dy2 @ w.T).reshape(B, T, D)), rtol=1e-4)
+    np.testing.assert_allclose(float(st["fprop"]["rel_error"]),
+                               _rel(h, (x2 @ w).reshape(B, T, H, HD)), rtol=1e-4)
+    assert 0.01 < float(st["wgrad"]["rel_error"]) < 1.0
+    np.testing.assert_allclose(float(st["fprop"]["rhs"]["amax"]), np.abs(w).max(), rtol=1e-6)
+
+
+def test_layer_stats_name_every_quantized_layer_of_foreign_models():
+    """Every quantized layer of the harness's linen (DenseGeneral, nn.Einsum) and NNX
+    (Linear, nnx.Einsum) models measured, by its module path; a scanned stack whose
+    nn.scan does not carry the statistics collections, and a product with a batch
+    dimension on the weight, named as not measured."""
+    from fp4jax.diagnostics import UnmeasuredLayerWarning, layer_stats
+    from tests import harness_models as hm
+
+    rules = [Rule(".*(lm_head|key|value|wo|/(q|k|v|down))", None), Rule(".*", NV_RN)]
+    tokens = _tokens()
+    small = {"d_model": D, "n_layers": 1, "n_heads": H, "d_ff": F}
+
+    def loss(logits):
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    lin = quantize_model(hm.linen_lm(V, T, **small), rules)
+    params = jax.eval_shape(lin.init, jax.random.key(0), tokens)  # shapes only: traced
+    got = jax.eval_shape(lambda p: layer_stats(lin, p, tokens, loss=loss,
+                                               unmeasured="raise"), params)
+    quantized = sorted(p for p, d in report(lin, tokens).layers.items() if d["recipe"])
+    assert sorted(got) == quantized == ["layers_0/out", "layers_0/query", "layers_0/wi"]
+    nm = quantize_model(hm.nnx_lm(V, T, **small, rngs=nnx.Rngs(0)), rules)
+    got = jax.eval_shape(lambda: layer_stats(nm, None, tokens, loss=loss, unmeasured="raise"))
+    quantized = sorted(p for p, d in report(nm, tokens).layers.items() if d["recipe"])
+    assert sorted(got) == quantized == ["layers/0/o", "layers/0/up"]
+
+    class Experts(nn.Module):  # one weight matrix per head: a batched product
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", nn.initializers.lecun_normal(), (H, D, D))
+            return jnp.einsum("bthd,hde->bthe", x, w)
+
+    class Wrap(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return Experts(name="experts")(x)
+
+    xe = jnp.ones((B, T, H, D))
+    qe = quantize_model(Wrap(), [Rule(".*", NV_RN)])
+    pe = jax.eval_shape(qe.init, jax.random.key(0), xe)
+    with pytest.warns(UnmeasuredLayerWarning, match=r"not measured: experts: not an x"):
+        assert jax.eval_shape(lambda p: layer_stats(qe, p, xe, loss=jnp.sum), pe) == {}
+    scanned = quantize_model(LM(scan=True), [Rule("blocks/attn/query", NV_RN)])
+    ps = jax.eval_shape(scanned.init, jax.random.key(0), tokens)
+    with pytest.raises(ValueError, match=r"blocks/attn/query: inside a linen transform.*"
+                                         r"variable_axes"):
+        jax.eval_shape(lambda p: layer_stats(scanned, p, tokens, loss=loss,
+                                             unmeasured="raise"), ps)

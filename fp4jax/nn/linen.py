@@ -54,6 +54,9 @@ from fp4jax.diagnostics import (  # noqa: F401 (re-exported: the statistics coll
     PERTURB_COLLECTION,
     STATS_COLLECTION,
     gemm_stats,
+    is_dense_product,
+    note_unmeasured,
+    probing,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -142,6 +145,26 @@ class DotGeneral(nn.Module):
             "layer_key} to Module.apply, with one fixed layer_key per run (e.g. "
             "jax.random.fold_in(seed_key, 2**31 - 2)).")
 
+    @nn.nowrap
+    def _note_unmeasured(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any
+                         ) -> None:
+        """Tells ``layer_stats`` (its shapes pass) that this product cannot be measured,
+        if so: not ``x (..., K) @ w (K, N)``, or inside a linen transform (``nn.scan``)
+        whose ``variable_axes`` do not carry the statistics collections."""
+        path = tuple(self.path)
+        if path and path[-1].startswith("DotGeneral_"):
+            path = path[:-1]
+        name = "/".join(path)
+        if not is_dense_product(lhs, rhs, dimension_numbers):
+            note_unmeasured(name, f"not an x (..., K) @ w (K, N) product "
+                            f"({tuple(jnp.shape(lhs))} x {tuple(jnp.shape(rhs))}, dimension "
+                            f"numbers {dimension_numbers})")
+        elif not self.is_mutable_collection(PERTURB_COLLECTION):
+            note_unmeasured(name, "inside a linen transform (nn.scan, nn.vmap) whose "
+                            f"variable_axes do not carry the collections {PERTURB_COLLECTION!r}"
+                            f", {COTANGENT_COLLECTION!r} and {STATS_COLLECTION!r}: list them "
+                            "with axis 0 to measure each scanned layer")
+
     def __call__(
         self,
         lhs: jax.Array,
@@ -159,7 +182,11 @@ class DotGeneral(nn.Module):
         key, rht_key = self._key(), self._rht_key()
         y = fp4_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                             out_sharding, recipe=self.recipe, key=key, rht_key=rht_key)
-        if self.is_initializing() or not _is_dense(lhs, rhs, dimension_numbers):
+        if self.is_initializing():
+            return y
+        if probing() == "shapes":  # layer_stats: say which products it cannot measure
+            self._note_unmeasured(lhs, rhs, dimension_numbers)
+        if not is_dense_product(lhs, rhs, dimension_numbers):
             return y
         if (self.has_variable(PERTURB_COLLECTION, "y")
                 or self.is_mutable_collection(PERTURB_COLLECTION)):
@@ -170,16 +197,6 @@ class DotGeneral(nn.Module):
             self.sow(STATS_COLLECTION, "stats", gemm_stats(
                 lhs, rhs, dy, recipe=_recipe(self.recipe), key=key, rht_key=rht_key))
         return y
-
-
-def _is_dense(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any) -> bool:
-    """Whether ``dot_general(lhs, rhs, dimension_numbers)`` is ``lhs (..., K) @ rhs (K, N)``."""
-    try:
-        (lc, rc), (lb, rb) = dimension_numbers
-        return (jnp.ndim(rhs) == 2 and tuple(lc) == (jnp.ndim(lhs) - 1,) and tuple(rc) == (0,)
-                and not tuple(lb) and not tuple(rb))
-    except (TypeError, ValueError):
-        return False
 
 
 class Dense(nn.Module):

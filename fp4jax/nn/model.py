@@ -89,6 +89,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from fp4jax.diagnostics import observe_product
 from fp4jax.nn import linen as fnn
 from fp4jax.nn import nnx as fnnx
 from fp4jax.nn.rules import Rule, as_rules, einsum_dimension_numbers, layer_key, match_rule
@@ -420,9 +421,12 @@ class _ScopeDot:
                  out_sharding=None):
         key = self._draw(self.recipe.needs_key, self.stream)
         rht_key = self._draw(self.recipe.needs_layer_key, self.layer_stream)
-        return fnn.fp4_dot_general(lhs, rhs, dims, precision, preferred_element_type,
-                                   out_sharding, recipe=self.recipe, key=key,
-                                   rht_key=rht_key)
+        y = fnn.fp4_dot_general(lhs, rhs, dims, precision, preferred_element_type,
+                                out_sharding, recipe=self.recipe, key=key, rht_key=rht_key)
+        if self.module.is_initializing():
+            return y
+        return observe_product(self, "/".join(str(p) for p in self.module.path), lhs, rhs,
+                               dims, y, recipe=self.recipe, key=key, rht_key=rht_key)
 
 
 # ---------------------------------------------------------------------------
@@ -586,7 +590,7 @@ def _make_nnx_dot(recipe: Recipe, path: str, session: _Session, keys: dict[str, 
         rngs = nnx.Rngs(**{session.rng_collection: per_layer(keys["key"])})
     rht = per_layer(keys["layer"]) if recipe.needs_layer_key else None
     return fnnx.DotGeneral(recipe, rngs=rngs, rng_stream=session.rng_collection,
-                           rht_key=rht)
+                           rht_key=rht, layer_path=path)
 
 
 def _quantize_nnx(model: nnx.Module, session: _Session, rngs: Any) -> nnx.Module:

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fp4jax.diagnostics import observe_product
 from fp4jax.nn.linen import DEFAULT_RNG_STREAM, _needs_key, _needs_layer_key, fp4_dot_general
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,6 +52,9 @@ class DotGeneral(nnx.Module):
       rht_key: the layer's constant RHT key for ``hadamard_signs="layer"`` recipes (a
         ``jax.random`` key, or an array of them for a stack of layers); default: drawn once
         from ``rngs``' ``params`` stream. Ignored by other recipes.
+      layer_path: the name ``fp4jax.diagnostics.layer_stats`` gives the layer (default:
+        the path of the module holding this one, e.g. ``"blocks/0/q"`` for
+        ``blocks[0].q.dot_general``; ``fp4jax.nn.quantize_model`` sets its rules' path).
     """
 
     def __init__(
@@ -60,8 +64,10 @@ class DotGeneral(nnx.Module):
         rngs: nnx.Rngs | None = None,
         rng_stream: str = DEFAULT_RNG_STREAM,
         rht_key: jax.Array | None = None,
+        layer_path: str | None = None,
     ) -> None:
         self.recipe = recipe
+        self.layer_path = layer_path
         self.rng_stream = rng_stream
         if _needs_key(recipe):
             if rngs is None:
@@ -107,8 +113,12 @@ class DotGeneral(nnx.Module):
         key = self.rng() if self.rng is not None else None
         rht_key = (None if self.rht_key is None
                    else jax.random.wrap_key_data(self.rht_key[...]))
-        return fp4_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                               out_sharding, recipe=self.recipe, key=key, rht_key=rht_key)
+        y = fp4_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                            out_sharding, recipe=self.recipe, key=key, rht_key=rht_key)
+        # fp4jax.diagnostics.layer_stats: this product's operands and keys (y unchanged
+        # outside it)
+        return observe_product(self, self.layer_path, lhs, rhs, dimension_numbers, y,
+                               recipe=self.recipe, key=key, rht_key=rht_key)
 
 
 class Linear(nnx.Linear):

@@ -423,10 +423,6 @@ def validate_model(cfg: TrainConfig) -> None:
         if cfg.attention not in ("xla", "auto"):
             raise ConfigError("attention", f"sets the built-in Llama's attention; --model "
                               f"{cfg.model} builds its own: leave it out")
-        if cfg.stats_every:
-            raise ConfigError("stats_every", "per-layer statistics of a --model model are not "
-                              "supported yet (fp4jax.diagnostics.layer_stats names the "
-                              "built-in Llama's layers only): leave --stats-every out")
     for field in ("model_args", "rules"):
         v = getattr(cfg, field)
         if v is not None and cfg.model is None:
@@ -543,10 +539,6 @@ def validate_precision(cfg: TrainConfig) -> None:
                         policy_layer_name(n, mc)
                     except ValueError as e:
                         raise ConfigError("bf16_layers", f"{e}{where}") from None
-            if names is None and cfg.model is not None:
-                raise ConfigError("bf16_layers", f"{bl}: chosen by per-layer statistics, "
-                                  "which a --model model does not have yet: name the layers "
-                                  f"(their paths, as in --rules){where}")
             if bl == AUTO and cfg.bf16_warmup > cfg.steps:
                 raise ConfigError("bf16_warmup", f"the FP4 warm-up of --bf16-layers auto "
                                   f"({cfg.bf16_warmup} steps) is longer than the run "

@@ -7,6 +7,7 @@ gradient-to-noise ratio (``--grad-noise-every``), each by its own jitted functio
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,6 +18,12 @@ import numpy as np
 from fp4jax import diagnostics
 from fp4jax.train import processes
 from fp4jax.train.runlog import RunLog
+
+
+def _layer_of(name: str) -> str:
+    """A measurement's layer path: its name without the scan index (``"[3]"``) and the call
+    suffix (``"#2"``)."""
+    return re.sub(r"(\[\d+\])+$", "", name.split("#", 1)[0])
 
 
 class Evaluation:
@@ -68,7 +75,12 @@ class Evaluation:
         layers = {name: diagnostics.flatten_stats(st[name])
                   for name in sorted(st, key=self.layer_order)}
         dt = time.perf_counter() - t0
-        self.log.write({"type": "stats", "step": s, "wall_s": dt, "layers": layers})
+        rec: dict[str, Any] = {"type": "stats", "step": s, "wall_s": dt, "layers": layers}
+        measured = {_layer_of(n) for n in st}
+        missing = [n for n in self.fp4_names if n not in measured]
+        if missing:  # quantized layers layer_stats could not measure (it warned why)
+            rec["unmeasured"] = missing
+        self.log.write(rec)
         self.log.pause(dt)
 
     def noise(self, s: int, params: Any, batch: jax.Array, step: jax.Array,
@@ -80,8 +92,9 @@ class Evaluation:
         r = diagnostics.flatten_noise(jax.device_get(self.noise_fns[switched](
             params, batch, self.key, step)))
         # beside the global ratio (the paper's, over every parameter): the FP4 layers'
-        r["fp4_layers"] = diagnostics.combine_noise([r["layers"][n] for n in self.fp4_names
-                                                     if n in r["layers"]])
+        fp4 = set(self.fp4_names)
+        r["fp4_layers"] = diagnostics.combine_noise([e for n, e in r["layers"].items()
+                                                     if n in fp4 or _layer_of(n) in fp4])
         dt = time.perf_counter() - t0
         self.log.write({"type": "grad_noise", "step": s, "wall_s": dt, **r})
         self.log.pause(dt)

@@ -174,7 +174,7 @@ def build_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe, ds: Any) -
     vocab = model_vocab_size(ds, cfg.vocab_size)
     rcfg = rcfg.replace(vocab_size=vocab)
     if cfg.model is not None:
-        return foreign_models(cfg, rcfg, recipe, vocab)
+        return foreign_models(cfg, rcfg, recipe, vocab, train, ds)
     return llama_models(cfg, rcfg, recipe, model_config(cfg).replace(vocab_size=vocab),
                         train, ds)
 
@@ -260,7 +260,7 @@ def measurement_steps(fns: dict, rm: RunModels, mesh: Mesh) -> tuple[dict | None
                                       for k, m in rm.models.items()})
              if rcfg.stats_every else None)
     noise = (fns.setdefault("noise", {k: make_grad_noise_step(
-        m, rm.hp_backward(k), mesh, rm.name_fn, rm.flat_kernels)
+        m, rm.hp_backward(k), mesh, rm.name_fn, rm.flat_kernels, rm.scan_axes)
         for k, m in rm.models.items()})
         if rcfg.grad_noise_every else None)
     return stats, noise

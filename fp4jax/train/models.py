@@ -64,9 +64,12 @@ class RunModels:
       gemm_fraction: ``gemm_fraction(steps, switch_step)``: the fraction of the linear
         layers' GEMM work in high precision (``precision.bf16_gemm_fraction``).
       flat_kernels: the gradient-to-noise ratio takes each kernel as one layer
-        (``steps.flat_kernels``: a foreign model, with no scanned stacks known).
+        (``steps.flat_kernels``: a foreign model whose scanned stacks are not known).
       layers: what the model's linear layers run, ``{path: recipe spec or None}`` (a
         foreign model; written as the run's ``"precision"`` record), or None.
+      scan_axes: ``scan_axes(path, shape) -> n`` for ``diagnostics.gradient_noise``: how
+        many leading axes of a kernel stack scanned layers (a foreign model:
+        ``fp4jax.nn.report(...).scan_axes``), or None.
     """
 
     models: dict[bool, Any]
@@ -82,6 +85,7 @@ class RunModels:
     gemm_fraction: Callable[[int, int], float | None]
     flat_kernels: bool = False
     layers: dict[str, str | None] | None = None
+    scan_axes: Callable[[tuple[str, ...], tuple[int, ...]], int] | None = None
 
 
 def llama_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe, mc: LlamaConfig,
@@ -559,10 +563,11 @@ def rules_gemm_fraction(shapes: dict[str, tuple[int, ...]], recipes: dict[bool, 
     return fraction
 
 
-def _say_report(model: Any, x0: jax.Array, name: str) -> None:
-    """Says on stderr what ``fp4jax.nn.report`` finds wrong with the rules on ``model``: rules
-    that matched no layer, products it could not cover (the table of every layer is the
-    run's ``"precision"`` record). NNX: traced on an abstract build."""
+def _say_report(model: Any, x0: jax.Array, name: str, say: bool = True) -> Any:
+    """``fp4jax.nn.report`` of ``model`` (None if it fails), and (``say``) what it finds
+    wrong with the rules on stderr: rules that matched no layer, products it could not
+    cover (the table of every layer is the run's ``"precision"`` record). NNX: traced on an
+    abstract build."""
     import sys
 
     import fp4jax.nn
@@ -583,8 +588,10 @@ def _say_report(model: Any, x0: jax.Array, name: str) -> None:
     except Exception as e:  # noqa: BLE001 - a report is advice: the run goes on
         print(f"fp4jax-train: --model {name}: fp4jax.nn.report failed ({type(e).__name__}: "
               f"{e}); training goes on", file=sys.stderr, flush=True)
-        return
+        return None
     r = found["r"]
+    if not say:
+        return r
     for i, rule in getattr(r, "unused_rules", []):
         if rule.pattern not in (HIGH_PRECISION_NAMES, ".*"):
             print(f"fp4jax-train: --model {name}: rule [{i}] {rule.pattern!r} -> {rule.spec} "
@@ -592,16 +599,22 @@ def _say_report(model: Any, x0: jax.Array, name: str) -> None:
     for u in getattr(r, "uncovered", []):
         print(f"fp4jax-train: --model {name}: a product not covered by the rules: {u}",
               file=sys.stderr, flush=True)
+    return r
 
 
-def _flat_name(path: tuple[str, ...], index: tuple[int, ...]) -> str:
-    return "/".join(path)
+def path_name(path: tuple[str, ...], index: tuple[int, ...]) -> str:
+    """A foreign model's layer name in the measurements: its module path, ``"[i]"`` per
+    scan axis (``"blocks/query[3]"``; the rules match the path without it)."""
+    return "/".join(path) + "".join(f"[{i}]" for i in index)
 
 
 def foreign_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
-                   vocab_size: int) -> RunModels:
+                   vocab_size: int, train: Callable[..., dict] | None = None,
+                   dataset: Any = None) -> RunModels:
     """The model of ``--model MODULE:FACTORY`` (``FACTORY_PROTOCOL``) under the run's rules
     (``--rules`` then ``default_rules``), before and after its precision switch.
+    ``--bf16-layers`` is resolved here (``auto``: an FP4 warm-up with ``train`` on
+    ``dataset``, its per-layer statistics recommending high-precision rules).
 
     Raises:
       ValueError: see ``load_factory``, ``read_rules``, ``default_rules``; the factory
@@ -639,6 +652,13 @@ def foreign_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
     layers = list(shapes)
     n_params = sum(int(math.prod(x.shape)) for x in jax.tree.leaves(shapes_tree))
     rules = read_rules(cfg.rules) if cfg.rules else []
+    blocks = find_blocks(layers)
+    bf16 = precision.resolve_bf16_layers(cfg, rcfg, recipe, None, train, dataset,
+                                         layers=layers, n_blocks=blocks[1] if blocks else 0)
+    if bf16 is not None:  # rcfg names them, its BF16 blocks explicit (as llama_models)
+        rcfg = rcfg.replace(last_bf16=(last_bf16_blocks(rcfg, blocks[1]) if blocks
+                                       else max(rcfg.last_bf16, 0)),
+                            bf16_layers=",".join(bf16["layers"]) or None)
     defaults, notes = default_rules(recipe, layers, rcfg)
     rules = rules + defaults
     sw_rules = switched_rules(rules, rcfg.switch)
@@ -650,8 +670,7 @@ def foreign_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
                         if quantizes(rs) else None)
 
     models = {False: make(rules), True: make(sw_rules)}
-    if quantizes(rules):
-        _say_report(models[False], x0, cfg.model)
+    rep = _say_report(models[False], x0, cfg.model) if quantizes(rules) else None
     hp_rules = {k: switched_rules(r, "bwd") for k, r in ((False, rules), (True, sw_rules))}
     recipes = {False: layer_recipes(rules, layers), True: layer_recipes(sw_rules, layers)}
     summary = describe_rules(recipes[False], recipe)
@@ -659,12 +678,12 @@ def foreign_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
         summary += "; " + "; ".join(notes)
     return RunModels(
         models=models, recipes={False: recipe, True: switched_recipe(recipe, rcfg.switch)},
-        rcfg=rcfg, bf16=({"layers": explicit_bf16_layers(rcfg.bf16_layers),
-                          "source": "--bf16-layers"} if rcfg.bf16_layers else None),
+        rcfg=rcfg, bf16=bf16,
         describe=f"{n_params / 1e6:.2f}M params ({cfg.model}, {kind})", summary=summary,
         hp_backward=lambda k: make(hp_rules[k]),
         fp4_names=[n for n, r in recipes[False].items() if r is not None and r.quantized],
-        name_fn=_flat_name, order=str,
-        gemm_fraction=rules_gemm_fraction(shapes, recipes), flat_kernels=True,
+        name_fn=path_name, order=str,
+        gemm_fraction=rules_gemm_fraction(shapes, recipes), flat_kernels=rep is None,
         layers={n: None if r is None else fp4jax.recipes.spec(r)
-                for n, r in recipes[False].items()})
+                for n, r in recipes[False].items()},
+        scan_axes=rep.scan_axes if rep is not None else None)

@@ -72,6 +72,38 @@ def choose_from_records(records: list[dict], budget: float, mc: LlamaConfig,
                                 for n in sorted(mean, key=layer_order)}}
 
 
+def choose_rules_from_records(records: list[dict], budget: float, layers: list[str],
+                              source: str) -> dict[str, Any]:
+    """``choose_from_records`` for a model given by ``--model`` (its linear layers'
+    module paths ``layers``): the recommendation as precision rules
+    (``recommend_high_precision_layers(..., rules=True)``: one high-precision rule per module
+    path, a scanned stack's blocks sharing theirs), the record's ``"layers"`` the paths of
+    ``layers`` they match and ``"rules"`` their patterns.
+
+    Raises:
+      ValueError: no records, or a recommended rule that matches none of ``layers`` (stats
+        of another model).
+    """
+    if not records:
+        raise ValueError(f"--bf16-layers: {source} holds no per-layer stats record (train "
+                         "it with --stats-every N)")
+    mean = diagnostics.mean_layer_stats(records)
+    rules = diagnostics.recommend_high_precision_layers(mean, budget, rules=True)
+    names: list[str] = []
+    for r in rules:
+        hit = [n for n in layers if r.matches(n)]
+        if not hit:
+            raise ValueError(f"--bf16-layers: {source} recommends {r.pattern!r}, which is not a "
+                             f"linear layer of this model (stats of another model?); its "
+                             f"layers: {', '.join(layers)}")
+        names += [n for n in hit if n not in names]
+    used = [r["step"] for r in records if r["step"] > 0] or [r["step"] for r in records]
+    return {"layers": [n for n in layers if n in names], "source": source, "budget": budget,
+            "rules": [r.pattern for r in rules], "measured_layers": len(mean),
+            "stats_steps": used,
+            "wgrad_rel_error": {n: mean[n]["wgrad"]["rel_error"] for n in sorted(mean)}}
+
+
 def read_stats_source(path: str | os.PathLike, flag: str) -> list[dict]:
     """The ``"stats"`` records of ``path`` (a run directory or its ``metrics.jsonl``:
     ``diagnostics.read_stats``), each checked to be ``{"step": int, "layers": {layer: {gemm:
@@ -154,25 +186,33 @@ def _write_record(out: Path, rec: dict) -> None:
 
 
 def warmup_config(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
-                  mc: LlamaConfig) -> TrainConfig:
+                  mc: LlamaConfig | int) -> TrainConfig:
     """The config of the FP4 warm-up of ``--bf16-layers auto``: the run's recipe, data, seed,
     schedule and BF16 blocks, no BF16 layers and no switch, stopped after ``bf16_warmup``
     steps, measuring every layer ``max(1, bf16_warmup // 4)`` steps, into
-    ``OUT/bf16_warmup/`` (a run there is moved aside)."""
+    ``OUT/bf16_warmup/`` (a run there is moved aside). ``mc``: the Llama's config, or the
+    number of blocks of a ``--model`` model (0: not recognized)."""
     w = cfg.bf16_warmup
+    n_blocks = mc if isinstance(mc, int) else mc.n_layers
+    last = (last_bf16_blocks(rcfg, n_blocks) if n_blocks or isinstance(mc, LlamaConfig)
+            else max(rcfg.last_bf16, 0))
     return rcfg.replace(
         recipe=fp4jax.recipes.spec(recipe), bf16_layers=None,
-        last_bf16=last_bf16_blocks(rcfg, mc.n_layers), switch_at=None, grad_noise_every=0,
+        last_bf16=last, switch_at=None, grad_noise_every=0,
         stats_every=max(1, w // 4), stop_at=w, eval_every=0, checkpoint_every=0,
         keep_checkpoints=1, out=str(Path(cfg.out) / WARMUP_DIR), resume=False,
         overwrite=True, compare=None, resume_override=None)
 
 
-def resolve_bf16_layers(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe, mc: LlamaConfig,
-                        train: Callable[..., dict], dataset: Any = None) -> dict | None:
+def resolve_bf16_layers(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
+                        mc: LlamaConfig | None, train: Callable[..., dict], dataset: Any = None,
+                        *, layers: list[str] | None = None, n_blocks: int = 0) -> dict | None:
     """The BF16 layer set of the run ``cfg`` (``rcfg``: with its spec's run-level keys
     applied; ``recipe``: its parsed recipe), as a record ``{"layers": [names], "source":
-    ..., ...}``, or None without ``--bf16-layers``.
+    ..., ...}``, or None without ``--bf16-layers``. The built-in Llama: ``mc`` its config;
+    a ``--model`` model: ``mc`` None, ``layers`` its linear layers' module paths and
+    ``n_blocks`` its blocks (0: not recognized); ``auto`` then recommends precision rules
+    (``choose_rules_from_records``), the record's ``"layers"`` the paths they match.
 
     Explicit names are taken as given. ``auto``/``auto:PATH`` (see the module docstring) is
     measured once: a fresh run measures and writes ``OUT/bf16_layers.json``; a resumed run
@@ -189,6 +229,8 @@ def resolve_bf16_layers(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe, mc:
     out = Path(cfg.out)
     names = explicit_bf16_layers(value)
     if names is not None:
+        if mc is None:  # a --model's paths: checked by its rules (default_rules)
+            return {"layers": list(dict.fromkeys(names)), "source": "--bf16-layers"}
         for n in names:
             policy_layer_name(n, mc)  # checked by TrainConfig already; raises if not
         return {"layers": sorted(dict.fromkeys(names), key=layer_order),
@@ -204,7 +246,7 @@ def resolve_bf16_layers(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe, mc:
         return rec
     if value == AUTO:
         claim_out(cfg)  # --overwrite moves an earlier run aside before the warm-up writes
-        wcfg = warmup_config(cfg, rcfg, recipe, mc)
+        wcfg = warmup_config(cfg, rcfg, recipe, n_blocks if mc is None else mc)
         _note(f"--bf16-layers auto: {wcfg.stop_at} FP4 warm-up steps (stats every "
               f"{wcfg.stats_every}) into {wcfg.out}")
         train(wcfg, dataset)
@@ -220,7 +262,8 @@ def resolve_bf16_layers(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe, mc:
         records = read_stats_source(path, f"--bf16-layers {value}")
         source = str(path)
         claim_out(cfg)  # after reading: PATH may be inside the run moved aside
-    rec = choose_from_records(records, rcfg.bf16_budget, mc, source)
+    rec = (choose_from_records(records, rcfg.bf16_budget, mc, source) if mc is not None
+           else choose_rules_from_records(records, rcfg.bf16_budget, layers or [], source))
     _write_record(out, rec)
     _note(f"--bf16-layers {value}: {len(rec['layers'])} of {rec['measured_layers']} "
           f"measured layers in BF16 (budget {rcfg.bf16_budget}): "
