@@ -631,3 +631,24 @@ def test_layer_stats_name_every_quantized_layer_of_foreign_models():
                                          r"variable_axes"):
         jax.eval_shape(lambda p: layer_stats(scanned, p, tokens, loss=loss,
                                              unmeasured="raise"), ps)
+
+    class Body(nn.Module):
+        @nn.compact
+        def __call__(self, c, _):
+            return c + nn.DenseGeneral((H, D // H), name="q")(c).reshape(c.shape), None
+
+    class Carried(nn.Module):  # the nn.scan carries the statistics collections
+        @nn.compact
+        def __call__(self, x):
+            from fp4jax import diagnostics as Dg
+            axes = {"params": 0, Dg.PERTURB_COLLECTION: 0, Dg.COTANGENT_COLLECTION: 0,
+                    Dg.STATS_COLLECTION: 0}
+            return nn.scan(Body, variable_axes=axes, split_rngs={"params": True},
+                           length=3)(name="blocks")(x, None)[0]
+
+    qc = quantize_model(Carried(), [Rule(".*", NV_RN)])
+    xc = jnp.ones((B, T, D))
+    pc = jax.eval_shape(qc.init, jax.random.key(0), xc)
+    assert sorted(jax.eval_shape(lambda p: layer_stats(qc, p, xc, loss=jnp.sum,
+                                                       unmeasured="raise"), pc)) == [
+        "blocks/q[0]", "blocks/q[1]", "blocks/q[2]"]
