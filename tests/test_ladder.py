@@ -166,6 +166,36 @@ def test_driver_picks_the_sweeps_lr_and_skips_finished_runs(L, tmp_path, capsys)
     assert R._toy_argv(argv, R.TOY)[argv.index("--preset") + 1] == "micro"
 
 
+def test_call_files_come_back_as_two_archives(L, tmp_path):
+    """A device call returns at most 8 files, two folders down: the runs and the corpus
+    travel as ``runs.tar.gz`` and ``corpus.tar.gz`` (members ``runs/<name>/...``), without
+    checkpoints or lock files, and unpack into the results layout."""
+    import tarfile
+
+    R = L["run"]
+    run = tmp_path / "work" / "runs" / "ladder" / "mini" / "bf16" / "seed0"
+    (run / "checkpoints" / "8").mkdir(parents=True)
+    (run / "checkpoints" / "8" / "state").write_text("big")
+    for f in ("result.json", "metrics.jsonl", ".fp4jax-lock"):
+        (run / f).write_text(f)
+    log = run.parent / "seed0.log"
+    log.write_text("log")
+    box, out = tmp_path / "box", tmp_path / "out"
+    out.mkdir()
+    R.copy_back(run, box / "runs" / "ladder" / "mini" / "bf16" / "seed0", log)
+    (box / "corpus").mkdir()
+    (box / "corpus" / "manifest.json").write_text("{}")
+    made = R.pack_out(box, out)
+    assert sorted(p.name for p in out.iterdir()) == ["corpus.tar.gz", "runs.tar.gz"] == \
+        sorted(p.name for p in made)
+    with tarfile.open(out / "runs.tar.gz") as t:
+        assert sorted(t.getnames()) == [f"runs/ladder/mini/bf16/seed0/{f}" for f in
+                                        ("metrics.jsonl", "result.json", "train.log")]
+        assert t.extractfile("runs/ladder/mini/bf16/seed0/train.log").read() == b"log"
+    with tarfile.open(out / "corpus.tar.gz") as t:
+        assert t.getnames() == ["corpus/manifest.json"]
+
+
 def test_analyze_matches_numpy_and_notices_stale_tables(L, tmp_path):
     A = L["analyze"]
     finals = _tree(L, tmp_path)

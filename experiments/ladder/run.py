@@ -28,11 +28,14 @@ Each call:
    a checkpoint there, and a later call on the same warm machine resumes it. At the limit
    every run still going is stopped (SIGTERM) and reported.
 
-What comes back, under ``--out``: ``runs/<name>/`` (``result.json``, ``metrics.jsonl``,
-``train.log``; no checkpoints), ``driver.json`` (the plan, each run's GPU, start, end,
-process seconds and exit status, the prep times) and ``corpus/`` on the first call. Copy
-``OUT/runs/*`` and ``OUT/driver.json`` (as ``calls/<n>/driver.json``) into
-``experiments/results/ladder/`` and run ``analyze.py``.
+What comes back, directly under ``--out`` (a device call returns at most 8 files, at most
+two folders down): ``runs.tar.gz`` (``runs/<name>/``: ``result.json``, ``metrics.jsonl``,
+``train.log``; no checkpoints; rewritten after every run), ``driver.json`` (the plan, each
+run's GPU, start, end, process seconds, tokens/s and exit status, the prep times) and, on
+the first call, ``corpus.tar.gz`` (``corpus/``: manifest, file list, tokenizer, token
+meta); ``gpu.sh`` adds ``driver.log`` and ``env.log``. Unpack both archives into
+``experiments/results/ladder/``, put ``driver.json``, ``driver.log`` and ``env.log`` in
+``experiments/results/ladder/calls/<n>/``, and run ``analyze.py``.
 """
 
 from __future__ import annotations
@@ -122,13 +125,13 @@ def prepare(work: Path, out: Path, roots: list[Path] | None, committed: Path,
                              "another tokenizers version or corpus")
         say("token shards match the committed SHA-256s")
     else:  # the first call: everything needed to rebuild, to be committed
-        dest = out / "corpus"
+        dest = out / "corpus"  # ``out`` is the call's outbox (packed into OUT/corpus.tar.gz)
         dest.mkdir(parents=True, exist_ok=True)
         for f in ("manifest.json", "files.tsv"):
             shutil.copy2(cdir / f, dest / f)
         shutil.copy2(tdir / "tokenizer.json", dest / "tokenizer.json")
         shutil.copy2(tdir / "meta.json", dest / "tokens_meta.json")
-        say(f"first build: manifest, file list, tokenizer and token meta in {dest} "
+        say("first build: manifest, file list, tokenizer and token meta in corpus.tar.gz "
             "(commit them to experiments/results/ladder/corpus/)")
     return {"tokens": tdir, "corpus_sha256": man["corpus_sha256"], "bpe": bpe,
             "train_tokens": meta["tokens"]["train"], "val_tokens": meta["tokens"]["val"],
@@ -336,12 +339,39 @@ def gpu_ids(n: int | None) -> list[str]:
     return [str(i) for i in range(n)]
 
 
+PACKS = ("runs", "corpus")  # the outbox folders, each sent back as OUT/<name>.tar.gz
+
+
+def pack_out(outbox: Path, out: Path) -> list[Path]:
+    """Each folder of ``outbox`` named in ``PACKS`` as ``out/<name>.tar.gz`` (members
+    ``<name>/...``, sorted, mtime 0): the device call returns at most 8 files, at most 2
+    folders down, so runs and corpus files travel as two archives. Written to a temporary
+    name and renamed: a call cut off mid-way leaves the previous, complete archive."""
+    import tarfile
+
+    made = []
+    for name in PACKS:
+        src = outbox / name
+        if not src.is_dir():
+            continue
+        tmp = out / f".{name}.tar.gz.tmp"
+        with tarfile.open(tmp, "w:gz", format=tarfile.PAX_FORMAT) as tar:
+            for f in sorted(p for p in src.rglob("*") if p.is_file()):
+                info = tar.gettarinfo(str(f), arcname=f.relative_to(outbox).as_posix())
+                info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+                with open(f, "rb") as fh:
+                    tar.addfile(info, fh)
+        os.replace(tmp, out / f"{name}.tar.gz")
+        made.append(out / f"{name}.tar.gz")
+    return made
+
+
 def copy_back(run_dir: Path, dest: Path, log: Path) -> None:
     """A run's files without checkpoints, and its log, into ``dest``."""
     if dest.exists():
         shutil.rmtree(dest)
-    shutil.copytree(run_dir, dest, ignore=shutil.ignore_patterns("checkpoints*", "*.lock",
-                                                                  "*.old-*"))
+    shutil.copytree(run_dir, dest, ignore=shutil.ignore_patterns(
+        "checkpoints*", "*.lock", ".fp4jax-lock", "*.old-*", "*.tmp"))
     if log.is_file():
         shutil.copy2(log, dest / "train.log")
 
@@ -428,10 +458,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.plan_only:
         return 0
     out.mkdir(parents=True, exist_ok=True)
+    outbox = work / "outbox"  # this call's files, packed into OUT/runs.tar.gz, corpus.tar.gz
+    if outbox.exists():
+        shutil.rmtree(outbox)
+    outbox.mkdir(parents=True)
     record: dict = {"argv": sys.argv, "phases": a.phases, "time_limit": a.time_limit,
                     "gpus": gpus, "toy": bool(toy), "runs": []}
     try:
-        prep = prepare(work, out, [Path(r) for r in a.root] if a.root else None,
+        prep = prepare(work, outbox, [Path(r) for r in a.root] if a.root else None,
                        committed / "corpus", a.max_file_bytes, None,
                        a.val_per_10k if a.val_per_10k is not None else (1000 if toy else None))
     except SystemExit as e:
@@ -439,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "driver.json").write_text(json.dumps(record, indent=1))
         raise
     record["prepare"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in prep.items()}
+    pack_out(outbox, out)
     free = list(gpus)
     running: dict[str, tuple] = {}
     pending = list(todo)
@@ -502,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
             st = None
         rec["status"] = st
         if (rdir / "result.json").is_file() or (rdir / "metrics.jsonl").is_file():
-            copy_back(rdir, out / "runs" / name, log)
+            copy_back(rdir, outbox / "runs" / name, log)
+            pack_out(outbox, out)
         say(f"end {name}: {st or 'no result'} (exit {proc.returncode}, "
             f"{rec['process_s']:.0f} s)")
         save_record()
@@ -558,8 +594,8 @@ def main(argv: list[str] | None = None) -> int:
         record["wall_s"] = round(time.perf_counter() - t_start, 1)
         save_record()
     done = [x for x in record["runs"] if x.get("status") == "finished"]
-    say(f"{len(done)} run(s) finished in this call, {record['wall_s']:.0f} s; "
-        f"results in {out / 'runs'}")
+    say(f"{len(done)} run(s) finished in this call, {record['wall_s']:.0f} s; results in "
+        + ", ".join(str(p) for p in pack_out(outbox, out)))
     return 0
 
 
