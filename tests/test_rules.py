@@ -652,3 +652,29 @@ def test_layer_stats_name_every_quantized_layer_of_foreign_models():
     assert sorted(jax.eval_shape(lambda p: layer_stats(qc, p, xc, loss=jnp.sum,
                                                        unmeasured="raise"), pc)) == [
         "blocks/q[0]", "blocks/q[1]", "blocks/q[2]"]
+
+
+def test_nnx_report_counts_a_parameter_free_blocks_products_as_activations():
+    """The attention scores of an NNX block that holds layers but no parameter of its own
+    (``tests/harness_models.NnxBlock``) are activation products, not uncovered ones; a
+    product on a submodule's parameter is uncovered."""
+    from tests import harness_models as hm
+
+    tokens = _tokens()
+    m = quantize_model(hm.nnx_lm(V, T, d_model=D, n_layers=2, n_heads=H, d_ff=F,
+                                 rngs=nnx.Rngs(0)), [Rule(".*", None)])
+    rep = report(m, tokens)
+    assert not rep.uncovered and len(rep.layers) == 2 * 6 + 1
+    q, p = (B, T, H, D // H), (B, H, T, T)  # queries/keys/values; attention weights
+    assert sorted(rep.activation_products) == [
+        f"layers/{i}: einsum {a} x {b}" for i in range(2) for a, b in ((p, q), (q, q))]
+
+    class Reach(nnx.Module):  # uses its child's kernel itself: not the module's own
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(D, D, rngs=rngs)
+
+        def __call__(self, x):
+            return jnp.einsum("btd,de->bte", x, self.lin.kernel[...])
+
+    rep = report(quantize_model(Reach(nnx.Rngs(0)), [Rule(".*", None)]), jnp.ones((B, T, D)))
+    assert len(rep.uncovered) == 1 and "a submodule's parameter" in rep.uncovered[0]

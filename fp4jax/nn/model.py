@@ -287,6 +287,22 @@ def _own_params(frame: _Frame) -> list[Any]:
     return out
 
 
+def _subtree_params(frame: _Frame) -> list[Any]:
+    """The parameter arrays of the module's submodules (for ``report`` only: a product
+    on one of them is not covered, since only a module's own parameters are weights)."""
+    if frame.kind == "linen":
+        try:
+            params = frame.module.variables.get("params", {})
+        except Exception:  # noqa: BLE001 (unbound)
+            return []
+        return [nn.meta.unbox(v) for v in jax.tree.leaves(
+            params, is_leaf=lambda v: isinstance(v, nn.meta.AxisMetadata))
+            if not hasattr(v, "items")]
+    if not isinstance(frame.module, nnx.Module):
+        return []
+    return [v[...] for _, v in nnx.iter_graph(frame.module) if isinstance(v, nnx.Param)]
+
+
 def _is_param(x: Any, params: Sequence[Any]) -> bool:
     shape = jnp.shape(x)
     for p in params:
@@ -310,7 +326,13 @@ def _product(frame: _Frame, op: str, orig: Callable[[], Any], lhs: Any, rhs: Any
     roles = [_is_param(lhs, params), _is_param(rhs, params)] if params else [False, False]
     if not any(roles):
         if rec is not None:
-            rec.activation.append(f"{frame.path or '/'}: {op} {_shapes(lhs, rhs)}")
+            sub = _subtree_params(frame)
+            if sub and (_is_param(lhs, sub) or _is_param(rhs, sub)):
+                rec.uncovered.append(f"{frame.path or '/'}: {op} {_shapes(lhs, rhs)} (an "
+                                     "operand looks like a submodule's parameter, not the "
+                                     "module's own)")
+            else:
+                rec.activation.append(f"{frame.path or '/'}: {op} {_shapes(lhs, rhs)}")
         return _seen(orig)
     if all(roles) or why is not None:
         if rec is not None:
@@ -603,6 +625,11 @@ def _quantize_nnx(model: nnx.Module, session: _Session, rngs: Any) -> nnx.Module
             continue
         covered = isinstance(node, _NNX_COVERED)
         if not covered and not _nnx_own_params(node):
+            # a parameter-free module (a block holding layers, an attention): its own
+            # products (attention scores) run under the hooks in its own frame, so
+            # report counts them as activation products rather than unseen ones
+            if any("__call__" in vars(c) for c in type(node).__mro__[:-1]):
+                _intercept_nnx(node, name, session)
             continue
         idx = session.rule_index(name)
         recipe = session.rules[idx].recipe if idx is not None else None
