@@ -53,7 +53,9 @@ def _flags(kw: dict) -> list[str]:
 def _launch(tmp: Path, kw: dict, n: int = 2) -> list[subprocess.Popen]:
     """Starts ``n`` processes of ``fp4jax-train`` with two CPU devices each."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+           "XLA_FLAGS": " ".join([f for f in os.environ.get("XLA_FLAGS", "").split()
+                                  if "device_count" not in f]
+                                 + ["--xla_force_host_platform_device_count=2"])}
     port = _port()
     procs = []
     for i in range(n):
