@@ -678,3 +678,49 @@ def test_nnx_report_counts_a_parameter_free_blocks_products_as_activations():
 
     rep = report(quantize_model(Reach(nnx.Rngs(0)), [Rule(".*", None)]), jnp.ones((B, T, D)))
     assert len(rep.uncovered) == 1 and "a submodule's parameter" in rep.uncovered[0]
+
+
+def test_quantize_model_under_data_parallel_equals_one_device(mesh):
+    """A foreign linen model (DenseGeneral, nn.Einsum) under quantize_model and nvfp4 (SR,
+    RHT), its batch split over 4 devices in ``jax.shard_map`` with
+    ``fp4jax.sharding.data_parallel``: the logits are the single-device bits; the loss and
+    the gradients (pmean of the devices' own) agree up to float32 summation order (each
+    device sums its rows, then the mean over devices; the wgrad contractions are split
+    over tokens as ``fp4jax.sharding`` documents), so to 1e-6 relative."""
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    from fp4jax import sharding
+    from tests import harness_models as hm
+
+    T16 = 16  # one example of 16 tokens per device: nvfp4's 16-row blocks and RHT
+    model = quantize_model(hm.linen_lm(V, T16, d_model=D, n_layers=1, n_heads=H, d_ff=F),
+                           [Rule("lm_head", None), Rule(".*", NV)])
+    batch = jax.random.randint(jax.random.key(4), (4, T16 + 1), 0, V)
+    params = jax.jit(model.init)(jax.random.key(0), batch[:, :-1])
+    rngs = {"fp4": jax.random.key(5)}
+
+    def loss(p, b):
+        logits = model.apply(p, b[:, :-1], rngs=rngs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b[:, 1:]).mean(), logits
+
+    grad = jax.value_and_grad(loss, has_aux=True)
+    (l1, y1), g1 = jax.jit(grad)(params, batch)
+
+    def local(p, b):
+        with sharding.data_parallel("data"):
+            (lo, y), g = grad(p, b)
+        return jax.lax.pmean(lo, "data"), y, jax.lax.pmean(g, "data")
+
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")),
+                              out_specs=(P(), P("data"), P()), check_vma=False))
+    l2, y2, g2 = f(params, batch)
+    np.testing.assert_array_equal(np.asarray(y2), np.asarray(y1))
+    np.testing.assert_allclose(float(l2), float(l1), rtol=1e-6)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g2), jax.tree.leaves(g1),
+                            strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.abs(a - b).max() <= 1e-6 * np.abs(b).max(), jax.tree_util.keystr(path)
+    plain = hm.linen_lm(V, T16, d_model=D, n_layers=1, n_heads=H, d_ff=F)
+    y0 = jax.jit(plain.apply)(params, batch[:, :-1])
+    assert _differs(y0, y1)  # the quantized model: FP4 bits, not the model's own
