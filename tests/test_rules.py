@@ -724,3 +724,38 @@ def test_quantize_model_under_data_parallel_equals_one_device(mesh):
     plain = hm.linen_lm(V, T16, d_model=D, n_layers=1, n_heads=H, d_ff=F)
     y0 = jax.jit(plain.apply)(params, batch[:, :-1])
     assert _differs(y0, y1)  # the quantized model: FP4 bits, not the model's own
+
+
+def test_scanned_stack_shares_one_path_and_a_split_stack_selects_first_and_last():
+    """``nn.scan``: every block of the stack is one module path (a rule naming a block
+    index matches nothing); the documented way to keep the first and last blocks in high
+    precision: unroll them around a scan of the middle blocks."""
+
+    class Split(nn.Module):
+        n_blocks: int = 4
+
+        @nn.compact
+        def __call__(self, tokens):
+            x = nn.Embed(V, D, name="embed")(tokens)
+            x, _ = Block(name="blocks_first")(x)
+            mid = nn.scan(Block, variable_axes={"params": 0},
+                          split_rngs={"params": True, "fp4": True}, length=self.n_blocks - 2)
+            x, _ = mid(name="blocks")(x, None)
+            x, _ = Block(name="blocks_last")(x)
+            return nn.Dense(V, name="lm_head")(x)
+
+    tokens = _tokens()
+    rep = report(quantize_model(LM(scan=True), [Rule(r"blocks_0/.*", None),
+                                                Rule(r"blocks/.*", "nvfp4")]), tokens)
+    assert [i for i, _ in rep.unused_rules] == [0]
+    assert all(d["recipe"] == "nvfp4" for p, d in rep.layers.items() if p != "lm_head")
+    rules = [Rule(r"lm_head|blocks_(first|last)/.*", None), Rule(r".*", "nvfp4")]
+    rep = report(quantize_model(Split(), rules), tokens)
+    hp = sorted(p for p, d in rep.layers.items() if d["recipe"] is None)
+    assert hp == sorted(["lm_head"] + [f"blocks_{b}/{n}" for b in ("first", "last")
+                                       for n in LAYERS])
+    assert sorted(p for p, d in rep.layers.items() if d["recipe"]) == sorted(
+        f"blocks/{n}" for n in LAYERS)
+    kernel = jax.eval_shape(Split().init, jax.random.key(0), tokens)["params"]["blocks"]
+    assert kernel["down"]["kernel"].shape == (2, F, D)  # the middle: one (n - 2)-stack
+    assert rep.scan_axes(("blocks", "down"), (2, F, D)) == 1
