@@ -119,6 +119,20 @@ def _tar_bytes(docs: list[tuple[str, bytes]]) -> bytes:
     return buf.getvalue()
 
 
+def default_roots() -> list[Path]:
+    """The running interpreter's ``site.getsitepackages()`` that exist (an image may list
+    folders it does not have, e.g. ``/opt/torch/.venv/local/lib/python3.12/dist-packages``),
+    each once by its real path, in the listed order."""
+
+    seen, roots = set(), []
+    for r in site.getsitepackages():
+        path = Path(r)
+        if path.is_dir() and path.resolve() not in seen:
+            seen.add(path.resolve())
+            roots.append(path)
+    return roots
+
+
 def build(roots: list[Path], out: Path, max_file_bytes: int = MAX_FILE_BYTES,
           val_per_10k: int = VAL_PER_10K, workers: int | None = None) -> dict:
     """Builds the corpus of ``roots`` into ``out`` (see the module docstring); returns the
@@ -208,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--expect-sha256", default=None,
                    help="exit 1 unless the corpus SHA-256 is this (a rebuild's check)")
     a = p.parse_args(argv)
-    roots = [Path(r) for r in (a.root or site.getsitepackages())]
+    roots = [Path(r) for r in a.root] if a.root else default_roots()
     m = build(roots, Path(a.out), a.max_file_bytes, a.val_per_10k, a.workers)
     print(json.dumps({k: m[k] for k in ("corpus_sha256", "counts", "bytes", "seconds")}))
     if a.expect_sha256 and m["corpus_sha256"] != a.expect_sha256:

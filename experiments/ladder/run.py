@@ -89,9 +89,7 @@ def prepare(work: Path, out: Path, roots: list[Path] | None, committed: Path,
     if want is not None and roots is None:
         kw = {"max_file_bytes": want["settings"]["max_file_bytes"],
               "val_per_10k": want["settings"]["val_per_10k"]}
-    import site
-
-    man = build_corpus.build(roots or [Path(r) for r in site.getsitepackages()], cdir, **kw)
+    man = build_corpus.build(roots or build_corpus.default_roots(), cdir, **kw)
     t_corpus = time.perf_counter() - t0
     say(f"corpus {man['corpus_sha256'][:16]}: {man['counts']['kept']} files, train "
         f"{man['bytes']['train'] / 1e6:.1f} MB, val {man['bytes']['val'] / 1e6:.2f} MB, "
