@@ -22,7 +22,8 @@ Each call:
    process per GPU (``CUDA_VISIBLE_DEVICES``), into ``WORK/runs/<name>``; each run is
    started only if its estimate (measured tokens/s and overheads of finished runs, else
    ``spec.RATES`` and ``spec.COMPILE_S``) fits before the time limit (sweeps first, then
-   size by size in ``spec.SIZES`` order, the longest run first); a ladder run waits for
+   size by size in ``spec.SIZES`` order, the main rows before the extra rows, seed by seed,
+   the longest run first); a ladder run waits for
    its size's LR sweep (the LR of the lowest final validation loss). With ``--split`` a
    run too long for what is left starts anyway with ``--stop-at`` (the steps that fit) and
    a checkpoint there, and a later call on the same warm machine resumes it. At the limit
@@ -63,6 +64,8 @@ import spec as S  # noqa: E402
 RESULTS = ROOT / "experiments" / "results" / "ladder"
 COMMITTED_CORPUS = RESULTS / "corpus"
 MARGIN_S = 20.0  # kept free before the limit: copying results, stopping
+# the rows run at every size (BF16, NVFP4, MXFP4): queued before the middle size's extras
+MAIN_SPECS = frozenset(spec for _, spec, _, sizes in S.ROWS if len(sizes) == len(S.SIZES))
 
 
 def say(msg: str) -> None:
@@ -554,9 +557,14 @@ def main(argv: list[str] | None = None) -> int:
             while free and pending:
                 ready = [r for r in pending if r["lr"] is not None]
                 fits = [r for r in ready if est(r) <= left]
-                if fits:  # sweeps first (they unlock a size), then size by size, longest first
+                if fits:  # sweeps first (they unlock a size), then size by size: the main
+                    # rows (BF16, NVFP4, MXFP4 at every size) before the middle size's extra
+                    # rows, seed by seed (a call cut short still leaves paired seeds), the
+                    # longest run first within a seed
                     r = min(fits, key=lambda x: (x["phase"] != "sweep",
-                                                 list(S.SIZES).index(x["size"]), -est(x)))
+                                                 list(S.SIZES).index(x["size"]),
+                                                 x["spec"] not in MAIN_SPECS, x["seed"] or 0,
+                                                 -est(x)))
                     pending.remove(r)
                     launch(r, free.pop(0), None)
                     continue
