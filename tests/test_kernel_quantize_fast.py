@@ -99,7 +99,12 @@ def test_batched_scalars_equal_one_operand_at_a_time():
     enc, dec = cm.global_scales(None, amax)
     batched = np.asarray(cm.scalars(enc, dec, signs)).view(np.uint32)
     batched_no_signs = np.asarray(cm.scalars(enc, dec)).view(np.uint32)
-    assert batched.shape == (amax.size, cm.N_SC + 16)
+    # kernel_scalars, then the RHT sign slots (32: room for MX's RHT-32); 16 signs are
+    # padded with ones
+    assert batched.shape == (amax.size, cm.SC_WIDTH) and cm.SC_WIDTH == cm.N_SC + 32
+    assert (batched[:, cm.N_SC + 16:] == np.float32(1).view(np.uint32)).all()
+    np.testing.assert_array_equal(batched[:, cm.N_SC:cm.N_SC + 16],
+                                  np.asarray(signs).view(np.uint32))
     for i in range(amax.size):
         e, d = cm.global_scales(None, amax[i])
         assert np.asarray(e).view(np.uint32) == np.asarray(enc[i]).view(np.uint32)
