@@ -34,6 +34,7 @@ from pallas_kernels.quantize import common_sm90 as cm  # noqa: E402
 from pallas_kernels.quantize import operand_sm90 as fq  # noqa: E402
 from tests import reference as ref  # noqa: E402
 from tests.interpret import InterpretGPUParams, needs_interpret  # noqa: E402
+from tests.kernel_inputs import mismatches, wild_input  # noqa: E402
 
 IP = InterpretGPUParams() if InterpretGPUParams is not None else None
 SIGNS = np.asarray(default_signs(16), np.float32)
@@ -43,25 +44,8 @@ def _bits(a):
     return np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32)).view(np.uint32)
 
 
-def _same(got, want):
-    """Bit-equal bf16 arrays, any NaN equal to any NaN; returns the number of mismatches."""
-    g = np.asarray(jnp.asarray(got, jnp.float32))
-    w = np.asarray(jnp.asarray(want, jnp.float32))
-    ok = (g.view(np.uint32) == w.view(np.uint32)) | (np.isnan(g) & np.isnan(w))
-    return int((~ok).sum())
-
-
 def _data(shape, seed):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal(shape) * np.exp(rng.uniform(-6, 6, (shape[0], 1)))
-    x[0, :16] = 0.0
-    x[1, :16] = -0.0
-    x[2, 5] = np.nan
-    x[3, 40] = np.inf
-    x[5, 70] = -np.inf
-    x[6, 3] = 1e-30
-    x[7, :] *= 1e4
-    return jnp.asarray(x.astype(np.float32)).astype(jnp.bfloat16)
+    return wild_input(shape, seed, block=16)
 
 
 def _np_scaled(codes, sbits, scale_repeat):
@@ -125,15 +109,15 @@ def test_rows_kernel_matches_xla_and_numpy(sr):
     key = jax.random.key(3) if sr else None
     got, dec = fq.fq_rows(x, key, interpret=IP)
     want, wdec = _xla_scaled(x, -1, key=key)
-    assert _same(got, want) == 0 and float(dec) == float(wdec)
+    assert mismatches(got, want) == 0 and float(dec) == float(wdec)
     if sr:  # the random bits really matter: round-to-nearest differs
-        assert _same(got, _xla_scaled(x, -1)[0]) > 1000
+        assert mismatches(got, _xla_scaled(x, -1)[0]) > 1000
         other, _ = fq.fq_rows(x, jax.random.key(4), interpret=IP)
-        assert _same(got, other) > 1000
+        assert mismatches(got, other) > 1000
     else:
         codes, sb, _ = npref.quantize_nvfp4_1x16(np.asarray(x, np.float32))
         want_np = _np_scaled(codes, sb, lambda s: np.repeat(s, 16, -1))
-        assert _same(got, want_np.astype(np.float32)) == 0
+        assert mismatches(got, want_np.astype(np.float32)) == 0
 
 
 @needs_interpret
@@ -144,16 +128,16 @@ def test_cols_kernel_matches_xla_and_numpy(sr, rht):
     key = jax.random.key(5) if sr else None
     got, dec = fq.fq_cols(x, key, signs=jnp.asarray(SIGNS) if rht else None, interpret=IP)
     want, wdec = _xla_scaled(x, 0, key=key, rht=rht)
-    assert _same(got, want) == 0 and float(dec) == float(wdec)
+    assert mismatches(got, want) == 0 and float(dec) == float(wdec)
     if sr:
-        assert _same(got, _xla_scaled(x, 0, rht=rht)[0]) > 1000
+        assert mismatches(got, _xla_scaled(x, 0, rht=rht)[0]) > 1000
     else:
         xt = np.asarray(x, np.float32).T  # (C, R): blocks along the original rows
         if rht:
             xt = ref.ref_fwht_f32(xt.reshape(-1, 16) * SIGNS, 16).reshape(xt.shape)
         codes, sb, _ = npref.quantize_nvfp4_1x16(xt)
         want_np = _np_scaled(codes, sb, lambda s: np.repeat(s, 16, -1)).T
-        assert _same(got, want_np.astype(np.float32)) == 0
+        assert mismatches(got, want_np.astype(np.float32)) == 0
 
 
 @needs_interpret
@@ -166,10 +150,10 @@ def test_sr_kernels_with_the_gpu_tiling_match_xla():
     enc, dec = cm.global_scales(x)
     got = fq.fq_rows_scaled(x, cm.scalars(enc, dec), cm.key_words(key), sr=True, g=64, rq=2,
                             interpret=IP)
-    assert _same(got, _xla_scaled(x, -1, key=key)[0]) == 0
+    assert mismatches(got, _xla_scaled(x, -1, key=key)[0]) == 0
     x = _data((16, 2048), 7)
     got, _ = fq.fq_cols(x, key, signs=jnp.asarray(SIGNS), interpret=IP, g=64)
-    assert _same(got, _xla_scaled(x, 0, key=key, rht=True)[0]) == 0
+    assert mismatches(got, _xla_scaled(x, 0, key=key, rht=True)[0]) == 0
     with pytest.raises(ValueError, match="tiling"):
         fq.fq_rows_scaled(x, cm.scalars(enc, dec), cm.key_words(key), sr=True, g=48,
                           interpret=IP)
@@ -184,7 +168,7 @@ def test_sr_rows_compact_tiles_match_xla():
     enc, dec = cm.global_scales(x)
     got = fq.fq_rows_scaled(x, cm.scalars(enc, dec), cm.key_words(key), sr=True, g=64, rq=2,
                             compact=True, interpret=IP)
-    assert _same(got, _xla_scaled(x, -1, key=key)[0]) == 0
+    assert mismatches(got, _xla_scaled(x, -1, key=key)[0]) == 0
 
 
 @needs_interpret
@@ -199,7 +183,7 @@ def test_sr_rows_flat_quads_match_xla(c, rq):
     enc, dec = cm.global_scales(x)
     got = fq.fq_rows_scaled(x, cm.scalars(enc, dec), cm.key_words(key), sr=True, rq=rq,
                             flat=True, interpret=IP)
-    assert _same(got, _xla_scaled(x, -1, key=key)[0]) == 0
+    assert mismatches(got, _xla_scaled(x, -1, key=key)[0]) == 0
 
 
 def test_flat_quads_widths():
@@ -225,9 +209,9 @@ def test_narrow_cols_kernels_with_the_gpu_tiling_match_xla(c, g):
     x = _data((32, c), 8)
     got, dec = fq.fq_cols(x, key, signs=jnp.asarray(SIGNS), interpret=IP, g=g)
     want, wdec = _xla_scaled(x, 0, key=key, rht=True)
-    assert _same(got, want) == 0 and float(dec) == float(wdec)
+    assert mismatches(got, want) == 0 and float(dec) == float(wdec)
     got, _ = fq.fq_cols(x, interpret=IP, g=g)
-    assert _same(got, _xla_scaled(x, 0)[0]) == 0
+    assert mismatches(got, _xla_scaled(x, 0)[0]) == 0
     plain, rot = fq.cols_amaxes(x, jnp.asarray(SIGNS), interpret=IP, g=g)
     r = np.asarray(random_hadamard_transform(x, axis=0, size=16, signs=SIGNS))
     xa = np.asarray(x, np.float32)
@@ -274,10 +258,10 @@ def test_2d_kernel_matches_xla_and_numpy():
     x = _data((32, 1024), 2)
     got, dec = fq.fq_2d(x, interpret=IP)
     want, wdec = _xla_scaled(x, -1, block_2d=True)
-    assert _same(got, want) == 0 and float(dec) == float(wdec)
+    assert mismatches(got, want) == 0 and float(dec) == float(wdec)
     codes, sb, _ = npref.quantize_nvfp4_16x16(np.asarray(x, np.float32))
     want_np = _np_scaled(codes, sb, lambda s: np.repeat(np.repeat(s, 16, 0), 16, 1))
-    assert _same(got, want_np.astype(np.float32)) == 0
+    assert mismatches(got, want_np.astype(np.float32)) == 0
 
 
 def _data_f32(shape, seed):
@@ -303,12 +287,12 @@ def test_2d_kernel_float32_input_matches_xla_and_numpy():
     got, dec = fq.fq_2d(x, interpret=IP)
     assert got.dtype == jnp.bfloat16 and got.shape == x.shape
     want, wdec = _xla_scaled(x, -1, block_2d=True)
-    assert _same(got, want) == 0 and float(dec) == float(wdec)
+    assert mismatches(got, want) == 0 and float(dec) == float(wdec)
     codes, sb, _ = npref.quantize_nvfp4_16x16(np.asarray(x, np.float32))
     want_np = _np_scaled(codes, sb, lambda s: np.repeat(np.repeat(s, 16, 0), 16, 1))
-    assert _same(got, want_np.astype(np.float32)) == 0
+    assert mismatches(got, want_np.astype(np.float32)) == 0
     # and not what quantizing the bf16-rounded weight gives (the test can tell them apart)
-    assert _same(got, _xla_scaled(x.astype(jnp.bfloat16), -1, block_2d=True)[0]) > 0
+    assert mismatches(got, _xla_scaled(x.astype(jnp.bfloat16), -1, block_2d=True)[0]) > 0
 
 
 def test_supported_shapes():

@@ -34,32 +34,14 @@ from pallas_kernels import dispatch  # noqa: E402
 from pallas_kernels.quantize import common_sm90 as cm  # noqa: E402
 from pallas_kernels.quantize import operand_sm90 as fq  # noqa: E402
 from tests.interpret import InterpretGPUParams, needs_interpret  # noqa: E402
+from tests.kernel_inputs import mismatches, wild_input  # noqa: E402
 
 IP = InterpretGPUParams() if InterpretGPUParams is not None else None
 SIGNS32 = jnp.asarray(default_signs(32))
 
 
-def _same(got, want) -> int:
-    """Mismatching elements of two arrays read as float32 bits (any NaN equals any NaN)."""
-    g = np.asarray(jnp.asarray(got, jnp.float32))
-    w = np.asarray(jnp.asarray(want, jnp.float32))
-    ok = (g.view(np.uint32) == w.view(np.uint32)) | (np.isnan(g) & np.isnan(w))
-    return int((~ok).sum())
-
-
 def _data(shape, seed):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal(shape) * np.exp(rng.uniform(-6, 6, (shape[0], 1)))
-    x[0, :32] = 0.0
-    x[1, :32] = -0.0
-    x[2, 5] = np.nan
-    x[3, 40] = np.inf
-    x[5, 70] = -np.inf
-    x[6, 3] = 1e-30
-    x[7, :] *= 1e4
-    x[8, :] = 3e38 * np.sign(x[8, :])  # MX scale 2**126: 4 * 2**126 saturates to bf16 max
-    x[9, :] *= 1e-36
-    return jnp.asarray(x.astype(np.float32)).astype(jnp.bfloat16)
+    return wild_input(shape, seed, block=32, mx_extremes=True)
 
 
 def _xla(x, fmt, axis, key=None, rht=False):
@@ -84,7 +66,7 @@ def test_e8m0_round_up_is_two_to_the_ceil_log2():
         want = np.clip(np.exp2(np.ceil(np.log2(np.where(f > 0, f, 2.0**-200)))), 2.0**-126,
                        2.0**127)
     want = np.where(np.isnan(f), np.nan, want)
-    assert _same(got, want.astype(np.float32)) == 0
+    assert mismatches(got, want.astype(np.float32)) == 0
 
 
 def test_is_mx_names_the_two_mxfp4_formats():
@@ -103,9 +85,9 @@ def test_mx_rows_kernel_matches_xla(fmt, sr):
     key = jax.random.key(3) if sr else None
     got = fq.fq_rows_scaled(x, cm.scalars(1.0, 1.0), cm.key_words(key), sr=sr,
                             interpret=IP, fmt=fmt)
-    assert _same(got, _xla(x, fmt, -1, key)) == 0
+    assert mismatches(got, _xla(x, fmt, -1, key)) == 0
     if sr:  # the draws matter: round-to-nearest differs
-        assert _same(got, _xla(x, fmt, -1)) > 200
+        assert mismatches(got, _xla(x, fmt, -1)) > 200
 
 
 def _dot_fwd_bwd(recipe="mxfp4"):
