@@ -531,7 +531,7 @@ def check_packed_2d(ctx: Ctx) -> None:
        "bitwise vs that product rounded once to bf16")
 def check_gemm_alpha(ctx: Ctx) -> None:
     if ctx.gpu_only("gemm_alpha", "gemm_alpha has no interpret mode (warp-specialized); "
-                    "tests/test_kernel_gemm.py lowers it for CUDA"):
+                    "tests/kernels/test_gemm_alpha.py lowers it for CUDA"):
         return
     alpha = jnp.float32(3.7e-3)
     cases = []
@@ -554,7 +554,7 @@ def check_gemm_alpha(ctx: Ctx) -> None:
        "(E4M3-subnormal scales), a NaN row in x")
 def check_w4a16(ctx: Ctx) -> None:
     if ctx.gpu_only("w4a16", "the W4A16 kernel cannot run in interpret mode (register-level "
-                    "inline_mgpu); tests/test_kernel_w4a16.py lowers it for CUDA"):
+                    "inline_mgpu); tests/kernels/test_w4a16.py lowers it for CUDA"):
         return
 
     def xla(x, q):

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, fx, fk, variants, bpe in groups:
         want = jax.jit(fx)(x)
         # codes of NaN/Inf blocks are unspecified in the packed format (the NaN scale
-        # carries the NaN; tests/test_kernel_quantize_fast.py): compare finite inputs there
+        # carries the NaN; tests/kernels/test_quantize_fast.py): compare finite inputs there
         ins = [jnp.where(jnp.isfinite(a), a, 1.0) if "packed" in name else a for a in hard]
         wants = [jax.jit(fx)(a) for a in ins]
         res.add("rows", dict(name=f"XLA {name}", us=timed(fx, x)))

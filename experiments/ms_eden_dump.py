@@ -1,5 +1,5 @@
 """fp4jax side of the MS-EDEN comparison (issue 20): runs the protocol of
-``tests/test_quartet2.py::test_ms_eden_is_unbiased_over_random_rotations`` (the same x, the
+``tests/recipes/test_quartet2.py::test_ms_eden_is_unbiased_over_random_rotations`` (the same x, the
 same 4096 keys, the same RHT signs and quantize keys) with ``fp4jax.quantize(...,
 rounding="ms_eden")`` and writes, per key, every intermediate that the Quartet II reference
 (``quartet2_reference.py``, run in a separate torch venv) is compared on:
@@ -42,7 +42,7 @@ H = hadamard_matrix(128).astype(np.float32)
 
 
 def x_of_test() -> jax.Array:
-    """``tests/test_quartet2.py::_x``: a fixed heavy-tailed (2, 256) tensor."""
+    """``tests/recipes/test_quartet2.py::_x``: a fixed heavy-tailed (2, 256) tensor."""
     k1, k2 = jax.random.split(jax.random.key(0))
     return jax.random.normal(k1, (2, D)) * jnp.exp(jax.random.normal(k2, (2, D)))
 

@@ -1,5 +1,5 @@
 """Language models written as a user writes them, with no fp4jax in them, for the harness's
-``--model MODULE:FACTORY`` tests (``tests/test_harness.py``): a linen model with
+``--model MODULE:FACTORY`` tests (``tests/train/test_harness.py``): a linen model with
 ``DenseGeneral`` attention projections and ``nn.Einsum`` MLPs, and an NNX model with
 ``nnx.Linear`` attention and ``nnx.Einsum`` MLPs. Each factory follows the protocol of
 ``fp4jax.train.models.FACTORY_PROTOCOL``: ``factory(vocab_size, seq_len, **kwargs)``

@@ -31,7 +31,7 @@ Numerics. Every product ``(q_a s_a)(q_b s_b)`` is exact in float32 (E2M1 x E4M3 
 have at most 6 significant bits), so the result equals the XLA path's up to the order of
 the float32 accumulation; the alpha product and the final cast are the same operations in
 the same order. On the CPU both paths run XLA's float32 dot over the same values and agree
-bit for bit (``tests/test_blackwell.py``); on a Blackwell GPU cuDNN's accumulation order is
+bit for bit (``tests/kernels/test_blackwell.py``); on a Blackwell GPU cuDNN's accumulation order is
 its own: ``experiments/blackwell_check.py`` measures it. Not run on Blackwell hardware.
 """
 
@@ -138,7 +138,7 @@ def swizzle_scales_128x4(scales: jax.Array) -> jax.Array:
     ``format_scales``, tag ``jax-v0.11.0``: the shared-memory layout
     ``plgpu.async_copy_scales_to_tmem`` reads). Those two pages were not readable here;
     the per-element formula above is tested against a NumPy loop over it
-    (``tests/test_blackwell.py``).
+    (``tests/kernels/test_blackwell.py``).
 
     Args:
       scales: (R, C), any dtype (E4M3 for NVFP4).

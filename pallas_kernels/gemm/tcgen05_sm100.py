@@ -3,7 +3,7 @@ epilogue, Pallas Mosaic GPU (``plgpu.tcgen05_mma(..., a_scale=, b_scale=)``).
 
 UNVERIFIED: this kernel has never run. There is no Blackwell GPU here; what was checked
 is that it traces and lowers to a Mosaic GPU custom call for an sm_100 target on the CPU
-(``tests/test_blackwell.py``: ``jax.export`` for CUDA with Mosaic GPU's target arch set to
+(``tests/kernels/test_blackwell.py``: ``jax.export`` for CUDA with Mosaic GPU's target arch set to
 10.0, which runs Mosaic GPU's Python-side checks of ``tcgen05_mma``: operand and scale
 dtypes, shapes, TMEM layouts, the instruction descriptor). Not checked: PTX generation
 and ptxas for sm_100a, execution, numerics, speed. It is therefore chosen only when

@@ -207,7 +207,7 @@ def recip_table(dec: jax.Array) -> tuple[jax.Array, jax.Array]:
     ``enc <= 2^126`` and ``enc >= 2688/FLT_MAX``, i.e. ``dec`` in [2^-126, 1.3e35 <
     2^117): only tensors with amax below ``2688 * 2^-117`` (~1.6e-32) are unsafe, and
     get the ``recip_rn`` path. Checked exhaustively against IEEE float32 (NumPy) by
-    ``tests/test_kernel_quantize_fast.py`` (all E4M3 scales x thousands of ``dec``,
+    ``tests/kernels/test_quantize_fast.py`` (all E4M3 scales x thousands of ``dec``,
     including both range ends).
     """
     from fp4jax.numerics import div_rn

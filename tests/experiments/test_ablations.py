@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from fp4jax.train.config import split_run_spec
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests import ROOT
 
 
 @pytest.fixture(scope="module")

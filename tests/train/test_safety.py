@@ -2,7 +2,7 @@
 run, verifies what it resumes from, falls back past damaged checkpoints, tolerates a torn
 metrics record, treats a non-finite final state as a divergence, refuses a changed corpus and
 senseless flags, and prunes checkpoints by a documented rule. Micro preset, BF16, on CPU; the
-runs share one optimizer schedule (and so their compiled steps) with tests/test_train.py."""
+runs share one optimizer schedule (and so their compiled steps) with tests/train/test_train.py."""
 
 from __future__ import annotations
 

@@ -9,7 +9,6 @@ import functools
 import importlib.util
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -25,9 +24,9 @@ from fp4jax.models.llama import Llama, layer_name, layer_order
 from fp4jax.nn import linen as fnn
 from fp4jax.train import loop
 from fp4jax.train.config import make_optimizer, make_policy, model_config, run_recipe
+from tests import ROOT
 from tests.textdata import write_text
 
-ROOT = Path(__file__).resolve().parents[1]
 RTN = fp4jax.recipes.nvfp4().replace(sr=False)
 SCAN_AXES = {"params": 0, fnn.PERTURB_COLLECTION: 0, fnn.COTANGENT_COLLECTION: 0,
              fnn.STATS_COLLECTION: 0}

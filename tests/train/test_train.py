@@ -14,6 +14,7 @@ import pytest
 import fp4jax
 from fp4jax import train as T
 from fp4jax.train import loop
+from tests import ROOT
 from tests.textdata import write_text
 
 # One optimizer schedule for every test, so that runs share compiled step functions.
@@ -135,7 +136,7 @@ def test_sharded_four_devices_matches_one(text, tmp_path):
     # (measured 9e-8 relative; quantizing each shard apart, without data_parallel: 1.6e-4).
     # Later steps drift more: each device's weight-gradient partial is rounded to bf16
     # before the sum and Adam's first steps amplify sign flips of tiny gradients.
-    # tests/test_sharding.py checks the GEMMs bit for bit.
+    # tests/dot/test_sharding.py checks the GEMMs bit for bit.
     assert len(jax.devices()) >= 4, "tests/conftest.py should force 4 CPU devices"
     one = T.train(_cfg(text, tmp_path / "one", devices=1, stop_at=5, recipe="nvfp4"))
     four = T.train(_cfg(text, tmp_path / "four", devices=4, stop_at=5, recipe="nvfp4"))
@@ -314,7 +315,7 @@ def test_cli_persistent_compile_cache(tmp_path):
            "--eval-every", "0", "--no-progress", "--out", str(tmp_path / "run"),
            "--compile-cache", str(tmp_path / "xla")]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                       cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert any("jit_step" in p.name for p in (tmp_path / "xla").iterdir())
 
@@ -360,5 +361,5 @@ def test_import_fp4jax_stays_light():
             "assert fp4jax.train.TrainConfig is fp4jax.train.config.TrainConfig; "
             "assert 'optax' in sys.modules")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                       cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]

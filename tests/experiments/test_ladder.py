@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from fp4jax.train.config import split_run_spec
+from tests import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 LADDER = ROOT / "experiments" / "ladder"
 
 

@@ -556,7 +556,7 @@ def test_vmapped_quantized_array_dequantizes_per_example(block_2d):
 def test_tiny_tensor_is_not_zeroed():
     """amax below ~3.2e-35 makes the decode scale subnormal (as TE's), which XLA on the CPU
     would flush to 0; fp4jax multiplies by it exactly (``numerics.mul_decode_scale``), so
-    the tensor survives (TE-identical scales: ``tests/test_te_codes.py``)."""
+    the tensor survives (TE-identical scales: ``tests/core/test_te_codes.py``)."""
     x = jnp.asarray(1e-36 * RNG.standard_normal((4, 32)), jnp.float32)
     d = np.asarray(fp4jax.dequantize(fp4jax.quantize(x)), np.float64)
     xn = np.asarray(x, np.float64)

@@ -28,8 +28,8 @@ from fp4jax import quantized_dot as dot_mod
 from fp4jax import recipes as R
 from pallas_kernels import dispatch
 from tests import reference as ref
-from tests.test_dot import _deq, _manual_grads
-from tests.test_four_over_six import _bits_equal
+from tests.core.test_four_over_six import _bits_equal
+from tests.dot.test_dot import _deq, _manual_grads
 
 F32 = np.float32
 TINY = 2.0**-126

@@ -6,7 +6,7 @@
 * The kernels are lowered for CUDA on this CPU machine (``jax.export`` with
   ``platforms=["cuda"]``), which runs the whole Pallas -> Mosaic GPU lowering and
   catches unsupported ops, layouts and shapes without a GPU.
-* The W4A16 and W4A4 kernels: tests/test_kernel_w4a16.py, tests/test_kernel_w4a4.py.
+* The W4A16 and W4A4 kernels: tests/kernels/test_w4a16.py, tests/kernels/test_w4a4.py.
 Exactness on the GPU itself: experiments/gpu_check.py (results in
 experiments/results/kernels/).
 """

@@ -19,7 +19,7 @@ from fp4jax import recipes as R
 from fp4jax.hadamard import hadamard_matrix
 from pallas_kernels import dispatch
 from tests import reference as ref
-from tests.test_four_over_six import _bits_equal
+from tests.core.test_four_over_six import _bits_equal
 
 F32 = np.float32
 

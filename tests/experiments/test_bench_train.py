@@ -10,11 +10,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import ROOT
+
 EXP = ROOT / "experiments"
 SMALL = ["--iterations", "2", "--batch-size", "4", "--seq-len", "32"]
 

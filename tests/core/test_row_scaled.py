@@ -18,7 +18,7 @@ import fp4jax
 from fp4jax import recipes as R
 from pallas_kernels import dispatch
 from tests import reference as ref
-from tests.test_four_over_six import _bits_equal, ref_four_over_six
+from tests.core.test_four_over_six import _bits_equal, ref_four_over_six
 
 F32 = np.float32
 

@@ -11,17 +11,16 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests import ROOT
 from tests.interpret import needs_interpret
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
-ROOT = Path(__file__).resolve().parent.parent
 EXP = ROOT / "experiments"
 
 

@@ -5,7 +5,7 @@ device's own (``"local"``, Transformer Engine's data-parallel semantics) inside
 * ``"local"`` is its own XLA reference: each device's rows give what ``fp4jax.dot`` gives
   on those rows alone on one device (round-to-nearest recipes: no draws to place), bit for
   bit for y and dx, dw the sum of the per-shard ones;
-* ``"global"`` gives the one-device bits (``tests/test_sharding.py``) and ``"local"``
+* ``"global"`` gives the one-device bits (``tests/dot/test_sharding.py``) and ``"local"``
   differs from it where the shards' amaxes differ;
 * the collectives: ``"local"`` has no amax all-reduce; ``"global"`` one per quantized
   tensor's operands on the kernel path (x: fprop rows + wgrad columns in one all-reduce;

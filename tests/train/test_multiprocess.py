@@ -24,9 +24,9 @@ import pytest
 from fp4jax.train.checkpoint import Checkpointer
 from fp4jax.train.config import TrainConfig
 from fp4jax.train.loop import train
+from tests import ROOT
 from tests.textdata import write_text
 
-ROOT = Path(__file__).resolve().parents[1]
 RUN = dict(preset="micro", recipe="nvfp4", batch_size=8, seq_len=64, eval_batches=1,
            fsdp=2, progress=False)
 

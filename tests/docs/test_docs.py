@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import ROOT
+
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
          ROOT / "pallas_kernels" / "README.md", ROOT / "notebooks" / "README.md",
          ROOT / "experiments" / "README.md", ROOT / "experiments" / "results" / "README.md"]

@@ -21,9 +21,10 @@ from fp4jax import train as T
 from fp4jax.models.llama import block_layer_names, get_preset, policy_layer_name
 from fp4jax.nn.policy import PrecisionPolicy
 from fp4jax.train import precision
+from tests import ROOT
 from tests.textdata import write_text
 
-# tests/test_stats.py's runs: the warm-up compiles the same train and stats steps
+# tests/train/test_stats.py's runs: the warm-up compiles the same train and stats steps
 BASE = dict(preset="micro", steps=5, lr=1e-2, batch_size=8, seq_len=64, eval_every=0,
             eval_batches=1, log_every=1, warmup_steps=1, progress=False, scan_layers=True,
             last_bf16=0)
@@ -149,7 +150,7 @@ def test_grad_noise_is_the_train_steps_sr_noise_and_matches_numpy():
     when the step runs data-parallel on several devices, as the harness's does here;
     another step's draws are ~1.4 ``||eps||`` away), and ``gradient_noise`` of the pair is
     the NumPy computation of ``||g|| / (sigma_q sqrt(d))`` on them, globally and per layer.
-    (The config of tests/test_stats.py's runs: their compiled train step is reused.)"""
+    (The config of tests/train/test_stats.py's runs: their compiled train step is reused.)"""
     import optax
     from jax.sharding import NamedSharding
 
@@ -350,7 +351,7 @@ def test_validation_script_rows_and_report(tmp_path):
     import importlib.util
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     spec = importlib.util.spec_from_file_location("auto_precision",
                                                   root / "experiments/auto_precision.py")
     ap = importlib.util.module_from_spec(spec)
