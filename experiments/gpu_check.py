@@ -101,6 +101,29 @@ DOT_SHAPES = {"interpret": ((16, 1024, 1024),),
               # 16384 x 768 x 256: a small model's GEMM, wgrad operands on narrow strips
               "gpu": ((8192, 8192, 8192), (1000, 4096, 4096), (16384, 768, 256)),
               "full": ((8192, 8192, 8192), (1000, 4096, 4096), (4096, 4096, 4096))}
+# dot_recipes: a small model's k/v projection (the wgrad operands on narrow strips) and a
+# GEMM large enough for gemm_alpha on the quantized GEMMs (M*K*N = alpha_sm90.MIN_MKN)
+DOT_RECIPE_SHAPES = {"interpret": ((16, 256, 256),),
+                     "gpu": ((16384, 768, 256), (4096, 4096, 4096)),
+                     "full": ((16384, 768, 256), (4096, 4096, 4096), (8192, 8192, 8192))}
+
+
+def dot_recipes() -> dict:
+    """The recipes of ``dot_recipes`` (issue 35): the kernel path with unquantized operands.
+    ``switch_fwd`` / ``switch_bwd``: ``fp4jax-train --switch fwd|bwd``'s recipes
+    (``switched_recipe(nvfp4(), ...)``; ``bwd`` is ``nvfp4_fwd_only`` but for its name);
+    ``mxfp8_fwd_nvfp4_bwd``: MXFP8 operands from the XLA quantizer inside the kernel path;
+    ``mixed``: row-scaled x and MXFP8 w in fprop, NVFP4 dgrad, wgrad with dy unquantized
+    (x quantized after the RHT into a float32 GEMM)."""
+    from fp4jax.train import switched_recipe
+
+    r = fp4jax.recipes
+    return {"switch_fwd": switched_recipe(r.nvfp4(), "fwd"),
+            "switch_bwd": switched_recipe(r.nvfp4(), "bwd"),
+            "mxfp8_fwd_nvfp4_bwd": r.mxfp8_fwd_nvfp4_bwd(),
+            "mixed": r.mxfp8_fwd_nvfp4_bwd().replace(
+                name="mixed", **{"wgrad.rhs.fmt": None,
+                                 "fprop.lhs": r.QuantSpec(row_scaled=True)})}
 
 
 @dataclasses.dataclass
@@ -657,6 +680,35 @@ def check_dot(ctx: Ctx) -> None:
             ok = calls[setting] > 0 and not any(st.values())
             return st | {"kernel_calls_in_lowering": calls[setting], "ok": ok}
         ctx.case("dot", f"fwd+bwd {setting} vs off", run, shape=[m, k, n])
+
+
+@check("dot_recipes", "fp4jax.dot forward + backward for recipes with unquantized GEMMs or "
+       "operands the kernels do not implement (the precision switch fwd and bwd, "
+       "mxfp8_fwd_nvfp4_bwd, a mixed one; issue 35): y, loss, dx, dw with the kernels vs "
+       "FP4JAX_KERNELS=off, bit for bit, at 2 shapes; the kernel lowering must contain "
+       "kernel calls")
+def check_dot_recipes(ctx: Ctx) -> None:
+    setting = "interpret" if ctx.interpret else "on"
+    for name, recipe in dot_recipes().items():
+        for i, (m, k, n) in enumerate(DOT_RECIPE_SHAPES[ctx.size]):
+            def run(m=m, k=k, n=n, i=i, recipe=recipe):
+                x, w, ct = lab.dot_problem(m, k, n, seed=ctx.seed + 600 + i)
+                outs, calls = {}, {}
+                for s in ("off", setting):
+                    with lab.kernel_env(s):
+                        f = jax.jit(jax.value_and_grad(
+                            lab.dot_loss(recipe, key=ctx.key, with_y=True), argnums=(0, 1),
+                            has_aux=True))
+                        text = f.lower(x, w, ct).as_text()
+                        calls[s] = text.count("mosaic_gpu") + text.count("callback")
+                        (v, y), (dx, dw) = f(x, w, ct)
+                        outs[s] = (y, v, dx, dw)
+                st = {f"{nm}_mismatch": lab.mismatches(a, b) for nm, a, b in zip(
+                    ("y", "loss", "dx", "dw"), outs["off"], outs[setting], strict=True)}
+                ok = calls[setting] > 0 and calls["off"] == 0 and not any(st.values())
+                return st | {"kernel_calls_in_lowering": calls[setting], "ok": ok}
+            ctx.case("dot_recipes", f"{name} {setting} vs off", run, shape=[m, k, n],
+                     recipe=fp4jax.recipes.spec(recipe))
 
 
 @check("threefry", "jax.random's Threefry lowered as one CUDA kernel per hash "

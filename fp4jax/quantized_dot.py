@@ -217,18 +217,49 @@ def _scale_to_output(s: jax.Array, sub: str, out: str) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------
-# The kernel path: every operand as its bf16 ``data * scale`` (Pallas kernels on sm_90).
+# The kernel path: each quantized operand as its ``data * scale`` (Pallas kernels on sm_90),
+# each unquantized one as the XLA path feeds it.
 # ---------------------------------------------------------------------------
 
 
+def _kernel_spec_reason(q: QuantSpec) -> str | None:
+    """None when the Hopper operand kernels implement the quantized operand spec ``q``,
+    else why not (``dispatch.spec_unsupported_reason``, the one statement of their
+    coverage)."""
+    return dispatch.spec_unsupported_reason(q.fmt, block_scale_rule=q.block_scale_rule,
+                                            row_scaled=q.row_scaled, rounding=q.rounding)
+
+
 def _scaled_path_applies(recipe: Recipe) -> bool:
-    """Whether the kernel path (``DotBackend`` ``"pallas"``) takes the recipe: all six
-    operands quantized with specs the kernels implement (``dispatch.spec_unsupported_reason``:
-    NVFP4 with one tensor scale or MX FP4, round-to-nearest or stochastic rounding; row-scaled and
-    MS-EDEN operands need the XLA path's per-row scales and draws, ``_einsum_scaled``)."""
-    return all(q.quantized and dispatch.spec_unsupported_reason(
-        q.fmt, block_scale_rule="max", row_scaled=q.row_scaled, rounding=q.rounding) is None
-        for g in (recipe.fprop, recipe.dgrad, recipe.wgrad) for q in (g.lhs, g.rhs))
+    """Whether the kernel path (``DotBackend`` ``"pallas"``) takes the recipe: some operand
+    is quantized with a spec the kernels implement (``dispatch.spec_unsupported_reason``:
+    NVFP4 with one tensor scale or MX FP4, the ``"max"`` block scale rule, round-to-nearest
+    or stochastic rounding). The other operands ride along, each as the XLA path makes it:
+    a quantized one with another spec (FP6/FP8, 4over6, row-scaled, MS-EDEN) from the XLA
+    quantizer, an unquantized one (a high-precision GEMM: ``nvfp4_fwd_only``, a precision
+    switch) as the tensor itself, its GEMM on XLA as the XLA path runs it
+    (``_gemm_kernel_path``), so the bits are the XLA path's. A recipe with no such operand
+    (``bf16``, ``mxfp8``, ``quartet2``) runs wholly on the XLA path."""
+    return any(q.quantized and _kernel_spec_reason(q) is None
+               for g in (recipe.fprop, recipe.dgrad, recipe.wgrad) for q in (g.lhs, g.rhs))
+
+
+def _gemm_dtypes(recipe: Recipe, x_dtype: Any, w_dtype: Any, g_dtype: Any) -> dict[str, Any]:
+    """Per GEMM (``"fprop"``, ``"dgrad"``, ``"wgrad"``), the dtype ``_gemm`` computes it in
+    on the XLA path, known before any operand is made: bfloat16 when both operands are exact
+    in it (``_bf16_exact``: a quantized one when its format's ``scaled_bits`` <= 8, an
+    unquantized one when it enters as bfloat16, i.e. its tensor is bfloat16 and the GEMM has
+    no RHT, which computes in float32), else float32. ``x_dtype``, ``w_dtype``, ``g_dtype``:
+    the dtypes of x, w and the cotangent dy as ``_make_dot3`` quantizes them."""
+    tensors = {"fprop": (x_dtype, w_dtype), "dgrad": (g_dtype, w_dtype),
+               "wgrad": (x_dtype, g_dtype)}
+    out = {}
+    for name, g in recipe.gemms.items():
+        exact = [q.fmt.scaled_bits <= 8 if q.quantized
+                 else jnp.dtype(t) == jnp.bfloat16 and not g.hadamard
+                 for q, t in zip((g.lhs, g.rhs), tensors[name], strict=True)]
+        out[name] = jnp.dtype(jnp.bfloat16 if all(exact) else jnp.float32)
+    return out
 
 
 def _kernel_for(x: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: jax.Array):
@@ -243,19 +274,32 @@ def _kernel_for(x: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: jax.
 
 @_scoped("fp4_operands")
 def _scaled_operands(x: jax.Array, ops: tuple, key: jax.Array, kmode: str, shard: Any = None,
-                     local_amax: bool = False) -> list[tuple[jax.Array, jax.Array]]:
-    """Operands made from one tensor ``x``, each ``(scaled_data(Q(x)) in bf16, tensor
-    decode scale)``; ``ops``: ``(gemm_spec, quant_spec, axis, gemm, which)`` per operand.
-    Each comes from a fused kernel when one covers it, else from the XLA path (the same
-    bits either way). A rows operand and an RHT'd cols operand of the same tensor take
-    both tensor amaxes from one read (``cols_amaxes``). ``shard``: as ``_quant``'s."""
+                     local_amax: bool = False, dtypes: dict[str, Any] | None = None
+                     ) -> list[tuple[jax.Array, Any]]:
+    """Operands made from one tensor ``x`` as the kernel path's GEMMs take them; ``ops``:
+    ``(gemm_spec, quant_spec, axis, gemm, which)`` per operand; ``dtypes``: per GEMM name
+    the dtype it computes in (``_gemm_dtypes``; default bfloat16 for all).
+
+    A quantized operand is ``(scaled_data(Q(x)) in its GEMM's dtype, tensor decode scale)``:
+    from a fused kernel when one covers it (its spec, shape and dtype; the kernels write
+    bfloat16, so an operand of a float32 GEMM is never theirs), else from the XLA path (the
+    same bits either way). An unquantized operand is ``(x, None)``: ``x`` itself (rotated
+    when its GEMM has an RHT), exactly the XLA path's operand. A rows operand and an RHT'd
+    cols operand of the same tensor take both tensor amaxes from one read
+    (``cols_amaxes``). ``shard``: as ``_quant``'s."""
+    def dtype(op):
+        return jnp.dtype(jnp.bfloat16) if dtypes is None else dtypes[op[3]]
+
     def xla(x, key, op):
         g, spec, axis, gemm, which = op
         q = _quant(_rht(x, g, axis, key, gemm), spec, axis, _subkey(key, gemm, which),
                    shard=shard, group=g.hadamard, local_amax=local_amax)
-        return qz.scaled_data(q, jnp.bfloat16), q.global_scale
+        if not spec.quantized:
+            return q, None
+        return qz.scaled_data(q, dtype(op)), q.global_scale
 
-    kinds = [_kernel_for(x, op[0], op[1], op[2], key) for op in ops]
+    kinds = [_kernel_for(x, op[0], op[1], op[2], key)
+             if op[1].quantized and dtype(op) == jnp.bfloat16 else None for op in ops]
     out: list = [None] * len(ops)
     for i, (op, kind) in enumerate(zip(ops, kinds, strict=True)):
         if kind is None:
@@ -299,19 +343,33 @@ _GEMM_LAYOUTS = {"bmk,bkn->bmn": (False, False),  # fprop: x @ w
 
 
 def _gemm_kernel_path(subscripts: str, av: jax.Array, bv: jax.Array, sa: Any, sb: Any,
-                      out_dtype: Any, kmode: str, gemm: str) -> jax.Array:
-    """One GEMM of the kernel path: ``(sa * sb * einsum(av, bv)).astype(out_dtype)``, on
-    the dispatcher's scaled GEMM kernel where it takes it (``dispatch.scaled_gemm``:
-    unbatched bf16 operands, both tensor scales), else ``_einsum_scaled`` (XLA, the XLA
-    path's bits)."""
+                      out_dtype: Any, kmode: str, gemm: str, precision: Any = None
+                      ) -> jax.Array:
+    """One GEMM of the kernel path on ``_scaled_operands``' operands, ``(value, decode
+    scale)`` each (scale None: unquantized), computing what ``_gemm(...).astype(out_dtype)``
+    computes on the XLA path's operands.
+
+    Both operands bfloat16 ``data * scale`` with one tensor scale each: the dispatcher's
+    scaled GEMM kernel where it takes it (``dispatch.scaled_gemm``: unbatched, ``alpha =
+    sa * sb`` in its epilogue; equal up to float32 accumulation order). Otherwise (an
+    unquantized operand, a float32 GEMM, per-row scales, or a shape the kernel does not
+    tile) the XLA path's own GEMM: both values in bfloat16 when both are bfloat16, else
+    float32 (the casts ``_gemm`` makes: a quantized value is already in its GEMM's dtype,
+    ``_gemm_dtypes``), ``Precision.HIGHEST`` when an operand is quantized and ``precision``
+    otherwise, then ``_einsum_scaled``: the XLA path's bits."""
     trans_a, trans_b = _GEMM_LAYOUTS[subscripts]
-    if av.shape[0] == 1 and sa is not None and sb is not None:
+    bf16 = av.dtype == jnp.bfloat16 and bv.dtype == jnp.bfloat16
+    if (av.shape[0] == 1 and bf16 and sa is not None and sb is not None
+            and jnp.ndim(sa) == 0 and jnp.ndim(sb) == 0):
         y = dispatch.scaled_gemm(av[0], bv[0], sa * sb, trans_a=trans_a, trans_b=trans_b,
                                  out_dtype=out_dtype, mode=kmode, gemm=gemm)
         if y is not None:
             return y[None]
-    return _einsum_scaled(subscripts, av, bv, sa, sb,
-                          jax.lax.Precision.HIGHEST).astype(out_dtype)
+    compute = jnp.bfloat16 if bf16 else jnp.float32
+    if sa is not None or sb is not None:
+        precision = jax.lax.Precision.HIGHEST
+    return _einsum_scaled(subscripts, av.astype(compute), bv.astype(compute), sa, sb,
+                          precision).astype(out_dtype)
 
 
 OPERAND_AXES = {("fprop", "lhs"): 2, ("fprop", "rhs"): 1, ("dgrad", "lhs"): 2,
@@ -355,14 +413,16 @@ def reference_operand(t: jax.Array, recipe: Recipe, gemm: str, which: str, key: 
 
 
 def _operands(t: jax.Array, ops: tuple, key: jax.Array, backend: dispatch.DotBackend,
-              shard: Any = None, local_amax: bool = False) -> list:
+              shard: Any = None, local_amax: bool = False,
+              dtypes: dict[str, Any] | None = None) -> list:
     """The GEMM operands ``ops`` made from one tensor ``t``, as ``backend`` consumes them:
-    on the kernel path ``(scaled_data in bf16, tensor decode scale)`` pairs
-    (``_scaled_operands``), otherwise the reference's ``QuantizedArray`` (or ``t`` itself
-    where the spec is unquantized). ``shard``: ``t`` is a token-row shard (x and dy);
+    on the kernel path ``(scaled_data, tensor decode scale)`` pairs, ``(t, None)`` where the
+    spec is unquantized (``_scaled_operands``; ``dtypes``: each GEMM's dtype,
+    ``_gemm_dtypes``), otherwise the reference's ``QuantizedArray`` (or ``t`` itself where
+    the spec is unquantized). ``shard``: ``t`` is a token-row shard (x and dy);
     ``local_amax``: its operands take the shard's own amax (``Recipe.amax_scope``)."""
     if backend.kmode != "off":
-        return _scaled_operands(t, ops, key, backend.kmode, shard, local_amax)
+        return _scaled_operands(t, ops, key, backend.kmode, shard, local_amax, dtypes)
     return [_quant(_rht(t, g, axis, key, gemm), spec, axis, _subkey(key, gemm, which),
                    backend.packed_quantize, shard, g.hadamard, local_amax)
             for g, spec, axis, gemm, which in ops]
@@ -374,7 +434,7 @@ def _run_gemm(subscripts: str, a: Any, b: Any, out_dtype: Any, precision: Any,
     if backend.kmode != "off":
         (av, sa), (bv, sb) = a, b
         return _gemm_kernel_path(subscripts, av, bv, sa, sb, out_dtype, backend.kmode,
-                                 backend.gemm)
+                                 backend.gemm, precision)
     return _gemm_out(subscripts, a, b, precision, out_dtype, backend.native)
 
 
@@ -389,17 +449,21 @@ def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, p
     Residuals: the dgrad-ready weight (the fprop one itself when the two specs are equal
     and 2D-scaled, or both unquantized, with no RHT) and the wgrad-ready activation, in the
     backend's operand form (the XLA path: FP4 ``QuantizedArray``; the kernel path: bf16
-    ``data * scale``, as many bytes as the bf16 baseline's ``x`` and ``w``)."""
+    ``data * scale``, as many bytes as the bf16 baseline's ``x`` and ``w``; an unquantized
+    operand is the tensor itself on both)."""
     fp, dg = recipe.fprop, recipe.dgrad
     ops = _operand_specs(recipe)
+    g_dtype = jnp.dtype(jnp.bfloat16 if jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.float32)
+    dtypes = _gemm_dtypes(recipe, lhs_dtype, rhs_dtype, g_dtype)  # the kernel path's
     reuse_w = dg.rhs == fp.rhs and (not fp.rhs.quantized or fp.rhs.block_2d) and not (
-        fp.hadamard or dg.hadamard)
+        fp.hadamard or dg.hadamard) and (backend.kmode == "off"
+                                         or dtypes["fprop"] == dtypes["dgrad"])
     local = recipe.amax_scope == "local"
 
     def forward(x, w, key, with_res=False):
         xo = _operands(x, (ops["x_fprop"], ops["x_wgrad"]) if with_res else (ops["x_fprop"],),
-                       key, backend, shard, local)
-        wq, = _operands(w, (ops["w_fprop"],), key, backend)
+                       key, backend, shard, local, dtypes)
+        wq, = _operands(w, (ops["w_fprop"],), key, backend, dtypes=dtypes)
         y = _run_gemm("bmk,bkn->bmn", xo[0], wq, out_dtype, precision, backend)
         return y, wq, xo[1:]
 
@@ -409,14 +473,15 @@ def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, p
 
     def fwd(x, w, key):
         y, wq, (xq_w,) = forward(x, w, key, with_res=True)
-        wq_d = wq if reuse_w else _operands(w, (ops["w_dgrad"],), key, backend)[0]
+        wq_d = wq if reuse_w else _operands(w, (ops["w_dgrad"],), key, backend,
+                                            dtypes=dtypes)[0]
         return y, (wq_d, xq_w, key)
 
     def bwd(res, g):
         wq_d, xq_w, key = res
         g = g.astype(jnp.float32) if g.dtype != jnp.bfloat16 else g
         gq_d, gq_w = _operands(g, (ops["g_dgrad"], ops["g_wgrad"]), key, backend, shard,
-                               local)
+                               local, dtypes)
         dx = _run_gemm("bmn,bkn->bmk", gq_d, wq_d, lhs_dtype, precision, backend)
         dw = _run_gemm("bmk,bmn->bkn", xq_w, gq_w, rhs_dtype, precision, backend)
         return dx, dw, None
@@ -481,13 +546,16 @@ def dot_general(
       implementation: which backend runs the operands and GEMMs; every one computes the
         XLA reference's bits (GEMMs up to float32 accumulation order off XLA's einsum).
         ``None`` (default): automatic, the Hopper kernels on an sm_90 GPU for large
-        unbatched calls of NVFP4 and MXFP4 recipes, Blackwell's native FP4 GEMMs on sm_100+, else
-        ``"xla"``; the ``FP4JAX_KERNELS`` environment variable sets this choice only
-        (``off``: always XLA, ``on``: kernels at every size, ``native``). ``"xla"``: the
-        reference. ``"pallas"``: the Hopper kernel path; raises a ValueError where it cannot
-        run the call (no sm_90 GPU, a batched call, a recipe with operands the kernels do
-        not implement: FP6/FP8, row-scaled, MS-EDEN, unquantized); an operand or GEMM whose
-        shape the kernels do not tile runs on the reference inside it. ``"native"``:
+        unbatched calls of recipes with NVFP4 or MXFP4 operands, Blackwell's native FP4
+        GEMMs on sm_100+, else ``"xla"``; the ``FP4JAX_KERNELS`` environment variable sets
+        this choice only (``off``: always XLA, ``on``: kernels at every size, ``native``).
+        ``"xla"``: the reference. ``"pallas"``: the Hopper kernel path; raises a ValueError
+        where it cannot run the call (no sm_90 GPU, a batched call, a recipe with no operand
+        the kernels implement: all FP6/FP8, row-scaled, MS-EDEN, 4over6 or unquantized);
+        inside it the operands the kernels do not implement (those specs, or shapes they do
+        not tile) and the unquantized ones (a high-precision GEMM, e.g. a precision switch)
+        enter their GEMMs as on the reference, and a GEMM with an unquantized operand runs
+        as on the reference. ``"native"``:
         ``jax.nn.scaled_matmul`` for the NVFP4 GEMMs (raises where this JAX does not lower
         it), the reference for the other GEMMs. See ``pallas_kernels.dispatch.dot_backend``.
 

@@ -256,9 +256,11 @@ class DotBackend:
     """How one ``fp4jax.dot`` call runs (hashable: part of its trace cache key).
 
     ``name``: ``"xla"`` (the reference: every operand a ``QuantizedArray``, einsum GEMMs),
-    ``"pallas"`` (the Hopper kernel path: every operand its bf16 ``data * scale`` from the
-    fused operand kernels where they cover it, else from the reference; GEMMs on
-    ``gemm/alpha_sm90`` where it tiles them, else XLA's) or ``"native"`` (the reference's
+    ``"pallas"`` (the Hopper kernel path: every quantized operand its ``data * scale`` from
+    the fused operand kernels where they cover it, else from the reference; every
+    unquantized operand the tensor itself, as the reference feeds it; GEMMs of two
+    quantized operands on ``gemm/alpha_sm90`` where it tiles them, else XLA's, as on the
+    reference) or ``"native"`` (the reference's
     operands, its NVFP4 GEMMs on Blackwell's block-scaled tensor cores). ``kmode``: the
     kernels' mode (``"on"``, ``"interpret"``: CPU tests; ``"off"`` unless ``"pallas"``);
     ``gemm``: ``FP4JAX_KERNEL_GEMM``; ``native``: ``native_mode``'s value;
@@ -284,9 +286,10 @@ def dot_backend(implementation: str | None, *, mkn: int, kernel_recipe: bool
     to the next, ending with ``"xla"``), or ``"xla"``, ``"pallas"``, ``"native"``: that
     backend or a ValueError saying why it cannot run the call. ``mkn``: ``M*K*N`` of an
     unbatched call, 0 for a batched one (the kernels take unbatched calls only);
-    ``kernel_recipe``: every operand of the recipe is NVFP4 with one tensor scale or MX FP4,
-    with round-to-nearest or stochastic rounding (what the kernel path implements:
-    ``spec_unsupported_reason``).
+    ``kernel_recipe``: some operand of the recipe is quantized with a spec the kernels
+    implement (``spec_unsupported_reason``: NVFP4 with one tensor scale or MX FP4, the
+    ``"max"`` block scale rule, round-to-nearest or stochastic rounding); the recipe's other
+    operands, quantized or not, run inside the kernel path as on the reference.
 
     ``"pallas"`` needs an sm_90 GPU (or ``FP4JAX_KERNELS=interpret``: Mosaic GPU's
     interpret mode, for CPU tests), an unbatched call and a kernel recipe; it then runs
@@ -309,10 +312,10 @@ def dot_backend(implementation: str | None, *, mkn: int, kernel_recipe: bool
         interpret = _kernels_env() == "interpret"
         reason = None
         if not kernel_recipe:
-            reason = ("the recipe has operands the kernels do not implement (they quantize "
-                      "NVFP4 with one tensor scale and MXFP4, rounding to nearest or "
-                      "stochastically: not FP6/FP8, row-scaled or MS-EDEN operands, nor "
-                      "unquantized ones)")
+            reason = ("the recipe has no operand the kernels implement (they quantize "
+                      "NVFP4 with one tensor scale and MXFP4, with the 'max' block scale "
+                      "rule, rounding to nearest or stochastically; this recipe's operands "
+                      "are all FP6/FP8, 4over6, row-scaled, MS-EDEN or unquantized)")
         elif mkn == 0:
             reason = "the call is batched (dot_general batch dimensions): kernels take B == 1"
         elif not interpret and not on_sm90():
