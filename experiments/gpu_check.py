@@ -15,8 +15,9 @@ reported), bit for bit for ``fp4jax.dot``'s forward and backward.
 and a summary; prints each row as it finishes. Exit status 1 if any case failed or raised,
 2 for a usage error (or no sm_90 GPU without ``--interpret``). ``--interpret`` is the CPU
 dry run: small shapes, the kernels in Mosaic GPU interpret mode (``gemm_alpha`` and the
-W4A16 kernel have none: skipped). On an H200 ``all`` takes about 5 minutes (316 s in run 42,
-most of it compiling), so that it fits one device call with ``bench_kernels.py dotkern1``;
+W4A16 kernel have none: skipped). On an H200 ``all`` took about 5 minutes (316 s in run 42,
+most of it compiling; before ``dot_recipes``, which adds 16 programs of its own), so that it
+fits one device call with ``bench_kernels.py dotkern1``;
 ``--full`` adds inputs and GEMM shapes (a call of its own, ~8 minutes).
 """
 

@@ -249,7 +249,7 @@ def _gemm_dtypes(recipe: Recipe, x_dtype: Any, w_dtype: Any, g_dtype: Any) -> di
     on the XLA path, known before any operand is made: bfloat16 when both operands are exact
     in it (``_bf16_exact``: a quantized one when its format's ``scaled_bits`` <= 8, an
     unquantized one when it enters as bfloat16, i.e. its tensor is bfloat16 and the GEMM has
-    no RHT, which computes in float32), else float32. ``x_dtype``, ``w_dtype``, ``g_dtype``:
+    no RHT: the RHT returns float32), else float32. ``x_dtype``, ``w_dtype``, ``g_dtype``:
     the dtypes of x, w and the cotangent dy as ``_make_dot3`` quantizes them."""
     tensors = {"fprop": (x_dtype, w_dtype), "dgrad": (g_dtype, w_dtype),
                "wgrad": (x_dtype, g_dtype)}

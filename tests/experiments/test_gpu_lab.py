@@ -49,7 +49,7 @@ def test_checker_lists_its_checks_and_needs_a_gpu_or_interpret():
     assert r.returncode == 0, r.stderr
     names = [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
     for name in ("recip", "rows", "cols", "2d", "amax", "packed", "packed_sr", "packed_2d",
-                 "gemm_alpha", "w4a16", "w4a4", "dot"):
+                 "gemm_alpha", "w4a16", "w4a4", "dot", "dot_recipes"):
         assert name in names
     r = _run("experiments/gpu_check.py", "rows")
     assert r.returncode == 2 and "--interpret" in r.stderr
