@@ -64,12 +64,15 @@ LONGER_SPEC, LONGER_STEPS, LONGER_SEEDS = "mxfp4", (2250, 2500, 3000), (0, 1)
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-    """One table: its title, the question, and its rows as (label, spec)."""
+    """One table: its title, the question, and its rows as (label, spec). ``shared``: rows
+    whose runs come from another group (e.g. ``mxfp4`` of ``main``): like the baselines,
+    their runs alone do not make the group shown."""
 
     title: str
     question: str
     rows: tuple[tuple[str, str], ...]
     kind: str = "table"  # "table" or "sweep" (rows also plotted against a swept value)
+    shared: tuple[str, ...] = ()
 
 
 def _fmt(scale: str, block: int) -> str:
@@ -138,6 +141,17 @@ GROUPS: dict[str, Group] = {
                                      else _fmt(s, b))
                                     for s in ("e4m3", "e8m0") for b in (8, 16, 32, 64, 128)),
         kind="sweep"),
+    # issue 37 item 4: the 2026 recipes (each row one change to the MXFP4 recipe)
+    "rht_mxfp4": Group(
+        "Wgrad Hadamard sign policy with MXFP4 (RHT-32)",
+        "AMD (arXiv 2605.09825, MXFP4 on MI355X): SR and randomized Hadamard rotations fail "
+        "to stabilize a quantized Wgrad, a deterministic Hadamard does.",
+        (("BF16", "bf16"), ("MXFP4 recipe (RHT-32, one fixed sign vector)", "mxfp4"),
+         ("no RHT", "mxfp4(rht=0)"),
+         ("RHT-32, signs re-drawn per step and layer", "mxfp4(wgrad.hadamard_signs=random)"),
+         ("RHT-32, unsigned (deterministic Hadamard)", "mxfp4(wgrad.hadamard_signs=ones)"),
+         ("RHT-32 unsigned, no SR", "mxfp4(sr=False, wgrad.hadamard_signs=ones)")),
+        shared=("mxfp4",)),
 }
 
 
@@ -470,9 +484,10 @@ def stats(xs: list[float]) -> tuple[float, float | None]:
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
-def _has_runs(rows: list[Row]) -> bool:
-    """A group is shown once a row other than the shared baselines has runs."""
-    return any(r.seeds for r in rows if r.spec not in (BASELINE, RECIPE))
+def _has_runs(rows: list[Row], shared: tuple[str, ...] = ()) -> bool:
+    """A group is shown once a row other than the shared baselines (and the group's
+    ``shared`` rows) has runs."""
+    return any(r.seeds for r in rows if r.spec not in (BASELINE, RECIPE, *shared))
 
 
 def _summary(rows: list[Row], baseline: str) -> dict[str, dict]:
@@ -528,7 +543,7 @@ def tables_md(runs: list[dict]) -> str:
     parts = []
     for name, g in GROUPS.items():
         rows = rows_of(g, runs)
-        if not _has_runs(rows):
+        if not _has_runs(rows, g.shared):
             continue
         parts.append(f"### {g.title} (`{name}`)\n\n{g.question}\n\n{table(g, rows)}\n\n"
                      f"![{name}](results/ablations/{name}.png)")
@@ -550,7 +565,7 @@ def plots(runs: list[dict], out: Path) -> list[Path]:
     made = []
     for name, g in GROUPS.items():
         rows = rows_of(g, runs)
-        if not _has_runs(rows):
+        if not _has_runs(rows, g.shared):
             continue
         base = next((r for r in rows if r.spec == BASELINE and r.finals), None)
         fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.6))

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["TE_SIGN_VECTOR", "default_signs", "fwht_tiles", "hadamard_matrix",
-           "random_hadamard_transform", "resolve_signs"]
+__all__ = ["TE_SIGN_VECTOR", "SIGN_POLICIES", "default_signs", "unsigned_signs", "fwht_tiles",
+           "hadamard_matrix", "random_hadamard_transform", "resolve_signs"]
 
 TE_SIGN_VECTOR = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 """Transformer Engine's fixed Wgrad sign vector (``get_wgrad_sign_vector`` in
@@ -53,19 +53,48 @@ def default_signs(size: int) -> np.ndarray:
     return np.concatenate([te, extra])
 
 
+def unsigned_signs(size: int) -> np.ndarray:
+    """The sign vector of the deterministic (unsigned) Hadamard transform: all ``+1``, so
+    the rotation is the normalized Sylvester matrix ``H_size / sqrt(size)`` itself, with no
+    random sign flips (``signs="ones"``; a recipe's ``hadamard_signs="ones"``).
+
+    Source: Cim et al. (AMD), "Pretraining Large Language Models with MXFP4 on Native FP4
+    Hardware", arXiv 2605.09825 (abstract): on Wgrad, "stochastic rounding and randomized
+    Hadamard rotations fail to stabilize training once Wgrad is quantized, whereas
+    deterministic Hadamard rotations consistently restore stable optimization". The
+    paper's text beyond its abstract could not be read here, so which deterministic
+    rotation they use (its size, whether it has any fixed sign vector) is not confirmed:
+    ``"ones"`` is the literal reading (no signs at all); fp4jax's default ``None``
+    (Transformer Engine's fixed vector, the same every step and layer) is a deterministic
+    rotation too, and ``"random"`` the randomized one they compare against.
+    """
+    _check_size(size)
+    return np.ones((size,), np.float32)
+
+
+SIGN_POLICIES = ("te", "ones")
+"""The named sign vectors ``resolve_signs`` takes as strings: ``"te"`` (``default_signs``,
+the same as ``None``) and ``"ones"`` (``unsigned_signs``)."""
+
+
 def resolve_signs(signs: Any, size: int) -> jax.Array:
     """Turn a ``signs`` argument into a float32 vector of +-1 of length ``size``.
 
-    Accepts ``None`` / ``"te"`` (``default_signs``), an ``int`` seed (Rademacher
-    signs from ``jax.random.key(seed)``), a ``jax.random`` key (per-call random
-    signs) or an explicit array of +-1 of length ``size``.
+    Accepts ``None`` / ``"te"`` (``default_signs``), ``"ones"`` (``unsigned_signs``: the
+    deterministic Hadamard, no sign flips), an ``int`` seed (Rademacher signs from
+    ``jax.random.key(seed)``), a ``jax.random`` key (per-call random signs) or an explicit
+    array of +-1 of length ``size``.
     """
     if signs is None or (isinstance(signs, str) and signs == "te"):
         return jnp.asarray(default_signs(size))
+    if isinstance(signs, str) and signs == "ones":
+        return jnp.asarray(unsigned_signs(size))
     if isinstance(signs, str):
-        raise ValueError(f"signs={signs!r}: use None/'te', an int seed, a key or an array")
+        raise ValueError(f"signs={signs!r}: use None/'te', 'ones', an int seed, a key or an "
+                         "array")
     if isinstance(signs, bool):
-        raise TypeError("signs must be None/'te', an int seed, a key or a +-1 array, not a bool")
+        raise TypeError("signs must be None/'te', 'ones', an int seed, a key or a +-1 array, "
+                        "not a bool")
     if isinstance(signs, int):
         return jax.random.rademacher(jax.random.key(signs), (size,), jnp.float32)
     arr = signs if isinstance(signs, jax.Array) else jnp.asarray(signs)
@@ -100,7 +129,8 @@ def random_hadamard_transform(
         zeros first otherwise: zero padding does not change a product).
       axis: the axis to transform along (the contraction axis of the product).
       size: tile size, a power of two in 2..256 (16 in the NVFP4 recipe).
-      signs: ``None``/``"te"`` (Transformer Engine's fixed vector), an ``int``
+      signs: ``None``/``"te"`` (Transformer Engine's fixed vector), ``"ones"`` (no
+        sign flips: the deterministic Hadamard, ``unsigned_signs``), an ``int``
         seed, a ``jax.random`` key (fresh signs per call) or a +-1 array of length
         ``size``.
     Returns:

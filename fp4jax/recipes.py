@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from fp4jax.formats import FORMATS, MXFP4, MXFP8_E4M3_UP, NVFP4, BlockFormat, get_format
+from fp4jax.hadamard import SIGN_POLICIES
 from fp4jax.quantization import (
     BLOCK_SCALE_RULES,
     ROUNDINGS,
@@ -155,8 +156,10 @@ class GemmSpec:
       hadamard_signs: ``None`` (Transformer Engine's fixed vector, one for every layer),
         an ``int`` seed, ``"layer"`` (one vector per layer, constant over training, drawn
         from the call's ``rht_key``: torchao's ``nvfp4_training`` policy), ``"random"``
-        (fresh signs from the call's key, re-drawn every step and layer: Quartet II's) or a
-        tuple of +-1 of length ``hadamard``.
+        (fresh signs from the call's key, re-drawn every step and layer: Quartet II's),
+        ``"ones"`` (no sign flips: the deterministic, unsigned Hadamard ``H / sqrt(n)`` of
+        AMD's MXFP4 training, ``fp4jax.hadamard.unsigned_signs``) or a tuple of +-1 of
+        length ``hadamard``.
     """
 
     lhs: QuantSpec = HIGH_PRECISION
@@ -183,11 +186,12 @@ class GemmSpec:
             object.__setattr__(self, "hadamard_signs", s)
         elif s is not None and not isinstance(s, (int, np.integer, str, tuple)) or isinstance(
                 s, bool):
-            raise TypeError(
-                "GemmSpec.hadamard_signs must be None, an int, 'layer', 'random' or a tuple")
-        if isinstance(s, str) and s not in ("random", "layer", "te"):
+            raise TypeError("GemmSpec.hadamard_signs must be None, an int, 'layer', 'random', "
+                            "'ones' or a tuple")
+        if isinstance(s, str) and s not in ("random", "layer", *SIGN_POLICIES):
             raise ValueError(
-                f"GemmSpec.hadamard_signs={s!r}: use None, an int, 'layer', 'random' or a tuple"
+                f"GemmSpec.hadamard_signs={s!r}: use None, an int, 'layer', 'random', 'ones' "
+                "(no sign flips) or a tuple"
             )
         if isinstance(s, (int, np.integer)) and not 0 <= s < 2**32:
             raise ValueError(f"GemmSpec.hadamard_signs: an int seed must be in 0 .. 2**32 - 1 "
