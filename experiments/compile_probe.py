@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fp4jax import train as T
-from fp4jax.models import Llama
+from fp4jax.models import quantized_llama
 from fp4jax.train.cli import THREEFRY_LOWERINGS, set_threefry_lowering, threefry_lowering
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
@@ -40,7 +40,7 @@ def probe(cfg: T.TrainConfig) -> dict:
     seq_len, batch_size = cfg.seq_len, cfg.batch_size
     mc = T.model_config(cfg)
     rcfg, recipe = T.run_recipe(cfg)  # a spec with run-level keys, as train() reads it
-    model = Llama(mc, T.make_policy(rcfg, mc, recipe))
+    model = quantized_llama(mc, T.make_policy(rcfg, mc, recipe))
     mesh = T.make_mesh(cfg.devices)
     tx = T.make_optimizer(cfg)
     root = jax.random.key(cfg.seed)

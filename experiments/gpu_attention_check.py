@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import lab  # noqa: F401  (puts the repository root on sys.path)
 from jax.sharding import NamedSharding
 
-from fp4jax.models.llama import Llama, resolve_attention
+from fp4jax.models.llama import quantized_llama, resolve_attention
 from fp4jax.train import parallel
 from fp4jax.train.config import TrainConfig, make_optimizer, make_policy, model_config, run_recipe
 from fp4jax.train.loop import make_eval_step, make_init_state, make_train_step
@@ -37,7 +37,7 @@ def one(devices: int, fsdp: int, attention: str, recipe: str = "bf16") -> dict:
                       devices=devices, fsdp=fsdp, attention=attention)
     rcfg, rec = run_recipe(cfg)
     mc = model_config(cfg)
-    model = Llama(mc, make_policy(rcfg, mc, rec))
+    model = quantized_llama(mc, make_policy(rcfg, mc, rec))
     tx = make_optimizer(cfg)
     mesh = parallel.make_mesh(devices, fsdp)
     init = make_init_state(model, tx, cfg)

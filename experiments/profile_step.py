@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import lab  # before fp4jax: puts the repository root on sys.path
 from jax.sharding import NamedSharding
 
-from fp4jax.models.llama import SCAN_REMAT, Llama
+from fp4jax.models.llama import SCAN_REMAT, quantized_llama
 from fp4jax.train.cli import THREEFRY_LOWERINGS, set_threefry_lowering, threefry_lowering
 from fp4jax.train.comparison import slug
 from fp4jax.train.config import TrainConfig, make_optimizer, make_policy, model_config, run_recipe
@@ -247,7 +247,7 @@ def build_step(preset: str, spec: str, scan_layers: bool, batch_size: int, seq_l
                       attention=attention, scan_remat=scan_remat if scan_layers else None)
     rcfg, recipe = run_recipe(cfg)
     mc = model_config(cfg)
-    model = Llama(mc, make_policy(rcfg, mc, recipe))
+    model = quantized_llama(mc, make_policy(rcfg, mc, recipe))
     tx = make_optimizer(cfg)
     mesh = make_mesh(devices, fsdp)
     init = make_init_state(model, tx, cfg)

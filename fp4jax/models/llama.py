@@ -1,4 +1,5 @@
-"""A Llama-style decoder-only transformer whose block linear layers run in fp4jax recipes.
+"""A Llama-style decoder-only transformer, written with plain Flax layers, and its precision
+rules.
 
 Architecture: token embedding (untied from the LM head), ``n_layers`` pre-norm blocks of
 RMSNorm -> grouped-query attention with rotary position embeddings -> residual, RMSNorm -> FFN
@@ -7,13 +8,17 @@ RMSNorm -> grouped-query attention with rotary position embeddings -> residual, 
 (``down(silu(gate(x)) * up(x))``) or Smooth-SwiGLU (SwiGLU with per-channel scaling of the
 down projection's input, ``smooth_swiglu_scale``; FP4-all-the-way's 7B model).
 
-Precision (NVFP4 paper, section 4): only the block linear layers (``attn.q/k/v/o``,
-``mlp.up/gate/down``) go through fp4jax, as chosen by a :class:`~fp4jax.nn.PrecisionPolicy`;
-embeddings, norms, softmax, the attention score/value matmuls and the LM head stay in high
-precision. Master weights are float32 (``param_dtype``); compute runs in ``config.dtype``
-(bfloat16 by default; float32 is faster on CPUs); norms and softmax are float32; the LM
-head runs in the compute dtype (BF16, as the paper keeps it) and its logits are cast to
-float32 for the loss.
+:class:`Llama` is a plain ``flax.linen`` model (``nn.Dense`` linear layers, no fp4jax
+layer): it is quantized as any other model is, by precision rules
+(``fp4jax.nn.quantize_model``). :func:`quantized_llama` does that for a
+:class:`~fp4jax.nn.PrecisionPolicy` (the NVFP4 paper's section 4: only the block linear
+layers ``q/k/v/o``, ``gate/up/down`` in FP4, except the policy's high-precision blocks and
+layers; embeddings, norms, softmax, the attention score/value matmuls and the LM head in
+high precision), or for rules of your own (:func:`llama_rules`: block-level paths
+``block_{i}/{layer}`` that also reach the blocks of a scanned stack). Master weights are
+float32; compute runs in ``config.dtype`` (bfloat16 by default; float32 is faster on
+CPUs); norms and softmax are float32; the LM head runs in the compute dtype (BF16, as the
+paper keeps it) and its logits are cast to float32 for the loss.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ import jax.numpy as jnp
 
 from fp4jax import sharding
 from fp4jax.nn.linen import COTANGENT_COLLECTION, PERTURB_COLLECTION, STATS_COLLECTION
-from fp4jax.nn.linen import Dense as Fp4Dense
+from fp4jax.nn.model import quantize_model
 from fp4jax.nn.policy import PrecisionPolicy
+from fp4jax.nn.rules import Rule, as_rules, match_rule
 
 ATTENTION = ("auto", "xla", "cudnn")
 """``LlamaConfig.attention`` values (``causal_attention``'s implementations)."""
@@ -65,8 +71,9 @@ class LlamaConfig:
         softmax) or ``"cudnn"`` (``jax.nn.dot_product_attention`` on cuDNN's fused flash
         attention, NVIDIA GPUs only: bf16 inputs, float32 softmax inside, no (B, H, T, T)
         tensor in memory; about 1.7x bf16's training speed at ``small`` on an H100).
-      scan_layers: run each maximal run of consecutive blocks that share their recipes
-        as one ``flax.linen.scan`` (parameters stacked along a leading axis, in
+      scan_layers: run each run of consecutive blocks (``Llama.runs``; under
+        :func:`quantized_llama`, the maximal runs that share their recipes) as one
+        ``flax.linen.scan`` (parameters stacked along a leading axis, in
         ``blocks_{first}_{last}``), so XLA compiles one block body per run instead of one
         per block. Same function, fewer compiles; parameter tree and random draws
         (init, stochastic rounding keys) differ from the unrolled model.
@@ -296,61 +303,84 @@ def smooth_swiglu_scale(h: jax.Array, axis_name: Any = None) -> jax.Array:
     return jax.lax.stop_gradient(s.astype(jnp.float32))
 
 
-def _linear(cfg: LlamaConfig, recipe: Any, features: int, name: str, std: float) -> nn.Module:
-    init = nn.initializers.normal(std)
-    if recipe is None:
-        return nn.Dense(features, use_bias=False, dtype=cfg.dtype, kernel_init=init, name=name)
-    return Fp4Dense(features, recipe=recipe, dtype=cfg.dtype, kernel_init=init, name=name)
+def _dense(cfg: LlamaConfig, features: int, name: str, std: float) -> nn.Module:
+    return nn.Dense(features, use_bias=False, dtype=cfg.dtype,
+                    kernel_init=nn.initializers.normal(std), name=name)
+
+
+class ChannelScaledDense(nn.Module):
+    """``nn.Dense`` (no bias) whose product is ``(x * s) @ (kernel / s[:, None])`` for a
+    per-input-channel scale ``s`` (float32 ``(K,)``): Smooth-SwiGLU's down projection
+    (``smooth_swiglu_scale``; powers of two, so unquantized it is ``x @ kernel`` bit for
+    bit, and a quantizing rule sees the scaled operands). Parameters as ``nn.Dense``'s
+    (``{"kernel": (K, features)}``)."""
+
+    features: int
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Any = nn.initializers.lecun_normal()
+
+    @nn.compact
+    def __call__(self, x: jax.Array, channel_scale: jax.Array) -> jax.Array:
+        """``x (..., K)``, ``channel_scale (K,)`` -> ``(..., features)`` in the compute
+        dtype."""
+        k = jnp.shape(x)[-1]
+        kernel = self.param("kernel", self.kernel_init, (k, self.features), self.param_dtype)
+        s = jnp.asarray(channel_scale, jnp.float32)
+        if s.shape != (k,):
+            raise ValueError(f"ChannelScaledDense: channel_scale must have shape ({k},) (one "
+                             f"per input channel), got {s.shape}")
+        x = x * s.astype(x.dtype)
+        kernel = kernel / s[:, None].astype(kernel.dtype)
+        x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
+        return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
 
 
 class Block(nn.Module):
-    """One pre-norm transformer block. ``recipes`` maps layer name -> recipe (or None)."""
+    """One pre-norm transformer block (plain Flax layers ``q, k, v, o, gate, up, down``)."""
 
     cfg: LlamaConfig
-    recipes: tuple[tuple[str, Any], ...]
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """``x (B, T, D)`` in the compute dtype -> same shape and dtype."""
-        cfg, r = self.cfg, dict(self.recipes)
+        cfg = self.cfg
         B, T, _ = x.shape
         hd, H, KV = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.n_layers) ** 0.5
 
         h = RMSNorm(cfg.norm_eps, cfg.dtype, name="attn_norm")(x)
-        q = _linear(cfg, r["attn.q"], H * hd, "q", std)(h).reshape(B, T, H, hd)
-        k = _linear(cfg, r["attn.k"], KV * hd, "k", std)(h).reshape(B, T, KV, hd)
-        v = _linear(cfg, r["attn.v"], KV * hd, "v", std)(h).reshape(B, T, KV, hd)
+        q = _dense(cfg, H * hd, "q", std)(h).reshape(B, T, H, hd)
+        k = _dense(cfg, KV * hd, "k", std)(h).reshape(B, T, KV, hd)
+        v = _dense(cfg, KV * hd, "v", std)(h).reshape(B, T, KV, hd)
         q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
         # Grouped-query attention in high precision (causal_attention).
         a = causal_attention(q, k, v, cfg.attention).reshape(B, T, H * hd)
-        x = x + _linear(cfg, r["attn.o"], cfg.d_model, "o", out_std)(a)
+        x = x + _dense(cfg, cfg.d_model, "o", out_std)(a)
 
         h = RMSNorm(cfg.norm_eps, cfg.dtype, name="mlp_norm")(x)
-        up = _linear(cfg, r["mlp.up"], cfg.d_ff, "up", std)(h)
+        up = _dense(cfg, cfg.d_ff, "up", std)(h)
         if cfg.gated:
-            gate = _linear(cfg, r["mlp.gate"], cfg.d_ff, "gate", std)(h)
+            gate = _dense(cfg, cfg.d_ff, "gate", std)(h)
             f = nn.silu(gate) * up
         else:
             f = jnp.square(nn.relu(up))
-        down = _linear(cfg, r["mlp.down"], cfg.d_model, "down", out_std)
-        if cfg.ffn == "smooth_swiglu" and r["mlp.down"] is not None:
-            # per-channel scale in, its inverse in the weight (a BF16 down layer: plain SwiGLU)
-            x = x + down(f, channel_scale=smooth_swiglu_scale(f, sharding.data_axis()))
-        else:
-            x = x + down(f)
-        return x
+        if cfg.ffn == "smooth_swiglu":
+            # per-channel scale in, its inverse in the weight
+            down = ChannelScaledDense(cfg.d_model, dtype=cfg.dtype,
+                                      kernel_init=nn.initializers.normal(out_std), name="down")
+            return x + down(f, channel_scale=smooth_swiglu_scale(f, sharding.data_axis()))
+        return x + _dense(cfg, cfg.d_model, "down", out_std)(f)
 
 
 class _ScanBlock(nn.Module):
     """``Block`` as a ``flax.linen.scan`` body: ``(x, positions) -> (x, None)``."""
 
     cfg: LlamaConfig
-    recipes: tuple[tuple[str, Any], ...]
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
-        return Block(self.cfg, self.recipes, name="block")(x, positions), None
+        return Block(self.cfg, name="block")(x, positions), None
 
 
 def layer_name(path: tuple[str, ...], index: tuple[int, ...] = ()) -> str:
@@ -403,22 +433,49 @@ def policy_layer_name(name: str, cfg: LlamaConfig) -> str:
 
 
 class Llama(nn.Module):
-    """The decoder. ``__call__(tokens (B, T) int32) -> logits (B, T, vocab) float32``.
+    """The decoder, plain Flax layers. ``__call__(tokens (B, T) int32) -> logits (B, T,
+    vocab) float32``.
 
     Attributes:
       cfg: :class:`LlamaConfig`.
-      policy: :class:`~fp4jax.nn.PrecisionPolicy` for the block linear layers.
+      runs: with ``cfg.scan_layers``, the lengths of the runs of consecutive blocks that
+        run as one ``flax.linen.scan`` each (summing to ``cfg.n_layers``): a run of one
+        block is ``block_{i}``, a longer run ``blocks_{first}_{last}`` with the block's
+        parameters stacked along a leading axis (under ``blocks_{first}_{last}/block``).
+        None: one run of every block. Ignored without ``scan_layers`` (every block
+        ``block_{i}``). :func:`quantized_llama` sets them to the runs of blocks that share
+        their recipes (``scan_runs``), so a scanned stack never mixes precisions.
 
-    Stochastic rounding draws keys from the RNG stream ``"fp4"``:
-    ``model.apply(variables, tokens, rngs={"fp4": jax.random.fold_in(key, step)})``.
+    The model has no quantization of its own: put it under precision rules with
+    :func:`quantized_llama` (a ``PrecisionPolicy`` or rules by block-level path) or
+    ``fp4jax.nn.quantize_model``. Stochastic rounding then draws keys from the RNG stream
+    ``"fp4"``: ``model.apply(variables, tokens, rngs={"fp4": jax.random.fold_in(key,
+    step)})``.
     """
 
     cfg: LlamaConfig
-    policy: PrecisionPolicy
+    runs: tuple[int, ...] | None = None
 
-    def summary(self) -> str:
-        """One line: how many linear layers run in the quantized recipe."""
-        return self.policy.summary(self.cfg.n_layers, self.cfg.linear_layers)
+    def block_runs(self) -> list[tuple[int, int]]:
+        """The ``[first, last]`` blocks of each run (``runs``; every block alone without
+        ``cfg.scan_layers``).
+
+        Raises:
+          ValueError: ``runs`` that are not positive integers summing to ``n_layers``.
+        """
+        n = self.cfg.n_layers
+        if not self.cfg.scan_layers:
+            return [(i, i) for i in range(n)]
+        runs = (n,) if self.runs is None else tuple(self.runs)
+        if (any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in runs)
+                or sum(runs) != n):
+            raise ValueError(f"Llama: runs must be positive block counts summing to n_layers="
+                             f"{n}, got {self.runs!r}")
+        out, i = [], 0
+        for r in runs:
+            out.append((i, i + r - 1))
+            i += r
+        return out
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -432,17 +489,8 @@ class Llama(nn.Module):
         x = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, name="embed")(tokens)
         x = x.astype(cfg.dtype)
         positions = jnp.arange(T)
-        recipes = [
-            tuple((name, self.policy.recipe_for(i, cfg.n_layers, name))
-                  for name in cfg.linear_layers)
-            for i in range(cfg.n_layers)
-        ]
-        i = 0
-        while i < cfg.n_layers:
-            j = i + 1  # [i, j): a run of blocks with the same recipes
-            while cfg.scan_layers and j < cfg.n_layers and recipes[j] == recipes[i]:
-                j += 1
-            if j - i > 1:
+        for i, last in self.block_runs():
+            if last > i:
                 # the statistics collections (fp4jax.nn.linen) get a leading block axis
                 # too; absent in training, they change nothing there
                 body = _ScanBlock
@@ -454,13 +502,125 @@ class Llama(nn.Module):
                                       "params": 0, PERTURB_COLLECTION: 0,
                                       COTANGENT_COLLECTION: 0, STATS_COLLECTION: 0},
                                   split_rngs={"params": True, "fp4": True, "fp4_layer": True},
-                                  in_axes=nn.broadcast, length=j - i)
-                x, _ = scanned(cfg, recipes[i], name=f"blocks_{i}_{j - 1}")(x, positions)
+                                  in_axes=nn.broadcast, length=last - i + 1)
+                x, _ = scanned(cfg, name=f"blocks_{i}_{last}")(x, positions)
             else:
-                x = Block(cfg, recipes[i], name=f"block_{i}")(x, positions)
-            i = j
+                x = Block(cfg, name=f"block_{i}")(x, positions)
         x = RMSNorm(cfg.norm_eps, cfg.dtype, name="final_norm")(x)
         logits = nn.Dense(
             cfg.vocab_size, use_bias=False, dtype=cfg.dtype, kernel_init=init, name="lm_head"
         )(x)
         return logits.astype(jnp.float32)
+
+
+# ---------------------------------------------------------------------------
+# precision rules of the Llama
+# ---------------------------------------------------------------------------
+
+HIGH_PRECISION_RULE = Rule(r"embed|lm_head", None)
+"""The embeddings and the LM head stay in high precision (NVFP4 paper, section 4): the first
+rule of ``policy_rules``."""
+
+
+def layer_paths(cfg: LlamaConfig) -> dict[str, str]:
+    """``{policy layer name: module path inside a block}`` of ``cfg``'s linear layers:
+    ``{"attn.q": "q", ..., "mlp.down": "down"}`` (``PrecisionPolicy.rules``'s ``layers``)."""
+    return {n: n.split(".")[1] for n in cfg.linear_layers}
+
+
+def policy_rules(cfg: LlamaConfig, policy: PrecisionPolicy) -> list[Rule]:
+    """``policy`` as precision rules of a :class:`Llama` of ``cfg``, by block-level path
+    (``block_{i}/{layer}``): ``HIGH_PRECISION_RULE`` (embeddings, LM head), then
+    ``policy.rules(cfg.n_layers, "block_{i}", layer_paths(cfg))``. Every block layer gets
+    ``policy.recipe_for(i, n_layers, name)``."""
+    return [HIGH_PRECISION_RULE, *policy.rules(cfg.n_layers, "block_{i}", layer_paths(cfg))]
+
+
+def block_recipes(cfg: LlamaConfig, rules: Any) -> list[tuple[Any, ...]]:
+    """Per block, the recipes (``Recipe`` or None) that ``rules`` give its linear layers at
+    ``block_{i}/{layer}``, in ``cfg.linear_layers`` order (first match; None unmatched)."""
+    rules = as_rules(rules)
+    out = []
+    for i in range(cfg.n_layers):
+        row = []
+        for name in layer_paths(cfg).values():
+            j = match_rule(rules, f"block_{i}/{name}")
+            row.append(None if j is None else rules[j].recipe)
+        out.append(tuple(row))
+    return out
+
+
+def scan_runs(cfg: LlamaConfig, rules: Any) -> tuple[int, ...]:
+    """The lengths of the maximal runs of consecutive blocks to which ``rules`` give the
+    same recipes (``block_recipes``): :class:`Llama`'s ``runs``, so that a scanned stack
+    (one traced body) holds blocks of one precision."""
+    recipes = block_recipes(cfg, rules)
+    runs: list[int] = []
+    for i in range(cfg.n_layers):
+        if i and recipes[i] == recipes[i - 1]:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    return tuple(runs)
+
+
+def llama_rules(cfg: LlamaConfig, rules: Any, runs: tuple[int, ...] | None = None
+                ) -> list[Rule]:
+    """``rules`` (by block-level path ``block_{i}/{layer}``) for a :class:`Llama` of ``cfg``
+    with ``runs``: with ``cfg.scan_layers``, each scanned stack ``blocks_{i}_{j}/block/``
+    gets one exact rule per linear layer, placed first, with the recipe ``rules`` give
+    ``block_{i}/{layer}`` (a scanned body is traced once: its blocks share a recipe); then
+    ``rules`` themselves.
+
+    Raises:
+      ValueError: the blocks of a scanned run get different recipes from ``rules`` (naming
+        the run, the layer and the fix: ``runs=scan_runs(cfg, rules)`` or no
+        ``scan_layers``).
+    """
+    rules = list(as_rules(rules))
+    model = Llama(cfg, runs)
+    recipes = block_recipes(cfg, rules)
+    names = list(layer_paths(cfg).values())
+    out = []
+    for i, last in model.block_runs():
+        if last == i:
+            continue
+        for b in range(i + 1, last + 1):
+            if recipes[b] != recipes[i]:
+                k = next(n for n, x, y in zip(names, recipes[b], recipes[i], strict=True)
+                         if x != y)
+                raise ValueError(
+                    f"llama_rules: the scanned blocks {i}..{last} (blocks_{i}_{last}) get "
+                    f"different recipes for {k!r} from the rules (block_{b}/{k} vs "
+                    f"block_{i}/{k}): one scanned body runs one recipe; pass "
+                    "runs=scan_runs(cfg, rules) (scanned runs of equal recipes) or turn "
+                    "scan_layers off")
+        out += [Rule(re.escape(f"blocks_{i}_{last}/block/{n}"), r)
+                for n, r in zip(names, recipes[i], strict=True)]
+    return out + rules
+
+
+def quantized_llama(cfg: LlamaConfig, precision: PrecisionPolicy | Any,
+                    runs: tuple[int, ...] | None = None) -> nn.Module:
+    """A :class:`Llama` of ``cfg`` under precision rules: ``fp4jax.nn.quantize_model(
+    Llama(cfg, runs), llama_rules(cfg, rules, runs))``.
+
+    Args:
+      cfg: the model's config.
+      precision: a :class:`~fp4jax.nn.PrecisionPolicy` (its rules: ``policy_rules``, the
+        embeddings and LM head high precision), or precision rules (``fp4jax.nn.Rule`` or
+        ``(pattern, recipe)`` pairs) matched against block-level paths ``block_{i}/q``,
+        ..., ``block_{i}/down`` and ``lm_head``, which reach a scanned stack's blocks too.
+      runs: the scanned runs (``Llama.runs``); None: ``scan_runs(cfg, rules)``, the runs
+        of blocks with equal recipes. Models that share parameters (a run before and
+        after its precision switch) must share ``runs``.
+
+    Returns:
+      the quantized linen model (``init``/``apply`` as the Llama's; parameter tree the
+      Llama's).
+    """
+    rules = (policy_rules(cfg, precision) if isinstance(precision, PrecisionPolicy)
+             else list(as_rules(precision, "quantized_llama: precision")))
+    if runs is None:
+        runs = scan_runs(cfg, rules)
+    return quantize_model(Llama(cfg, runs), llama_rules(cfg, rules, runs))

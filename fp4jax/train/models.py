@@ -22,7 +22,14 @@ import jax.numpy as jnp
 
 import fp4jax.recipes
 from fp4jax import diagnostics
-from fp4jax.models.llama import Llama, LlamaConfig, layer_name, layer_order
+from fp4jax.models.llama import (
+    LlamaConfig,
+    layer_name,
+    layer_order,
+    policy_rules,
+    quantized_llama,
+    scan_runs,
+)
 from fp4jax.recipes import Recipe
 from fp4jax.train import precision
 from fp4jax.train.config import (
@@ -100,23 +107,26 @@ def llama_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe, mc: LlamaC
         rcfg = rcfg.replace(last_bf16=last_bf16_blocks(rcfg, mc.n_layers),
                             bf16_layers=",".join(bf16["layers"]) or None)
     policy = make_policy(rcfg, mc, recipe)
-    model = Llama(mc, policy)
-    model2 = Llama(mc, policy.replace(recipe=switched_recipe(recipe, rcfg.switch)))
-    models = {False: model, True: model2}
+    policy2 = policy.replace(recipe=switched_recipe(recipe, rcfg.switch))
+    # the plain Llama under the policy's rules (fp4jax.nn.quantize_model); the three models
+    # share their parameters, so their scanned runs are those of the run's own policy
+    runs = scan_runs(mc, policy_rules(mc, policy))
+    policies = {False: policy, True: policy2}
+    models = {k: quantized_llama(mc, p, runs) for k, p in policies.items()}
 
-    def hp_backward(switched: bool) -> Llama:
-        m = models[switched]
-        return Llama(mc, m.policy.replace(recipe=switched_recipe(m.policy.recipe, "bwd")))
+    def hp_backward(switched: bool) -> Any:
+        p = policies[switched]
+        return quantized_llama(mc, p.replace(recipe=switched_recipe(p.recipe, "bwd")), runs)
 
     return RunModels(
-        models=models, recipes={k: m.policy.recipe for k, m in models.items()}, rcfg=rcfg,
+        models=models, recipes={k: p.recipe for k, p in policies.items()}, rcfg=rcfg,
         bf16=bf16, describe=(f"{mc.num_params() / 1e6:.2f}M params ({cfg.preset}, {mc.ffn}, "
                              f"{mc.dtype})"),
-        summary=model.summary(), hp_backward=hp_backward,
+        summary=policy.summary(mc.n_layers, mc.linear_layers), hp_backward=hp_backward,
         fp4_names=precision.fp4_layer_names(mc, policy), name_fn=layer_name,
         order=layer_order,
         gemm_fraction=lambda steps, switch_step: precision.bf16_gemm_fraction(
-            mc, model.policy, model2.policy, steps, switch_step))
+            mc, policy, policy2, steps, switch_step))
 
 
 class PrecisionSwitch:

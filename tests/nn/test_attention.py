@@ -81,7 +81,8 @@ def test_auto_takes_cudnn_where_it_runs(stub_cudnn):
 
 def test_fsdp_eval_step_calls_cudnn_per_device(stub_cudnn, monkeypatch):
     mesh = parallel.make_mesh(4, fsdp=2)
-    model = llama.Llama(CFG.replace(attention="cudnn"), PrecisionPolicy(fp4jax.recipes.nvfp4()))
+    model = llama.quantized_llama(CFG.replace(attention="cudnn"),
+                                  PrecisionPolicy(fp4jax.recipes.nvfp4()))
     batch = jnp.zeros((8, 17), jnp.int32)
     params = jax.eval_shape(
         lambda: model.init({"params": jax.random.key(0), "fp4": jax.random.key(1)},
@@ -122,7 +123,7 @@ def test_fsdp_eval_step_calls_cudnn_per_device(stub_cudnn, monkeypatch):
 
 def test_sharded_eval_equals_one_device():
     # the shard_map'd eval step gives the single-device loss (XLA attention on the CPU)
-    model = llama.Llama(CFG, PrecisionPolicy(fp4jax.recipes.nvfp4()))
+    model = llama.quantized_llama(CFG, PrecisionPolicy(fp4jax.recipes.nvfp4()))
     batch = jax.random.randint(jax.random.key(3), (8, 17), 0, 256, jnp.int32)
     params = model.init({"params": jax.random.key(0), "fp4": jax.random.key(1)},
                         batch[:, :-1])["params"]

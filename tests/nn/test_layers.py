@@ -168,12 +168,12 @@ def test_policy_counts_and_summary():
 
 def test_policy_counts_match_model():
     """The summary's count equals the number of quantizing matmuls the model really runs."""
-    from fp4jax.models import Llama, LlamaConfig
+    from fp4jax.models import LlamaConfig, quantized_llama
 
     for ffn, first, last in (("relu2", 1, 1), ("swiglu", 0, 2)):
         cfg = LlamaConfig(d_model=32, n_layers=5, n_heads=2, n_kv_heads=1, d_ff=64, ffn=ffn)
         pol = PrecisionPolicy(RTN, first_high_precision=first, last_high_precision=last)
-        model = Llama(cfg, pol)
+        model = quantized_llama(cfg, pol)
         seen = []
 
         def spy(next_fun, args, kwargs, context, seen=seen):
@@ -188,7 +188,8 @@ def test_policy_counts_match_model():
         q, total = pol.count(cfg.n_layers, cfg.linear_layers)
         assert len(seen) == q == (cfg.n_layers - first - last) * len(cfg.linear_layers)
         assert all(r == RTN for r in seen)
-        assert model.summary().startswith(f"{q} of {total} linear layers")
+        assert pol.summary(cfg.n_layers, cfg.linear_layers).startswith(
+            f"{q} of {total} linear layers")
 
 
 def test_recipe_by_name_and_missing_rng_stream():

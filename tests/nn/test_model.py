@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import fp4jax
-from fp4jax.models import PRESETS, Llama, LlamaConfig, get_preset
+from fp4jax.models import PRESETS, LlamaConfig, get_preset, quantized_llama
 from fp4jax.nn import PrecisionPolicy
 
 CFG = LlamaConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64)
@@ -25,7 +25,7 @@ def _init(model):
 @pytest.mark.parametrize("ffn", ["relu2", "swiglu"])
 def test_shapes_dtypes_param_count(ffn):
     cfg = CFG.replace(ffn=ffn)
-    model = Llama(cfg, PrecisionPolicy(RTN))
+    model = quantized_llama(cfg, PrecisionPolicy(RTN))
     variables = jax.eval_shape(model.init, jax.random.key(1), TOKENS)  # shapes only: no compute
     leaves = jax.tree.leaves(variables)
     assert all(x.dtype == jnp.float32 for x in leaves)  # FP32 master weights
@@ -43,7 +43,7 @@ def test_shapes_dtypes_param_count(ffn):
 def test_causal():
     # BF16: under NVFP4 the per-tensor amax (global scale) spans all tokens, so a future token
     # can change the quantization of earlier ones (a property of the recipe, not a mask bug).
-    model = Llama(CFG, PrecisionPolicy(fp4jax.recipes.bf16()))
+    model = quantized_llama(CFG, PrecisionPolicy(fp4jax.recipes.bf16()))
     variables = _init(model)
     f = jax.jit(model.apply)
     a = f(variables, TOKENS)
@@ -67,7 +67,7 @@ def test_presets_and_errors():
         LlamaConfig(n_heads=4, n_kv_heads=3)
     with pytest.raises(ValueError, match="ffn"):
         LlamaConfig(ffn="gelu")
-    model = Llama(CFG, PrecisionPolicy(RTN))
+    model = quantized_llama(CFG, PrecisionPolicy(RTN))
     with pytest.raises(ValueError, match="max_seq_len"):
         model.init(jax.random.key(0), jnp.zeros((1, 65), jnp.int32))
 
@@ -82,7 +82,7 @@ def test_scan_layers_is_the_same_function():
     pol = PrecisionPolicy(fp4jax.recipes.nvfp4(), first_high_precision=1,
                           last_high_precision=1)
     tok = jax.random.randint(jax.random.key(1), (2, 32), 0, 256)
-    m0, m1 = Llama(cfg, pol), Llama(cfg.replace(scan_layers=True), pol)
+    m0, m1 = quantized_llama(cfg, pol), quantized_llama(cfg.replace(scan_layers=True), pol)
     # jitted (one program each, the init's unused forward pass pruned): the same values as
     # eager execution, without dispatching every quantization op one by one
     p0 = jax.jit(m0.init)(jax.random.key(0), tok)["params"]
@@ -111,13 +111,13 @@ def test_scan_layers_is_the_same_function():
     # "full" is the same remat with another policy): the same logits and gradients, bit for
     # bit, as with every residual saved ("none"), SR keys of the backward GEMMs included
     assert m1.cfg.scan_remat == "dots"
-    m_none = Llama(cfg.replace(scan_layers=True, scan_remat="none"), pol)
+    m_none = quantized_llama(cfg.replace(scan_layers=True, scan_remat="none"), pol)
     got_n, g_n = jax.jit(lambda p: (lambda o, f: (o, f(jnp.ones_like(o))[0]))(
         *jax.vjp(lambda p: m_none.apply({"params": p}, tok, rngs={"fp4": key}), p)))(moved)
     for a, b in zip(jax.tree.leaves((got, g)), jax.tree.leaves((got_n, g_n)), strict=True):
         assert np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
     for remat in ("none", "dots", "full"):  # a remat in the program exactly when asked
-        m = Llama(cfg.replace(scan_layers=True, scan_remat=remat), pol)
+        m = quantized_llama(cfg.replace(scan_layers=True, scan_remat=remat), pol)
         jaxpr = jax.make_jaxpr(partial(m.apply, rngs={"fp4": key}))({"params": moved}, tok)
         assert ("remat" in str(jaxpr)) == (remat != "none"), remat
     with pytest.raises(ValueError, match="scan_remat must be one of"):
@@ -126,7 +126,7 @@ def test_scan_layers_is_the_same_function():
     gk = g["blocks_1_3"]["block"]["up"]["kernel"]
     assert all(float(jnp.abs(gk[i]).sum()) > 0 for i in range(3))
     # a policy with every block in one recipe scans all of them (parameter shapes suffice)
-    m2 = Llama(cfg.replace(scan_layers=True), PrecisionPolicy(fp4jax.recipes.nvfp4()))
+    m2 = quantized_llama(cfg.replace(scan_layers=True), PrecisionPolicy(fp4jax.recipes.nvfp4()))
     assert "blocks_0_4" in jax.eval_shape(m2.init, jax.random.key(0), tok)["params"]
 
 

@@ -427,7 +427,7 @@ def test_bad_inputs():
 
 
 # ---------------------------------------------------------------------------
-# PrecisionPolicy as rules; fp4jax's own Llama as plain Flax layers + rules
+# PrecisionPolicy as rules (fp4jax's own Llama under them: test_llama_rules.py)
 # ---------------------------------------------------------------------------
 
 def test_policy_rules_agree_with_recipe_for():
@@ -450,29 +450,6 @@ def test_policy_rules_agree_with_recipe_for():
     assert [fp4jax.nn.match_rule(glob, p) for p in ("block_1/mlp/up", "block_1/q")] == [0, 1]
     with pytest.raises(ValueError, match="block"):
         PrecisionPolicy(NV).rules(2, "layers")
-
-
-def test_llama_as_plain_flax_plus_rules_is_todays_llama():
-    """fp4jax's Llama with every linear a plain ``nn.Dense`` (policy recipe None), put under
-    ``PrecisionPolicy.rules``, gives today's Llama's bits (forward and gradients)."""
-    from fp4jax.models.llama import Llama, LlamaConfig
-    from fp4jax.nn import PrecisionPolicy
-
-    cfg = LlamaConfig(vocab_size=V, d_model=D, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=F,
-                      max_seq_len=T, dtype="float32")
-    # two quantized layers (CPU compile time): block_1's q and up
-    policy = PrecisionPolicy(NV, 1, 1, ("attn.[kvo]", "block_*/mlp.down"))
-    today = Llama(cfg, policy)
-    plain = Llama(cfg, PrecisionPolicy(None))
-    rules = policy.rules(cfg.n_layers, layers={n: n.split(".")[1] for n in cfg.linear_layers})
-    q = quantize_model(plain, rules)
-    tokens = _tokens()
-    params = today.init(jax.random.key(0), tokens)
-    _close(q.init(jax.random.key(0), tokens), params)
-    _close(_loss_and_grads(q, params, tokens, jax.random.key(2)),
-           _loss_and_grads(today, params, tokens, jax.random.key(2)))
-    rep = report(q, tokens)
-    assert sorted(p for p, d in rep.layers.items() if d["recipe"]) == ["block_1/q", "block_1/up"]
 
 
 # ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import fp4jax
-from fp4jax.models import Llama, LlamaConfig
+from fp4jax.models import LlamaConfig, quantized_llama
 from fp4jax.models.llama import smooth_swiglu_scale
 from fp4jax.nn import PrecisionPolicy
 from fp4jax.train.config import ConfigError, TrainConfig, validate_config
@@ -27,8 +27,8 @@ def test_unquantized_it_is_plain_swiglu():
     recipe (so the scaled down projection runs): the logits equal plain SwiGLU's to float32
     rounding (the power-of-two scales make the two products exact)."""
     pol = PrecisionPolicy(fp4jax.recipes.bf16())
-    plain, smooth = Llama(CFG.replace(ffn="swiglu"), pol), Llama(CFG.replace(ffn="smooth_swiglu"),
-                                                                 pol)
+    plain = quantized_llama(CFG.replace(ffn="swiglu"), pol)
+    smooth = quantized_llama(CFG.replace(ffn="smooth_swiglu"), pol)
     shapes = jax.eval_shape(plain.init, jax.random.key(1), TOKENS)  # no init compile
     leaves, tree = jax.tree.flatten(shapes)
     keys = jax.random.split(jax.random.key(1), len(leaves))

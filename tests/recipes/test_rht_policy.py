@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import fp4jax
-from fp4jax.models.llama import Llama, get_preset
+from fp4jax.models.llama import get_preset, quantized_llama
 from fp4jax.nn import linen as fl
 from fp4jax.nn import nnx as fn
 
@@ -113,7 +113,7 @@ def test_linen_keys_differ_per_layer_and_stay_per_step(monkeypatch):
 
 def test_scanned_llama_gives_each_layer_its_own_key(monkeypatch):
     cfg = get_preset("micro").replace(n_layers=3, scan_layers=True)
-    model = Llama(cfg, policy=fp4jax.nn.PrecisionPolicy(recipe=LAYER))
+    model = quantized_llama(cfg, fp4jax.nn.PrecisionPolicy(recipe=LAYER))
     tokens = jnp.zeros((2, 16), jnp.int32)
     params = model.init(jax.random.key(0), tokens)
     seen = _recording(monkeypatch)

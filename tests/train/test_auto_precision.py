@@ -154,14 +154,14 @@ def test_grad_noise_is_the_train_steps_sr_noise_and_matches_numpy():
     import optax
     from jax.sharding import NamedSharding
 
-    from fp4jax.models.llama import Llama, layer_name
+    from fp4jax.models.llama import layer_name, quantized_llama
     from fp4jax.train import loop, parallel
 
     cfg = T.TrainConfig(**BASE)
     mc, recipe = T.model_config(cfg), fp4jax.recipes.nvfp4()
     policy = T.make_policy(cfg, mc, recipe)
-    model = Llama(mc, policy)
-    model_hp = Llama(mc, policy.replace(recipe=T.switched_recipe(recipe, "bwd")))
+    model = quantized_llama(mc, policy)
+    model_hp = quantized_llama(mc, policy.replace(recipe=T.switched_recipe(recipe, "bwd")))
     tx = T.make_optimizer(cfg)
     mesh = loop.make_mesh(cfg.devices)  # all devices (4 under tests/conftest.py), as train()
     # laid out as train() lays them out: the same compiled (data-parallel) train step

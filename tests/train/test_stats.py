@@ -20,7 +20,7 @@ import pytest
 import fp4jax
 from fp4jax import diagnostics as D
 from fp4jax import train as T
-from fp4jax.models.llama import Llama, layer_name, layer_order
+from fp4jax.models.llama import layer_name, layer_order, quantized_llama
 from fp4jax.nn import linen as fnn
 from fp4jax.train import loop
 from fp4jax.train.config import make_optimizer, make_policy, model_config, run_recipe
@@ -294,7 +294,7 @@ class DotGeneral(fnn.DotGeneral):
 def _train_step_hlo(cfg: T.TrainConfig) -> str:
     rcfg, recipe = run_recipe(cfg)
     mc = model_config(rcfg)
-    model = Llama(mc, make_policy(rcfg, mc, recipe))
+    model = quantized_llama(mc, make_policy(rcfg, mc, recipe))
     tx = make_optimizer(cfg)
     state = jax.eval_shape(loop.make_init_state(model, tx, cfg), jax.random.key(0))
     step = loop.make_train_step(model, tx, None, loop.make_mesh(1))

@@ -171,7 +171,7 @@ def test_fsdp_shards_the_state_and_resumes_exactly(text, tmp_path):
     assert dict(mesh.shape) == {"data": 2, "fsdp": 2}
     cfg = _cfg(text, tmp_path)
     mc = T.model_config(cfg)
-    model = fp4jax.models.Llama(mc, T.make_policy(cfg, mc, fp4jax.recipes.nvfp4()))
+    model = fp4jax.models.quantized_llama(mc, T.make_policy(cfg, mc, fp4jax.recipes.nvfp4()))
     init = loop.make_init_state(model, T.make_optimizer(cfg), cfg)
     specs = parallel.state_specs(jax.eval_shape(init), mesh)
     state = jax.jit(init, out_shardings=parallel.shardings(specs, mesh))()
