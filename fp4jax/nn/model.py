@@ -26,10 +26,13 @@ whose both operands look like parameters (``report`` lists it).
 
 **Paths.** linen: ``Module.path`` joined by ``/`` (``"decoder/layers_0/attn/query"``).
 Under ``nn.scan`` the scanned body's modules keep the scan's own path for every iteration
-(``"decoder/blocks/attn/query"``, not one path per block): one rule covers every block of a
-scanned stack (the body is traced once, so per-block recipes would need an unrolled stack).
-NNX: the attribute path from the root, list and dict keys included (``"blocks/3/mlp/up"``);
-an ``nnx.scan``/``nnx.vmap`` stack of layers is one module (``"blocks/mlp/up"``).
+(``"decoder/blocks/attn/query"``), and block ``i`` also answers to its block path, the index
+after the scan's path (``"decoder/blocks/3/attn/query"``, ``fp4jax.nn.rules.block_paths``);
+the body is traced once, so rules that give the blocks of one scan different recipes raise
+a ``ValueError`` when it is traced (``match_rule_in_stack``) rather than one recipe applying
+to all. NNX: the attribute path from the root, list and dict keys included
+(``"blocks/3/mlp/up"``); an ``nnx.vmap`` stack of layers is one module (``"blocks/mlp/up"``)
+with the same block paths (``"blocks/3/mlp/up"``), checked by ``quantize_model``.
 
 **Keys.** linen: the product runs through a ``fp4jax.nn.linen.DotGeneral`` submodule that
 the layer creates at the call (auto-named ``DotGeneral_0`` under the layer, no
@@ -79,6 +82,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -92,7 +96,14 @@ from flax import nnx
 from fp4jax.diagnostics import observe_product
 from fp4jax.nn import linen as fnn
 from fp4jax.nn import nnx as fnnx
-from fp4jax.nn.rules import Rule, as_rules, einsum_dimension_numbers, layer_key, match_rule
+from fp4jax.nn.rules import (
+    Rule,
+    as_rules,
+    einsum_dimension_numbers,
+    layer_key,
+    match_rule,
+    match_rule_in_stack,
+)
 from fp4jax.recipes import Recipe
 
 __all__ = ["Report", "quantize_model", "report"]
@@ -117,6 +128,7 @@ class _Local(threading.local):
     def __init__(self) -> None:
         self.frames: list[_Frame | None] = []
         self.sessions: list[_Session] = []
+        self.scans: list[tuple[str, int]] = []  # (path, length) of the nn.scans running
         self.busy = 0
 
 
@@ -141,9 +153,15 @@ class _Session:
     rng_collection: str
     layer_rng_collection: str
     record: _Record | None = None
+    # NNX: the rule each layer got from quantize_model (a stacked layer's, by its blocks)
+    resolved: dict[str, int | None] = dataclasses.field(default_factory=dict)
 
-    def rule_index(self, path: str) -> int | None:
-        return match_rule(self.rules, path)
+    def rule_index(self, path: str, stacks: Sequence[tuple[str, int]] = ()) -> int | None:
+        """The rule of the layer at ``path``, inside the stacked blocks ``stacks`` (``(stack
+        path, blocks)``: ``match_rule_in_stack``, which raises where blocks disagree)."""
+        if not stacks:
+            return match_rule(self.rules, path)
+        return match_rule_in_stack(self.rules, path, stacks)
 
 
 @dataclasses.dataclass
@@ -339,7 +357,7 @@ def _product(frame: _Frame, op: str, orig: Callable[[], Any], lhs: Any, rhs: Any
             rec.uncovered.append(f"{frame.path or '/'}: {op} {_shapes(lhs, rhs)} "
                                  f"({why or 'both operands look like parameters'})")
         return _seen(orig)
-    idx = s.rule_index(frame.path)
+    idx = s.rule_index(frame.path, _stacks_of(frame.path) if frame.kind == "linen" else ())
     recipe = s.rules[idx].recipe if idx is not None else None
     weight = rhs if roles[1] else lhs
     if rec is not None:
@@ -466,12 +484,83 @@ def _linen_interceptor(session: _Session) -> Callable[..., Any]:
             except Exception:  # noqa: BLE001 (unbound: not part of this model's tree)
                 path = None
             frame = None if path is None else _Frame(session, path, m, "linen")
-        with _push(frame):
+        scans = [] if frame is None else _scans_around(m)
+        with _push(frame), _scanning(scans):
             if frame is not None and session.record is not None:
                 with jax.named_scope("fp4jax_module:" + frame.path.replace("/", "|")):
                     return next_fun(*args, **kwargs)
             return next_fun(*args, **kwargs)
     return interceptor
+
+
+def _stacks_of(path: str) -> list[tuple[str, int]]:
+    """The ``nn.scan``s running around the module at ``path``: ``(scan path, length)``."""
+    return [(p, n) for p, n in _local.scans if path == p or path.startswith(p + "/")]
+
+
+@contextlib.contextmanager
+def _scanning(scans: list[tuple[str, int]]):
+    """``scans`` (``_scans_around``) on the thread's stack of running scans meanwhile."""
+    if not scans:
+        yield
+        return
+    new = [sc for sc in reversed(scans) if sc not in _local.scans]
+    _local.scans.extend(new)
+    try:
+        yield
+    finally:
+        del _local.scans[len(_local.scans) - len(new):]
+
+
+def _scans_around(m: Any) -> list[tuple[str, int]]:
+    """The ``nn.scan``s whose traced body ``m`` is the root of (its ``parent`` is the lifted
+    scope, not a module), as ``(scan path, length)``, innermost first; ``[]`` elsewhere.
+
+    flax offers no public accessor, and the scanned module's own call is not seen by
+    ``nn.intercept_methods``: the calls being run are read off the Python stack, the
+    frames of ``flax.linen.transforms``' lifted method (``wrapped_fn(self, *args)``,
+    closing over the lifting ``transform``, ``flax.core.lift.scan``, and its keyword
+    arguments). A flax whose code differs finds no scan here and rules match the stack's
+    path only, as before (tests/nn/test_rules.py's scan tests notice)."""
+    if isinstance(getattr(m, "parent", None), nn.Module) or not getattr(m, "path", ()):
+        return []
+    out = []
+    f = inspect.currentframe()
+    depth = 0
+    while f is not None and depth < 200:
+        code = f.f_code
+        if (code.co_name == "wrapped_fn" and "flax" in code.co_filename
+                and "transform" in code.co_freevars):
+            loc = f.f_locals
+            t, self_ = loc.get("transform"), loc.get("self")
+            if (getattr(t, "__name__", None) == "scan"
+                    and getattr(t, "__module__", "").startswith("flax.core")
+                    and isinstance(self_, nn.Module)):
+                kw = loc.get("trafo_kwargs")
+                n = _scan_length(kw if isinstance(kw, dict) else {}, loc.get("args", ()))
+                try:
+                    path = "/".join(str(p) for p in self_.path)
+                except Exception:  # noqa: BLE001 (unbound)
+                    path = None
+                if n and path:
+                    out.append((path, n))
+        f, depth = f.f_back, depth + 1
+    return out
+
+
+def _scan_length(kw: dict, args: Sequence[Any]) -> int | None:
+    """The iterations of an ``nn.scan`` with keyword arguments ``kw`` called on ``args``:
+    its ``length``, else the leading (``in_axes``) axis of its first scanned input."""
+    if kw.get("length") is not None:
+        return int(kw["length"])
+    in_axes = kw.get("in_axes", 0)
+    axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
+    for a, ax in zip(args, axes, strict=False):
+        if isinstance(ax, int):
+            leaves = jax.tree.leaves(a)
+            if leaves and jnp.ndim(leaves[0]) > ax:
+                return int(jnp.shape(leaves[0])[ax])
+    return None
 
 
 @contextlib.contextmanager
@@ -535,7 +624,7 @@ class _NnxWrapped(nnx.Module):
         if why is not None:
             rec.uncovered.append(f"{self.path}: {self.op} ({why})")
             return
-        idx = self.session.rule_index(self.path)
+        idx = self.session.resolved.get(self.path, self.session.rule_index(self.path))
         rec.layers.setdefault(self.path, {
             "op": self.op, "weight": tuple(jnp.shape(weight)), "rule": idx,
             "recipe": None if self.dot is None else self.dot.recipe.name, "calls": 0})
@@ -600,6 +689,25 @@ def _stack_shape(m: Any) -> tuple[int, ...]:
     return ()
 
 
+def _nnx_stacks(path: Sequence[Any], node: Any, modules: dict[tuple, Any]
+                ) -> list[tuple[str, int]]:
+    """The stack of a covered NNX layer stacked by ``nnx.vmap`` (one leading axis of ``L``
+    layers on its kernel): ``[(stack path, L)]``, the stack being the outermost module on
+    its path whose every parameter has that leading axis (the vmapped block), or ``[]``."""
+    lead = _stack_shape(node)
+    if len(lead) != 1:
+        return []
+    path = tuple(path)
+    for k in range(1, len(path)):
+        m = modules.get(path[:k])
+        if m is None:
+            continue
+        shapes = [jnp.shape(v[...]) for _, v in nnx.iter_graph(m) if isinstance(v, nnx.Param)]
+        if shapes and all(sh[:1] == lead for sh in shapes):
+            return [("/".join(str(p) for p in path[:k]), lead[0])]
+    return [("/".join(str(p) for p in path), lead[0])]
+
+
 def _make_nnx_dot(recipe: Recipe, path: str, session: _Session, keys: dict[str, Any],
                   lead: tuple[int, ...]) -> fnnx.DotGeneral:
     def per_layer(k: jax.Array) -> jax.Array:
@@ -618,6 +726,7 @@ def _make_nnx_dot(recipe: Recipe, path: str, session: _Session, keys: dict[str, 
 def _quantize_nnx(model: nnx.Module, session: _Session, rngs: Any) -> nnx.Module:
     nodes = [(path, node) for path, node in nnx.iter_graph(model)
              if isinstance(node, nnx.Module)]
+    modules = {tuple(path): node for path, node in nodes}
     plan = []
     for path, node in nodes:
         name = "/".join(str(p) for p in path)
@@ -631,7 +740,8 @@ def _quantize_nnx(model: nnx.Module, session: _Session, rngs: Any) -> nnx.Module
             if any("__call__" in vars(c) for c in type(node).__mro__[:-1]):
                 _intercept_nnx(node, name, session)
             continue
-        idx = session.rule_index(name)
+        idx = session.rule_index(name, _nnx_stacks(path, node, modules) if covered else ())
+        session.resolved[name] = idx
         recipe = session.rules[idx].recipe if idx is not None else None
         if isinstance(getattr(node, "dot_general", None), (fnnx.DotGeneral, _NnxWrapped)):
             continue  # already an fp4jax layer, or quantized before

@@ -30,8 +30,8 @@ import jax
 
 from fp4jax.recipes import Recipe, parse
 
-__all__ = ["Rule", "as_rules", "einsum_dimension_numbers", "layer_key", "load_rules",
-           "match_rule"]
+__all__ = ["Rule", "as_rules", "block_paths", "einsum_dimension_numbers", "layer_key",
+           "load_rules", "match_rule", "match_rule_in_stack"]
 
 _NONE_SPECS = ("none", "high", "high_precision")
 
@@ -144,6 +144,71 @@ def match_rule(rules: Sequence[Rule], path: str) -> int | None:
         if r.matches(path):
             return i
     return None
+
+
+def block_paths(path: str, stack: str, index: int) -> str:
+    """The path of the layer at module path ``path`` in block ``index`` of the stack at
+    ``stack`` (a prefix of ``path``: a scanned module's path): the index inserted as a
+    path component after ``stack``, as NNX names list items (``block_paths(
+    "decoder/blocks/attn/query", "decoder/blocks", 3) == "decoder/blocks/3/attn/query"``).
+    """
+    return f"{stack}/{index}{path[len(stack):]}"
+
+
+def match_rule_in_stack(rules: Sequence[Rule], path: str, stacks: Sequence[tuple[str, int]]
+                        ) -> int | None:
+    """The rule of the layer at ``path`` that runs once per block of stacked (scanned)
+    blocks: ``stacks`` lists ``(stack path, number of blocks)`` for each stack around it
+    (``path`` starts with each stack path; none: ``match_rule``).
+
+    A rule applies to block ``i`` of a stack when its pattern matches the stack's own path
+    ``path`` (one rule for every block, as an unstacked layer) or the block's path
+    ``block_paths(path, stack, i)`` (``"decoder/blocks/3/attn/query"``); each block takes
+    the first rule that applies. One traced body runs every block of a stack, so the
+    blocks must agree on the recipe: the first block's rule is returned.
+
+    Raises:
+      ValueError: the blocks of a stack get different recipes (naming the layer, the rules
+        and their blocks, and the fix: unroll those blocks, or one recipe per stack).
+    """
+    first = match_rule(rules, path)
+    for stack, n in stacks:
+        per_block = []
+        for i in range(n):
+            bp = block_paths(path, stack, i)
+            per_block.append(next((j for j, r in enumerate(rules)
+                                   if r.matches(path) or r.matches(bp)), None))
+        recipes = {None if j is None else rules[j].recipe for j in per_block}
+        if len(recipes) > 1:
+            groups: dict[int | None, list[int]] = {}
+            for i, j in enumerate(per_block):
+                groups.setdefault(j, []).append(i)
+            every = re.escape(stack) + r"/\d+" + re.escape(path[len(stack):])
+            said = "; ".join(
+                (f"blocks {_span(b)} no rule (unchanged)" if j is None else
+                 f"blocks {_span(b)} rule [{j}] {rules[j].pattern!r} -> {rules[j].spec}")
+                for j, b in groups.items())
+            raise ValueError(
+                f"fp4jax.nn.quantize_model: the layer {path!r} runs in a scanned stack of {n} "
+                f"blocks at {stack!r} (one traced body, one recipe), but the rules give its "
+                f"blocks different recipes: {said}. Unroll the blocks that differ around a "
+                f"scan of the others (e.g. the first and last blocks as their own modules, as "
+                f"fp4jax's Llama scans runs of blocks with equal recipes), or give every block "
+                f"of the stack the same recipe (a rule on {path!r} or {every!r})")
+        first = per_block[0] if per_block else first
+    return first
+
+
+def _span(blocks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    out, start = [], None
+    for k, b in enumerate(blocks):
+        if start is None:
+            start = b
+        if k + 1 == len(blocks) or blocks[k + 1] != b + 1:
+            out.append(str(start) if start == b else f"{start}-{b}")
+            start = None
+    return ",".join(out)
 
 
 def load_rules(path: str | os.PathLike) -> list[Rule]:

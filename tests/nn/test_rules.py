@@ -403,6 +403,46 @@ def test_load_rules_errors_name_file_and_entry(tmp_path, content, needle):
     assert "bad.json" in str(e.value)
 
 
+def test_rules_address_the_blocks_of_a_scanned_stack():
+    """Inside ``nn.scan`` (linen) and an ``nnx.vmap``-stacked layer, a rule may name blocks
+    by index (``blocks/3/attn/query``: the stack's path, the block's index, the path in the
+    block); one traced body runs every block, so rules that give the blocks of a stack
+    different recipes are refused (naming the rules, the blocks and the fix) instead of one
+    recipe silently applying to all of them."""
+    tokens = _tokens()
+    q = quantize_model(LM(scan=True), [Rule(r".*(embed|lm_head)", None),
+                                       Rule(r"blocks/\d+/up", NV_RN), Rule(".*", None)])
+    got = {p: d["recipe"] for p, d in report(q, tokens).layers.items()}
+    assert got["blocks/up"] == NV_RN.name and got["blocks/attn/query"] is None
+    mixed = quantize_model(LM(scan=True), [Rule(r"blocks/1/.*", None), Rule(".*", NV_RN)])
+    with pytest.raises(ValueError, match=r"'blocks/attn/query' runs in a scanned stack of 2 "
+                       r"blocks at 'blocks'.*blocks 0 rule \[1\].*blocks 1 rule \[0\].*Unroll"):
+        report(mixed, tokens)
+    with pytest.raises(ValueError, match="scanned stack"):
+        jax.eval_shape(mixed.init, jax.random.key(0), tokens)
+
+    class Blk(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(D, D, use_bias=False, rngs=rngs)
+
+    class Stacked(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=3)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return Blk(rngs)
+            self.blocks = make(rngs)
+            self.head = nnx.Linear(D, V, use_bias=False, rngs=rngs)
+
+    with pytest.raises(ValueError, match=r"'blocks/up' runs in a scanned stack of 3 blocks "
+                       r"at 'blocks'.*blocks 0,2 rule \[0\]"):
+        quantize_model(Stacked(nnx.Rngs(0)), [Rule(r"blocks/(0|2)/up", None),
+                                               Rule(".*", NV_RN)])
+    ok = quantize_model(Stacked(nnx.Rngs(0)), [Rule(r"blocks/\d+/up", NV_RN)])
+    assert isinstance(ok.blocks.up.dot_general.dot, fnnx.DotGeneral)
+    assert not isinstance(ok.head.dot_general, fnnx.DotGeneral)
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="pattern"):
         Rule("(", "nvfp4")
