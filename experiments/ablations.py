@@ -152,6 +152,17 @@ GROUPS: dict[str, Group] = {
          ("RHT-32, unsigned (deterministic Hadamard)", "mxfp4(wgrad.hadamard_signs=ones)"),
          ("RHT-32 unsigned, no SR", "mxfp4(sr=False, wgrad.hadamard_signs=ones)")),
         shared=("mxfp4",)),
+    "mxfp4_oas": Group(
+        "MXFP4 block scale rule: round-up vs OCP vs Overflow-Aware Scaling",
+        "arXiv 2603.08713 (OAS; google/qwix's c = 12/7 bias): OAS closes most of MXFP4's "
+        "gap to NVFP4 (shown there for inference).",
+        (("BF16", "bf16"), ("NVFP4 recipe", "nvfp4"),
+         ("MXFP4 recipe (scale rounded up)", "mxfp4"),
+         ("MXFP4, OCP scale rule", "mxfp4(fmt=mxfp4_ocp)"),
+         ("MXFP4, Overflow-Aware Scaling", "mxfp4(fmt=mxfp4_oas)"),
+         ("MXFP4 OAS, unsigned Hadamard on Wgrad",
+          "mxfp4(fmt=mxfp4_oas, wgrad.hadamard_signs=ones)")),
+        shared=("mxfp4",)),
 }
 
 

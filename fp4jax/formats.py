@@ -16,9 +16,9 @@ import jax.numpy as jnp
 
 from fp4jax import numerics
 
-ScaleRule = Literal["nearest", "up", "ocp"]
+ScaleRule = Literal["nearest", "up", "ocp", "oas"]
 
-__all__ = ["BlockFormat", "NVFP4", "MXFP4", "MXFP4_OCP", "MXFP8_E4M3", "MXFP8_E5M2",
+__all__ = ["BlockFormat", "NVFP4", "MXFP4", "MXFP4_OCP", "MXFP4_OAS", "MXFP8_E4M3", "MXFP8_E5M2",
            "MXFP6_E2M3", "MXFP6_E3M2", "MXFP8_E4M3_UP", "MXFP8_E5M2_UP", "MXFP6_E2M3_UP",
            "MXFP6_E3M2_UP", "get_format", "FORMATS"]
 
@@ -43,7 +43,11 @@ class BlockFormat:
         block amax never exceeds ``elem_max`` after scaling, so it never saturates) or
         ``"ocp"`` (OCP MX v1.0 section 6.3: ``2**(floor(log2 amax) - emax_elem)``,
         ``emax_elem`` the element format's largest exponent; power-of-two scale formats
-        only; a block amax may then saturate to ``elem_max``).
+        only; a block amax may then saturate to ``elem_max``) or ``"oas"`` (Overflow-Aware
+        Scaling, arXiv 2603.08713 as google/qwix implements it, its ``c = 12/7`` bias:
+        ``2**floor(log2(amax * c / 6))``, the smallest power of two that keeps the block
+        amax below 7, the rounding midpoint above 6; E2M1 elements and power-of-two scales
+        only; ``fp4jax.quantization.oas_block_scale``).
       elem_exp_bits, elem_man_bits: the element data type, one of OCP MX v1.0's
         (section 5.3): ``(2, 1)`` E2M1 (FP4, the default), ``(2, 3)`` E2M3 and ``(3, 2)``
         E3M2 (FP6), ``(4, 3)`` E4M3 and ``(5, 2)`` E5M2 (FP8); see
@@ -91,12 +95,18 @@ class BlockFormat:
                 f"BlockFormat(elem_exp_bits={self.elem_exp_bits!r}, elem_man_bits="
                 f"{self.elem_man_bits!r}) is not an OCP MX element format: use one of "
                 f"(elem_exp_bits, elem_man_bits) = {valid}")
-        if self.scale_rule not in ("nearest", "up", "ocp"):
+        if self.scale_rule not in ("nearest", "up", "ocp", "oas"):
             raise ValueError(
-                f"BlockFormat.scale_rule must be 'nearest', 'up' or 'ocp', got {self.scale_rule!r}"
-            )
-        if self.scale_rule == "ocp" and self.scale_man_bits != 0:
-            raise ValueError("BlockFormat.scale_rule='ocp' needs a power-of-two scale (ExM0)")
+                f"BlockFormat.scale_rule must be 'nearest', 'up', 'ocp' or 'oas', got "
+                f"{self.scale_rule!r}")
+        if self.scale_rule in ("ocp", "oas") and self.scale_man_bits != 0:
+            raise ValueError(f"BlockFormat.scale_rule={self.scale_rule!r} needs a power-of-two "
+                             f"scale (ExM0), got scale_man_bits={self.scale_man_bits}")
+        if self.scale_rule == "oas" and elem != (2, 1):
+            raise ValueError(
+                "BlockFormat.scale_rule='oas' is defined for E2M1 elements (its bias, "
+                f"c = 12/7, is derived for E2M1's max 6), got elem_exp_bits={elem[0]}, "
+                f"elem_man_bits={elem[1]}: use scale_rule='up' or 'ocp' for other elements")
 
     @property
     def scale_grid(self) -> numerics.FloatGrid:
@@ -191,6 +201,12 @@ MXFP4_OCP = BlockFormat("mxfp4_ocp", block_size=32, scale_exp_bits=8, scale_man_
                         tensor_scale=False, scale_rule="ocp")
 """MXFP4 per the OCP MX v1.0 spec: scale ``2**(floor(log2 amax) - 2)`` (may saturate)."""
 
+MXFP4_OAS = MXFP4.replace(name="mxfp4_oas", scale_rule="oas")
+"""MXFP4 with Overflow-Aware Scaling (arXiv 2603.08713; google/qwix's ``c = 12/7`` bias):
+scale ``2**floor(log2(amax / 3.5))``, so the block amax maps into [3.5, 7) and at most the
+part in [6, 7) saturates to 6 (which round-to-nearest would give it anyway); see
+``fp4jax.quantization.oas_block_scale``."""
+
 
 def _mx(name: str, elem: tuple[int, int], rule: str) -> BlockFormat:
     """An OCP MX v1.0 concrete format (section 5, table 1): blocks of 32, UE8M0 scales, no
@@ -226,8 +242,8 @@ MXFP6_E2M3_UP = MXFP6_E2M3.replace(name="mxfp6_e2m3_up", scale_rule="up")
 MXFP6_E3M2_UP = MXFP6_E3M2.replace(name="mxfp6_e3m2_up", scale_rule="up")
 """MXFP6 E3M2 with the scale rounded up (the NVFP4 paper's MXFP4 rule, Appendix B.4)."""
 
-FORMATS = {f.name: f for f in (NVFP4, MXFP4, MXFP4_OCP, MXFP8_E4M3, MXFP8_E5M2, MXFP6_E2M3,
-                               MXFP6_E3M2, MXFP8_E4M3_UP, MXFP8_E5M2_UP, MXFP6_E2M3_UP,
+FORMATS = {f.name: f for f in (NVFP4, MXFP4, MXFP4_OCP, MXFP4_OAS, MXFP8_E4M3, MXFP8_E5M2,
+                               MXFP6_E2M3, MXFP6_E3M2, MXFP8_E4M3_UP, MXFP8_E5M2_UP, MXFP6_E2M3_UP,
                                MXFP6_E3M2_UP)}
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "ms_eden",
     "row_amax",
     "BLOCK_SCALE_RULES",
+    "oas_block_scale",
     "ROUNDINGS",
     "FOUR_OVER_SIX_VARIANTS",
     "pack_e2m1",
@@ -184,6 +185,7 @@ def block_decode_scale(amax_block: jax.Array, enc: jax.Array, fmt: BlockFormat) 
     * ``"ocp"`` (OCP MX v1.0 sec. 6.3): ``2**(floor(log2(amax_block * enc)) - emax)``,
       ``emax = floor(log2 M)`` the element format's largest exponent (2 for E2M1 and
       E2M3, 4 for E3M2, 8 for E4M3, 15 for E5M2), clamped to the scale range.
+    * ``"oas"`` (Overflow-Aware Scaling, MXFP4): ``oas_block_scale(amax_block * enc)``.
 
     A block with a non-finite amax gets a NaN scale, so it dequantizes to NaN.
 
@@ -200,7 +202,9 @@ def block_decode_scale(amax_block: jax.Array, enc: jax.Array, fmt: BlockFormat) 
     """
     grid = fmt.scale_grid
     amax_block = amax_block.astype(jnp.float32)
-    if fmt.scale_rule == "ocp":
+    if fmt.scale_rule == "oas":
+        s = oas_block_scale(amax_block * enc, fmt)
+    elif fmt.scale_rule == "ocp":
         w = amax_block * enc
         e = jnp.clip(numerics.floor_log2(w) - fmt.elem_grid.max_exp, grid.min_exp,
                      grid.max_exp)
@@ -210,6 +214,46 @@ def block_decode_scale(amax_block: jax.Array, enc: jax.Array, fmt: BlockFormat) 
         s = numerics.round_to_grid(v, grid, fmt.scale_rule)
     # |amax| < inf: isfinite, in compares the Pallas kernels lower (they call this function)
     return jnp.where(jnp.abs(amax_block) < jnp.inf, s, jnp.float32(jnp.nan))
+
+
+def oas_block_scale(w: jax.Array, fmt: BlockFormat) -> jax.Array:
+    """Overflow-Aware Scaling (OAS) of a power-of-two block scale, for E2M1 elements: the
+    rule of ``BlockFormat.scale_rule="oas"`` (``fp4jax.MXFP4_OAS``).
+
+    Sources: "Unveiling the Potential of Quantization with MXFP4: Strategies for
+    Quantization Error Reduction" (arXiv 2603.08713, Overflow-Aware Scaling, which "reduces
+    overall errors by increasing effective dynamic range under power-of-two block
+    scaling"), as google/qwix implements it (commit 901efed, ``qwix/_src/core/qarray.py``
+    ``compute_scale_zero_point``: ``scale = absmax / 6``, times ``c = 12/7``, "Bias = 0.5 -
+    log2(7/6). C = 2**(bias + 0.5) = 12 / 7", then the exponent of the result kept, its
+    mantissa dropped; qwix's test: block amax 6.5 gives scale 1, 7.5 gives 2). Only the
+    paper's abstract and qwix's code could be read here.
+
+    Rule: ``s = 2**floor(log2(w * c / 6))`` with ``c = 12/7``, i.e. ``2**floor(log2(w /
+    3.5))``, ``w`` the block amax (times the tensor encode scale, 1 for MXFP4): the
+    smallest power of two with ``w / s < 7``, 7 being the midpoint between E2M1's max 6
+    and the next value of its binade, 8. So the block amax maps into [3.5, 7): below 6 it
+    is on the grid's range, in [6, 7) it saturates to 6, which round-to-nearest would give
+    it anyway (the OCP rule maps it into [4, 8), saturating [6, 8); the NVIDIA paper's
+    round-up rule into (3, 6], never saturating but using a coarser scale for amaxes
+    whose significand is in (1.5, 1.75)). Exact: with ``w = 2**e * m``, ``m`` in [1, 2),
+    the exponent is ``e - 1`` when ``m >= 1.75`` and ``e - 2`` otherwise, read from the
+    float32 bits (the significand's top two fraction bits both set); then clamped to the
+    scale grid ([2**-126, 2**127] for E8M0; a zero or subnormal ``w`` gets 2**-126).
+    Difference from qwix: qwix rounds ``(amax / 6) * c`` to bfloat16 first, so an amax
+    within about 2**-9 (relative) below ``7 * 2**k`` gets the next scale there.
+
+    Args:
+      w: float32 block amaxes times the tensor encode scale (finite; a NaN/Inf block's
+        scale is set by ``block_decode_scale``).
+      fmt: the format (E2M1 elements, ExM0 scale: checked by ``BlockFormat``).
+    Returns:
+      float32 powers of two on ``fmt.scale_grid``.
+    """
+    grid = fmt.scale_grid
+    bits = jax.lax.bitcast_convert_type(w.astype(jnp.float32), jnp.int32)
+    e = numerics.floor_log2(w) - 2 + ((bits & 0x600000) == 0x600000).astype(jnp.int32)
+    return numerics.pow2(jnp.clip(e, grid.min_exp, grid.max_exp))
 
 
 def element_encode_scale(s: jax.Array, dec: jax.Array) -> jax.Array:

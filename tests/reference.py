@@ -130,7 +130,8 @@ def ref_quantize(x, exp_bits=4, man_bits=3, block=16, tensor_scale=True, rule="n
 
     ``elem``: the element type's (exp_bits, man_bits) (``ELEM_GRIDS``); the block amax maps
     to its max ``M`` (``rule`` ``"nearest"``/``"up"``: ``amax_b * f32(enc * f32(1/M))`` onto
-    the scale grid; ``"ocp"``: ``2**(floor(log2(amax_b * enc)) - floor(log2 M))``), a
+    the scale grid; ``"ocp"``: ``2**(floor(log2(amax_b * enc)) - floor(log2 M))``; ``"oas"``
+    (E2M1): the smallest power of two ``2**k`` with ``amax_b * enc < 7 * 2**k``), a
     tensor scale maps the tensor amax to ``min(scale_max, 2**17) * M``, and elements round
     to nearest even (or stochastically) onto the element grid, saturating to ``M``.
     ``scale_ieee``: the scale grid reserves its whole top exponent (IEEE).
@@ -183,7 +184,16 @@ def _block_scale(amax_b, enc, sgrid, rule, man_bits, egrid=E2M1):
     amax_b = amax_b.astype(F32)
     emax = np.floor(np.log2(egrid[-1]))  # the element's largest exponent (OCP MX "emax")
     with np.errstate(over="ignore", invalid="ignore"):
-        if rule == "ocp":
+        if rule == "oas":  # the smallest power of two 2**k with w < 7 * 2**k (float64)
+            w = (amax_b * enc).astype(F32).astype(np.float64)
+            with np.errstate(divide="ignore"):
+                k = np.floor(np.log2(np.where(w > 0, w, 1.0) / 7.0)) + 1
+            k = np.where(w >= 7.0 * np.exp2(k), k + 1, k)  # fix up log2's rounding
+            k = np.where(w < 7.0 * np.exp2(k - 1), k - 1, k)
+            k = np.where(w > 0, k, -np.inf)
+            lo, hi = np.log2(sgrid[0]), np.log2(sgrid[-1])
+            s = 2.0 ** np.clip(k, lo, hi)
+        elif rule == "ocp":
             w = (amax_b * enc).astype(F32)
             with np.errstate(divide="ignore"):
                 ex = np.floor(np.log2(w.astype(np.float64))) - emax

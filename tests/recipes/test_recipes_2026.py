@@ -91,3 +91,100 @@ def test_kernel_path_gets_the_unsigned_vector(monkeypatch):
     jax.block_until_ready(f(x, w))
     assert len(seen) == 2  # x and dy of wgrad, 32x1 columns after the RHT-32
     assert all(np.array_equal(s, np.ones(32, np.float32)) for s in seen)
+
+
+# --------------------------------------------------------------------------------------
+# 2. MXFP4 with Overflow-Aware Scaling (scale_rule="oas", google/qwix's c = 12/7)
+# --------------------------------------------------------------------------------------
+
+
+def _oas_input(seed=0):
+    """Blocks of 32 whose amaxes sit on and around the rule's thresholds 7 * 2**k (and
+    3.5 * 2**k, 6 * 2**k, qwix's 6.5 and 7.5), one ulp either side, plus random blocks,
+    an all-zero block and a float32-max block."""
+    rng = np.random.default_rng(seed)
+    amaxes = [6.5, 7.5, 7.0, 3.5, 6.0, 4.0, 1.0, 2.0**-100, 3e38]
+    for k in (-3, 0, 5):
+        t = np.float32(7.0 * 2.0**k)
+        amaxes += [t, np.nextafter(t, np.float32(0)), np.nextafter(t, np.float32(np.inf))]
+    blocks = rng.standard_normal((len(amaxes) + 6, 32)).astype(np.float32)
+    blocks *= np.exp2(rng.integers(-8, 8, (len(blocks), 1))).astype(np.float32)
+    for i, a in enumerate(amaxes):
+        b = blocks[i] / np.abs(blocks[i]).max() * np.float32(a * 0.999)
+        b[i % 32] = np.float32(a) * (1 if i % 2 else -1)
+        blocks[i] = b
+    blocks[-1] = 0.0
+    return blocks
+
+
+def test_oas_block_scales_and_elements_bit_exact_vs_numpy():
+    """``MXFP4_OAS`` (RtN): every scale and element bit for bit the NumPy reference, whose
+    rule is written independently (the smallest ``2**k`` with ``amax < 7 * 2**k``, by
+    float64 search); qwix's own test values hold (amax 6.5: scale 1, 7.5: scale 2)."""
+    from fp4jax.formats import MXFP4_OAS
+    from tests.reference import ref_quantize
+
+    x = _oas_input()
+    q = fp4jax.quantize(jnp.asarray(x), MXFP4_OAS)
+    data, s, dec = ref_quantize(x, 8, 0, 32, tensor_scale=False, rule="oas")
+    assert np.array_equal(np.asarray(q.scale.astype(jnp.float32), np.float64), s)
+    got = np.asarray(q.data.astype(jnp.float32), np.float64)
+    assert np.array_equal(got, data) and np.array_equal(np.signbit(got), np.signbit(data))
+    assert s[0, 0] == 1.0 and s[1, 0] == 2.0  # qwix: amax 6.5 -> 1, 7.5 -> 2
+    # the rule differs from the paper's round-up one and from OCP's where designed to
+    up = np.asarray(fp4jax.quantize(jnp.asarray(x), "mxfp4").scale.astype(jnp.float32))
+    ocp = np.asarray(fp4jax.quantize(jnp.asarray(x), "mxfp4_ocp").scale.astype(jnp.float32))
+    assert (s[:, 0] != up[:, 0]).any() and (s[:, 0] != ocp[:, 0]).any()
+    assert (s[:, 0] <= up[:, 0]).all() and (s[:, 0] >= ocp[:, 0]).all()
+
+
+def test_oas_stochastic_rounding_bit_exact_and_unbiased():
+    """SR with OAS scales: bit for bit the NumPy reference's SR on the same uniforms, and
+    unbiased over 4096 draws for blocks that do not saturate (amax / scale < 6)."""
+    from fp4jax.formats import MXFP4_OAS
+    from tests.reference import ref_quantize
+
+    x = _oas_input(1)
+    key = jax.random.key(5)
+    q = fp4jax.quantize(jnp.asarray(x), MXFP4_OAS, rounding="stochastic", key=key)
+    k1, k2 = (int(v) for v in np.asarray(jax.random.key_data(key)).reshape(2))
+    data, s, _ = ref_quantize(x, 8, 0, 32, tensor_scale=False, rule="oas",
+                              sr_key_words=(k1, k2))
+    assert np.array_equal(np.asarray(q.data.astype(jnp.float32), np.float64), data)
+    # 4096 draws of one block: amax 1.325, scale 2**-2, amax / scale = 5.3 < 6
+    row = (np.random.default_rng(2).uniform(-1, 1, 32) * 1.325).astype(np.float32)
+    row[3] = np.float32(1.325)
+    reps = jnp.asarray(np.tile(row, (4096, 1)))
+    qs = fp4jax.quantize(reps, MXFP4_OAS, rounding="stochastic", key=jax.random.key(7))
+    assert np.all(np.asarray(qs.scale.astype(jnp.float32)) == 0.25)
+    mean = np.asarray(fp4jax.dequantize(qs)).mean(0)
+    step = 0.25 * 2  # the widest E2M1 step below 6 (4 -> 6) times the scale
+    se = step / 2 / np.sqrt(4096)  # the std of one draw is at most step / 2
+    assert np.abs(mean - row).max() < 5 * se + step * 2**-9
+    rtn = np.asarray(fp4jax.dequantize(fp4jax.quantize(jnp.asarray(row), MXFP4_OAS)))
+    assert np.abs(rtn - row).max() > 10 * se  # RtN is biased here: the test can fail
+
+
+def test_oas_format_spec_and_kernel_refusal():
+    """``fmt=mxfp4_oas`` in a spec string; bad formats named; the sm_90 operand kernels
+    (which implement the 'up' and 'ocp' MX rules only) refuse it, so ``fp4jax.dot`` takes
+    the XLA path for it (no kernel that ignores the rule)."""
+    from fp4jax.formats import MXFP4_OAS
+
+    r = fp4jax.recipes.parse("mxfp4(fmt=mxfp4_oas)")
+    assert r.fprop.lhs.fmt == MXFP4_OAS and fp4jax.recipes.spec(r) == "mxfp4(fmt=mxfp4_oas)"
+    assert fp4jax.recipes.parse("mxfp4(fmt=BlockFormat(block_size=32, scale='e8m0', "
+                                "tensor_scale=False, scale_rule='oas'))").fprop.lhs.fmt.\
+        scale_rule == "oas"
+    with pytest.raises(ValueError, match="scale_rule='oas' needs a power-of-two scale"):
+        fp4jax.BlockFormat("x", 16, scale_rule="oas")
+    with pytest.raises(ValueError, match="scale_rule='oas' is defined for E2M1"):
+        MXFP4_OAS.replace(elem_exp_bits=4, elem_man_bits=3)
+    with pytest.raises(ValueError, match="'nearest', 'up', 'ocp' or 'oas'"):
+        MXFP4_OAS.replace(scale_rule="bias")
+    why = dispatch.spec_unsupported_reason(MXFP4_OAS)
+    assert why is not None and "mxfp4_oas" in why
+    assert dispatch.spec_unsupported_reason(fp4jax.MXFP4) is None
+    x = jax.random.normal(jax.random.key(1), (32, 256)).astype(jnp.bfloat16)
+    assert dispatch.operand_kernel(x[None], block_2d=False, axis=2, stochastic=False, rht=0,
+                                   key=jax.random.key(0), fmt=MXFP4_OAS) is None
