@@ -42,6 +42,7 @@ __all__ = [
     "floor_log2",
     "pow2",
     "round_to_grid",
+    "NATIVE_RNE",
     "div_rn",
     "div_rn_f64",
     "div_rn_integer",
@@ -175,6 +176,11 @@ E8M0 = unsigned_grid(8, 0)  # UE8M0: 2**-127 .. 2**127
 
 ELEMENT_FORMATS = {(2, 1): E2M1, (2, 3): E2M3, (3, 2): E3M2, (4, 3): E4M3, (5, 2): E5M2}
 """The OCP MX v1.0 element grids by ``(exp_bits, man_bits)`` (``element_grid``)."""
+
+
+NATIVE_RNE = {E2M1: jnp.float4_e2m1fn, E4M3: jnp.float8_e4m3fn}
+"""Grids whose round-to-nearest-even ``round_to_grid`` takes from XLA's conversion to a
+JAX dtype: E2M1 (OCP MX FP4, ``float4_e2m1fn``) and E4M3 (OCP OFP8, ``float8_e4m3fn``)."""
 
 
 def element_grid(exp_bits: int, man_bits: int) -> FloatGrid:
@@ -376,14 +382,20 @@ def reciprocal_rn(v: jax.Array) -> jax.Array:
     Where the quotient is a normal float32 (``v <= 2**126``) this is ``div_rn(1, v)``. For
     ``v`` in ``(2**126, FLT_MAX]`` the quotient lies in ``[2**-128, 2**-126]``, where IEEE
     754 rounds to the subnormal quantum ``2**-149``: the result is
-    ``RNE(2**149 / v) * 2**-149``, whose integer ``RNE(2**149 / v)`` is computed here by
-    integer long division of the 24-bit significand and written into the bits directly
-    (XLA on the CPU flushes subnormal results of arithmetic to zero, so a float division
-    would give 0 there; a bitcast is not flushed). This is the tensor decode scale
-    ``1 / enc`` of a tensor with amax below ``2688 * 2**-126`` (~3.2e-35), where
-    Transformer Engine's ``S_dec = 1.0f / S_enc`` (``core_nvfp4.cuh``,
-    ``compute_scaling_coefficient``) is subnormal; consumers that multiply by it on the
-    CPU use ``mul_decode_scale`` and ``recip_scaled_subnormal_rn``.
+    ``RNE(2**149 / v) * 2**-149``, whose integer ``n = RNE(2**149 / v)`` (at most
+    ``2**23``) is written into the bits directly (XLA on the CPU flushes subnormal results
+    of arithmetic to zero, so a float32 division would give 0 there; a bitcast is not
+    flushed). ``n`` is the float64 quotient ``1 / v`` scaled by ``2**149`` (exact) and
+    rounded half-even to an integer: the exact ``2**149 / v = 2**46 / D`` (``D`` the
+    significand, < ``2**25``) is either an integer or at least ``1 / (2 D)`` away from a
+    rounding midpoint, over ``2**-49`` relative, so the float64 rounding (``2**-53``
+    relative) cannot move it across one (as ``div_rn_f64``'s argument; JAX versions
+    without ``jax.enable_x64`` take ``_recip_subnormal_integer``, integer long division:
+    the same ``n``). This is the tensor decode scale ``1 / enc`` of a tensor with amax
+    below ``2688 * 2**-126`` (~3.2e-35), where Transformer Engine's ``S_dec = 1.0f /
+    S_enc`` (``core_nvfp4.cuh``, ``compute_scaling_coefficient``) is subnormal; consumers
+    that multiply by it on the CPU use ``mul_decode_scale`` and
+    ``recip_scaled_subnormal_rn``.
 
     Args:
       v: float32 array of positive values (zero, Inf, NaN: the backend's ``1 / v``).
@@ -394,7 +406,21 @@ def reciprocal_rn(v: jax.Array) -> jax.Array:
     vb = jax.lax.bitcast_convert_type(v, jnp.int32)
     field = (vb >> 23) & 0xFF
     big = (field >= 253) & (field < 255) & (vb > 0)  # (2**126, 2**128): subnormal 1/v
-    # 2**149 / v = 2**46 / D with D = significand << (field - 253), in [2**23, 2**25)
+    if hasattr(jax, "enable_x64"):
+        with jax.enable_x64(True):
+            n = jnp.round(jax.lax.div(jnp.float64(2.0**149), v.astype(jnp.float64)))
+            n = jnp.where(big, n, 0.0).astype(jnp.int32)  # n <= 2**23 where big
+    else:
+        n = _recip_subnormal_integer(vb, field)
+    sub = jax.lax.bitcast_convert_type(n, jnp.float32)  # n <= 2**23: 2**-126 at most
+    return jnp.where(big, sub, div_rn(jnp.float32(1.0), v))
+
+
+def _recip_subnormal_integer(vb: jax.Array, field: jax.Array) -> jax.Array:
+    """``reciprocal_rn``'s ``n = RNE(2**149 / v)`` (int32) for ``v`` in ``(2**126,
+    2**128)`` (bits ``vb``, exponent field ``field``) by integer long division, for JAX
+    versions without ``jax.enable_x64``: ``2**149 / v = 2**46 / D`` with ``D`` the
+    significand shifted by ``field - 253``, in ``[2**23, 2**25)``."""
     d = ((vb & 0x7FFFFF) | 0x800000) << jnp.clip(field - 253, 0, 1)
     r = jnp.full_like(d, 1 << 23)  # the numerator's leading bits: 2**23 (< 2 * D)
     bit = (r >= d).astype(jnp.int32)
@@ -405,9 +431,7 @@ def reciprocal_rn(v: jax.Array) -> jax.Array:
         bit = (r >= d).astype(jnp.int32)
         q = (q << 1) | bit
         r = r - bit * d
-    q = q + ((2 * r > d) | ((2 * r == d) & ((q & 1) == 1))).astype(jnp.int32)
-    sub = jax.lax.bitcast_convert_type(q, jnp.float32)  # q <= 2**23: 2**-126 at most
-    return jnp.where(big, sub, div_rn(jnp.float32(1.0), v))
+    return q + ((2 * r > d) | ((2 * r == d) & ((q & 1) == 1))).astype(jnp.int32)
 
 
 def subnormal_hi(v: jax.Array) -> jax.Array:
@@ -430,14 +454,18 @@ def recip_scaled_subnormal_rn(s: jax.Array, dec: jax.Array) -> jax.Array:
     S_dec), FLT_MAX)`` (``core_nvfp4.cuh``, ``compute_scaling_coefficient<float>``) for a
     tensor whose decode scale ``S_dec`` is subnormal.
 
-    Exact in integers: ``dec = m * 2**-149`` and ``s = k * 2**a`` (``k`` its 8 leading
-    significand bits), so ``s * dec = (k m) * 2**(a - 149)`` with ``k m < 2**31``. Where
-    that is below ``2**-126`` the product rounds to the subnormal quantum: ``n =
-    RNE(k m * 2**a)`` by an integer shift; elsewhere it is a normal float32, and the
-    float32 product ``s * (dec * 2**64)`` is the same rounding scaled by ``2**64``. The
-    reciprocal of the scaled product ``p_hi`` is ``div_rn(1, p_hi)``, a normal float32,
-    and ``RN(1/p) = 2**64 RN(1/p_hi)`` (overflowing to Inf exactly where ``RN(1/p)``
-    does). ``s == 0`` gives ``1/0 = Inf``, hence FLT_MAX. NaN ``s`` gives NaN.
+    Exact in float64: ``dec = m * 2**-149`` is read from its bits (the CPU's flush of
+    subnormal operands does not apply) and ``x = s * dec`` (at most 8 + 23 significant
+    bits) is exact. Where ``x`` is below ``2**-126`` the float32 product rounds to the
+    subnormal quantum: ``p = RNE(x * 2**149) * 2**-149``; elsewhere it is the normal
+    float32 ``f32(x)``. Then ``RN(1/p)`` is the float64 quotient rounded to float32, which
+    is the correctly rounded one (``p`` has at most 24 significant bits: the double
+    rounding is innocuous, as ``div_rn_f64``'s argument) and normal (``p < 2 * 2**-126
+    * 2**126``: every scale grid stays below ``2**128``, so the quotient is above 1/2); a
+    quotient beyond FLT_MAX rounds to Inf or FLT_MAX, hence FLT_MAX.
+    ``s == 0`` gives ``1/0 = Inf``, hence FLT_MAX. NaN ``s`` gives NaN. JAX versions
+    without ``jax.enable_x64`` take ``_recip_scaled_subnormal_integer`` (the same bits
+    from integer arithmetic).
 
     Args:
       s: float32 block scales (any shape), normal float32 or 0 or NaN.
@@ -448,6 +476,32 @@ def recip_scaled_subnormal_rn(s: jax.Array, dec: jax.Array) -> jax.Array:
     s = jnp.asarray(s, jnp.float32)
     dec = jnp.asarray(dec, jnp.float32)
     s, dec = jnp.broadcast_arrays(s, dec)
+    if not hasattr(jax, "enable_x64"):
+        return _recip_scaled_subnormal_integer(s, dec)
+    m = jax.lax.bitcast_convert_type(dec, jnp.int32) & 0x7FFFFF
+    f64 = jnp.float64
+    with jax.enable_x64(True):
+        x = s.astype(f64) * (m.astype(f64) * f64(2.0**-149))  # exact
+        # (a negative s, never a scale, takes |x| where the product is subnormal and x
+        # elsewhere, as the integer path does)
+        ax = jnp.abs(x)
+        p_sub = jnp.round(ax * f64(2.0**149)) * f64(2.0**-149)  # half to even
+        p = jnp.where(ax < f64(2.0**-126), p_sub, x.astype(jnp.float32).astype(f64))
+        e = jax.lax.div(f64(1.0), p).astype(jnp.float32)
+    e = jnp.minimum(e, jnp.float32(FLT_MAX))
+    return jnp.where(jnp.isnan(s), jnp.float32(jnp.nan), e)
+
+
+def _recip_scaled_subnormal_integer(s: jax.Array, dec: jax.Array) -> jax.Array:
+    """``recip_scaled_subnormal_rn`` (broadcast float32 ``s``, ``dec``) in integer and
+    float32 arithmetic, for JAX versions without ``jax.enable_x64``: ``dec = m * 2**-149``
+    and ``s = k * 2**a`` (``k`` its 8 leading significand bits), so ``s * dec = (k m) *
+    2**(a - 149)`` with ``k m < 2**31``. Where that is below ``2**-126`` the product rounds
+    to the subnormal quantum: ``n = RNE(k m * 2**a)`` by an integer shift; elsewhere it is
+    a normal float32, and the float32 product ``s * (dec * 2**64)`` is the same rounding
+    scaled by ``2**64``. The reciprocal of the scaled product ``p_hi`` is ``div_rn(1,
+    p_hi)``, a normal float32, and ``RN(1/p) = 2**64 RN(1/p_hi)`` (overflowing to Inf
+    exactly where ``RN(1/p)`` does)."""
     m = jax.lax.bitcast_convert_type(dec, jnp.int32) & 0x7FFFFF
     sb = jax.lax.bitcast_convert_type(s, jnp.int32) & 0x7FFFFFFF
     k = ((sb & 0x7FFFFF) | 0x800000) >> 16  # 8 leading significand bits (128..255)
@@ -553,7 +607,8 @@ def recip_scaled_rn(s: jax.Array, dec: jax.Array) -> jax.Array:
     return jnp.where(ok, fast, jnp.float32(1.0) / (s * dec))
 
 
-def round_to_grid(v: jax.Array, grid: FloatGrid, mode: str = "nearest") -> jax.Array:
+def round_to_grid(v: jax.Array, grid: FloatGrid, mode: str = "nearest", *,
+                  native: bool = True) -> jax.Array:
     """Round ``v >= 0`` (float32) onto an unsigned ``grid``, saturating to its max.
 
     Modes:
@@ -568,18 +623,36 @@ def round_to_grid(v: jax.Array, grid: FloatGrid, mode: str = "nearest") -> jax.A
     The value is multiplied by its binade's inverse quantum (a power of two: exact), the
     integer part is rounded, and multiplied back (exact). Formats without zero
     (``man_bits == 0``) map values below their minimum to the minimum.
-    NaN stays NaN; ``+inf`` saturates to ``max_value``.
+    NaN stays NaN (quieted: its bits with the quiet bit set); ``+inf`` saturates to
+    ``max_value``.
+
+    ``"nearest"`` onto E2M1 and E4M3 (``NATIVE_RNE``) is computed as XLA's own conversion
+    of ``min(v, max_value)`` to ``float4_e2m1fn`` / ``float8_e4m3fn`` and back: IEEE RNE
+    onto those grids, subnormals included, so the same values as the arithmetic above for
+    every ``v >= 0``, ``+inf`` and NaN, in ~8 operations instead of ~30
+    (``tests/test_lean_numerics.py`` compares the two on every float32 boundary, random
+    bit patterns and, for XLA:CPU, was run over all 2**31 non-negative float32 bit
+    patterns; ``experiments/native_rounding_check.py`` runs the same on a GPU). Negative
+    ``v`` (outside the contract) may differ: below ``-max_value`` the arithmetic does not
+    saturate.
 
     Args:
       v: float32 array of non-negative values (callers take ``abs`` first).
       grid: target grid.
       mode: ``"nearest"``, ``"up"`` or ``"down"``.
+      native: False computes ``"nearest"`` by the arithmetic for every grid (the same
+        values; for tests that compare the two).
     Returns:
       float32 array, same shape, every finite entry on ``grid``.
     """
     v = v.astype(jnp.float32)
     if mode == "up" and grid.man_bits == 0:
         return _pow2_round_up(v, grid)
+    if mode == "nearest" and native and grid in NATIVE_RNE:
+        r = jnp.minimum(v, jnp.float32(grid.max_value)).astype(NATIVE_RNE[grid])
+        bits = jax.lax.bitcast_convert_type(v, jnp.int32)
+        quiet = jax.lax.bitcast_convert_type(bits | 0x400000, jnp.float32)
+        return jnp.where(v != v, quiet, r.astype(jnp.float32))
     q, inv_q = _quantum(v, grid)
     t = v * inv_q
     if mode == "nearest":
@@ -680,7 +753,7 @@ def draws_from_key(key: jax.Array, count: int, offset: jax.Array | None = None
         d = jnp.arange(count, dtype=jnp.uint32)
         if offset is not None:
             d = d + jnp.asarray(offset).astype(jnp.uint32)
-        return threefry2x32(k1, k2, jnp.zeros_like(d), d)
+        return _threefry_draws(k1, k2, d)
     if offset is not None:
         raise ValueError(
             f"stochastic rounding of a shard (data-parallel fp4jax.dot) draws its bits by "
@@ -688,6 +761,28 @@ def draws_from_key(key: jax.Array, count: int, offset: jax.Array | None = None
             "key with jax.random.key(seed) (the default implementation)")
     bits = jax.random.bits(key, (count, 2), jnp.uint32)
     return bits[:, 0], bits[:, 1]
+
+
+def _threefry_draws(k1: jax.Array, k2: jax.Array, d: jax.Array
+                    ) -> tuple[jax.Array, jax.Array]:
+    """``threefry2x32(k1, k2, 0, d)`` (uint32 key words, uint32 counters ``d``) through
+    JAX's own Threefry primitive (``jax.extend.random.threefry2x32_p``, the one
+    ``jax.random`` draws with): the same 20 rounds, hence the same bits as the Python
+    transcription ``threefry2x32`` (``tests/test_lean_numerics.py``), but one operation
+    when traced, lowered on the CPU as a loop over its five 4-round groups (JAX's
+    ``use_rolled_loops``) and on CUDA as one kernel under
+    ``jax_threefry_gpu_kernel_lowering`` (``fp4jax-train --threefry kernel``), instead of
+    ~110 unrolled operations inlined into every stochastically rounded operand. The Pallas
+    kernels keep calling ``threefry2x32`` on register arrays."""
+    try:
+        from jax.extend.random import threefry2x32_p
+    except ImportError:  # pragma: no cover  (a JAX without the primitive exported)
+        return threefry2x32(k1, k2, jnp.zeros_like(d), d)
+    u32 = jnp.uint32
+    k1 = jnp.broadcast_to(jnp.asarray(k1).astype(u32), d.shape)
+    k2 = jnp.broadcast_to(jnp.asarray(k2).astype(u32), d.shape)
+    y0, y1 = threefry2x32_p.bind(k1, k2, jnp.zeros_like(d), d)
+    return y0, y1
 
 
 def row_shard_draw_offset(shape: tuple[int, ...], index: jax.Array,

@@ -270,13 +270,14 @@ def element_encode_scale(s: jax.Array, dec: jax.Array) -> jax.Array:
     to +-6 (codes 7/15; zeros stay 0), as in TE; it dequantizes to 0 all the same
     (``6 * 0``). (Before 2026-12 fp4jax returned 0 there, writing codes +-0: issue 38.)
 
-    The correctly rounded reciprocal comes from ``numerics.recip_scaled_rn``: a per-tensor
-    table of 128 ``div_rn`` reciprocals and one exponent subtraction per block, the same
-    bits as ``numerics.div_rn(1, s * dec)`` (which on GPUs is an integer long division of
-    ~130 operations per block). A non-scalar ``dec`` (row-scaled tensors: one decode scale
-    per row, broadcastable against ``s``) takes ``numerics.div_rn(1, s * dec)`` itself: the
-    same bits. A subnormal ``dec`` (a tiny tensor, ``global_encode_scale``) takes
+    The correctly rounded reciprocal is ``numerics.div_rn(1, s * dec)`` (on the CPU XLA's
+    IEEE float32 division, elsewhere one float64 division rounded to float32), for a
+    scalar ``dec`` as for one per row (row-scaled tensors, broadcastable against ``s``). A
+    subnormal ``dec`` (a tiny tensor, ``global_encode_scale``) takes
     ``numerics.recip_scaled_subnormal_rn``: IEEE arithmetic without the CPU's flush.
+    (Until 2026-12 a normal scalar ``dec`` took ``numerics.recip_scaled_rn``, a table of 128
+    reciprocals, which gives the same bits as ``div_rn`` but lowered to about four times
+    the ops: issue 35's compile time.)
     """
     s = jnp.asarray(s, jnp.float32)
     dec = jnp.asarray(dec, jnp.float32)
@@ -290,8 +291,6 @@ def element_encode_scale(s: jax.Array, dec: jax.Array) -> jax.Array:
 
 def _encode_normal(s: jax.Array, dec: jax.Array) -> jax.Array:
     """``element_encode_scale`` for normal decode scales (before the FLT_MAX clamp)."""
-    if jnp.ndim(dec) == 0:
-        return numerics.recip_scaled_rn(s, dec)
     return numerics.div_rn(jnp.float32(1.0), s * dec)
 
 
