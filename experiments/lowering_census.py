@@ -316,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="trace and lower only")
     ap.add_argument("--out", default=None, help="write the JSON here")
     ap.add_argument("--label", default=None, help="a name for this run in the JSON")
+    ap.add_argument("--trees", nargs="+", default=None, metavar="NAME=PATH",
+                    help="checkouts to compare (each needs this script in its experiments/): "
+                         "their runs alternate, so machine load hits them alike")
     ap.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -323,48 +326,53 @@ def main(argv: list[str] | None = None) -> int:
         rec = measure(target, spec, a, profile == "1")
         print(TAG + json.dumps(rec), flush=True)
         return 0
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    env.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
+    trees = dict(t.split("=", 1) for t in a.trees) if a.trees else {"this": str(ROOT)}
     passthrough = ["--tokens", str(a.tokens), "--k", str(a.k), "--n", str(a.n), "--preset",
                    a.preset, "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len)]
     if a.no_compile:
         passthrough.append("--no-compile")
     out: dict[str, Any] = {**lab.run_info(__file__, sys.argv[1:] if argv is None else argv),
-                           "label": a.label, "results": []}
+                           "label": a.label, "trees": trees, "results": []}
+
+    def child(tree: str, target: str, spec: str, profile: bool) -> dict[str, Any]:
+        root = Path(trees[tree])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(root)  # that tree's fp4jax, first
+        env.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
+        cmd = [sys.executable, str(root / "experiments" / Path(__file__).name), "--child",
+               target, spec, "1" if profile else "0", *passthrough]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        got = [ln[len(TAG):] for ln in p.stdout.splitlines() if ln.startswith(TAG)]
+        if not got:
+            print(p.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"{tree} {target} {spec}: child failed (rc {p.returncode})")
+        return json.loads(got[-1])
+
     for target in a.targets:
         for spec in a.specs:
-            samples = []
-            # the first run also profiles and counts (not timed); then `repeats` timed runs
-            for r in range(a.repeats + 1):
-                cmd = [sys.executable, os.path.abspath(__file__), "--child", target, spec,
-                       "1" if r == 0 else "0", *passthrough]
-                p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-                got = [ln[len(TAG):] for ln in p.stdout.splitlines() if ln.startswith(TAG)]
-                if not got:
-                    print(p.stderr[-3000:], file=sys.stderr)
-                    raise SystemExit(f"{target} {spec}: child failed (rc {p.returncode})")
-                samples.append(json.loads(got[-1]))
-            rec = dict(samples[0])
-            for k in ("trace_s", "lower_s", "compile_s"):
-                rec.pop(k, None)
-                vals = [s[k] for s in samples[1:] if k in s]
-                if vals:
-                    rec[k] = round(statistics.median(vals), 3)
-                    rec[k + "_samples"] = vals
-            # the instrumented text has the same ops; its lines are the timed runs' too
-            for k in ("stablehlo_lines", "stablehlo_chars"):
-                if len(samples) > 1:
-                    rec[k] = samples[1][k]
-            out["results"].append(rec)
-            print(f"{target:5s} {spec:12s} lines {rec['stablehlo_lines']:6d} ops "
-                  f"{rec['ops']:6d} inlined {rec['inlined_ops']:6d} trace "
-                  f"{rec.get('trace_s', float('nan')):6.2f} lower "
-                  f"{rec.get('lower_s', float('nan')):5.2f} compile "
-                  f"{rec.get('compile_s', float('nan')):6.2f}",
-                  flush=True)
-            cats = rec["inlined_by_category"]
-            print("      " + ", ".join(f"{k} {v}" for k, v in cats.items()), flush=True)
+            # one instrumented run per tree (counts; not timed), then `repeats` rounds of
+            # timed runs, the trees alternating within each round (same machine load)
+            recs = {t: child(t, target, spec, True) for t in trees}
+            samples: dict[str, list] = {t: [] for t in trees}
+            for _ in range(a.repeats):
+                for t in trees:
+                    samples[t].append(child(t, target, spec, False))
+            for t in trees:
+                rec = {"tree": t, **recs[t]}
+                for k in ("trace_s", "lower_s", "compile_s"):
+                    rec.pop(k, None)
+                    vals = [s[k] for s in samples[t] if k in s]
+                    if vals:
+                        rec[k] = round(statistics.median(vals), 3)
+                        rec[k + "_samples"] = vals
+                out["results"].append(rec)
+                print(f"{t:6s} {target:5s} {spec:12s} lines {rec['stablehlo_lines']:6d} ops "
+                      f"{rec['ops']:6d} inlined {rec['inlined_ops']:6d} trace "
+                      f"{rec.get('trace_s', float('nan')):6.2f} lower "
+                      f"{rec.get('lower_s', float('nan')):5.2f} compile "
+                      f"{rec.get('compile_s', float('nan')):6.2f}", flush=True)
+                cats = rec["inlined_by_category"]
+                print("      " + ", ".join(f"{k} {v}" for k, v in cats.items()), flush=True)
             if a.out:
                 Path(a.out).write_text(json.dumps(out, indent=1))
     return 0
