@@ -21,6 +21,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -626,7 +627,7 @@ def round_to_grid(v: jax.Array, grid: FloatGrid, mode: str = "nearest", *,
     NaN stays NaN (quieted: its bits with the quiet bit set); ``+inf`` saturates to
     ``max_value``.
 
-    ``"nearest"`` onto E2M1 and E4M3 (``NATIVE_RNE``) is computed as XLA's own conversion
+    ``"nearest"`` onto E2M1 and E4M3 (``NATIVE_RNE``) is computed on the CPU as XLA's own conversion
     of ``min(v, max_value)`` to ``float4_e2m1fn`` / ``float8_e4m3fn`` and back: IEEE RNE
     onto those grids, subnormals included, so the same values as the arithmetic above for
     every ``v >= 0``, ``+inf`` and NaN, in ~8 operations instead of ~30
@@ -649,10 +650,27 @@ def round_to_grid(v: jax.Array, grid: FloatGrid, mode: str = "nearest", *,
     if mode == "up" and grid.man_bits == 0:
         return _pow2_round_up(v, grid)
     if mode == "nearest" and native and grid in NATIVE_RNE:
-        r = jnp.minimum(v, jnp.float32(grid.max_value)).astype(NATIVE_RNE[grid])
-        bits = jax.lax.bitcast_convert_type(v, jnp.int32)
-        quiet = jax.lax.bitcast_convert_type(bits | 0x400000, jnp.float32)
-        return jnp.where(v != v, quiet, r.astype(jnp.float32))
+        return jax.lax.platform_dependent(
+            v, cpu=functools.partial(_native_rne, grid=grid),
+            default=functools.partial(_arithmetic_round, grid=grid, mode=mode))
+    return _arithmetic_round(v, grid, mode)
+
+
+def _native_rne(v: jax.Array, grid: FloatGrid) -> jax.Array:
+    """``round_to_grid(v, grid, "nearest")`` for E2M1/E4M3 as XLA's conversion of ``min(v,
+    max_value)`` to the ``NATIVE_RNE`` dtype and back (NaN quieted as the arithmetic
+    quiets it). Used on the CPU only, where it was checked on all 2**31 non-negative float32
+    bit patterns; on GPUs ``_arithmetic_round`` runs until
+    ``experiments/native_rounding_check.py`` has passed there (XLA's GPU conversions to
+    these dtypes are other code: PTX ``cvt`` or its own emitter)."""
+    r = jnp.minimum(v, jnp.float32(grid.max_value)).astype(NATIVE_RNE[grid])
+    bits = jax.lax.bitcast_convert_type(v, jnp.int32)
+    quiet = jax.lax.bitcast_convert_type(bits | 0x400000, jnp.float32)
+    return jnp.where(v != v, quiet, r.astype(jnp.float32))
+
+
+def _arithmetic_round(v: jax.Array, grid: FloatGrid, mode: str) -> jax.Array:
+    """``round_to_grid`` by the quantum arithmetic (its docstring), any grid and mode."""
     q, inv_q = _quantum(v, grid)
     t = v * inv_q
     if mode == "nearest":

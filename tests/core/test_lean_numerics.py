@@ -96,6 +96,17 @@ def test_native_rne_matches_numpy_and_arithmetic(grid, dtype):
     assert z == _BITS(0x80000000)
 
 
+@pytest.mark.parametrize("grid,mlir", [(numerics.E2M1, "f4E2M1FN"), (numerics.E4M3, "f8E4M3FN")])
+def test_native_rne_is_lowered_for_the_cpu_only(grid, mlir):
+    """The native conversion is used where it was checked exhaustively (XLA:CPU); a CUDA
+    lowering keeps the arithmetic until experiments/native_rounding_check.py passes there."""
+    f = jax.jit(lambda a: numerics.round_to_grid(a, grid))
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    text = {p: jax.export.export(f, platforms=[p])(x).mlir_module() for p in ("cpu", "cuda")}
+    assert mlir in text["cpu"]
+    assert mlir not in text["cuda"]
+
+
 def _exact_rne_int(num: Fraction) -> int:
     """Round a non-negative rational to the nearest integer, ties to even."""
     q, r = divmod(num.numerator, num.denominator)
