@@ -456,6 +456,17 @@ class Llama(nn.Module):
     cfg: LlamaConfig
     runs: tuple[int, ...] | None = None
 
+    def __post_init__(self) -> None:
+        if self.runs is not None and not (
+                isinstance(self.runs, tuple)
+                and all(isinstance(r, int) and not isinstance(r, bool) for r in self.runs)):
+            hint = (" (Llama is plain Flax now: quantize it with "
+                    "fp4jax.models.quantized_llama(cfg, policy))"
+                    if isinstance(self.runs, PrecisionPolicy) else "")
+            raise TypeError(f"Llama: runs must be None or a tuple of block counts, got "
+                            f"{type(self.runs).__name__} {self.runs!r}{hint}")
+        super().__post_init__()
+
     def block_runs(self) -> list[tuple[int, int]]:
         """The ``[first, last]`` blocks of each run (``runs``; every block alone without
         ``cfg.scan_layers``).

@@ -135,4 +135,6 @@ def test_a_scanned_run_mixing_recipes_is_refused():
         llama_rules(cfg, rules, runs=(4,))
     with pytest.raises(ValueError, match="runs must be positive"):
         llama_rules(cfg, rules, runs=(2, 1))
+    with pytest.raises(TypeError, match=r"quantized_llama\(cfg, policy\)"):
+        Llama(cfg, PrecisionPolicy(NV))  # the old signature
     assert len(llama_rules(cfg, rules, runs=(3, 1))) == len(rules) + 6
