@@ -163,6 +163,17 @@ GROUPS: dict[str, Group] = {
          ("MXFP4 OAS, unsigned Hadamard on Wgrad",
           "mxfp4(fmt=mxfp4_oas, wgrad.hadamard_signs=ones)")),
         shared=("mxfp4",)),
+    "ufp4": Group(
+        "Uniform 4-bit elements (E1M2) vs E2M1, NVFP4 scaling",
+        "UFP4 (arXiv 2606.20381): E2M1's uneven bins bias rounding toward zero, RHT "
+        "amplifies it; a uniform grid (E1M2/INT4) with an RHT on all three GEMMs and SR on "
+        "dY only stays closer to BF16. (Its block size and scales are not known here: "
+        "NVFP4's are used.)",
+        (("BF16", "bf16"), ("NVFP4 recipe", "nvfp4"),
+         ("E1M2 elements (NVFP4 recipe otherwise)", "nvfp4(fmt=nvfp4_e1m2)"),
+         ("E2M1, RHT-16 on all three GEMMs", "nvfp4(fprop.hadamard=16, dgrad.hadamard=16)"),
+         ("E1M2, RHT-16 on all three GEMMs (UFP4 as its abstract states it)",
+          "nvfp4(fmt=nvfp4_e1m2, fprop.hadamard=16, dgrad.hadamard=16)"))),
 }
 
 

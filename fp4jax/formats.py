@@ -18,9 +18,9 @@ from fp4jax import numerics
 
 ScaleRule = Literal["nearest", "up", "ocp", "oas"]
 
-__all__ = ["BlockFormat", "NVFP4", "MXFP4", "MXFP4_OCP", "MXFP4_OAS", "MXFP8_E4M3", "MXFP8_E5M2",
-           "MXFP6_E2M3", "MXFP6_E3M2", "MXFP8_E4M3_UP", "MXFP8_E5M2_UP", "MXFP6_E2M3_UP",
-           "MXFP6_E3M2_UP", "get_format", "FORMATS"]
+__all__ = ["BlockFormat", "NVFP4", "NVFP4_E1M2", "MXFP4", "MXFP4_OCP", "MXFP4_OAS",
+           "MXFP8_E4M3", "MXFP8_E5M2", "MXFP6_E2M3", "MXFP6_E3M2", "MXFP8_E4M3_UP",
+           "MXFP8_E5M2_UP", "MXFP6_E2M3_UP", "MXFP6_E3M2_UP", "get_format", "FORMATS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,8 @@ class BlockFormat:
         only; ``fp4jax.quantization.oas_block_scale``).
       elem_exp_bits, elem_man_bits: the element data type, one of OCP MX v1.0's
         (section 5.3): ``(2, 1)`` E2M1 (FP4, the default), ``(2, 3)`` E2M3 and ``(3, 2)``
-        E3M2 (FP6), ``(4, 3)`` E4M3 and ``(5, 2)`` E5M2 (FP8); see
+        E3M2 (FP6), ``(4, 3)`` E4M3 and ``(5, 2)`` E5M2 (FP8); or ``(1, 2)`` E1M2, the
+        uniform 4-bit grid 0, 0.5, ..., 3.5 (UFP4's, arXiv 2606.20381); see
         ``numerics.element_grid``. Elements round to nearest even or stochastically and
         saturate to ``elem_max`` (never Inf/NaN). Every format, the two-level NVFP4-style
         scaling included, works with every element type: ``"nearest"``/``"up"`` map the
@@ -208,6 +209,15 @@ part in [6, 7) saturates to 6 (which round-to-nearest would give it anyway); see
 ``fp4jax.quantization.oas_block_scale``."""
 
 
+NVFP4_E1M2 = NVFP4.replace(name="nvfp4_e1m2", elem_exp_bits=1, elem_man_bits=2)
+"""NVFP4's two-level scaling (blocks of 16, E4M3 block scales, FP32 tensor scale) with the
+uniform E1M2 elements 0, 0.5, ..., 3.5 instead of E2M1: the block amax maps to 3.5, the
+tensor amax to 448 x 3.5. The grid is UFP4's (arXiv 2606.20381, "uniform grids
+(E1M2/INT4)"); the scaling is NVFP4's, a choice of fp4jax: the paper's block size, scale
+format and scale rule could not be read here (only its abstract), so this is not claimed to
+be UFP4's format."""
+
+
 def _mx(name: str, elem: tuple[int, int], rule: str) -> BlockFormat:
     """An OCP MX v1.0 concrete format (section 5, table 1): blocks of 32, UE8M0 scales, no
     tensor scale, elements ``elem``."""
@@ -242,9 +252,9 @@ MXFP6_E2M3_UP = MXFP6_E2M3.replace(name="mxfp6_e2m3_up", scale_rule="up")
 MXFP6_E3M2_UP = MXFP6_E3M2.replace(name="mxfp6_e3m2_up", scale_rule="up")
 """MXFP6 E3M2 with the scale rounded up (the NVFP4 paper's MXFP4 rule, Appendix B.4)."""
 
-FORMATS = {f.name: f for f in (NVFP4, MXFP4, MXFP4_OCP, MXFP4_OAS, MXFP8_E4M3, MXFP8_E5M2,
-                               MXFP6_E2M3, MXFP6_E3M2, MXFP8_E4M3_UP, MXFP8_E5M2_UP, MXFP6_E2M3_UP,
-                               MXFP6_E3M2_UP)}
+FORMATS = {f.name: f for f in (NVFP4, NVFP4_E1M2, MXFP4, MXFP4_OCP, MXFP4_OAS, MXFP8_E4M3,
+                               MXFP8_E5M2, MXFP6_E2M3, MXFP6_E3M2, MXFP8_E4M3_UP, MXFP8_E5M2_UP,
+                               MXFP6_E2M3_UP, MXFP6_E3M2_UP)}
 
 
 def get_format(fmt: BlockFormat | str) -> BlockFormat:

@@ -36,6 +36,7 @@ __all__ = [
     "E3M2",
     "E4M3",
     "E5M2",
+    "E1M2",
     "E8M0",
     "ELEMENT_FORMATS",
     "unsigned_grid",
@@ -175,8 +176,12 @@ E4M3 = unsigned_grid(4, 3)  # float8_e4m3fn magnitudes, max 448, min 2**-9
 E5M2 = unsigned_grid(5, 2, ieee=True)  # float8_e5m2 magnitudes, max 57344, min 2**-16
 E8M0 = unsigned_grid(8, 0)  # UE8M0: 2**-127 .. 2**127
 
-ELEMENT_FORMATS = {(2, 1): E2M1, (2, 3): E2M3, (3, 2): E3M2, (4, 3): E4M3, (5, 2): E5M2}
-"""The OCP MX v1.0 element grids by ``(exp_bits, man_bits)`` (``element_grid``)."""
+E1M2 = unsigned_grid(1, 2, has_nan_code=False)  # uniform 4-bit: {0, .5, 1, ..., 3.5}
+
+ELEMENT_FORMATS = {(2, 1): E2M1, (2, 3): E2M3, (3, 2): E3M2, (4, 3): E4M3, (5, 2): E5M2,
+                   (1, 2): E1M2}
+"""The element grids by ``(exp_bits, man_bits)`` (``element_grid``): OCP MX v1.0's and the
+uniform 4-bit E1M2."""
 
 
 NATIVE_RNE = {E2M1: jnp.float4_e2m1fn, E4M3: jnp.float8_e4m3fn}
@@ -185,14 +190,19 @@ JAX dtype: E2M1 (OCP MX FP4, ``float4_e2m1fn``) and E4M3 (OCP OFP8, ``float8_e4m
 
 
 def element_grid(exp_bits: int, man_bits: int) -> FloatGrid:
-    """The magnitudes of an OCP MX v1.0 element data type (section 5.3; the FP8 encodings
-    are OCP OFP8 v1.0's):
+    """The magnitudes of an element data type: OCP MX v1.0's (section 5.3; the FP8 encodings
+    are OCP OFP8 v1.0's), and the uniform E1M2:
 
     * FP4 E2M1 (5.3.3): 0 .. 6, no Inf/NaN;
     * FP6 E2M3 (5.3.2): 0 .. 7.5 (subnormal quantum 2**-3), no Inf/NaN;
     * FP6 E3M2 (5.3.2): 0 .. 28 (subnormal quantum 2**-4), no Inf/NaN;
     * FP8 E4M3 (5.3.1): 0 .. 448 (quantum 2**-9), NaN only at ``S.1111.111``, no Inf;
     * FP8 E5M2 (5.3.1): 0 .. 57,344 (quantum 2**-16), IEEE Inf and NaN (exponent 11111).
+    * FP4 E1M2 (not an OCP MX type): the *uniform* 4-bit grid 0, 0.5, 1, ..., 3.5 (bias 0,
+      codes 0-3 subnormal, no Inf/NaN), the "E1M2" of "Rethinking Shrinkage Bias in LLM
+      FP4 Pretraining" (UFP4, arXiv 2606.20381, abstract: "uniform grids (E1M2/INT4)
+      bypass this grid-geometry error"). It is symmetric INT4 (-7 .. 7) times 1/2: under
+      a block scale the two give the same values (the scale absorbs the factor 2).
 
     Conversion onto them (``round_to_grid``, ``stochastic_round_to_grid``) saturates to
     the maximum: OCP MX v1.0 section 6.3 leaves overflow implementation-defined, and the

@@ -64,6 +64,10 @@ for _g, _dt, _n in ELEMENTS.values():
     assert np.array_equal(_g, _v[np.isfinite(_v)]), _dt
 ELEM_GRIDS = {k: v[0] for k, v in ELEMENTS.items()}
 assert [g[-1] for g in ELEM_GRIDS.values()] == [6, 7.5, 28, 448, 57344]
+# E1M2, the uniform 4-bit grid (UFP4, arXiv 2606.20381; no ml_dtypes type): enumerated from
+# its bit codes (bias 0) and checked against the uniform list it must be
+ELEM_GRIDS[(1, 2)] = grid_values(1, 2, nan_code=False)
+assert np.array_equal(ELEM_GRIDS[(1, 2)], np.arange(8) / 2)
 
 
 def round_elem_saturating_ml_dtypes(v: np.ndarray, elem: tuple[int, int]) -> np.ndarray:

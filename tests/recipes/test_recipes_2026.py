@@ -188,3 +188,84 @@ def test_oas_format_spec_and_kernel_refusal():
     x = jax.random.normal(jax.random.key(1), (32, 256)).astype(jnp.bfloat16)
     assert dispatch.operand_kernel(x[None], block_2d=False, axis=2, stochastic=False, rht=0,
                                    key=jax.random.key(0), fmt=MXFP4_OAS) is None
+
+
+# --------------------------------------------------------------------------------------
+# 3. The uniform 4-bit grid E1M2 (UFP4's), in NVFP4's scaling: "nvfp4_e1m2"
+# --------------------------------------------------------------------------------------
+
+
+def _e1m2_input(seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    x *= np.exp2(rng.integers(-6, 6, (8, 1))).astype(np.float32)
+    x[0, :16] = np.arange(16, dtype=np.float32) * np.float32(0.25) - 2  # ties of the grid
+    x[1, 16:32] = 0.0
+    return x
+
+
+def test_e1m2_grid_and_rtn_bit_exact_vs_numpy():
+    """The E1M2 element grid is 0, 0.5, ..., 3.5 (uniform); ``nvfp4_e1m2`` round-to-nearest
+    (ties to even codes) is bit for bit the NumPy reference (grid enumerated from its bit
+    codes, nearest-value search), scales, elements and tensor scale."""
+    from fp4jax.formats import NVFP4_E1M2
+    from fp4jax.numerics import E1M2
+    from tests.reference import ref_quantize
+
+    assert E1M2.max_value == 3.5 and NVFP4_E1M2.elem_max == 3.5 and NVFP4_E1M2.elem_bits == 4
+    x = _e1m2_input(0)
+    for axis in (-1, 0):
+        q = fp4jax.quantize(jnp.asarray(x), "nvfp4_e1m2", axis=axis)
+        data, s, dec = ref_quantize(x, 4, 3, 16, tensor_scale=True, axis=axis, elem=(1, 2))
+        got = np.asarray(q.data.astype(jnp.float32), np.float64)
+        assert np.array_equal(got, data) and np.array_equal(np.signbit(got), np.signbit(data))
+        assert np.array_equal(np.asarray(q.scale.astype(jnp.float32), np.float64), s)
+        assert np.float32(q.global_scale) == dec
+    assert set(np.unique(np.abs(got))) <= set(np.arange(8) / 2)
+    q2 = fp4jax.quantize(jnp.asarray(x), NVFP4_E1M2, block_2d=True)
+    data, s, _ = ref_quantize(x, 4, 3, 16, tensor_scale=True, block_2d=True, elem=(1, 2))
+    assert np.array_equal(np.asarray(q2.data.astype(jnp.float32), np.float64), data)
+
+
+def test_e1m2_stochastic_rounding_bit_exact_and_unbiased():
+    """SR onto E1M2: bit for bit the NumPy reference on the same uniforms, and unbiased over
+    4096 draws (every element below the block max; a uniform grid has no shrinkage
+    bias under round-to-nearest either, but SR's mean must match x itself)."""
+    from fp4jax.formats import NVFP4_E1M2
+    from tests.reference import ref_quantize
+
+    x = _e1m2_input(1)
+    key = jax.random.key(11)
+    q = fp4jax.quantize(jnp.asarray(x), NVFP4_E1M2, rounding="stochastic", key=key)
+    k1, k2 = (int(v) for v in np.asarray(jax.random.key_data(key)).reshape(2))
+    data, _, _ = ref_quantize(x, 4, 3, 16, tensor_scale=True, elem=(1, 2),
+                              sr_key_words=(k1, k2))
+    assert np.array_equal(np.asarray(q.data.astype(jnp.float32), np.float64), data)
+    row = np.random.default_rng(3).uniform(-1, 1, 16).astype(np.float32)
+    row[0] = np.float32(1.0)  # the block max
+    reps = jnp.asarray(np.tile(row, (4096, 1)))
+    qs = fp4jax.quantize(reps, NVFP4_E1M2, rounding="stochastic", key=jax.random.key(12))
+    deq = np.asarray(fp4jax.dequantize(qs))
+    step = float(np.asarray(qs.scale.astype(jnp.float32))[0, 0] * qs.global_scale) * 0.5
+    se = step / 2 / np.sqrt(4096)
+    err = np.abs(deq.mean(0) - row)[1:]
+    assert err.max() < 5 * se + step * 2**-9
+    assert len(np.unique(deq[:, 5])) == 2  # each element takes its two neighbours
+
+
+def test_e1m2_format_in_specs_and_kernel_refusal():
+    """``fmt=nvfp4_e1m2`` in a spec string, ``BlockFormat(elem='e1m2')`` too; the sm_90
+    kernels (E2M1 codes only) and the native Blackwell GEMM refuse it: the XLA path."""
+    from fp4jax.formats import NVFP4_E1M2
+    from pallas_kernels.gemm import blockscale_sm100 as bs
+
+    r = fp4jax.recipes.parse("nvfp4(fmt=nvfp4_e1m2)")
+    assert r.wgrad.rhs.fmt == NVFP4_E1M2 and fp4jax.recipes.spec(r) == "nvfp4(fmt=nvfp4_e1m2)"
+    f = fp4jax.recipes.parse("nvfp4(fmt=BlockFormat(elem='e1m2'))").fprop.lhs.fmt
+    assert (f.elem_exp_bits, f.elem_man_bits, f.name) == (1, 2, "e1m2_e4m3-b16")
+    with pytest.raises(ValueError, match=r"\(1, 2\) E1M2"):
+        fp4jax.BlockFormat("x", elem_exp_bits=1, elem_man_bits=3)
+    why = dispatch.spec_unsupported_reason(NVFP4_E1M2)
+    assert why is not None and "E1M2" in why
+    q = fp4jax.quantize(jnp.ones((1, 16, 16)), NVFP4_E1M2, axis=2)
+    assert "E2M1" in bs.operand_reason(q, 2)
