@@ -16,7 +16,7 @@ and a summary; prints each row as it finishes. Exit status 1 if any case failed 
 2 for a usage error (or no sm_90 GPU without ``--interpret``). ``--interpret`` is the CPU
 dry run: small shapes, the kernels in Mosaic GPU interpret mode (``gemm_alpha`` and the
 W4A16 kernel have none: skipped). On an H200 ``all`` took about 5 minutes (316 s in run 42,
-most of it compiling; before ``dot_recipes``, which adds 16 programs of its own), so that it
+most of it compiling; before ``dot_recipes``, which adds 20 programs of its own), so that it
 fits one device call with ``bench_kernels.py dotkern1``;
 ``--full`` adds inputs and GEMM shapes (a call of its own, ~8 minutes).
 """
@@ -115,7 +115,10 @@ def dot_recipes() -> dict:
     (``switched_recipe(nvfp4(), ...)``; ``bwd`` is ``nvfp4_fwd_only`` but for its name);
     ``mxfp8_fwd_nvfp4_bwd``: MXFP8 operands from the XLA quantizer inside the kernel path;
     ``mixed``: row-scaled x and MXFP8 w in fprop, NVFP4 dgrad, wgrad with dy unquantized
-    (x quantized after the RHT into a float32 GEMM)."""
+    (x quantized after the RHT into a float32 GEMM); ``frontier_2026`` (issue 37 item 4):
+    MXFP4 with the unsigned Hadamard on Wgrad (``hadamard_signs=ones``, its x and dy from
+    the kernels), an Overflow-Aware-Scaling x in fprop and an E1M2 dy in dgrad (both from
+    the XLA quantizer: the kernels refuse them)."""
     from fp4jax.train import switched_recipe
 
     r = fp4jax.recipes
@@ -124,7 +127,9 @@ def dot_recipes() -> dict:
             "mxfp8_fwd_nvfp4_bwd": r.mxfp8_fwd_nvfp4_bwd(),
             "mixed": r.mxfp8_fwd_nvfp4_bwd().replace(
                 name="mixed", **{"wgrad.rhs.fmt": None,
-                                 "fprop.lhs": r.QuantSpec(row_scaled=True)})}
+                                 "fprop.lhs": r.QuantSpec(row_scaled=True)}),
+            "frontier_2026": r.parse("mxfp4(wgrad.hadamard_signs=ones, fprop.lhs.fmt=mxfp4_oas, "
+                                     "dgrad.lhs.fmt=nvfp4_e1m2, name='frontier_2026')")}
 
 
 @dataclasses.dataclass
@@ -685,9 +690,9 @@ def check_dot(ctx: Ctx) -> None:
 
 @check("dot_recipes", "fp4jax.dot forward + backward for recipes with unquantized GEMMs or "
        "operands the kernels do not implement (the precision switch fwd and bwd, "
-       "mxfp8_fwd_nvfp4_bwd, a mixed one; issue 35): y, loss, dx, dw with the kernels vs "
-       "FP4JAX_KERNELS=off, bit for bit, at 2 shapes; the kernel lowering must contain "
-       "kernel calls")
+       "mxfp8_fwd_nvfp4_bwd, a mixed one; issue 35; the 2026 knobs, issue 37): y, loss, dx, "
+       "dw with the kernels vs FP4JAX_KERNELS=off, bit for bit, at 2 shapes; the kernel "
+       "lowering must contain kernel calls")
 def check_dot_recipes(ctx: Ctx) -> None:
     setting = "interpret" if ctx.interpret else "on"
     for name, recipe in dot_recipes().items():
