@@ -379,3 +379,88 @@ def ref_ms_eden(x, group: int, u_blocks) -> tuple[np.ndarray, np.ndarray, np.flo
     sf = np.where(finite, sf, np.nan)
     q = q.reshape(xp.shape)[..., :n]
     return q, sf[..., :nb], dec
+
+TINY = F32(2.0**-126)
+FOUR_OVER_SIX_VARIANTS = {"4over6": ("mae", 256), "4over6-mse": ("mse", 256),
+                          "4over6-448": ("mae", 448), "4over6-mse-448": ("mse", 448)}
+"""4over6 rule name -> (error metric, the amax bound: 256 or 448 times 6)."""
+
+
+# ---------------------------------------------------------------------------
+# 4over6 (Transformer Engine's quantize_4over6_nvfp4.cuh).
+# ---------------------------------------------------------------------------
+
+def flush_subnormals(v: np.ndarray, ftz: bool) -> np.ndarray:
+    """``v`` as float32 with subnormals flushed to signed zero when ``ftz`` (XLA:CPU's
+    float32 arithmetic), else unchanged."""
+    v = np.asarray(v, F32)
+    return np.where(np.abs(v) < TINY, np.copysign(F32(0), v), v).astype(F32) if ftz else v
+
+
+def e4m3_satfinite(v: np.ndarray) -> np.ndarray:
+    """E4M3 round-to-nearest-even, satfinite (after TE's fminf(., 448)); NaN stays NaN."""
+    return round_nearest(np.minimum(v, F32(448)), E4M3).astype(F32)
+
+
+def ref_four_over_six(x: np.ndarray, rule: str, block_2d: bool = False, ftz: bool = False):
+    """4over6 quantization of ``x`` with 1x16 blocks along the last axis (or 16x16 tiles
+    over the last two axes), zero-padded. Returns (elements float64 with signed zeros,
+    block scales float64 (NaN for non-finite blocks), dec float32, pick4 bool). ``ftz``: flush
+    float32 subnormals after every operation as XLA:CPU does."""
+    metric, bound = FOUR_OVER_SIX_VARIANTS[rule]
+    x = flush_subnormals(np.asarray(x, F32), ftz)
+    a = np.abs(x)
+    amax = F32(a[np.isfinite(a)].max()) if np.isfinite(a).any() else F32(0)
+    with np.errstate(divide="ignore", over="ignore"):  # TE core_nvfp4.cuh l. 81-95
+        enc = F32(F32(bound * 6.0) / amax) if amax != 0 else F32(1)
+    enc = min(enc, FLT_MAX)  # TE's fminf(., FLT_MAX)
+    enc = F32(1) if enc == 0 else F32(enc)
+    dec = F32(F32(1) / enc)
+
+    if block_2d:
+        r, c = x.shape[-2:]
+        xp = np.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, -r % 16), (0, -c % 16)])
+        t = xp.reshape(*xp.shape[:-2], xp.shape[-2] // 16, 16, xp.shape[-1] // 16, 16)
+        blocks = np.moveaxis(t, -3, -2)  # (..., nr, nc, 16 rows, 16 cols)
+    else:
+        c = x.shape[-1]
+        xp = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -c % 16)])
+        blocks = xp.reshape(*xp.shape[:-1], xp.shape[-1] // 16, 1, 16)  # one row each
+    finite = np.isfinite(blocks).all(axis=(-2, -1))
+    with np.errstate(invalid="ignore"):
+        amax_b = np.where(finite, np.abs(blocks).max(axis=(-2, -1)), np.nan).astype(F32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        base = flush_subnormals(flush_subnormals(amax_b / F32(6), ftz) * enc, ftz)
+        s4 = e4m3_satfinite(flush_subnormals(base * F32(1.5), ftz))
+        s6 = e4m3_satfinite(base)
+
+    def candidate(s):
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            # the element encode scale is exact even with a subnormal dec (no flush)
+            e = np.minimum(F32(1) / (s * dec).astype(F32), FLT_MAX).astype(F32)
+            y = flush_subnormals(blocks * e[..., None, None], ftz)
+            mag = round_nearest(np.abs(y), E2M1)
+            mag = np.where(np.isnan(y), 0.0, mag)  # Inf (x * FLT_MAX) saturated to 6
+            q = np.where(np.signbit(y), -mag, mag).astype(F32)
+            v = flush_subnormals(flush_subnormals(q * s[..., None, None], ftz) * amax, ftz)
+            v = flush_subnormals(v / F32(6 * bound), ftz)
+            d = flush_subnormals(v - blocks, ftz)
+            t = np.abs(d) if metric == "mae" else flush_subnormals(d * d, ftz)
+            row = t[..., 0]
+            for i in range(1, 16):  # element order
+                row = flush_subnormals(row + t[..., i], ftz)
+        while row.shape[-1] > 1:  # 2D: the 16 row sums as TE's warp-shuffle tree
+            h = row.shape[-1] // 2
+            row = flush_subnormals(row[..., :h] + row[..., h:], ftz)
+        return q, row[..., 0]
+
+    q4, err4 = candidate(s4)
+    q6, err6 = candidate(s6)
+    pick4 = finite & (err4 < err6)
+    s = np.where(pick4, s4, s6).astype(np.float64)
+    q = np.where(pick4[..., None, None], q4, q6).astype(np.float64)
+    if block_2d:
+        q = np.moveaxis(q, -2, -3).reshape(xp.shape)[..., :r, :c]
+    else:
+        q = q.reshape(xp.shape)[..., :c]
+    return q, s, dec, pick4

@@ -28,8 +28,7 @@ from fp4jax import quantized_dot as dot_mod
 from fp4jax import recipes as R
 from pallas_kernels import dispatch
 from tests import reference as ref
-from tests.core.test_four_over_six import _bits_equal
-from tests.dot.test_dot import _deq, _manual_grads
+from tests.checks import bits_equal, dequantized, recipe_grads
 
 F32 = np.float32
 TINY = 2.0**-126
@@ -78,7 +77,7 @@ def _deq_equal(got, want):
         sub = np.abs(want) < TINY
         assert np.all((got[sub] == 0) | (got[sub] == want[sub]))
         got, want = got[~sub], want[~sub]
-    _bits_equal(got, want)
+    bits_equal(got, want)
 
 
 def _ref(x, fmt, axis=-1, block_2d=False, sr_key_words=None):
@@ -100,8 +99,8 @@ def _check(x, fmt, axis=-1, block_2d=False):
     rq, rs, rdec = _ref(x, fmt, axis, block_2d)
     assert q.data.dtype == fmt.data_dtype and q.data.shape == np.shape(x)
     assert q.scale.dtype == fmt.scale_dtype
-    _bits_equal(q.data.astype(jnp.float32), rq)
-    _bits_equal(q.scale.astype(jnp.float32), rs)
+    bits_equal(q.data.astype(jnp.float32), rq)
+    bits_equal(q.scale.astype(jnp.float32), rs)
     assert np.float32(q.global_scale) == rdec
     _deq_equal(fp4jax.dequantize(q), ref.ref_dequantize(rq, rs, rdec, fmt.block_size, axis,
                                                         block_2d))
@@ -249,8 +248,8 @@ def test_non_finite_blocks_dequantize_to_nan(fmt):
     d2 = np.asarray(fp4jax.dequantize(fp4jax.quantize(jnp.asarray(x2), fmt)))
     np.testing.assert_array_equal(d[~bad], d2[~bad])
     rq, rs, _ = _ref(x, fmt)
-    _bits_equal(q.data.astype(jnp.float32), rq)
-    _bits_equal(q.scale.astype(jnp.float32), rs)
+    bits_equal(q.data.astype(jnp.float32), rq)
+    bits_equal(q.scale.astype(jnp.float32), rs)
 
 
 def test_ocp_rule_saturates_and_up_rule_does_not():
@@ -281,8 +280,8 @@ def test_sr_bit_exact_against_numpy(fmt, axis, block_2d):
     q = fp4jax.quantize(jnp.asarray(x), fmt, axis=ax, block_2d=block_2d,
                         rounding="stochastic", key=key)
     rq, rs, _ = _ref(x, fmt, ax, block_2d, sr_key_words=(k1, k2))
-    _bits_equal(q.data.astype(jnp.float32), rq)
-    _bits_equal(q.scale.astype(jnp.float32), rs)
+    bits_equal(q.data.astype(jnp.float32), rq)
+    bits_equal(q.scale.astype(jnp.float32), rs)
     rtn, _, _ = _ref(x, fmt, ax, block_2d)
     assert np.sum(rq != rtn) > 20  # the random bits matter
 
@@ -395,8 +394,8 @@ def test_gemm_emulation_is_exact(fmt, bf16):
     w, qw = _exact_operand(r, fmt, (k, 6), 0)
     a, b = x.astype(np.float64), w.astype(np.float64)  # exactly q * s, one block per row/col
     qa = fp4jax.quantize(jnp.asarray(x), fmt)
-    _bits_equal(qa.data.astype(jnp.float32), qx)
-    _bits_equal(qz.scaled_data(qa), a)
+    bits_equal(qa.data.astype(jnp.float32), qx)
+    bits_equal(qz.scaled_data(qa), a)
     assert (fmt.scaled_bits <= 8) == bf16 == dot_mod._bf16_exact(qa)
     recipe = R.bf16().replace(**{"fprop.lhs.fmt": fmt, "fprop.rhs.fmt": fmt})
     y = fp4jax.dot(jnp.asarray(x), jnp.asarray(w), recipe=recipe)
@@ -444,9 +443,9 @@ def test_new_recipes_forward_and_backward(name):
         return (y, *vjp(g))
 
     y, dx, dw = fwd_bwd(x, w)
-    np.testing.assert_allclose(np.asarray(y), _deq(x, r.fprop.lhs, -1) @ _deq(w, r.fprop.rhs, 0),
-                               rtol=1e-5, atol=1e-4)
-    want_dx, want_dw = _manual_grads(r, x, w, g)
+    want_y = dequantized(x, r.fprop.lhs, -1) @ dequantized(w, r.fprop.rhs, 0)
+    np.testing.assert_allclose(np.asarray(y), want_y, rtol=1e-5, atol=1e-4)
+    want_dx, want_dw = recipe_grads(r, x, w, g)
     np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(np.asarray(dw), want_dw, rtol=1e-5, atol=1e-4)
     rel = np.linalg.norm(np.asarray(dw) - np.asarray(x.T @ g)) / np.linalg.norm(x.T @ g)

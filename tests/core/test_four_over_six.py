@@ -22,98 +22,10 @@ import fp4jax
 from fp4jax import recipes as R
 from pallas_kernels import dispatch
 from tests import reference as ref
+from tests.checks import FTZ, bits_equal
 
 F32 = np.float32
-FLT_MAX = np.finfo(np.float32).max
-TINY = F32(2.0**-126)
-VARIANTS = {"4over6": ("mae", 256), "4over6-mse": ("mse", 256),
-            "4over6-448": ("mae", 448), "4over6-mse-448": ("mse", 448)}
-FTZ = jax.default_backend() == "cpu"  # XLA on CPU flushes float32 subnormals
-
-
-# ---------------------------------------------------------------------------
-# The NumPy reference.
-# ---------------------------------------------------------------------------
-
-def _flush(v: np.ndarray, ftz: bool) -> np.ndarray:
-    v = np.asarray(v, F32)
-    return np.where(np.abs(v) < TINY, np.copysign(F32(0), v), v).astype(F32) if ftz else v
-
-
-def _e4m3(v: np.ndarray) -> np.ndarray:
-    """E4M3 round-to-nearest-even, satfinite (after TE's fminf(., 448)); NaN stays NaN."""
-    return ref.round_nearest(np.minimum(v, F32(448)), ref.E4M3).astype(F32)
-
-
-def ref_four_over_six(x: np.ndarray, rule: str, block_2d: bool = False, ftz: bool = FTZ):
-    """4over6 quantization of ``x`` with 1x16 blocks along the last axis (or 16x16 tiles
-    over the last two axes), zero-padded. Returns (elements float64 with signed zeros,
-    block scales float64 (NaN for non-finite blocks), dec float32, pick4 bool)."""
-    metric, bound = VARIANTS[rule]
-    x = _flush(np.asarray(x, F32), ftz)
-    a = np.abs(x)
-    amax = F32(a[np.isfinite(a)].max()) if np.isfinite(a).any() else F32(0)
-    with np.errstate(divide="ignore", over="ignore"):  # TE core_nvfp4.cuh l. 81-95
-        enc = F32(F32(bound * 6.0) / amax) if amax != 0 else F32(1)
-    enc = min(enc, FLT_MAX)  # TE's fminf(., FLT_MAX)
-    enc = F32(1) if enc == 0 else F32(enc)
-    dec = F32(F32(1) / enc)
-
-    if block_2d:
-        r, c = x.shape[-2:]
-        xp = np.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, -r % 16), (0, -c % 16)])
-        t = xp.reshape(*xp.shape[:-2], xp.shape[-2] // 16, 16, xp.shape[-1] // 16, 16)
-        blocks = np.moveaxis(t, -3, -2)  # (..., nr, nc, 16 rows, 16 cols)
-    else:
-        c = x.shape[-1]
-        xp = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -c % 16)])
-        blocks = xp.reshape(*xp.shape[:-1], xp.shape[-1] // 16, 1, 16)  # one row each
-    finite = np.isfinite(blocks).all(axis=(-2, -1))
-    with np.errstate(invalid="ignore"):
-        amax_b = np.where(finite, np.abs(blocks).max(axis=(-2, -1)), np.nan).astype(F32)
-    with np.errstate(invalid="ignore", over="ignore"):
-        base = _flush(_flush(amax_b / F32(6), ftz) * enc, ftz)
-        s4 = _e4m3(_flush(base * F32(1.5), ftz))
-        s6 = _e4m3(base)
-
-    def candidate(s):
-        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-            # the element encode scale is exact even with a subnormal dec (no flush)
-            e = np.minimum(F32(1) / (s * dec).astype(F32), FLT_MAX).astype(F32)
-            y = _flush(blocks * e[..., None, None], ftz)
-            mag = ref.round_nearest(np.abs(y), ref.E2M1)
-            mag = np.where(np.isnan(y), 0.0, mag)  # Inf (x * FLT_MAX) saturated to 6
-            q = np.where(np.signbit(y), -mag, mag).astype(F32)
-            v = _flush(_flush(q * s[..., None, None], ftz) * amax, ftz)
-            v = _flush(v / F32(6 * bound), ftz)
-            d = _flush(v - blocks, ftz)
-            t = np.abs(d) if metric == "mae" else _flush(d * d, ftz)
-            row = t[..., 0]
-            for i in range(1, 16):  # element order
-                row = _flush(row + t[..., i], ftz)
-        while row.shape[-1] > 1:  # 2D: the 16 row sums as TE's warp-shuffle tree
-            h = row.shape[-1] // 2
-            row = _flush(row[..., :h] + row[..., h:], ftz)
-        return q, row[..., 0]
-
-    q4, err4 = candidate(s4)
-    q6, err6 = candidate(s6)
-    pick4 = finite & (err4 < err6)
-    s = np.where(pick4, s4, s6).astype(np.float64)
-    q = np.where(pick4[..., None, None], q4, q6).astype(np.float64)
-    if block_2d:
-        q = np.moveaxis(q, -2, -3).reshape(xp.shape)[..., :r, :c]
-    else:
-        q = q.reshape(xp.shape)[..., :c]
-    return q, s, dec, pick4
-
-
-def _bits_equal(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    same = (got == want) | (np.isnan(got) & np.isnan(want))
-    assert same.all(), f"{(~same).sum()} mismatches: got {got[~same][:6]} want {want[~same][:6]}"
-    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+VARIANTS = ref.FOUR_OVER_SIX_VARIANTS
 
 
 def _ref_dequantize(rq, rs, rdec, block_2d):
@@ -132,15 +44,15 @@ def _check(x, rule, axis=-1, block_2d=False, x_in=None):
     q = fp4jax.quantize(jnp.asarray(x if x_in is None else x_in), fp4jax.NVFP4, axis=axis,
                         block_2d=block_2d, block_scale_rule=rule)
     xm = np.moveaxis(np.asarray(x, F32), axis, -1) if not block_2d else np.asarray(x, F32)
-    rq, rs, rdec, pick4 = ref_four_over_six(xm, rule, block_2d)
+    rq, rs, rdec, pick4 = ref.ref_four_over_six(xm, rule, block_2d, ftz=FTZ)
     rdeq = _ref_dequantize(rq, rs, rdec, block_2d)
     if not block_2d:
         rq, rs, rdeq = (np.moveaxis(a, -1, axis) for a in (rq, rs, rdeq))
     assert q.data.dtype == jnp.float4_e2m1fn and q.scale.dtype == jnp.float8_e4m3fn
-    _bits_equal(q.data.astype(jnp.float32), rq)
-    _bits_equal(q.scale.astype(jnp.float32), rs)
+    bits_equal(q.data.astype(jnp.float32), rq)
+    bits_equal(q.scale.astype(jnp.float32), rs)
     assert np.float32(q.global_scale) == rdec
-    _bits_equal(fp4jax.dequantize(q), rdeq)
+    bits_equal(fp4jax.dequantize(q), rdeq)
     return pick4
 
 
@@ -203,11 +115,11 @@ def test_bit_exact(rule, block_2d):
     deq = np.asarray(fp4jax.dequantize(q))
     picks = []
     for i, n in enumerate(names):
-        rq, rs, rdec, pick4 = ref_four_over_six(INPUTS[n], rule, block_2d)
-        _bits_equal(q.data[i].astype(jnp.float32), rq)
-        _bits_equal(q.scale[i].astype(jnp.float32), rs)
+        rq, rs, rdec, pick4 = ref.ref_four_over_six(INPUTS[n], rule, block_2d, ftz=FTZ)
+        bits_equal(q.data[i].astype(jnp.float32), rq)
+        bits_equal(q.scale[i].astype(jnp.float32), rs)
         assert np.float32(q.global_scale[i]) == rdec, n
-        _bits_equal(deq[i], _ref_dequantize(rq, rs, rdec, block_2d))
+        bits_equal(deq[i], _ref_dequantize(rq, rs, rdec, block_2d))
         picks.append(pick4.ravel())
     picks = np.concatenate(picks)
     assert picks.any() and not picks.all(), picks.mean()
@@ -233,15 +145,15 @@ def test_reference_ftz_is_inert_on_normal_inputs():
     for name in INPUTS:
         for rule in VARIANTS:
             for b2 in (False, True):
-                a = ref_four_over_six(INPUTS[name], rule, b2, ftz=True)
-                b = ref_four_over_six(INPUTS[name], rule, b2, ftz=False)
+                a = ref.ref_four_over_six(INPUTS[name], rule, b2, ftz=True)
+                b = ref.ref_four_over_six(INPUTS[name], rule, b2, ftz=False)
                 if name == "subnormal_mse" and "mse" in rule and not b2:
                     # the documented difference: flushed squares make every error 0, so
                     # every block ties and keeps map-to-6 where TE picks map-to-4
                     assert not a[3].any() and b[3].sum() >= 5
                     continue
-                _bits_equal(a[0], b[0])
-                _bits_equal(a[1], b[1])
+                bits_equal(a[0], b[0])
+                bits_equal(a[1], b[1])
 
 
 def test_ties_take_map_to_6():
@@ -258,7 +170,7 @@ def test_ties_take_map_to_6():
     assert s[0, 0] == 2.0**-3  # tie: map-to-6
     assert s[1, 0] == 2.0**-3  # map-to-6 strictly better
     assert s[1, 1] == 0.25  # map-to-4 (amax_b / 4) strictly better
-    _bits_equal(fp4jax.dequantize(q), x)  # every chosen candidate is exact here
+    bits_equal(fp4jax.dequantize(q), x)  # every chosen candidate is exact here
     pick4 = _check(x, "4over6")
     assert pick4.tolist() == [[False, False], [False, True]]
 
@@ -291,8 +203,8 @@ def test_scale_bounds_and_unbatched_equals_batched():
             np.float32(bound * 6.0) / np.float32(np.abs(x).max()))
         assert np.asarray(q.scale.astype(jnp.float32)).max() <= top
         qb = _quantize_each(xs, rule, False)
-        _bits_equal(q.data.astype(jnp.float32), qb.data[h].astype(jnp.float32))
-        _bits_equal(q.scale.astype(jnp.float32), qb.scale[h].astype(jnp.float32))
+        bits_equal(q.data.astype(jnp.float32), qb.data[h].astype(jnp.float32))
+        bits_equal(q.scale.astype(jnp.float32), qb.scale[h].astype(jnp.float32))
 
 
 # ---------------------------------------------------------------------------
@@ -413,7 +325,7 @@ def test_dispatcher_declines_4over6():
                                      block_scale_rule="4over6")
     xb = jnp.asarray(INPUTS["gauss"][:, :64], jnp.bfloat16)
     q = dispatch.quantize(xb, block_scale_rule="4over6")  # auto: the XLA 4over6 path
-    _bits_equal(q.scale.astype(jnp.float32),
+    bits_equal(q.scale.astype(jnp.float32),
                 fp4jax.quantize(xb, block_scale_rule="4over6").scale.astype(jnp.float32))
     with pytest.raises(ValueError, match="'max' block scale rule only"):
         dispatch.quantize(xb, block_scale_rule="4over6", backend="pallas")

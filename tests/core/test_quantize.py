@@ -9,6 +9,7 @@ import pytest
 import fp4jax
 from fp4jax import numerics
 from tests import reference as ref
+from tests.checks import bits_equal
 
 RNG = np.random.default_rng(1234)
 
@@ -36,28 +37,17 @@ def _inputs():
 INPUTS = _inputs()
 
 
-def _bits_equal(got, want):
-    got = np.asarray(got, np.float64)
-    want = np.asarray(want, np.float64)
-    assert got.shape == want.shape
-    same = (got == want) | (np.isnan(got) & np.isnan(want))
-    assert same.all(), (
-        f"{(~same).sum()} mismatches, e.g. got {got[~same][:5]} want {want[~same][:5]}"
-    )
-    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
-
-
 def _check(x, fmt, axis=-1, block_2d=False, x_in=None):
     q = fp4jax.quantize(jnp.asarray(x if x_in is None else x_in), fmt, axis=axis, block_2d=block_2d)
     rq, rs, rdec = ref.ref_quantize(x, fmt.scale_exp_bits, fmt.scale_man_bits, fmt.block_size,
                                     fmt.tensor_scale, fmt.scale_rule, axis, block_2d)
     assert q.data.dtype == jnp.float4_e2m1fn and q.data.shape == np.shape(x)
     assert q.scale.dtype == fmt.scale_dtype
-    _bits_equal(q.data.astype(jnp.float32), rq)
-    _bits_equal(q.scale.astype(jnp.float32), rs)
+    bits_equal(q.data.astype(jnp.float32), rq)
+    bits_equal(q.scale.astype(jnp.float32), rs)
     assert np.float32(q.global_scale) == rdec
     deq = fp4jax.dequantize(q)
-    _bits_equal(deq, ref.ref_dequantize(rq, rs, rdec, fmt.block_size, axis, block_2d))
+    bits_equal(deq, ref.ref_dequantize(rq, rs, rdec, fmt.block_size, axis, block_2d))
     return q
 
 
@@ -96,8 +86,8 @@ def test_2d_bit_exact_and_transpose_consistent(name):
     nr, nc = -(-x.shape[-2] // 16), -(-x.shape[-1] // 16)
     assert q.scale.shape == (*x.shape[:-2], nr, nc)
     qt = fp4jax.quantize(jnp.swapaxes(jnp.asarray(x), -1, -2), block_2d=True)
-    _bits_equal(jnp.swapaxes(q.data.astype(jnp.float32), -1, -2), qt.data.astype(jnp.float32))
-    _bits_equal(jnp.swapaxes(fp4jax.dequantize(q), -1, -2), fp4jax.dequantize(qt))
+    bits_equal(jnp.swapaxes(q.data.astype(jnp.float32), -1, -2), qt.data.astype(jnp.float32))
+    bits_equal(jnp.swapaxes(fp4jax.dequantize(q), -1, -2), fp4jax.dequantize(qt))
 
 
 def test_1d_scaling_is_not_transpose_consistent():
@@ -261,8 +251,8 @@ def test_sr_bit_exact_against_numpy(shape, axis, block_2d):
                         rounding="stochastic", key=key)
     rq, rs, rdec = ref.ref_quantize(x, axis=-1 if block_2d else axis, block_2d=block_2d,
                                     sr_key_words=(k1, k2))
-    _bits_equal(q.data.astype(jnp.float32), rq)
-    _bits_equal(q.scale.astype(jnp.float32), rs)
+    bits_equal(q.data.astype(jnp.float32), rq)
+    bits_equal(q.scale.astype(jnp.float32), rs)
     rtn, _, _ = ref.ref_quantize(x, axis=-1 if block_2d else axis, block_2d=block_2d)
     assert np.sum(rq != rtn) > x.size // 20  # the random bits matter
 
@@ -391,7 +381,7 @@ def test_pack_roundtrip(shape, axis):
     p = fp4jax.pack_e2m1(q.data, axis=axis)
     assert p.dtype == jnp.uint8 and p.shape[axis] == -(-shape[axis] // 2)
     back = fp4jax.unpack_e2m1(p, shape[axis], axis=axis)
-    _bits_equal(back.astype(jnp.float32), q.data.astype(jnp.float32))
+    bits_equal(back.astype(jnp.float32), q.data.astype(jnp.float32))
     # codes are the standard E2M1 bit patterns
     codes = np.asarray(jax.lax.bitcast_convert_type(q.data, jnp.uint4)).astype(np.uint8)
     lo = np.asarray(p) & 0xF

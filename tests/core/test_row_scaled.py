@@ -18,7 +18,7 @@ import fp4jax
 from fp4jax import recipes as R
 from pallas_kernels import dispatch
 from tests import reference as ref
-from tests.core.test_four_over_six import _bits_equal, ref_four_over_six
+from tests.checks import FTZ, bits_equal
 
 F32 = np.float32
 
@@ -32,7 +32,7 @@ def _ref_rows(x: np.ndarray, rule: str = "max"):
         if rule == "max":
             q, s, dec = ref.ref_quantize(r[None])
         else:
-            q, s, dec, _ = ref_four_over_six(r[None], rule)
+            q, s, dec, _ = ref.ref_four_over_six(r[None], rule, ftz=FTZ)
         out.append((q[0], s[0], dec))
     q = np.stack([o[0] for o in out]).reshape(x.shape)
     s = np.stack([o[1] for o in out]).reshape(*x.shape[:-1], -1)
@@ -60,17 +60,17 @@ def test_bit_exact_per_row_against_reference(rule):
     q = fp4jax.quantize(jnp.asarray(x), fp4jax.NVFP4, row_scaled=True, block_scale_rule=rule)
     rq, rs, rdec = _ref_rows(x, rule)
     assert q.global_scale.shape == (8, 1)
-    _bits_equal(q.data.astype(jnp.float32), rq)
-    _bits_equal(q.scale.astype(jnp.float32), rs)
-    _bits_equal(q.global_scale, rdec)
+    bits_equal(q.data.astype(jnp.float32), rq)
+    bits_equal(q.scale.astype(jnp.float32), rs)
+    bits_equal(q.global_scale, rdec)
     want = np.stack([ref.ref_dequantize(rq[i], rs[i], rdec[i, 0]) for i in range(8)])
-    _bits_equal(fp4jax.dequantize(q), want)
+    bits_equal(fp4jax.dequantize(q), want)
     # the blocked axis need not be the last: axis 0 is the same rows of the transpose
     qt = fp4jax.quantize(jnp.asarray(x.T), fp4jax.NVFP4, axis=0, row_scaled=True,
                          block_scale_rule=rule)
     assert qt.global_scale.shape == (1, 8)
-    _bits_equal(qt.data.astype(jnp.float32).T, rq)
-    _bits_equal(qt.global_scale.T, rdec)
+    bits_equal(qt.data.astype(jnp.float32).T, rq)
+    bits_equal(qt.global_scale.T, rdec)
 
 
 def test_a_later_row_no_longer_changes_earlier_rows():

@@ -21,6 +21,7 @@ import pytest
 import fp4jax
 from fp4jax import numerics
 from tests import reference as ref
+from tests.checks import assert_packed_equal, packed_bits
 from tests.interpret import InterpretGPUParams, needs_interpret
 
 F32 = np.float32
@@ -166,12 +167,6 @@ def _kernel_input(tiny: bool) -> jnp.ndarray:
     return jnp.where(jnp.abs(x.astype(jnp.float32)) < 2.0**-126, 0, x).astype(jnp.bfloat16)
 
 
-def _core_bits(q):
-    return (np.asarray(fp4jax.pack_e2m1(q.data)),
-            np.asarray(jax.lax.bitcast_convert_type(q.scale, jnp.uint8)),
-            np.float32(q.global_scale))
-
-
 @needs_interpret
 @pytest.mark.parametrize("tiny", [False, True])
 def test_packed_kernels_give_the_core_codes(tiny):
@@ -179,15 +174,13 @@ def test_packed_kernels_give_the_core_codes(tiny):
 
     x = _kernel_input(tiny)
     ip = InterpretGPUParams()
-    want = _core_bits(fp4jax.quantize(x, fp4jax.NVFP4))
+    want = packed_bits(fp4jax.quantize(x, fp4jax.NVFP4))
     got = qk.quantize_nvfp4_1x16(x, interpret=ip)
-    np.testing.assert_array_equal(np.asarray(got[1]), want[1])
-    np.testing.assert_array_equal(np.asarray(got[0]), want[0])
-    assert np.float32(got[2]).view(np.uint32) == want[2].view(np.uint32)
+    assert_packed_equal(got, want)
     assert (want[1] == 0).sum() >= 2 and np.isin(want[0] & 0xF, [7, 15]).any()
     if tiny:
         assert want[2] < 2.0**-126
-    want2 = _core_bits(fp4jax.quantize(x, fp4jax.NVFP4, block_2d=True))
+    want2 = packed_bits(fp4jax.quantize(x, fp4jax.NVFP4, block_2d=True))
     got2 = qk.quantize_nvfp4_2d(x, interpret=ip)
     np.testing.assert_array_equal(np.asarray(got2[1]), want2[1])
     np.testing.assert_array_equal(np.asarray(got2[0]), want2[0])

@@ -27,18 +27,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import fp4jax  # noqa: E402
 from fp4jax import recipes as R  # noqa: E402
 from fp4jax import sharding  # noqa: E402
+from tests.kernel_inputs import shard_gemm_operands  # noqa: E402
 
 N_DEV = 4
 
-
-
-def _data(m=128, k=256, n=128):
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((m, k)) * 2, jnp.bfloat16)
-    x = x.at[m - 5, 7].set(60.0)  # the last shard's amax is the tensor's
-    w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.float32)
-    g = jnp.asarray(rng.standard_normal((m, n)), jnp.float32).at[3, 1].set(30.0)
-    return x, w, g
 
 
 def _fb(recipe, key):
@@ -63,7 +55,7 @@ def _sharded(mesh, recipe, key):
 def test_local_scope_is_each_shard_alone(mesh):
     recipe = R.nvfp4().replace(sr=False, amax_scope="local")
     key = jax.random.key(3)
-    x, w, g = _data()
+    x, w, g = shard_gemm_operands(128, 256, 128)
     y, dx, dw = _sharded(mesh, recipe, key)(x, w, g)
     fb = jax.jit(_fb(recipe, key))  # one device, no data_parallel: the shard is the tensor
     rows = x.shape[0] // N_DEV
@@ -84,7 +76,7 @@ def test_local_scope_is_each_shard_alone(mesh):
 def test_local_scope_with_stochastic_rounding_runs(mesh):
     # SR draws stay at each row's place in the whole tensor; the result is finite and differs
     # from the global scope's
-    x, w, g = _data()
+    x, w, g = shard_gemm_operands(128, 256, 128)
     key = jax.random.key(5)
     out_l = _sharded(mesh, R.nvfp4().replace(amax_scope="local"), key)(x, w, g)
     out_g = _sharded(mesh, R.nvfp4(), key)(x, w, g)
@@ -94,7 +86,8 @@ def test_local_scope_with_stochastic_rounding_runs(mesh):
 
 def _all_reduces(mesh, recipe, monkeypatch, kernels):
     monkeypatch.setenv("FP4JAX_KERNELS", kernels)
-    x, w, g = _data(n=256)  # 32 x 256 per device: every x and dy operand has its kernel
+    # 32 x 256 per device: every x and dy operand has its kernel
+    x, w, g = shard_gemm_operands(128, 256, 256)
     text = _sharded(mesh, recipe, jax.random.key(3)).lower(
         x, w.astype(jnp.bfloat16), g.astype(jnp.bfloat16)).as_text()  # bf16 dy: kernels
     return len(re.findall(r"stablehlo\.all_reduce|\ball-reduce\(", text))

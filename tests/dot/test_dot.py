@@ -8,6 +8,7 @@ import pytest
 import fp4jax
 from fp4jax import recipes
 from tests import reference as ref
+from tests.checks import dequantized, recipe_grads
 
 RNG = np.random.default_rng(99)
 
@@ -108,21 +109,14 @@ def test_rht_errors():
 # ----------------------------------------------------------------------------- dot forward
 
 
-def _deq(x, spec, axis):
-    if not spec.quantized:
-        return np.asarray(x, np.float64)
-    q = fp4jax.quantize(x, spec.fmt, axis=axis, block_2d=spec.block_2d)
-    return np.asarray(fp4jax.dequantize(q), np.float64)
-
-
 @pytest.mark.parametrize("name", ["nvfp4", "fp4_all_the_way", "mxfp4", "bf16", "nvfp4_fwd_only"])
 def test_dot_forward_is_matmul_of_dequantized(name):
     r = recipes.get(name)
     x, w = _randn(4, 6, 96, scale=2.0), _randn(96, 40)
     y = fp4jax.dot(x, w, recipe=r, key=jax.random.key(0))
     assert y.shape == (4, 6, 40) and y.dtype == jnp.float32
-    xd = _deq(x.reshape(-1, 96), r.fprop.lhs, -1)
-    wd = _deq(w, r.fprop.rhs, 0)
+    xd = dequantized(x.reshape(-1, 96), r.fprop.lhs, -1)
+    wd = dequantized(w, r.fprop.rhs, 0)
     want = (xd @ wd).reshape(4, 6, 40)
     scale = np.abs(xd) @ np.abs(wd)
     np.testing.assert_allclose(np.asarray(y), want, atol=1e-5 * scale.max())
@@ -134,7 +128,8 @@ def test_dot_forward_bf16_inputs_and_output_dtype():
     assert y.dtype == jnp.bfloat16
     y32 = fp4jax.dot(x, w, key=jax.random.key(0), preferred_element_type=jnp.float32)
     assert y32.dtype == jnp.float32
-    want = _deq(x, recipes.nvfp4().fprop.lhs, -1) @ _deq(w, recipes.nvfp4().fprop.rhs, 0)
+    fprop = recipes.nvfp4().fprop
+    want = dequantized(x, fprop.lhs, -1) @ dequantized(w, fprop.rhs, 0)
     np.testing.assert_allclose(np.asarray(y32), want, rtol=1e-5, atol=1e-5)
 
 
@@ -175,18 +170,6 @@ def test_dot_general_works_as_flax_dot_general():
 def _grads(r, x, w, g, key):
     _, vjp = jax.vjp(lambda x, w: fp4jax.dot(x, w, recipe=r, key=key), x, w)
     return vjp(g)
-
-
-def _manual_grads(r, x, w, g):
-    """The recipe's dgrad and wgrad rebuilt from dequantized operands (round-to-nearest
-    recipes): ``Q(dy) @ Q(w).T`` and ``Q(Hx).T @ Q(H dy)``, float64."""
-    hx, hg = x, g
-    if r.wgrad.hadamard:
-        hx = fp4jax.random_hadamard_transform(x, axis=0, size=r.wgrad.hadamard)
-        hg = fp4jax.random_hadamard_transform(g, axis=0, size=r.wgrad.hadamard)
-    want_dx = _deq(g, r.dgrad.lhs, -1) @ _deq(w, r.dgrad.rhs, -1).T
-    want_dw = _deq(hx, r.wgrad.lhs, 0).T @ _deq(hg, r.wgrad.rhs, 0)
-    return want_dx, want_dw
 
 
 @pytest.mark.parametrize("name", ["bf16", "nvfp4_fwd_only"])
@@ -412,7 +395,7 @@ def test_dot_general_quantized_with_batch_and_several_contracting_dims():
     r = recipes.nvfp4().replace(sr=False)
     y = fp4jax.dot_general(lhs, rhs, dn, recipe=r)
     assert y.shape == (2, 6, 5)
-    xd = _deq(lhs.reshape(2, 6, 32), r.fprop.lhs, -1)
+    xd = dequantized(lhs.reshape(2, 6, 32), r.fprop.lhs, -1)
     wd = np.asarray(fp4jax.dequantize(fp4jax.quantize(rhs.reshape(2, 32, 5), block_2d=True)),
                     np.float64)
     want = np.einsum("bmk,bkn->bmn", xd, wd)
@@ -425,7 +408,7 @@ def test_backward_matches_manual_recipe_other_recipes(name):
     x, w, g = _randn(64, 64), _randn(64, 32), _randn(64, 32)
     dx, dw = _grads(r, x, w, g, None)
 
-    want_dx, want_dw = _manual_grads(r, x, w, g)
+    want_dx, want_dw = recipe_grads(r, x, w, g)
     np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(np.asarray(dw), want_dw, rtol=1e-5, atol=1e-4)
     assert dx.dtype == x.dtype and dw.dtype == w.dtype

@@ -13,16 +13,7 @@ from jax.sharding import PartitionSpec as P
 import fp4jax
 from fp4jax import numerics, sharding
 from tests.interpret import needs_interpret
-
-
-def _data(m, k, n, dtype_w=jnp.float32, dtype_g=jnp.float32, seed=0):
-    rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.standard_normal((m, k)) * 2, jnp.bfloat16)
-    x = x.at[m - 5, 7].set(60.0)  # the tensor amax lives on the last shard only
-    w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.bfloat16).astype(dtype_w)
-    g = jnp.asarray(rng.standard_normal((m, n)), dtype_g)
-    g = g.at[3, 1].set(30.0)  # ... and the gradient's on the first
-    return x, w, g
+from tests.kernel_inputs import shard_gemm_operands
 
 
 def _one_and_sharded(mesh, recipe, x, w, g, key, use_context=True):
@@ -62,7 +53,7 @@ def test_sharded_dot_equals_one_device(mesh, name):
     # the f32 summation order over tokens; y and dx are the same bits (global amaxes, and
     # stochastic-rounding draws at each row's place in the whole tensor).
     recipe = fp4jax.recipes.get(name)
-    x, w, g = _data(256, 256, 128)
+    x, w, g = shard_gemm_operands(256, 256, 128)
     one, sharded = _one_and_sharded(mesh, recipe, x, w, g, jax.random.key(3))
     _check(one, sharded, dw_rtol=1e-6)
 
@@ -79,10 +70,10 @@ def test_blocks_and_rht_along_tokens_must_not_straddle_devices(mesh):
     assert token_row_multiple(fp4jax.recipes.mxfp4()) == 32
     assert token_row_multiple(rht32) == 32
     for recipe in (fp4jax.recipes.mxfp4(), rht32):
-        x, w, g = _data(64, 64, 32)  # 16 rows per device
+        x, w, g = shard_gemm_operands(64, 64, 32)  # 16 rows per device
         with pytest.raises(ValueError, match="needs a multiple of 32"):
             _one_and_sharded(mesh, recipe, x, w, g, jax.random.key(3))
-        x, w, g = _data(128, 64, 32)  # 32 rows per device
+        x, w, g = shard_gemm_operands(128, 64, 32)  # 32 rows per device
         one, sharded = _one_and_sharded(mesh, recipe, x, w, g, jax.random.key(3))
         _check(one, sharded, dw_rtol=1e-6)
 
@@ -90,7 +81,7 @@ def test_blocks_and_rht_along_tokens_must_not_straddle_devices(mesh):
 def test_without_the_context_shards_quantize_apart(mesh):
     # the same shard_map without data_parallel quantizes each shard with its own amax and
     # draws: not the single-device bits (what the context exists to fix)
-    x, w, g = _data(256, 256, 128)
+    x, w, g = shard_gemm_operands(256, 256, 128)
     (y1, dx1, _), (y2, dx2, _) = _one_and_sharded(mesh, fp4jax.recipes.nvfp4(), x, w, g,
                                                   jax.random.key(3), use_context=False)
     assert not np.array_equal(np.asarray(y1), np.asarray(y2))
@@ -118,7 +109,7 @@ def test_row_shard_draw_offset_matches_whole_tensor():
 
 
 def test_data_parallel_errors(mesh):
-    x, w, _ = _data(64, 64, 32)
+    x, w, _ = shard_gemm_operands(64, 64, 32)
     with sharding.data_parallel("data"), pytest.raises(ValueError, match="not traced inside"):
         jax.jit(lambda x, w: fp4jax.dot(x, w, key=jax.random.key(0)))(x, w)
     with pytest.raises(TypeError, match="axis_name"):

@@ -30,6 +30,7 @@ from fp4jax import quantization as qz  # noqa: E402
 from fp4jax import quantized_dot as dot_mod  # noqa: E402
 from pallas_kernels import dispatch  # noqa: E402
 from pallas_kernels.gemm import blockscale_sm100 as bs  # noqa: E402
+from tests.checks import export_cuda  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -308,8 +309,7 @@ def test_tcgen05_kernel_lowers_for_sm100(monkeypatch):
     args = (S((m, k), jnp.float4_e2m1fn), S((n, k), jnp.float4_e2m1fn),
             S((m // 128, k // 64, 32, 16), jnp.float8_e4m3fn),
             S((n // 128, k // 64, 32, 16), jnp.float8_e4m3fn), S((), jnp.float32))
-    text = jax.export.export(jax.jit(tc.gemm_alpha_nvfp4), platforms=["cuda"])(
-        *args).mlir_module()
+    text = export_cuda(tc.gemm_alpha_nvfp4, *args).mlir_module()
     assert "mosaic_gpu" in text and NVFP4_MMA in text and "tcgen05.cp" in text
 
 

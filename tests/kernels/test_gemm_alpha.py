@@ -20,10 +20,11 @@ jnp = jax.numpy
 
 from fp4jax import quantized_dot as dot_mod  # noqa: E402
 from pallas_kernels.gemm import alpha_sm90 as ga  # noqa: E402
+from tests.checks import export_cuda  # noqa: E402
 
 
 def _export(f, *shapes):
-    return jax.export.export(jax.jit(f), platforms=["cuda"])(*shapes).mlir_module()
+    return export_cuda(f, *shapes).mlir_module()
 
 
 @pytest.mark.parametrize("trans_a,trans_b", [(False, False), (False, True), (True, False)])

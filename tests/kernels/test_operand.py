@@ -33,19 +33,12 @@ from pallas_kernels import reference as npref  # noqa: E402
 from pallas_kernels.quantize import common_sm90 as cm  # noqa: E402
 from pallas_kernels.quantize import operand_sm90 as fq  # noqa: E402
 from tests import reference as ref  # noqa: E402
+from tests.checks import export_cuda  # noqa: E402
 from tests.interpret import InterpretGPUParams, needs_interpret  # noqa: E402
 from tests.kernel_inputs import mismatches, wild_input  # noqa: E402
 
 IP = InterpretGPUParams() if InterpretGPUParams is not None else None
 SIGNS = np.asarray(default_signs(16), np.float32)
-
-
-def _bits(a):
-    return np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32)).view(np.uint32)
-
-
-def _data(shape, seed):
-    return wild_input(shape, seed, block=16)
 
 
 def _np_scaled(codes, sbits, scale_repeat):
@@ -105,7 +98,7 @@ def test_kernel_element_rounding_is_the_core_rule():
 @needs_interpret
 @pytest.mark.parametrize("sr", [False, True])
 def test_rows_kernel_matches_xla_and_numpy(sr):
-    x = _data((32, 1024) if sr else (32, 512), 0)
+    x = wild_input((32, 1024) if sr else (32, 512), 0, block=16)
     key = jax.random.key(3) if sr else None
     got, dec = fq.fq_rows(x, key, interpret=IP)
     want, wdec = _xla_scaled(x, -1, key=key)
@@ -124,7 +117,7 @@ def test_rows_kernel_matches_xla_and_numpy(sr):
 @pytest.mark.parametrize("sr", [False, True])
 @pytest.mark.parametrize("rht", [False, True])
 def test_cols_kernel_matches_xla_and_numpy(sr, rht):
-    x = _data((32, 1024), 1)
+    x = wild_input((32, 1024), 1, block=16)
     key = jax.random.key(5) if sr else None
     got, dec = fq.fq_cols(x, key, signs=jnp.asarray(SIGNS) if rht else None, interpret=IP)
     want, wdec = _xla_scaled(x, 0, key=key, rht=rht)
@@ -146,12 +139,12 @@ def test_sr_kernels_with_the_gpu_tiling_match_xla():
     strip), run in interpret mode: rows SR with 2 row quads x 64 blocks per tile (2 x 2
     tiles), cols SR (with RHT) in strips of 64 column blocks."""
     key = jax.random.key(21)
-    x = _data((16, 2048), 6)
+    x = wild_input((16, 2048), 6, block=16)
     enc, dec = cm.global_scales(x)
     got = fq.fq_rows_scaled(x, cm.scalars(enc, dec), cm.key_words(key), sr=True, g=64, rq=2,
                             interpret=IP)
     assert mismatches(got, _xla_scaled(x, -1, key=key)[0]) == 0
-    x = _data((16, 2048), 7)
+    x = wild_input((16, 2048), 7, block=16)
     got, _ = fq.fq_cols(x, key, signs=jnp.asarray(SIGNS), interpret=IP, g=64)
     assert mismatches(got, _xla_scaled(x, 0, key=key, rht=True)[0]) == 0
     with pytest.raises(ValueError, match="tiling"):
@@ -164,7 +157,7 @@ def test_sr_rows_compact_tiles_match_xla():
     """The ``compact`` SR rows tile (a quad's four rows as a loop: the row picks its draw
     word and bytes with integer masks and shifts) gives the same bits as the XLA path."""
     key = jax.random.key(24)
-    x = _data((16, 2048), 10)
+    x = wild_input((16, 2048), 10, block=16)
     enc, dec = cm.global_scales(x)
     got = fq.fq_rows_scaled(x, cm.scalars(enc, dec), cm.key_words(key), sr=True, g=64, rq=2,
                             compact=True, interpret=IP)
@@ -178,7 +171,7 @@ def test_sr_rows_flat_quads_match_xla(c, rq):
     64-block register tiles; the GPU's default at these widths), run in interpret mode on
     the same tiles: bit for bit with the XLA path, the draws included."""
     key = jax.random.key(23)
-    x = _data((32, c), 9)
+    x = wild_input((32, c), 9, block=16)
     assert fq.flat_quads(32, c, rq) == rq
     enc, dec = cm.global_scales(x)
     got = fq.fq_rows_scaled(x, cm.scalars(enc, dec), cm.key_words(key), sr=True, rq=rq,
@@ -206,7 +199,7 @@ def test_narrow_cols_kernels_with_the_gpu_tiling_match_xla(c, g):
     columns, as a small model's wgrad operands are): cols SR after the RHT and the rotated
     amaxes, in strips of ``g`` column blocks (the GPU's draw offsets), bit for bit."""
     key = jax.random.key(22)
-    x = _data((32, c), 8)
+    x = wild_input((32, c), 8, block=16)
     got, dec = fq.fq_cols(x, key, signs=jnp.asarray(SIGNS), interpret=IP, g=g)
     want, wdec = _xla_scaled(x, 0, key=key, rht=True)
     assert mismatches(got, want) == 0 and float(dec) == float(wdec)
@@ -238,7 +231,7 @@ def test_strip_layout_by_width():
 @needs_interpret
 @pytest.mark.parametrize("wild", [False, True])
 def test_rht_cols_amax_is_the_finite_amax_of_the_rotation(wild):
-    x = _data((32, 1024), 4) if wild else jax.random.normal(
+    x = wild_input((32, 1024), 4, block=16) if wild else jax.random.normal(
         jax.random.key(2), (32, 1024)).astype(jnp.bfloat16)
     got = fq.rht_cols_amax(x, jnp.asarray(SIGNS), interpret=IP)
     r = np.asarray(random_hadamard_transform(x, axis=0, size=16, signs=SIGNS))
@@ -255,7 +248,7 @@ def test_rht_cols_amax_is_the_finite_amax_of_the_rotation(wild):
 
 @needs_interpret
 def test_2d_kernel_matches_xla_and_numpy():
-    x = _data((32, 1024), 2)
+    x = wild_input((32, 1024), 2, block=16)
     got, dec = fq.fq_2d(x, interpret=IP)
     want, wdec = _xla_scaled(x, -1, block_2d=True)
     assert mismatches(got, want) == 0 and float(dec) == float(wdec)
@@ -268,7 +261,7 @@ def _data_f32(shape, seed):
     """``_data`` with float32 mantissa bits below bf16's set at random where finite (so
     the kernel must quantize the float32 values, not their bf16 roundings), and a tile of
     values that round differently from their bf16 roundings near E2M1 ties."""
-    x = np.asarray(_data(shape, seed), np.float32)
+    x = np.asarray(wild_input(shape, seed, block=16), np.float32)
     rng = np.random.default_rng(seed + 100)
     low = rng.integers(0, 1 << 16, shape, dtype=np.uint32)
     bits = x.view(np.uint32)
@@ -351,8 +344,7 @@ def test_kernels_lower_for_cuda(variant):
         "rows_sr_c256": lambda x: fq.fq_rows(x[:, :256], key),
         "rows_sr_c768": lambda x: fq.fq_rows(x[:, :768], key),
     }[variant]
-    exp = jax.export.export(jax.jit(f), platforms=["cuda"])(
-        jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16))
+    exp = export_cuda(f, jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16))
     assert "mosaic_gpu" in exp.mlir_module()
 
 
@@ -479,5 +471,5 @@ def test_operand_kernels_lower_for_cuda_with_a_scalar_row(kind):
          "rows_sr": lambda x, s, k: fq.fq_rows_scaled(x, s, k, sr=True, sc_row=1),
          "cols_rht_sr": lambda x, s, k: fq.fq_cols_scaled(x, s, k, sr=True, rht=True, sc_row=1),
          "2d": lambda x, s, k: fq.fq_2d_scaled(x, s, sc_row=0)}[kind]
-    exp = jax.export.export(jax.jit(f), platforms=["cuda"])(x, sc, kw)
+    exp = export_cuda(f, x, sc, kw)
     assert "mosaic_gpu" in exp.mlir_module()

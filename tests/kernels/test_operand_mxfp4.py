@@ -33,15 +33,12 @@ from fp4jax.hadamard import default_signs, random_hadamard_transform  # noqa: E4
 from pallas_kernels import dispatch  # noqa: E402
 from pallas_kernels.quantize import common_sm90 as cm  # noqa: E402
 from pallas_kernels.quantize import operand_sm90 as fq  # noqa: E402
+from tests.checks import export_cuda  # noqa: E402
 from tests.interpret import InterpretGPUParams, needs_interpret  # noqa: E402
 from tests.kernel_inputs import mismatches, wild_input  # noqa: E402
 
 IP = InterpretGPUParams() if InterpretGPUParams is not None else None
 SIGNS32 = jnp.asarray(default_signs(32))
-
-
-def _data(shape, seed):
-    return wild_input(shape, seed, block=32, mx_extremes=True)
 
 
 def _xla(x, fmt, axis, key=None, rht=False):
@@ -81,7 +78,7 @@ def test_is_mx_names_the_two_mxfp4_formats():
 @needs_interpret
 @pytest.mark.parametrize("fmt,sr", [(MXFP4, False), (MXFP4, True), (MXFP4_OCP, False)])
 def test_mx_rows_kernel_matches_xla(fmt, sr):
-    x = _data((16, 256), 0)
+    x = wild_input((16, 256), 0, block=32, mx_extremes=True)
     key = jax.random.key(3) if sr else None
     got = fq.fq_rows_scaled(x, cm.scalars(1.0, 1.0), cm.key_words(key), sr=sr,
                             interpret=IP, fmt=fmt)
@@ -144,7 +141,7 @@ def test_mx_kernels_lower_for_cuda(variant):
          "rows_sr": lambda x, s, k: fq.fq_rows_scaled(x, s, k, sr=True, sc_row=1, fmt=MXFP4),
          "cols_rht_sr": lambda x, s, k: fq.fq_cols_scaled(x, s, k, sr=True, rht=True,
                                                           sc_row=1, fmt=MXFP4)}[variant]
-    exp = jax.export.export(jax.jit(f), platforms=["cuda"])(x, sc, kw)
+    exp = export_cuda(f, x, sc, kw)
     assert "mosaic_gpu" in exp.mlir_module()
 
 

@@ -25,43 +25,11 @@ fp4jax = pytest.importorskip("fp4jax")
 from fp4jax.formats import NVFP4  # noqa: E402
 from pallas_kernels import dispatch  # noqa: E402
 from pallas_kernels.quantize import packed_sm90 as qk  # noqa: E402
+from tests.checks import assert_packed_equal, export_cuda, packed_bits  # noqa: E402
 from tests.interpret import InterpretGPUParams, needs_interpret  # noqa: E402
+from tests.kernel_inputs import wild_input  # noqa: E402
 
 IP = InterpretGPUParams() if InterpretGPUParams is not None else None
-
-
-def _data(shape, seed):
-    """bf16 with rows of magnitudes e^-6 .. e^6, a zero and a -0 block, NaN, +-Inf, a tiny
-    value and a row 1e4 larger."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal(shape) * np.exp(rng.uniform(-6, 6, (shape[0], 1)))
-    x[0, :16] = 0.0
-    x[1, :16] = -0.0
-    x[2, 5] = np.nan
-    x[3, 40] = np.inf
-    x[5, 70] = -np.inf
-    x[6, 3] = 1e-30
-    x[7, :] *= 1e4
-    x[20:36, 100] = 0.0  # a zero column block
-    return jnp.asarray(x.astype(np.float32)).astype(jnp.bfloat16)
-
-
-def _bits(q, transpose: bool = False):
-    """(packed codes, scale bits, dec) of a QuantizedArray, as NumPy (optionally of the
-    transposed tensor: the token-axis kernels' layout)."""
-    data, scale = (q.data.T, q.scale.T) if transpose else (q.data, q.scale)
-    return (np.asarray(fp4jax.pack_e2m1(data)),
-            np.asarray(jax.lax.bitcast_convert_type(scale, jnp.uint8)),
-            np.float32(q.global_scale))
-
-
-def _assert_same(got, want):
-    p, s, d = got
-    wp, ws, wd = want
-    assert np.asarray(p).shape == wp.shape and np.asarray(s).shape == ws.shape
-    np.testing.assert_array_equal(np.asarray(s), ws)
-    np.testing.assert_array_equal(np.asarray(p), wp)
-    assert np.float32(d).view(np.uint32) == wd.view(np.uint32)
 
 
 def test_e2m1_code_of_value():
@@ -78,12 +46,13 @@ def test_e2m1_code_of_value():
 def test_sr_rows_kernel_matches_xla(tiling):
     """Whole rows, one quad a tile; and the GPU tiling (2 row quads x 64 blocks a tile,
     2 x 2 tiles): the draw offsets of every tile."""
-    x = _data((16, 2048), 6)
+    x = wild_input((16, 2048), 6, zero_column_block=True)
     key = jax.random.key(21)
     got = qk.quantize_nvfp4_1x16_sr(x, key, interpret=IP, **tiling)
-    _assert_same(got, _bits(fp4jax.quantize(x, NVFP4, rounding="stochastic", key=key)))
+    want = fp4jax.quantize(x, NVFP4, rounding="stochastic", key=key)
+    assert_packed_equal(got, packed_bits(want))
     if not tiling:  # the random bits matter: round-to-nearest and another key differ
-        assert (np.asarray(got[0]) != _bits(fp4jax.quantize(x, NVFP4))[0]).sum() > 1000
+        assert (np.asarray(got[0]) != packed_bits(fp4jax.quantize(x, NVFP4))[0]).sum() > 1000
         other = qk.quantize_nvfp4_1x16_sr(x, jax.random.key(22), interpret=IP)
         assert (np.asarray(got[0]) != np.asarray(other[0])).sum() > 1000
 
@@ -95,8 +64,7 @@ def test_kernels_lower_for_cuda(variant):
         "rows_sr": lambda x: qk.quantize_nvfp4_1x16_sr(x, key),
         "rows_sr_c1024": lambda x: qk.quantize_nvfp4_1x16_sr(x.reshape(1024, 1024), key),
     }[variant]
-    exp = jax.export.export(jax.jit(f), platforms=["cuda"])(
-        jax.ShapeDtypeStruct((512, 2048), jnp.bfloat16))
+    exp = export_cuda(f, jax.ShapeDtypeStruct((512, 2048), jnp.bfloat16))
     assert "mosaic_gpu" in exp.mlir_module()
 
 
@@ -120,7 +88,7 @@ def test_supported_shapes_and_reasons():
 def test_dispatch_argument_errors_and_xla_fallback(monkeypatch):
     if dispatch.on_sm90():
         pytest.skip("tests the fallback off the GPU")
-    x = _data((256, 1024), 3)
+    x = wild_input((256, 1024), 3, zero_column_block=True)
     key = jax.random.key(4)
     with pytest.raises(ValueError, match="key"):
         dispatch.quantize_packed(x, rounding="stochastic")
@@ -138,10 +106,11 @@ def test_dispatch_argument_errors_and_xla_fallback(monkeypatch):
     monkeypatch.delenv("FP4JAX_KERNELS")
     # off the GPU: the XLA path, in the same layouts
     got = dispatch.quantize_packed(x, rounding="stochastic", key=key)
-    _assert_same(got, _bits(fp4jax.quantize(x, NVFP4, rounding="stochastic", key=key)))
+    want = fp4jax.quantize(x, NVFP4, rounding="stochastic", key=key)
+    assert_packed_equal(got, packed_bits(want))
     q = dispatch.quantize(x, axis=0, rounding="stochastic", key=key)
-    _assert_same(_bits(q), _bits(fp4jax.quantize(x, NVFP4, axis=0, rounding="stochastic",
-                                                 key=key)))
+    want = fp4jax.quantize(x, NVFP4, axis=0, rounding="stochastic", key=key)
+    assert_packed_equal(packed_bits(q), packed_bits(want))
 
 
 @needs_interpret
@@ -153,11 +122,11 @@ def test_dispatch_kernel_path_wiring(monkeypatch):
     monkeypatch.setattr(qk, "quantize_nvfp4_1x16_sr", functools.partial(
         qk.quantize_nvfp4_1x16_sr, interpret=IP))
     key = jax.random.key(6)
-    x = _data((256, 256), 9)
-    x3 = _data((8, 1024), 10).reshape(2, 4, 1024)
+    x = wild_input((256, 256), 9, zero_column_block=True)
+    x3 = wild_input((8, 1024), 10, zero_column_block=True).reshape(2, 4, 1024)
     got = dispatch.quantize_packed(x3, rounding="stochastic", key=key, backend="pallas")
     want = fp4jax.quantize(x3, NVFP4, rounding="stochastic", key=key)
-    _assert_same(got, _bits(want))
+    assert_packed_equal(got, packed_bits(want))
     with pytest.raises(ValueError, match="axis"):
         dispatch.quantize(x, axis=0, backend="pallas")
     for k in (None, key):
@@ -166,8 +135,8 @@ def test_dispatch_kernel_path_wiring(monkeypatch):
         want = fp4jax.quantize(x, NVFP4, axis=0, rounding=rounding, key=k)
         assert (q.axis, q.block_2d, q.data.shape, q.scale.shape) == (
             want.axis, want.block_2d, want.data.shape, want.scale.shape)
-        _assert_same(_bits(q), _bits(want))
+        assert_packed_equal(packed_bits(q), packed_bits(want))
     q = dispatch.quantize(x3, rounding="stochastic", key=key, backend="pallas")
     want = fp4jax.quantize(x3, NVFP4, rounding="stochastic", key=key)
     assert (q.axis, q.data.shape) == (want.axis, want.data.shape)
-    _assert_same(_bits(q), _bits(want))
+    assert_packed_equal(packed_bits(q), packed_bits(want))

@@ -24,6 +24,7 @@ from pallas_kernels import dispatch  # noqa: E402
 from pallas_kernels import reference as npref  # noqa: E402
 from pallas_kernels.quantize import common_sm90 as cm  # noqa: E402
 from pallas_kernels.quantize import packed_sm90 as qk  # noqa: E402
+from tests.checks import export_cuda  # noqa: E402
 
 try:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -164,14 +165,10 @@ def test_quantize_supported_shapes():
     assert not qk.supported((256, 100), jnp.bfloat16)
 
 
-def _export_cuda(f, *avals):
-    return jax.export.export(jax.jit(f), platforms=["cuda"])(*avals)
-
-
 def test_quantize_kernel_lowers_for_cuda():
     x = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)
     s = jax.ShapeDtypeStruct((), jnp.float32)
-    exp = _export_cuda(lambda x, e, d: qk.quantize_nvfp4_1x16_scaled(x, e, d), x, s, s)
+    exp = export_cuda(lambda x, e, d: qk.quantize_nvfp4_1x16_scaled(x, e, d), x, s, s)
     assert "mosaic_gpu" in exp.mlir_module()
 
 

@@ -28,6 +28,7 @@ from pallas_kernels import dispatch  # noqa: E402
 from pallas_kernels import reference as npref  # noqa: E402
 from pallas_kernels.quantize import common_sm90 as cm  # noqa: E402
 from pallas_kernels.quantize import packed_sm90 as qk  # noqa: E402
+from tests.checks import assert_packed_equal, export_cuda, packed_bits  # noqa: E402
 from tests.interpret import InterpretGPUParams, needs_interpret  # noqa: E402
 
 F32_MAX = np.finfo(np.float32).max
@@ -136,27 +137,6 @@ def _block_input(rows, cols, seed, tile=(1, 16)):
     return jnp.asarray(x, jnp.bfloat16)
 
 
-def _fp4jax_bits(x, block_2d):
-    q = fp4jax.quantize(x, fp4jax.NVFP4, block_2d=block_2d)
-    return (np.asarray(fp4jax.pack_e2m1(q.data)),
-            np.asarray(jax.lax.bitcast_convert_type(q.scale, jnp.uint8)),
-            np.float32(q.global_scale))
-
-
-def _assert_same(packed, sbits, dec, want, finite_mask, finite_scales=None):
-    """Bit equality; ``finite_scales``: compare scale bits only there (see
-    ``_fp4jax_finite_scales``)."""
-    w_packed, w_sbits, w_dec = want
-    if finite_scales is None:
-        np.testing.assert_array_equal(np.asarray(sbits), w_sbits)
-    else:
-        np.testing.assert_array_equal(np.asarray(sbits)[finite_scales],
-                                      np.asarray(w_sbits)[finite_scales])
-    assert np.float32(dec) == np.float32(w_dec)
-    packed = np.asarray(packed)
-    np.testing.assert_array_equal(packed[finite_mask], np.asarray(w_packed)[finite_mask])
-
-
 def _finite_scales(x, tile):
     """Mask of blocks (tiles) without NaN/Inf. Compared with ``fp4jax.quantize`` only
     there: on CPU, XLA's block max can drop a NaN (seen with JAX 0.10.2: a block whose
@@ -190,8 +170,9 @@ def test_1x16_table_interpret_matches_fp4jax_and_numpy(recip):
     mask = _finite_bytes(x, (1, 16))
     x32 = np.asarray(x.astype(jnp.float32))
     codes, s_np, d_np = npref.quantize_nvfp4_1x16(x32)
-    _assert_same(packed, sbits, dec, (npref.pack_codes(codes), s_np, d_np), mask)
-    _assert_same(packed, sbits, dec, _fp4jax_bits(x, False), mask, _finite_scales(x, (1, 16)))
+    assert_packed_equal((packed, sbits, dec), (npref.pack_codes(codes), s_np, d_np), mask)
+    core = packed_bits(fp4jax.quantize(x, fp4jax.NVFP4))
+    assert_packed_equal((packed, sbits, dec), core, mask, _finite_scales(x, (1, 16)))
 
 
 @needs_interpret
@@ -203,8 +184,9 @@ def test_2d_interpret_matches_fp4jax_and_numpy():
     mask = _finite_bytes(x, (16, 16))
     x32 = np.asarray(x.astype(jnp.float32))
     codes, s_np, d_np = npref.quantize_nvfp4_16x16(x32)
-    _assert_same(packed, sbits, dec, (npref.pack_codes(codes), s_np, d_np), mask)
-    _assert_same(packed, sbits, dec, _fp4jax_bits(x, True), mask, _finite_scales(x, (16, 16)))
+    assert_packed_equal((packed, sbits, dec), (npref.pack_codes(codes), s_np, d_np), mask)
+    core = packed_bits(fp4jax.quantize(x, fp4jax.NVFP4, block_2d=True))
+    assert_packed_equal((packed, sbits, dec), core, mask, _finite_scales(x, (16, 16)))
 
 
 @needs_interpret
@@ -224,18 +206,15 @@ def test_unsafe_dec_takes_recip_rn_path(block_2d):
     for a, b in zip(auto, rn, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     mask = np.ones(auto[0].shape, bool)
-    _assert_same(*auto, _fp4jax_bits(x, block_2d), mask)
-
-
-def _export_cuda(f, *avals):
-    return jax.export.export(jax.jit(f), platforms=["cuda"])(*avals)
+    assert_packed_equal(auto, packed_bits(fp4jax.quantize(x, fp4jax.NVFP4, block_2d=block_2d)),
+                        mask)
 
 
 @pytest.mark.parametrize("recip", ["auto", "table"])
 def test_1x16_table_kernel_lowers_for_cuda(recip):
     x = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)
     s = jax.ShapeDtypeStruct((), jnp.float32)
-    exp = _export_cuda(lambda x, e, d: qk.quantize_nvfp4_1x16_scaled(x, e, d, recip=recip),
+    exp = export_cuda(lambda x, e, d: qk.quantize_nvfp4_1x16_scaled(x, e, d, recip=recip),
                        x, s, s)
     assert "mosaic_gpu" in exp.mlir_module()
 
@@ -243,7 +222,7 @@ def test_1x16_table_kernel_lowers_for_cuda(recip):
 @pytest.mark.parametrize("g", [64, 128])
 def test_2d_kernel_lowers_for_cuda(g):
     x = jax.ShapeDtypeStruct((512, 14336), jnp.bfloat16)
-    exp = _export_cuda(functools.partial(qk.quantize_nvfp4_2d, g=g), x)
+    exp = export_cuda(functools.partial(qk.quantize_nvfp4_2d, g=g), x)
     assert "mosaic_gpu" in exp.mlir_module()
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.gemm import w4a16_sm90 as wk
+from tests.checks import export_cuda
 
 LUT = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
@@ -139,8 +140,7 @@ def test_w4a16_kernel_lowers_for_cuda(m, k, n, kw):
             jax.ShapeDtypeStruct((n, k // 8), jnp.uint32),
             jax.ShapeDtypeStruct((k // 16, n), jnp.bfloat16),
             jax.ShapeDtypeStruct((), jnp.float32))
-    exp = jax.export.export(jax.jit(lambda *a: wk.w4a16_matmul(*a, **kw)),
-                            platforms=["cuda"])(*args)
+    exp = export_cuda(lambda *a: wk.w4a16_matmul(*a, **kw), *args)
     assert "mosaic_gpu" in exp.mlir_module()
 
 

@@ -24,6 +24,7 @@ fp4jax = pytest.importorskip("fp4jax")
 from pallas_kernels import dispatch  # noqa: E402
 from pallas_kernels import reference as npref  # noqa: E402
 from pallas_kernels.gemm import w4a4_sm90 as w4  # noqa: E402
+from tests.checks import bf16_bits, export_cuda  # noqa: E402
 from tests.interpret import InterpretGPUParams, needs_interpret  # noqa: E402
 
 
@@ -73,10 +74,6 @@ def _close(y, ref):
     assert err < 1e-5, err
 
 
-def _bits(x):
-    return np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint16))
-
-
 def test_decoders_exact():
     sb = np.arange(256, dtype=np.uint8)
     got = np.asarray(w4.decode_e4m3(jnp.asarray(sb)))
@@ -88,7 +85,7 @@ def test_decoders_exact():
                   .astype(np.float32), 16)
     v = w4.decode_block(jnp.asarray(c), jnp.asarray(s))
     want = (npref.decode_codes(c.astype(np.uint8)) * s).astype(ml_dtypes.bfloat16)
-    np.testing.assert_array_equal(_bits(v), want.view(np.uint16))
+    np.testing.assert_array_equal(bf16_bits(v), want.view(np.uint16))
 
 
 @pytest.mark.parametrize("block_2d", [False, True])
@@ -113,8 +110,8 @@ def test_decode_kernel_interpret_bit_exact(m, k, seed):
     aq, as_, _ = w4.prepare_a(qa)
     got = w4.decode_operand(aq, as_, interpret=InterpretGPUParams())
     want = _np_qs(qa, 1).astype(ml_dtypes.bfloat16)
-    np.testing.assert_array_equal(_bits(got), want.view(np.uint16))
-    np.testing.assert_array_equal(_bits(w4.decode_operand_xla(aq, as_)), want.view(np.uint16))
+    np.testing.assert_array_equal(bf16_bits(got), want.view(np.uint16))
+    np.testing.assert_array_equal(bf16_bits(w4.decode_operand_xla(aq, as_)), want.view(np.uint16))
 
 
 @needs_interpret
@@ -155,11 +152,11 @@ def test_decode_kernel_mxfp4_interpret_bit_exact(fmt):
     e = np.asarray(jax.lax.bitcast_convert_type(qa.scale, jnp.uint8)).astype(np.float64)
     mag = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])[codes & 7] * np.exp2(e - 127).repeat(32, 1)
     want = np.where(codes & 8, -mag, mag).astype(np.float32).astype(ml_dtypes.bfloat16)
-    np.testing.assert_array_equal(_bits(got), want.view(np.uint16))
+    np.testing.assert_array_equal(bf16_bits(got), want.view(np.uint16))
     np.testing.assert_array_equal(
-        _bits(w4.decode_operand_xla(aq, as_, "ue8m0")), want.view(np.uint16))
+        bf16_bits(w4.decode_operand_xla(aq, as_, "ue8m0")), want.view(np.uint16))
     deq = np.asarray(fp4jax.dequantize(qa, jnp.float32)).astype(ml_dtypes.bfloat16)
-    np.testing.assert_array_equal(_bits(got), deq.view(np.uint16))
+    np.testing.assert_array_equal(bf16_bits(got), deq.view(np.uint16))
 
 
 @needs_interpret
@@ -198,17 +195,13 @@ def test_mxfp4_prepare_and_dispatch_rules():
                                                                         np.float64))
 
 
-def _export_cuda(f, *avals):
-    return jax.export.export(jax.jit(f), platforms=["cuda"])(*avals)
-
-
 def _u8(*shape):
     return jax.ShapeDtypeStruct(shape, jnp.uint8)
 
 
 @pytest.mark.parametrize("tile_k,out_swizzle", [(256, True), (128, False)])
 def test_decode_kernel_lowers_for_cuda(tile_k, out_swizzle):
-    exp = _export_cuda(lambda c, s: w4.decode_operand(c, s, tile_k=tile_k,
+    exp = export_cuda(lambda c, s: w4.decode_operand(c, s, tile_k=tile_k,
                                                       out_swizzle=out_swizzle),
                        _u8(256, 512), _u8(64, 256))
     assert "mosaic_gpu" in exp.mlir_module()

@@ -15,6 +15,7 @@ import fp4jax
 from fp4jax.nn import PrecisionPolicy
 from fp4jax.nn import linen as fl
 from fp4jax.nn import nnx as fn
+from tests.checks import bits_equal
 
 RTN = fp4jax.recipes.nvfp4().replace(sr=False, name="nvfp4-rtn")  # deterministic gradients
 SR = fp4jax.recipes.nvfp4()
@@ -41,10 +42,6 @@ def _direct(x, w, recipe, key=None):
     return _fwd_bwd(lambda x, w: fp4jax.dot(x, w, recipe=recipe, key=key), x, w)
 
 
-def _assert_same(a, b):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
 def test_linen_dense_and_dot_general_cls_match_direct():
     dense = nn.Dense(32, use_bias=False, dot_general_cls=functools.partial(fl.DotGeneral,
                                                                             recipe=RTN))
@@ -61,16 +58,16 @@ def test_linen_dense_and_dot_general_cls_match_direct():
     (y_ref, (dx_ref, dw_ref)), *layers = jax.jit(all_three)(X, params)
     assert not np.allclose(y_ref, X @ w, atol=1e-3)  # really quantized
     for y, (dx, dp) in layers:
-        _assert_same(y, y_ref)
-        _assert_same(dx, dx_ref)
-        _assert_same(dp["params"]["kernel"], dw_ref)
+        bits_equal(y, y_ref)
+        bits_equal(dx, dx_ref)
+        bits_equal(dp["params"]["kernel"], dw_ref)
 
 
 def test_nnx_linear_and_dot_general_match_direct():
     rngs = nnx.Rngs(params=1, fp4=2)
     a = nnx.Linear(64, 32, use_bias=False, dot_general=fn.DotGeneral(RTN, rngs=rngs), rngs=rngs)
     b = fn.Linear(64, 32, recipe=RTN, rngs=nnx.Rngs(params=1, fp4=2))
-    _assert_same(a.kernel[...], b.kernel[...])
+    bits_equal(a.kernel[...], b.kernel[...])
     (ga, sa), (gb, sb) = nnx.split(a), nnx.split(b)
 
     def all_three(x, sa, sb):
@@ -80,10 +77,10 @@ def test_nnx_linear_and_dot_general_match_direct():
 
     (y_ref, (dx_ref, dw_ref)), *layers = jax.jit(all_three)(X, sa, sb)
     for y, (dx, ds) in layers:
-        _assert_same(y, y_ref)
-        _assert_same(dx, dx_ref)
-        _assert_same(ds["kernel"][...], dw_ref)
-    _assert_same(b(X), y_ref)  # and eagerly, through the module itself
+        bits_equal(y, y_ref)
+        bits_equal(dx, dx_ref)
+        bits_equal(ds["kernel"][...], dw_ref)
+    bits_equal(b(X), y_ref)  # and eagerly, through the module itself
 
 
 def test_linen_sr_keys_per_layer_and_step_reproducible():
@@ -110,7 +107,7 @@ def test_linen_sr_keys_per_layer_and_step_reproducible():
     ga, gb = grads(k0)
     assert not np.array_equal(ga, gb)  # different layers, different keys
     ga2, _ = grads(k0)
-    _assert_same(ga, ga2)  # reproducible
+    bits_equal(ga, ga2)  # reproducible
     ga3, _ = grads(jax.random.fold_in(k0, 1))
     assert not np.array_equal(ga, ga3)  # different step, different key
 
@@ -128,7 +125,7 @@ def test_linen_sr_keys_per_layer_and_step_reproducible():
     key_a = ProbeTwo().apply({}, rngs={"fp4": k0})
     w = params["params"]["a"]["kernel"]
     _, (_, dw) = _direct(X, w, SR, key_a)
-    _assert_same(ga, dw)
+    bits_equal(ga, dw)
     with pytest.raises(ValueError, match="rngs="):
         m.apply(params, X)
 
@@ -145,7 +142,7 @@ def test_nnx_sr_keys_advance():
     g2 = grad(layer)
     assert not np.array_equal(g1, g2)  # the stream's counter advanced between calls
     again = fn.Linear(64, 32, recipe=SR, rngs=nnx.Rngs(params=0, fp4=5))
-    _assert_same(grad(again), g1)
+    bits_equal(grad(again), g1)
     with pytest.raises(ValueError, match="rngs"):
         fn.DotGeneral(SR)
 

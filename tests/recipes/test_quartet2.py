@@ -19,7 +19,7 @@ from fp4jax import recipes as R
 from fp4jax.hadamard import hadamard_matrix
 from pallas_kernels import dispatch
 from tests import reference as ref
-from tests.core.test_four_over_six import _bits_equal
+from tests.checks import bits_equal
 
 F32 = np.float32
 
@@ -57,9 +57,9 @@ def test_ms_eden_bit_exact_against_reference(group, axis):
                         eden_group=group)
     xm = np.moveaxis(x, axis, -1)
     rq, rs, rdec = ref.ref_ms_eden(xm, group, _block_uniforms(key, x.shape, axis))
-    _bits_equal(np.moveaxis(np.asarray(q.data.astype(jnp.float32)), axis, -1), rq)
-    _bits_equal(np.moveaxis(np.asarray(q.scale.astype(jnp.float32)), axis, -1), rs)
-    _bits_equal(q.global_scale, rdec)
+    bits_equal(np.moveaxis(np.asarray(q.data.astype(jnp.float32)), axis, -1), rq)
+    bits_equal(np.moveaxis(np.asarray(q.scale.astype(jnp.float32)), axis, -1), rs)
+    bits_equal(q.global_scale, rdec)
     assert np.isnan(rs).any() == (axis == -1)  # the NaN/Inf blocks are in rows 4, 5
     # the correction moved some scales off their round-to-nearest value (not a no-op)
     qn = fp4jax.quantize(jnp.asarray(x), axis=axis)
@@ -88,9 +88,9 @@ def test_ms_eden_block_scale_at_an_e4m3_midpoint():
     for fn in (eden, jax.jit(eden)):
         got_dec, got_s, got_q = fn(jnp.asarray(x).reshape(2, 1, 16), jnp.float32(big),
                                    jnp.asarray(u))
-        _bits_equal(np.asarray(got_q).reshape(2, 16), rq)
-        _bits_equal(np.asarray(got_s), rs)
-        _bits_equal(got_dec, rdec)
+        bits_equal(np.asarray(got_q).reshape(2, 16), rq)
+        bits_equal(np.asarray(got_s), rs)
+        bits_equal(got_dec, rdec)
 
 
 D = 256

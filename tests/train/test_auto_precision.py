@@ -22,6 +22,7 @@ from fp4jax.models.llama import block_layer_names, get_preset, policy_layer_name
 from fp4jax.nn.policy import PrecisionPolicy
 from fp4jax.train import precision
 from tests import ROOT
+from tests.checks import run_records
 from tests.textdata import write_text
 
 # tests/train/test_stats.py's runs: the warm-up compiles the same train and stats steps
@@ -38,10 +39,6 @@ AUTO = dict(bf16_layers="auto", bf16_warmup=2, bf16_budget=0.25, switch_at="auto
 KN = {"q": 64 * 64, "k": 64 * 32, "v": 64 * 32, "o": 64 * 64, "up": 64 * 128,
       "down": 128 * 64}
 LM_HEAD = 64 * 256
-
-
-def _records(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def _cli(args: list[str]) -> int:
@@ -94,7 +91,7 @@ def _check_bf16_layers_auto_measures_once_and_keeps_the_recommended_set(runs):
     assert len(rec["layers"]) == 3 and set(rec["layers"]) <= set(names)  # floor(0.25 * 12)
     assert rec["measured_layers"] == 12 and rec["stats_steps"] == [1]
     # the three with the largest mean wgrad error of the warm-up's stats (step 1, not 0)
-    warm = [r for r in _records(out / "bf16_warmup") if r["type"] == "stats"]
+    warm = [r for r in run_records(out / "bf16_warmup") if r["type"] == "stats"]
     assert [r["step"] for r in warm] == [0, 1]
     err = {n: warm[1]["layers"][n]["wgrad"]["rel_error"] for n in names}
     assert set(rec["layers"]) == set(sorted(err, key=err.get)[-3:])
@@ -104,9 +101,9 @@ def _check_bf16_layers_auto_measures_once_and_keeps_the_recommended_set(runs):
     assert a["policy"].startswith("9 of 13 linear layers in NVFP4")
     for n in rec["layers"]:
         assert policy_layer_name(n, get_preset("micro")) in a["policy"]
-    first = _records(out)[0]
+    first = run_records(out)[0]
     assert first["type"] == "bf16_layers" and first["layers"] == rec["layers"]
-    noise = next(r for r in _records(out) if r["type"] == "grad_noise")
+    noise = next(r for r in run_records(out) if r["type"] == "grad_noise")
     assert noise["layers"]["lm_head"]["ratio"] == float("inf")  # no quantized GEMM reaches it
     # resumed twice (once without the run-dir record): the same set, no second warm-up
     out_b, b = runs["b"]
@@ -120,7 +117,7 @@ def _check_grad_noise_uses_the_train_steps_own_gradients(runs):
     grad norm), and its high-precision one is what the step computes once the backward runs
     in BF16 (step 2, where the switch fired); the ratio is ||g|| / ||g_q - g||."""
     out, _ = runs["a"]
-    recs = _records(out)
+    recs = run_records(out)
     train = {r["step"]: r for r in recs if r["type"] == "train"}
     noise = {r["step"]: r for r in recs if r["type"] == "grad_noise"}
     assert sorted(noise) == [0, 2]  # none after the switch: the backward is BF16
@@ -209,7 +206,7 @@ def test_grad_noise_is_the_train_steps_sr_noise_and_matches_numpy():
 def _check_switch_at_auto_fires_after_its_window_and_survives_resume(runs):
     (out_a, a), (out_b, b) = runs["a"], runs["b"]
     for out, r in ((out_a, a), (out_b, b)):
-        recs = _records(out)
+        recs = run_records(out)
         sw = [x for x in recs if x["type"] == "switch"]
         assert len(sw) == 1 and sw[0]["step"] == 2 and sw[0]["below_since"] == 0, out
         assert [x["recipe"] for x in recs if x["type"] == "train"] == (

@@ -19,6 +19,7 @@ import fp4jax.recipes
 from fp4jax import train as T
 from fp4jax.train import checkpoint, config, models, runlog, steps
 from tests import harness_models as hm
+from tests.checks import run_records
 from tests.textdata import write_text
 
 SMALL = {"d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32}
@@ -33,12 +34,8 @@ def corpus(tmp_path_factory) -> str:
     return str(write_text(tmp_path_factory.mktemp("harness") / "c.txt", 20_000))
 
 
-def _records(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def _losses(out: Path) -> dict[tuple[str, int], float]:
-    return {(r["type"], r["step"]): r.get("loss", r.get("val_loss")) for r in _records(out)
+    return {(r["type"], r["step"]): r.get("loss", r.get("val_loss")) for r in run_records(out)
             if r["type"] in ("train", "eval")}
 
 
@@ -175,7 +172,7 @@ def test_runlog_records_and_divergence(tmp_path):
         log.flush()
     assert e.value.step == 2 and notes == [2]
     log.close()
-    recs = _records(tmp_path)
+    recs = run_records(tmp_path)
     assert [(r["type"], r["step"]) for r in recs] == [("train", 0), ("eval", 2),
                                                       ("diverged", 2)]
     assert recs[0]["recipe"] == "r0" and recs[0]["lr"] == 0.0
@@ -213,7 +210,7 @@ def test_checkpoints_save_resume_round_trip(tmp_path):
         ck.resume(template, cfg_dict, [], "cd" * 32, seen.append)
     assert "deleted checkpoint 2" in ck.drop_bad(2) and ck.ckpt.all_steps() == []
     ck.close()
-    assert [r["type"] for r in _records(tmp_path / "run")] == ["checkpoint", "diverged"]
+    assert [r["type"] for r in run_records(tmp_path / "run")] == ["checkpoint", "diverged"]
 
 
 def test_precision_switch_alone():
@@ -261,7 +258,7 @@ def test_cli_trains_a_linen_model_with_rules_and_resumes_exactly(corpus, tmp_pat
     assert T.main([*args, "--out", str(tmp_path / "full")]) == 0
     err = capsys.readouterr().err
     assert "tests.harness_models:linen_lm, linen" in err and "linear layers in" in err
-    prec = next(r for r in _records(tmp_path / "full") if r["type"] == "precision")["layers"]
+    prec = next(r for r in run_records(tmp_path / "full") if r["type"] == "precision")["layers"]
     assert prec["layers_0/wo"] is None and prec["lm_head"] is None  # the file; the default
     spec = fp4jax.recipes.spec
     assert prec["layers_0/query"] == spec(fp4jax.recipes.parse("nvfp4(sr=False)"))
@@ -311,7 +308,7 @@ def test_cli_grad_noise_and_auto_switch_on_a_foreign_model(corpus, tmp_path):
                    "--recipe", "nvfp4", "--switch-at", "auto", "--grad-noise-every", "1",
                    "--switch-window", "1", "--switch-threshold", "1e9",
                    "--out", str(out)]) == 0
-    recs = _records(out)
+    recs = run_records(out)
     noise = [r for r in recs if r["type"] == "grad_noise"]
     assert "layers_0/query" in noise[0]["layers"] and len(noise[0]["layers"]) == 13
     sw = next(r for r in recs if r["type"] == "switch")
@@ -333,14 +330,14 @@ def test_cli_bf16_layers_auto_and_stats_on_a_linen_model(corpus, tmp_path):
                    "--bf16-layers", "auto", "--bf16-warmup", "2", "--bf16-budget", "0.34",
                    "--stats-every", "2", "--stop-at", "1", "--out", str(out)]) == 0
     quantized = {"layers_0/query", "layers_0/out", "layers_0/wi"}
-    warm = [r for r in _records(out / "bf16_warmup") if r["type"] == "stats"]
+    warm = [r for r in run_records(out / "bf16_warmup") if r["type"] == "stats"]
     assert warm and all(set(r["layers"]) == quantized and "unmeasured" not in r
                         for r in warm)
     rec = json.loads((out / "bf16_layers.json").read_text())
     assert len(rec["layers"]) == 1 and rec["layers"][0] in quantized
     (bf16,) = rec["layers"]
     assert rec["rules"] == [re.escape(bf16)] and rec["measured_layers"] == 3
-    recs = _records(out)
+    recs = run_records(out)
     assert next(r for r in recs if r["type"] == "precision")["layers"][bf16] is None
     stats = [r for r in recs if r["type"] == "stats"]
     assert [r["step"] for r in stats] == [0]
@@ -359,6 +356,6 @@ def test_cli_stats_on_an_nnx_model(corpus, tmp_path):
                    "--model-args", json.dumps({**SMALL, "n_layers": 1}),
                    "--rules", str(rules), "--recipe", "nvfp4", "--stop-at", "1",
                    "--stats-every", "1", "--out", str(out)]) == 0
-    (st,) = [r for r in _records(out) if r["type"] == "stats"]
+    (st,) = [r for r in run_records(out) if r["type"] == "stats"]
     assert set(st["layers"]) == {"layers/0/q", "layers/0/up"} and "unmeasured" not in st
     assert all(0 < st["layers"][n]["wgrad"]["rel_error"] < 1 for n in st["layers"])

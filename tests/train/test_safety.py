@@ -18,6 +18,7 @@ import pytest
 
 from fp4jax import train as T
 from fp4jax.train import loop
+from tests.checks import run_records
 from tests.textdata import write_text
 
 BASE = dict(preset="micro", recipe="bf16", steps=30, lr=1e-2, batch_size=8, seq_len=64,
@@ -49,12 +50,8 @@ def _copy(base, tmp_path, **changes):
     return cfg.replace(out=str(tmp_path / "run"), **changes)
 
 
-def _records(out):
-    return [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-
-
 def _train_losses(out):
-    return {r["step"]: r["loss"] for r in _records(out) if r["type"] == "train"}
+    return {r["step"]: r["loss"] for r in run_records(out) if r["type"] == "train"}
 
 
 def _steps(out):
@@ -144,7 +141,7 @@ def test_resume_falls_back_past_damaged_checkpoint(base, tmp_path, capsys):
         assert r["history"]["loss"] == want, kind  # exact, as from an intact checkpoint
         assert _steps(cfg.out) == [2, 4, 6]
         assert (Path(cfg.out) / "checkpoints.damaged" / "6").is_dir()  # kept for inspection
-        resume = [x for x in _records(cfg.out) if x["type"] == "resume"]
+        resume = [x for x in run_records(cfg.out) if x["type"] == "resume"]
         assert list(resume[0]["damaged_checkpoints"]) == ["6"], kind
     # no checkpoint restores: stop, naming each damage and the options
     cfg = _copy(base, tmp_path / "all", resume=True)
@@ -217,7 +214,7 @@ def test_nan_at_final_step_is_divergence(base, tmp_path, monkeypatch, capsys):
     assert _steps(out) == [2]
     res = json.loads((out / "result.json").read_text())
     assert res["status"] == "diverged" and res["final_val_loss"] is None
-    assert {"type": "diverged", "step": 4} == {k: v for k, v in _records(out)[-1].items()
+    assert {"type": "diverged", "step": 4} == {k: v for k, v in run_records(out)[-1].items()
                                                if k in ("type", "step")}
     # the Python API with --stop-at (no evaluation at the end): the state itself is checked
     _poison_last_update(monkeypatch, 5)
@@ -243,7 +240,7 @@ def test_resume_refuses_changed_corpus(base, tmp_path):
         T.train(cfg)
     assert first["data_sha256"] == base[1]["data_sha256"]  # a content fingerprint
     r = T.train(cfg.replace(resume_override="data"))
-    rec = [x for x in _records(cfg.out) if x["type"] == "resume"][0]
+    rec = [x for x in run_records(cfg.out) if x["type"] == "resume"][0]
     assert rec["overrides"] == {"data_sha256": [first["data_sha256"], r["data_sha256"]]}
     assert r["data_sha256"] != first["data_sha256"] and len(r["history"]["loss"]) == 4
     # the corpus may move: with the same content its path is free to change
@@ -388,13 +385,13 @@ def test_checkpoint_records_their_stall_and_survive_resume(base, tmp_path):
     training (the measurement behind the checkpoint-stall question); resuming from a
     checkpoint keeps that checkpoint's record and drops the newer ones."""
     cfg, _ = base
-    recs = [r for r in _records(cfg.out) if r["type"] == "checkpoint"]
+    recs = [r for r in run_records(cfg.out) if r["type"] == "checkpoint"]
     assert [r["step"] for r in recs] == [2, 4, 6]
     assert all(isinstance(r["seconds"], float) and r["seconds"] > 0 for r in recs)
     run = _copy(base, tmp_path)
     shutil.rmtree(Path(run.out) / "checkpoints" / "6")
     T.train(run.replace(resume=True, stop_at=5))
-    steps = [r["step"] for r in _records(run.out) if r["type"] == "checkpoint"]
+    steps = [r["step"] for r in run_records(run.out) if r["type"] == "checkpoint"]
     assert steps[:2] == [2, 4] and 6 not in steps[:3]
 
 
@@ -429,7 +426,7 @@ def test_resumed_segments_record_their_own_xla_flags(base, tmp_path, monkeypatch
     """A run resumed under other XLA flags (e.g. without ``--deterministic``) says so and
     result.json lists every segment's flags: the first part's and the resumption's."""
     cfg = _copy(base, tmp_path, stop_at=8)
-    first = [r for r in _records(cfg.out) if r["type"] == "segment"]
+    first = [r for r in run_records(cfg.out) if r["type"] == "segment"]
     assert [r["step"] for r in first] == [0]
     before = first[0]["xla_flags"]
     monkeypatch.setenv("XLA_FLAGS", before + " --xla_gpu_deterministic_ops=true")
