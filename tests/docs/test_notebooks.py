@@ -34,10 +34,26 @@ def _kernel_env() -> dict[str, str]:
     return env
 
 
-def test_all_six_notebooks_present():
+def test_notebooks_are_the_readmes_table():
+    """notebooks/README.md's table lists exactly the notebooks present (numbered 01, 02, ...
+    without gaps, in order), and each is what the README promises: a title cell ``# NN ·``
+    first, then, as its first code cell, the install cell that installs the clone when
+    ``fp4jax`` is not importable."""
+    import re
+
     names = [p.name for p in NOTEBOOKS]
-    assert len(names) == 6, names
-    assert [n[:3] for n in names] == [f"{i:02d}_" for i in range(1, 7)], names
+    assert len(names) >= 6, names
+    assert [n[:3] for n in names] == [f"{i:02d}_" for i in range(1, len(names) + 1)], names
+    readme = (NOTEBOOKS_DIR / "README.md").read_text()
+    rows = re.findall(r"^\| \[`([^`]+\.ipynb)`\]\(([^)]+)\) \|", readme, flags=re.M)
+    assert [a for a, _ in rows] == names and [b for _, b in rows] == names, rows
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        first = nb.cells[0]
+        assert first.cell_type == "markdown" and first.source.startswith(
+            f"# {path.name[:2]} · "), (path.name, first.source[:40])
+        code = [c.source for c in nb.cells if c.cell_type == "code"]
+        assert 'find_spec("fp4jax") is None' in code[0] and "pip" in code[0], path.name
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

@@ -147,21 +147,52 @@ def test_dot_general_matches_lax_shapes_and_values():
 
 
 def test_dot_general_works_as_flax_dot_general():
+    """``fp4jax.dot_general`` as ``nn.Dense``'s ``dot_general_cls``: the forward is the
+    recipe's quantized product of x and the Dense kernel, the gradients (round to nearest)
+    are the recipe's dgrad and wgrad rebuilt from dequantized operands, and with stochastic
+    rounding the module's ``fp4`` RNG stream reaches the backward (same stream, same bits;
+    another stream, other bits)."""
     import flax.linen as nn
 
-    class FP4DotGeneral(nn.Module):
-        @nn.compact
-        def __call__(self, lhs, rhs, dimension_numbers, precision=None,
-                     preferred_element_type=None):
-            return fp4jax.dot_general(lhs, rhs, dimension_numbers, precision,
-                                      preferred_element_type, recipe="fp4_all_the_way",
-                                      key=self.make_rng("fp4"))
+    def dense(recipe):
+        class FP4DotGeneral(nn.Module):
+            @nn.compact
+            def __call__(self, lhs, rhs, dimension_numbers, precision=None,
+                         preferred_element_type=None):
+                return fp4jax.dot_general(lhs, rhs, dimension_numbers, precision,
+                                          preferred_element_type, recipe=recipe,
+                                          key=self.make_rng("fp4"))
 
-    m = nn.Dense(24, use_bias=False, dot_general_cls=FP4DotGeneral)
-    x = _randn(4, 48)
-    params = m.init({"params": jax.random.key(0), "fp4": jax.random.key(1)}, x)
-    y = m.apply(params, x, rngs={"fp4": jax.random.key(2)})
-    assert y.shape == (4, 24)
+        return nn.Dense(24, use_bias=False, dot_general_cls=FP4DotGeneral)
+
+    x, g = _randn(32, 48), _randn(32, 24)
+    sr = recipes.get("fp4_all_the_way")
+    params = dense(sr).init({"params": jax.random.key(0), "fp4": jax.random.key(1)}, x)
+    kernel = params["params"]["kernel"]
+    assert kernel.shape == (48, 24)
+
+    def fwd_bwd(recipe, rng):
+        m = dense(recipe)
+        y, vjp = jax.vjp(lambda p, x: m.apply(p, x, rngs={"fp4": jax.random.key(rng)}),
+                         params, x)
+        dp, dx = vjp(g)
+        return np.asarray(y), np.asarray(dx), np.asarray(dp["params"]["kernel"])
+
+    rtn = sr.replace(sr=False)
+    y, dx, dw = fwd_bwd(rtn, 2)
+    want_y = dequantized(x, rtn.fprop.lhs, -1) @ dequantized(kernel, rtn.fprop.rhs, 0)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+    want_dx, want_dw = recipe_grads(rtn, x, kernel, g)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-4)
+
+    y1, dx1, dw1 = fwd_bwd(sr, 2)
+    np.testing.assert_array_equal(y1, y)  # the forward rounds to nearest in both
+    y2, dx2, dw2 = fwd_bwd(sr, 2)
+    np.testing.assert_array_equal(dx2, dx1)
+    np.testing.assert_array_equal(dw2, dw1)
+    _, dx3, dw3 = fwd_bwd(sr, 3)
+    assert (dx3 != dx1).mean() > 0.5 and (dw3 != dw1).mean() > 0.5
 
 
 # ----------------------------------------------------------------------------- backward
@@ -267,6 +298,9 @@ def test_jit_grad_vmap():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
     ys = jax.vmap(lambda xi: fp4jax.dot(xi, w, key=key))(x)
     assert ys.shape == (4, 8, 16)
+    for i in range(4):  # vmap maps fp4jax.dot over the examples: each its own tensor scale
+        np.testing.assert_allclose(np.asarray(ys[i]), np.asarray(fp4jax.dot(x[i], w, key=key)),
+                                   rtol=1e-6, atol=1e-6)
     # vmapped quantize: each batch element gets its own tensor scale
     qs = jax.vmap(lambda xi: fp4jax.quantize(xi).global_scale)(x * jnp.arange(1, 5)[:, None, None])
     assert len(set(np.asarray(qs).tolist())) == 4
@@ -415,14 +449,47 @@ def test_backward_matches_manual_recipe_other_recipes(name):
 
 
 def test_keys_of_other_prng_implementations():
+    """An ``rbg`` key works everywhere a threefry key does: the forward (round to nearest)
+    is the product of the dequantized operands; stochastic rounding keeps the
+    round-to-nearest block scales and rounds each element to one of the two E2M1 values
+    around it, drawn from the key (same key, same codes; another key, other codes); the
+    gradient's SR draws come from the key too, and stay near the exact gradient."""
     x, w = _randn(16, 32), _randn(32, 8)
-    k = jax.random.key(0, impl="rbg")
+    k, k2 = jax.random.key(0, impl="rbg"), jax.random.key(1, impl="rbg")
     y = fp4jax.dot(x, w, key=k)
-    assert y.shape == (16, 8)
+    r = recipes.nvfp4()
+    want = dequantized(x, r.fprop.lhs, -1) @ dequantized(w, r.fprop.rhs, 0)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
+
     q = fp4jax.quantize(x, rounding="stochastic", key=k)
-    assert q.data.shape == x.shape
-    g = jax.grad(lambda x: fp4jax.dot(x, w, key=k).sum())(x)
-    assert np.isfinite(np.asarray(g)).all()
+    rtn = fp4jax.quantize(x)
+    np.testing.assert_array_equal(np.asarray(q.scale, np.float32),
+                                  np.asarray(rtn.scale, np.float32))
+    assert np.float32(q.global_scale) == np.float32(rtn.global_scale)
+    s = np.repeat(np.asarray(q.scale, np.float64), 16, axis=-1) * float(q.global_scale)
+    a = np.abs(np.asarray(x, np.float64)) / s  # |x| on the block's E2M1 grid
+    grid = ref.E2M1
+    lo = grid[np.searchsorted(grid, a, side="right") - 1]
+    hi = grid[np.minimum(np.searchsorted(grid, a, side="left"), len(grid) - 1)]
+    got = np.abs(np.asarray(q.data, np.float64))
+    assert ((got == lo) | (got == hi)).all()
+    assert (got != np.abs(np.asarray(rtn.data, np.float64))).sum() >= 10  # random, not RTN
+    again = fp4jax.quantize(x, rounding="stochastic", key=k)
+    np.testing.assert_array_equal(np.asarray(again.data, np.float32),
+                                  np.asarray(q.data, np.float32))
+    other = fp4jax.quantize(x, rounding="stochastic", key=k2)
+    assert (np.asarray(other.data, np.float32) != np.asarray(q.data, np.float32)).sum() >= 10
+
+    dy = _randn(16, 8)
+
+    def grad(key):
+        return np.asarray(_grads(r, x, w, dy, key)[0])
+
+    g1 = grad(k)
+    np.testing.assert_array_equal(grad(k), g1)
+    assert (grad(k2) != g1).mean() > 0.5
+    exact = np.asarray(dy, np.float64) @ np.asarray(w, np.float64).T
+    assert np.linalg.norm(g1 - exact) / np.linalg.norm(exact) < 0.25
 
 
 def test_more_bad_inputs():
