@@ -573,9 +573,12 @@ def recip_scaled_rn(s: jax.Array, dec: jax.Array) -> jax.Array:
     checks every E4M3/E8M0 value and random grid values times decode scales over the
     whole float32 range, against NumPy and against ``div_rn_integer``).
 
-    Why: ``div_rn_integer`` is ~130 integer operations per element, inlined into every
-    quantization on the GPU; this is ~20 per element (its effect on GPU speed and compile
-    time is not measured yet).
+    Why: it was written when ``div_rn`` on GPUs was ``div_rn_integer``, ~130 integer
+    operations per element. Since ``div_rn`` divides in float64 there,
+    ``quantization.element_encode_scale`` calls ``div_rn(1, s * dec)`` per block instead
+    (the same bits, a quarter of the lowered ops: issue 35); this function stays as an
+    independent check of it (``tests/core/test_lean_numerics.py``,
+    ``experiments/native_rounding_check.py``).
 
     Args:
       s: float32 array (block scales, on a grid with <= 7 mantissa bits).
