@@ -6,8 +6,10 @@ compile (issues 35 and 38: NVFP4's compile time).
 
 For each (target, spec), in ``--repeats`` fresh child processes (every compile cold: no
 persistent cache), it times ``trace``, ``lower`` and XLA's ``compile`` (medians are
-reported, with every sample), counts the StableHLO text lines and ops of the lowered module,
-and attributes every op to the quantizer rule it comes from. Targets:
+reported, with every sample; ``*_cpu_s``: the process's CPU seconds, steadier than wall
+seconds on a shared machine), counts the StableHLO text lines and ops of the lowered module
+and the optimized HLO's lines and fusions, and attributes every op to the quantizer rule it
+comes from. Targets:
 
 * ``dot``: ``jax.value_and_grad`` of one ``fp4jax.dot`` (``--tokens`` x ``--k`` @ ``--k`` x
   ``--n``, bf16) under the recipe: its three GEMMs and six quantized operands;
@@ -54,6 +56,7 @@ TAG = "LOWERING_CENSUS "
 # innermost match wins: (module file stem, function) -> category
 CATEGORIES: dict[tuple[str, str], str] = {
     ("numerics", "threefry2x32"): "random bits",
+    ("numerics", "threefry2x32_primitive"): "random bits",
     ("numerics", "draws_from_key"): "random bits",
     ("numerics", "uniform_from_key"): "random bits",
     ("hadamard", "random_hadamard_transform"): "rht",
@@ -112,7 +115,9 @@ def instrument() -> None:
     mods = {stem: importlib.import_module(f"fp4jax.{stem}")
             for stem in {m for m, _ in targets} | {"quantized_dot"}}
     for stem, name in targets:
-        f = getattr(mods[stem], name)
+        f = getattr(mods[stem], name, None)
+        if f is None:  # a checkout without this function (--trees with an older one)
+            continue
 
         def wrap(f, tag):
             @functools.wraps(f)
@@ -274,17 +279,18 @@ def measure(target: str, spec: str, a, profile: bool) -> dict[str, Any]:
     fn, args = build(target, spec, a)
     rec: dict[str, Any] = {"target": target, "spec": spec}
     prof = cProfile.Profile() if profile else None
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     if prof:
         prof.enable()
     traced = fn.trace(*args)
     if prof:
         prof.disable()
-    t1 = time.perf_counter()
+    c1, t1 = time.process_time(), time.perf_counter()
     lowered = traced.lower()
-    t2 = time.perf_counter()
+    c2, t2 = time.process_time(), time.perf_counter()
     text = lowered.as_text()
     rec.update(trace_s=round(t1 - t0, 3), lower_s=round(t2 - t1, 3),
+               trace_cpu_s=round(c1 - c0, 3), lower_cpu_s=round(c2 - c1, 3),
                stablehlo_lines=text.count("\n"), stablehlo_chars=len(text))
     if prof:
         cum: dict[str, float] = {}
@@ -296,9 +302,12 @@ def measure(target: str, spec: str, a, profile: bool) -> dict[str, Any]:
                                       sorted(cum.items(), key=lambda kv: -kv[1])}
         rec.update(census(lowered.as_text(debug_info=True)))
     elif not a.no_compile:
-        t3 = time.perf_counter()
-        lowered.compile()
+        c3, t3 = time.process_time(), time.perf_counter()
+        compiled = lowered.compile()
         rec["compile_s"] = round(time.perf_counter() - t3, 3)
+        rec["compile_cpu_s"] = round(time.process_time() - c3, 3)
+        hlo = compiled.as_text()
+        rec.update(hlo_lines=hlo.count("\n"), fusions=hlo.count(" fusion("))
     return rec
 
 
@@ -359,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                     samples[t].append(child(t, target, spec, False))
             for t in trees:
                 rec = {"tree": t, **recs[t]}
-                for k in ("trace_s", "lower_s", "compile_s"):
+                for k in ("trace_s", "lower_s", "compile_s", "trace_cpu_s", "lower_cpu_s",
+                          "compile_cpu_s", "hlo_lines", "fusions"):
                     rec.pop(k, None)
                     vals = [s[k] for s in samples[t] if k in s]
                     if vals:
@@ -370,7 +380,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{rec['ops']:6d} inlined {rec['inlined_ops']:6d} trace "
                       f"{rec.get('trace_s', float('nan')):6.2f} lower "
                       f"{rec.get('lower_s', float('nan')):5.2f} compile "
-                      f"{rec.get('compile_s', float('nan')):6.2f}", flush=True)
+                      f"{rec.get('compile_s', float('nan')):6.2f} (cpu: trace "
+                      f"{rec.get('trace_cpu_s', float('nan')):6.2f} compile "
+                      f"{rec.get('compile_cpu_s', float('nan')):6.2f}) optimized HLO "
+                      f"{rec.get('hlo_lines', 0)} lines", flush=True)
                 cats = rec["inlined_by_category"]
                 print("      " + ", ".join(f"{k} {v}" for k, v in cats.items()), flush=True)
             if a.out:

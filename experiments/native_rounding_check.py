@@ -17,7 +17,7 @@ Checks (mismatching bit patterns are counted, a few examples kept):
   ``[2**126, 2**128)`` (2**24 values);
 * ``recip_scaled_subnormal``: the float64 path vs the integer path for every E4M3 value
   (both signs) times every subnormal decode scale (2**23; ``--quick``: 2**16);
-* ``draws``: ``numerics.draws_from_key`` (JAX's Threefry primitive) vs the Python
+* ``draws``: ``numerics.draws_from_key`` (JAX's Threefry primitive off the CPU) vs the Python
   transcription ``numerics.threefry2x32``, under both GPU lowerings of the primitive
   (``jax_threefry_gpu_kernel_lowering`` on and off), with and without a wrapping offset.
 
@@ -91,7 +91,7 @@ def check_reciprocal() -> dict:
         vb = jax.lax.bitcast_convert_type(v, jnp.int32)
         field = (vb >> 23) & 0xFF
         big = (field >= 253) & (field < 255) & (vb > 0)
-        sub = jax.lax.bitcast_convert_type(numerics._recip_subnormal_integer(vb, field),
+        sub = jax.lax.bitcast_convert_type(numerics.recip_subnormal_integer(vb, field),
                                            jnp.float32)
         return jnp.where(big, sub, numerics.div_rn(jnp.float32(1.0), v))
 
@@ -102,7 +102,7 @@ def check_reciprocal() -> dict:
 def check_recip_scaled_subnormal(quick: bool) -> dict:
     s = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     new = jax.jit(numerics.recip_scaled_subnormal_rn)
-    old = jax.jit(numerics._recip_scaled_subnormal_integer)
+    old = jax.jit(numerics.recip_scaled_subnormal_integer)
     n_dec = 1 << (16 if quick else 23)
     chunk = min(n_dec, 1 << 15)
     bad, examples = 0, []

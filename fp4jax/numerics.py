@@ -52,11 +52,14 @@ __all__ = [
     "stochastic_round_to_grid",
     "uniform_from_key",
     "threefry2x32",
+    "threefry2x32_primitive",
     "threefry_bits_at",
     "draws_from_key",
     "reciprocal_rn",
     "subnormal_hi",
     "recip_scaled_subnormal_rn",
+    "recip_scaled_subnormal_integer",
+    "recip_subnormal_integer",
     "mul_decode_scale",
 ]
 
@@ -401,7 +404,7 @@ def reciprocal_rn(v: jax.Array) -> jax.Array:
     significand, < ``2**25``) is either an integer or at least ``1 / (2 D)`` away from a
     rounding midpoint, over ``2**-49`` relative, so the float64 rounding (``2**-53``
     relative) cannot move it across one (as ``div_rn_f64``'s argument; JAX versions
-    without ``jax.enable_x64`` take ``_recip_subnormal_integer``, integer long division:
+    without ``jax.enable_x64`` take ``recip_subnormal_integer``, integer long division:
     the same ``n``). This is the tensor decode scale ``1 / enc`` of a tensor with amax
     below ``2688 * 2**-126`` (~3.2e-35), where Transformer Engine's ``S_dec = 1.0f /
     S_enc`` (``core_nvfp4.cuh``, ``compute_scaling_coefficient``) is subnormal; consumers
@@ -422,16 +425,17 @@ def reciprocal_rn(v: jax.Array) -> jax.Array:
             n = jnp.round(jax.lax.div(jnp.float64(2.0**149), v.astype(jnp.float64)))
             n = jnp.where(big, n, 0.0).astype(jnp.int32)  # n <= 2**23 where big
     else:
-        n = _recip_subnormal_integer(vb, field)
+        n = recip_subnormal_integer(vb, field)
     sub = jax.lax.bitcast_convert_type(n, jnp.float32)  # n <= 2**23: 2**-126 at most
     return jnp.where(big, sub, div_rn(jnp.float32(1.0), v))
 
 
-def _recip_subnormal_integer(vb: jax.Array, field: jax.Array) -> jax.Array:
+def recip_subnormal_integer(vb: jax.Array, field: jax.Array) -> jax.Array:
     """``reciprocal_rn``'s ``n = RNE(2**149 / v)`` (int32) for ``v`` in ``(2**126,
     2**128)`` (bits ``vb``, exponent field ``field``) by integer long division, for JAX
-    versions without ``jax.enable_x64``: ``2**149 / v = 2**46 / D`` with ``D`` the
-    significand shifted by ``field - 253``, in ``[2**23, 2**25)``."""
+    versions without ``jax.enable_x64`` (and an independent check of the float64 path):
+    ``2**149 / v = 2**46 / D`` with ``D`` the significand shifted by ``field - 253``, in
+    ``[2**23, 2**25)``."""
     d = ((vb & 0x7FFFFF) | 0x800000) << jnp.clip(field - 253, 0, 1)
     r = jnp.full_like(d, 1 << 23)  # the numerator's leading bits: 2**23 (< 2 * D)
     bit = (r >= d).astype(jnp.int32)
@@ -475,7 +479,7 @@ def recip_scaled_subnormal_rn(s: jax.Array, dec: jax.Array) -> jax.Array:
     * 2**126``: every scale grid stays below ``2**128``, so the quotient is above 1/2); a
     quotient beyond FLT_MAX rounds to Inf or FLT_MAX, hence FLT_MAX.
     ``s == 0`` gives ``1/0 = Inf``, hence FLT_MAX. NaN ``s`` gives NaN. JAX versions
-    without ``jax.enable_x64`` take ``_recip_scaled_subnormal_integer`` (the same bits
+    without ``jax.enable_x64`` take ``recip_scaled_subnormal_integer`` (the same bits
     from integer arithmetic).
 
     Args:
@@ -488,7 +492,7 @@ def recip_scaled_subnormal_rn(s: jax.Array, dec: jax.Array) -> jax.Array:
     dec = jnp.asarray(dec, jnp.float32)
     s, dec = jnp.broadcast_arrays(s, dec)
     if not hasattr(jax, "enable_x64"):
-        return _recip_scaled_subnormal_integer(s, dec)
+        return recip_scaled_subnormal_integer(s, dec)
     m = jax.lax.bitcast_convert_type(dec, jnp.int32) & 0x7FFFFF
     f64 = jnp.float64
     with jax.enable_x64(True):
@@ -503,9 +507,10 @@ def recip_scaled_subnormal_rn(s: jax.Array, dec: jax.Array) -> jax.Array:
     return jnp.where(jnp.isnan(s), jnp.float32(jnp.nan), e)
 
 
-def _recip_scaled_subnormal_integer(s: jax.Array, dec: jax.Array) -> jax.Array:
+def recip_scaled_subnormal_integer(s: jax.Array, dec: jax.Array) -> jax.Array:
     """``recip_scaled_subnormal_rn`` (broadcast float32 ``s``, ``dec``) in integer and
-    float32 arithmetic, for JAX versions without ``jax.enable_x64``: ``dec = m * 2**-149``
+    float32 arithmetic, for JAX versions without ``jax.enable_x64`` (and an independent
+    check of the float64 path): ``dec = m * 2**-149``
     and ``s = k * 2**a`` (``k`` its 8 leading significand bits), so ``s * dec = (k m) *
     2**(a - 149)`` with ``k m < 2**31``. Where that is below ``2**-126`` the product rounds
     to the subnormal quantum: ``n = RNE(k m * 2**a)`` by an integer shift; elsewhere it is
@@ -796,23 +801,40 @@ def draws_from_key(key: jax.Array, count: int, offset: jax.Array | None = None
 
 def _threefry_draws(k1: jax.Array, k2: jax.Array, d: jax.Array
                     ) -> tuple[jax.Array, jax.Array]:
-    """``threefry2x32(k1, k2, 0, d)`` (uint32 key words, uint32 counters ``d``) through
-    JAX's own Threefry primitive (``jax.extend.random.threefry2x32_p``, the one
-    ``jax.random`` draws with): the same 20 rounds, hence the same bits as the Python
-    transcription ``threefry2x32`` (``tests/test_lean_numerics.py``), but one operation
-    when traced, lowered on the CPU as a loop over its five 4-round groups (JAX's
-    ``use_rolled_loops``) and on CUDA as one kernel under
-    ``jax_threefry_gpu_kernel_lowering`` (``fp4jax-train --threefry kernel``), instead of
-    ~110 unrolled operations inlined into every stochastically rounded operand. The Pallas
-    kernels keep calling ``threefry2x32`` on register arrays."""
+    """``threefry2x32(k1, k2, 0, d)`` (uint32 key words, uint32 counters ``d``): off the
+    CPU through JAX's own Threefry primitive (``jax.extend.random.threefry2x32_p``, the one
+    ``jax.random`` draws with), which on CUDA under ``jax_threefry_gpu_kernel_lowering``
+    (``fp4jax-train --threefry kernel``, its default) is one kernel instead of ~110
+    unrolled operations fused into every stochastically rounded operand; on the CPU the
+    Python transcription ``threefry2x32`` (JAX lowers the primitive there as a loop over
+    its five 4-round groups, whose while-loop computations added 16 fusions to compile to
+    one NVFP4 ``fp4jax.dot``; unrolled, XLA fuses it into its consumer). The same 20
+    rounds, hence the same bits either way (``tests/core/test_lean_numerics.py``;
+    ``experiments/native_rounding_check.py`` under both GPU lowerings). The Pallas kernels
+    keep calling ``threefry2x32`` on register arrays."""
+    def transcription(k1, k2, d):
+        return threefry2x32(k1, k2, jnp.zeros_like(d), d)
+
+    def primitive(k1, k2, d):
+        return threefry2x32_primitive(k1, k2, jnp.zeros_like(d), d)
+
+    return jax.lax.platform_dependent(k1, k2, d, cpu=transcription, default=primitive)
+
+
+def threefry2x32_primitive(k1, k2, x0, x1) -> tuple[jax.Array, jax.Array]:
+    """``threefry2x32(k1, k2, x0, x1)`` through JAX's Threefry primitive
+    (``jax.extend.random.threefry2x32_p``): the same bits, its operands cast to uint32 and
+    broadcast to one shape, lowered by JAX (a rolled loop on the CPU; on CUDA one kernel
+    under ``jax_threefry_gpu_kernel_lowering``, else JAX's unrolled rounds in an outlined
+    function). Falls back to ``threefry2x32`` where ``jax.extend.random`` does not export
+    the primitive."""
     try:
         from jax.extend.random import threefry2x32_p
-    except ImportError:  # pragma: no cover  (a JAX without the primitive exported)
-        return threefry2x32(k1, k2, jnp.zeros_like(d), d)
+    except ImportError:  # pragma: no cover
+        return threefry2x32(k1, k2, x0, x1)
     u32 = jnp.uint32
-    k1 = jnp.broadcast_to(jnp.asarray(k1).astype(u32), d.shape)
-    k2 = jnp.broadcast_to(jnp.asarray(k2).astype(u32), d.shape)
-    y0, y1 = threefry2x32_p.bind(k1, k2, jnp.zeros_like(d), d)
+    args = jnp.broadcast_arrays(*(jnp.asarray(a).astype(u32) for a in (k1, k2, x0, x1)))
+    y0, y1 = threefry2x32_p.bind(*args)
     return y0, y1
 
 

@@ -12,7 +12,7 @@ before and as independent NumPy references:
   vs the integer path it replaced;
 * ``quantization.element_encode_scale`` (``div_rn`` per block) vs ``numerics.recip_scaled_rn``
   (the per-tensor table it replaced) and NumPy IEEE float32;
-* ``numerics.draws_from_key`` (JAX's Threefry primitive) vs the Python transcription
+* ``numerics.draws_from_key`` (JAX's Threefry primitive off the CPU) vs the Python transcription
   ``numerics.threefry2x32`` and ``jax.random.bits``.
 """
 
@@ -138,7 +138,7 @@ def test_reciprocal_rn_subnormal_quotients():
     # the normal quotients are div_rn's (NumPy's IEEE float32 division)
     assert np.array_equal(got[~big], (np.float32(1.0) / v[~big]).view(_BITS))
     vb = jnp.asarray(v[big]).view(jnp.int32)
-    integer = jax.jit(numerics._recip_subnormal_integer)(vb, (vb >> 23) & 0xFF)
+    integer = jax.jit(numerics.recip_subnormal_integer)(vb, (vb >> 23) & 0xFF)
     assert np.array_equal(np.asarray(integer).astype(np.int64), want)
 
 
@@ -158,7 +158,7 @@ def test_recip_scaled_subnormal_matches_exact_and_integer_path():
     S, D = (a.ravel() for a in np.meshgrid(s, dec))
     got = np.asarray(jax.jit(numerics.recip_scaled_subnormal_rn)(jnp.asarray(S),
                                                                   jnp.asarray(D)))
-    old = np.asarray(jax.jit(numerics._recip_scaled_subnormal_integer)(jnp.asarray(S),
+    old = np.asarray(jax.jit(numerics.recip_scaled_subnormal_integer)(jnp.asarray(S),
                                                                       jnp.asarray(D)))
     assert np.array_equal(got.view(_BITS), old.view(_BITS))
     q = Fraction(1, 2**149)
@@ -214,8 +214,9 @@ def test_element_encode_scale_normal_dec_matches_table_and_numpy():
 
 @pytest.mark.parametrize("offset", [None, 4294967290])
 def test_draws_from_key_are_the_threefry_transcription(offset):
-    """The Threefry primitive gives the Python transcription's bits (counters wrapping
-    modulo 2**32 with an offset), and ``jax.random.bits``' (uint64 draw = (y0, y1))."""
+    """``draws_from_key`` and the Threefry primitive give the Python transcription's bits
+    (counters wrapping modulo 2**32 with an offset), and ``jax.random.bits``' (uint64
+    draw = (y0, y1))."""
     key = jax.random.key(123)
     n = 1001
     off = None if offset is None else jnp.uint32(offset)
@@ -226,6 +227,10 @@ def test_draws_from_key_are_the_threefry_transcription(offset):
     t0, t1 = numerics.threefry2x32(k1, k2, jnp.zeros_like(d), d)
     assert np.array_equal(np.asarray(y0), np.asarray(t0))
     assert np.array_equal(np.asarray(y1), np.asarray(t1))
+    # the primitive (what other backends take; the CPU takes the transcription)
+    p0, p1 = jax.jit(numerics.threefry2x32_primitive)(k1, k2, jnp.zeros_like(d), d)
+    assert np.array_equal(np.asarray(p0), np.asarray(t0))
+    assert np.array_equal(np.asarray(p1), np.asarray(t1))
     if offset is None:
         with jax.enable_x64(True), jax.threefry_partitionable(True):
             b = np.asarray(jax.random.bits(key, (n,), jnp.uint64))
