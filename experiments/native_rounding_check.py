@@ -6,9 +6,10 @@ same bits as the code they replaced, on the backend JAX runs on (a GPU: the CPU'
 
 Checks (mismatching bit patterns are counted, a few examples kept):
 
-* ``round_e2m1``, ``round_e4m3``: ``numerics.round_to_grid(v, grid)`` (XLA's conversion to
-  ``float4_e2m1fn`` / ``float8_e4m3fn``, ``NATIVE_RNE``) vs the arithmetic rounding
-  (``native=False``) for every non-negative float32 bit pattern (2**31, NaNs and Inf
+* ``round_e2m1``, ``round_e4m3``: XLA's conversion to ``float4_e2m1fn`` /
+  ``float8_e4m3fn`` of ``min(v, max)`` (``round_to_grid(..., native=True)``'s rule, which
+  ``numerics`` runs on the CPU only) vs the arithmetic rounding ``round_to_grid(v,
+  grid)`` on this device, for every non-negative float32 bit pattern (2**31, NaNs and Inf
   included; ``--quick``: 2**24 spread over them);
 * ``encode_scale``: ``quantization.element_encode_scale(s, dec)`` (``div_rn(1, s * dec)``
   per block) vs ``numerics.recip_scaled_rn`` (the table it replaced) for every E4M3 value
@@ -51,10 +52,15 @@ def _diff(a, b, inputs, limit: int = 5) -> tuple[int, list]:
 
 
 def check_round(grid, quick: bool) -> dict:
-    new = jax.jit(lambda b: numerics.round_to_grid(jax.lax.bitcast_convert_type(b, jnp.float32),
-                                                   grid))
+    def native(b):  # numerics' native rounding as it would run here (it is CPU-only now)
+        v = jax.lax.bitcast_convert_type(b, jnp.float32)
+        r = jnp.minimum(v, jnp.float32(grid.max_value)).astype(numerics.NATIVE_RNE[grid])
+        quiet = jax.lax.bitcast_convert_type(b | jnp.uint32(0x400000), jnp.float32)
+        return jnp.where(v != v, quiet, r.astype(jnp.float32))
+
+    new = jax.jit(native)
     old = jax.jit(lambda b: numerics.round_to_grid(jax.lax.bitcast_convert_type(b, jnp.float32),
-                                                   grid, native=False))
+                                                   grid))
     chunk, step = (1 << 20, 1 << 11) if quick else (1 << 26, 1)  # quick: every 2048th
     total, bad, examples = 0, 0, []
     for start in range(0, 1 << 31, chunk * step):

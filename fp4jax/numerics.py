@@ -627,7 +627,7 @@ def recip_scaled_rn(s: jax.Array, dec: jax.Array) -> jax.Array:
 
 
 def round_to_grid(v: jax.Array, grid: FloatGrid, mode: str = "nearest", *,
-                  native: bool = True) -> jax.Array:
+                  native: bool = False) -> jax.Array:
     """Round ``v >= 0`` (float32) onto an unsigned ``grid``, saturating to its max.
 
     Modes:
@@ -645,22 +645,25 @@ def round_to_grid(v: jax.Array, grid: FloatGrid, mode: str = "nearest", *,
     NaN stays NaN (quieted: its bits with the quiet bit set); ``+inf`` saturates to
     ``max_value``.
 
-    ``"nearest"`` onto E2M1 and E4M3 (``NATIVE_RNE``) is computed on the CPU as XLA's own conversion
-    of ``min(v, max_value)`` to ``float4_e2m1fn`` / ``float8_e4m3fn`` and back: IEEE RNE
-    onto those grids, subnormals included, so the same values as the arithmetic above for
-    every ``v >= 0``, ``+inf`` and NaN, in ~8 operations instead of ~30
-    (``tests/test_lean_numerics.py`` compares the two on every float32 boundary, random
-    bit patterns and, for XLA:CPU, was run over all 2**31 non-negative float32 bit
-    patterns; ``experiments/native_rounding_check.py`` runs the same on a GPU). Negative
-    ``v`` (outside the contract) may differ: below ``-max_value`` the arithmetic does not
-    saturate.
+    With ``native=True``, ``"nearest"`` onto E2M1 and E4M3 (``NATIVE_RNE``) is computed on
+    the CPU as XLA's own conversion of ``min(v, max_value)`` to ``float4_e2m1fn`` /
+    ``float8_e4m3fn`` and back: IEEE RNE onto those grids, subnormals included, so the
+    same values as the arithmetic above for every ``v >= 0``, ``+inf`` and NaN, in ~8
+    operations instead of ~30 (``tests/core/test_lean_numerics.py`` compares the two on
+    every float32 boundary and random bit patterns; XLA:CPU was run over all 2**31
+    non-negative float32 bit patterns; ``experiments/native_rounding_check.py`` runs the
+    same on a GPU). Off by default: XLA:CPU compiles the conversions slower than the
+    arithmetic they replace (one ``quartet2`` ``fp4jax.dot`` fwd+bwd at 256x128x256: 38.4 s
+    of compile CPU time against 27.6 s; the NVFP4 ``micro`` train step: 24.4 s against
+    24.6 s; 2026-11-27, ``experiments/lowering_census.py``). Negative ``v`` (outside the
+    contract) may differ: below ``-max_value`` the arithmetic does not saturate.
 
     Args:
       v: float32 array of non-negative values (callers take ``abs`` first).
       grid: target grid.
       mode: ``"nearest"``, ``"up"`` or ``"down"``.
-      native: False computes ``"nearest"`` by the arithmetic for every grid (the same
-        values; for tests that compare the two).
+      native: ``"nearest"`` onto a ``NATIVE_RNE`` grid by XLA's conversion on the CPU
+        (the same values; see above).
     Returns:
       float32 array, same shape, every finite entry on ``grid``.
     """

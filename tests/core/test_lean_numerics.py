@@ -86,25 +86,29 @@ def test_native_rne_matches_numpy_and_arithmetic(grid, dtype):
     values = _grid_values(dtype)
     assert values[-1] == grid.max_value
     v = _interesting(values, np.random.default_rng(0))
-    native = np.asarray(jax.jit(lambda a: numerics.round_to_grid(a, grid))(v))
-    arith = np.asarray(jax.jit(lambda a: numerics.round_to_grid(a, grid, native=False))(v))
+    native = np.asarray(jax.jit(lambda a: numerics.round_to_grid(a, grid, native=True))(v))
+    arith = np.asarray(jax.jit(lambda a: numerics.round_to_grid(a, grid))(v))
     want = np_rne_satfinite(v, values)
     assert np.array_equal(native.view(_BITS), want.view(_BITS))
     assert np.array_equal(arith.view(_BITS), want.view(_BITS))
     # -0 keeps its sign, as the arithmetic does
-    z = np.asarray(numerics.round_to_grid(jnp.float32(-0.0), grid)).view(_BITS)
-    assert z == _BITS(0x80000000)
+    for nat in (True, False):
+        z = np.asarray(numerics.round_to_grid(jnp.float32(-0.0), grid, native=nat))
+        assert z.view(_BITS) == _BITS(0x80000000)
 
 
 @pytest.mark.parametrize("grid,mlir", [(numerics.E2M1, "f4E2M1FN"), (numerics.E4M3, "f8E4M3FN")])
 def test_native_rne_is_lowered_for_the_cpu_only(grid, mlir):
-    """The native conversion is used where it was checked exhaustively (XLA:CPU); a CUDA
-    lowering keeps the arithmetic until experiments/native_rounding_check.py passes there."""
-    f = jax.jit(lambda a: numerics.round_to_grid(a, grid))
+    """The native conversion (opt-in, ``native=True``) is used where it was checked
+    exhaustively (XLA:CPU); a CUDA lowering keeps the arithmetic until
+    experiments/native_rounding_check.py passes there; by default neither converts."""
     x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
-    text = {p: jax.export.export(f, platforms=[p])(x).mlir_module() for p in ("cpu", "cuda")}
-    assert mlir in text["cpu"]
-    assert mlir not in text["cuda"]
+    for nat in (True, False):
+        f = jax.jit(lambda a, nat=nat: numerics.round_to_grid(a, grid, native=nat))
+        text = {p: jax.export.export(f, platforms=[p])(x).mlir_module() for p in ("cpu",
+                                                                                  "cuda")}
+        assert (mlir in text["cpu"]) == nat
+        assert mlir not in text["cuda"]
 
 
 def _exact_rne_int(num: Fraction) -> int:
