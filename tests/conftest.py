@@ -86,3 +86,23 @@ def mesh():
     if len(devs) < 4:
         pytest.skip(f"needs 4 devices, got {len(devs)}")
     return Mesh(np.array(devs[:4]), ("data",))
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "heavy(seconds): a compile-heavy test, with its time on 2 CI cores; the "
+        "suite starts these first, longest first")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest first: the tests marked ``heavy(seconds)`` run before all others, in
+    decreasing ``seconds`` (the rest keep their order). Under ``-n 2 --dist loadgroup`` the
+    workers take them in this order, so the last tests to start are short ones and both
+    workers finish at about the same time; the order is the same on every worker (xdist
+    checks that)."""
+
+    def seconds(item) -> float:
+        mark = item.get_closest_marker("heavy")
+        return float(mark.args[0]) if mark is not None and mark.args else 0.0
+
+    items.sort(key=lambda item: -seconds(item))

@@ -56,7 +56,13 @@ def test_notebooks_are_the_readmes_table():
         assert 'find_spec("fp4jax") is None' in code[0] and "pip" in code[0], path.name
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+# notebook 05 trains three micro models: the suite starts it first (conftest)
+HEAVY = {"05_train_tiny_model": 125}
+
+
+@pytest.mark.parametrize("path", [
+    pytest.param(p, marks=[pytest.mark.heavy(HEAVY[p.stem])] if p.stem in HEAVY else [])
+    for p in NOTEBOOKS], ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path: Path, tmp_path: Path):
     nb = nbformat.read(path, as_version=4)
     stored = [c for c in nb.cells if c.cell_type == "code" and (c.get("outputs") or

@@ -21,14 +21,12 @@ from fp4jax import train as T
 from fp4jax.models.llama import block_layer_names, get_preset, policy_layer_name
 from fp4jax.nn.policy import PrecisionPolicy
 from fp4jax.train import precision
-from tests import ROOT
+from tests import MICRO_SCAN_NVFP4, ROOT
 from tests.checks import run_records
 from tests.textdata import write_text
 
 # tests/train/test_stats.py's runs: the warm-up compiles the same train and stats steps
-BASE = dict(preset="micro", steps=5, lr=1e-2, batch_size=8, seq_len=64, eval_every=0,
-            eval_batches=1, log_every=1, warmup_steps=1, progress=False, scan_layers=True,
-            last_bf16=0)
+BASE = MICRO_SCAN_NVFP4
 # a warm-up of 2 steps (stats at steps 0 and 1), 3 of 12 layers in BF16; the ratio measured
 # at steps 0, 2, 4 (micro: ~10) against a threshold of 1000 with a window of 2 steps: the
 # switch (backward to BF16, QAF) fires at step 2 exactly
@@ -73,6 +71,8 @@ def _runs(tmp: Path) -> dict:
     return {"a": (tmp / "a", a), "b": (tmp / "b", b), "warm_mtime": warm, "text": text}
 
 
+@pytest.mark.heavy(307)
+@pytest.mark.xdist_group("micro_scan_nvfp4")  # test_stats.py's compiled steps
 def test_auto_precision_end_to_end(tmp_path, monkeypatch):
     """``--bf16-layers auto`` and ``--switch-at auto`` on the micro preset (the runs of
     ``_runs``, shared by the checks below: one set of compilations on one test worker)."""
@@ -141,6 +141,7 @@ def _check_grad_noise_uses_the_train_steps_own_gradients(runs):
             / np.sqrt(sum(v["noise_norm"] ** 2 for v in fp4)), rel=1e-9)
 
 
+@pytest.mark.xdist_group("micro_scan_nvfp4")  # test_stats.py's compiled train step
 def test_grad_noise_is_the_train_steps_sr_noise_and_matches_numpy():
     """``noise_gradients``' quantized gradient is the train step's own (same SR draws: the
     step's gradient, read off its Adam first moment, is within 5% of ``||eps||`` of it, also

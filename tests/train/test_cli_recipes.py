@@ -1,12 +1,14 @@
 """The newer recipes through the training CLI on the ``micro`` preset: two steps each, finite
-losses, the recipe recorded (issue 20). In a file collected early, so that these two
-compile-heavy runs start early on the test workers instead of ending the suite."""
+losses, the recipe recorded (issue 20). Both are compile-heavy: marked ``heavy``, they start
+early on the test workers instead of ending the suite."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 
+@pytest.mark.heavy(40)
 def test_train_cli_runs_the_hybrid_recipe(tmp_path):
     """``fp4jax-train --recipe mxfp8_fwd_nvfp4_bwd --preset micro``: two steps, finite losses,
     the recipe recorded."""
@@ -28,6 +30,7 @@ def test_train_cli_runs_the_hybrid_recipe(tmp_path):
     assert {r["recipe"] for r in recs if r["type"] == "train"} == {"mxfp8_fwd_nvfp4_bwd"}
 
 
+@pytest.mark.heavy(66)
 def test_train_cli_runs_quartet2_with_smooth_swiglu(tmp_path):
     """``fp4jax-train --recipe quartet2 --ffn smooth_swiglu --preset micro``: two steps
     (4over6 forward, RHT-128 re-drawn and MS-EDEN backward, the Smooth-SwiGLU down

@@ -24,7 +24,7 @@ from fp4jax.models.llama import layer_name, layer_order, quantized_llama
 from fp4jax.nn import linen as fnn
 from fp4jax.train import loop
 from fp4jax.train.config import make_optimizer, make_policy, model_config, run_recipe
-from tests import ROOT
+from tests import MICRO_SCAN_NVFP4, ROOT
 from tests.textdata import write_text
 
 RTN = fp4jax.recipes.nvfp4().replace(sr=False)
@@ -193,9 +193,15 @@ def test_layer_names_and_no_fp4_layers():
 
 # -- fp4jax-train --stats-every -------------------------------------------------------------
 
-BASE = dict(preset="micro", steps=5, lr=1e-2, batch_size=8, seq_len=64, eval_every=0,
-            eval_batches=1, log_every=1, warmup_steps=1, progress=False, scan_layers=True,
-            last_bf16=0)
+BASE = MICRO_SCAN_NVFP4
+
+
+def on_runs(test):
+    """Marks a test of ``runs`` (two micro trainings, set up once per xdist worker): started
+    first (``heavy``), on the worker of every test that compiles this config's train and
+    stats steps (the xdist group ``micro_scan_nvfp4``, ``--dist loadgroup``: also
+    tests/train/test_auto_precision.py), so that they compile once."""
+    return pytest.mark.heavy(150)(pytest.mark.xdist_group("micro_scan_nvfp4")(test))
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +216,7 @@ def runs(tmp_path_factory):
     return {"on": (tmp / "on", on), "off": (tmp / "off", off), "stats_traces": traced}
 
 
+@on_runs
 def test_stats_records_every_n_steps_with_every_quantized_layer(runs):
     out, _ = runs["on"]
     lines = (out / "metrics.jsonl").read_text().splitlines()
@@ -232,6 +239,7 @@ def test_stats_records_every_n_steps_with_every_quantized_layer(runs):
     assert b0["fprop"]["lhs.amax"] != b1["fprop"]["lhs.amax"]
 
 
+@on_runs
 def test_stats_leave_training_bit_identical(runs):
     (out_on, on), (out_off, off) = runs["on"], runs["off"]
     assert on["history"] == off["history"]
@@ -242,6 +250,7 @@ def test_stats_leave_training_bit_identical(runs):
     assert len(set(sums)) <= 1  # the same parameters and optimizer state after 5 steps
 
 
+@on_runs
 def test_stats_read_back_recommend_and_heatmap(runs, tmp_path):
     out, _ = runs["on"]
     last = D.stats_from_metrics(out)

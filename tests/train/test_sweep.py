@@ -200,9 +200,11 @@ def test_run_level_spec_keys():
 def test_run_level_keys_reach_the_run(tmp_path):
     corpus = write_text(tmp_path / "c.txt", 20_000)
     spec = "nvfp4(sr=False, rht=0, last_bf16=0, switch_at=0.5, switch=bwd)"
+    # CLI's schedule: the unswitched step is test_parallel_sweep_equals_sequential's
+    # (compiled once per session)
     cfg = T.TrainConfig(preset="micro", recipe=spec, steps=4, seq_len=32, batch_size=4,
-                        eval_every=0, log_every=1, progress=False, data=str(corpus),
-                        out=str(tmp_path / "run"))
+                        lr=0.01, warmup_steps=1, eval_every=0, eval_batches=1, log_every=1,
+                        progress=False, data=str(corpus), out=str(tmp_path / "run"))
     r = T.train(cfg)
     assert r["spec"] == spec and r["config"]["last_bf16"] == -1  # the flag as given
     assert "BF16: lm_head" in r["policy"] and "block" not in r["policy"].split("BF16:")[1]
@@ -211,6 +213,7 @@ def test_run_level_keys_reach_the_run(tmp_path):
     assert names[1] == "nvfp4" and names[2] == "nvfp4>bf16-bwd", names
 
 
+@pytest.mark.heavy(112)
 def test_parallel_sweep_equals_sequential(tmp_path):
     """``--jobs 3``: specs (and seeds, with more jobs than specs) in their own processes give
     the same bits as one process."""

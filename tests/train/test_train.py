@@ -14,7 +14,7 @@ import pytest
 import fp4jax
 from fp4jax import train as T
 from fp4jax.train import loop
-from tests import ROOT
+from tests import MICRO_SCAN_NVFP4, ROOT
 from tests.textdata import write_text
 
 # One optimizer schedule for every test, so that runs share compiled step functions.
@@ -22,39 +22,10 @@ BASE = dict(preset="micro", steps=30, lr=1e-2, batch_size=8, seq_len=64, eval_ev
             eval_batches=2, log_every=1, warmup_steps=3, progress=False)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-    """A fresh persistent XLA cache for this module: identical step functions (resumed runs,
-    repeated configs) compile once. Numerics are unaffected."""
-    try:
-        from jax._src import compilation_cache as cc
-    except ImportError:  # pragma: no cover
-        yield None
-        return
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    old = {n: getattr(jax.config, n) for n in names}
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # share one cache between xdist workers
-        path = tmp_path_factory.getbasetemp().parent / "fp4jax_xla_cache"
-    else:
-        path = tmp_path_factory.mktemp("xla_cache")
-    jax.config.update(names[0], str(path))
-    jax.config.update(names[1], 0.0)
-    jax.config.update(names[2], 0)
-    cc.reset_cache()
-    yield {n: getattr(jax.config, n) for n in names}
-    for n, v in old.items():
-        jax.config.update(n, v)
-    cc.reset_cache()
-
-
-@pytest.fixture(autouse=True)
-def keep_compile_cache(compile_cache):
-    """``T.main(... "--compile-cache", "off")`` turns the process-wide cache off: turn it back
-    on after each test, so that later tests on this worker still share compiled steps."""
-    yield
-    for n, v in (compile_cache or {}).items():
-        jax.config.update(n, v)
+# The session's compilation cache (conftest) is shared with the other files' runs of this
+# schedule (tests/train/test_safety.py); CLI runs with ``--compile-cache off`` switch it off,
+# so put it back after each test.
+pytestmark = pytest.mark.usefixtures("keep_compile_cache")
 
 
 @pytest.fixture(scope="module")
@@ -117,13 +88,15 @@ def test_resume_is_exact_and_refuses_changed_config(text, tmp_path):
         T.train(_cfg(text, tmp_path / "c", resume=True))
 
 
+@pytest.mark.heavy(40)
+@pytest.mark.xdist_group("micro_scan_nvfp4")  # test_stats.py's compiled train step
 def test_scan_layers_trains_and_old_configs_resume(text, tmp_path):
     """``--scan-layers`` trains (NVFP4, stochastic rounding inside the scan) with a falling
-    loss; a checkpoint config written before the key existed counts as its default."""
-    r = T.train(_cfg(text, tmp_path, scan_layers=True, first_bf16=0, last_bf16=0, stop_at=20,
-                     eval_every=0))  # train losses only: no evaluation step to compile
+    loss (5 steps of MICRO_SCAN_NVFP4: a step compiled once for three files); a checkpoint
+    config written before the key existed counts as its default."""
+    r = T.train(T.TrainConfig(**MICRO_SCAN_NVFP4, data=text, out=str(tmp_path / "scan")))
     loss = r["history"]["loss"]
-    assert np.isfinite(loss).all() and np.mean(loss[-5:]) < np.mean(loss[:5])
+    assert len(loss) == 5 and np.isfinite(loss).all() and max(loss[-2:]) < min(loss[:2])
     cfg = dataclasses.asdict(_cfg(text, tmp_path))
     old = {k: v for k, v in cfg.items() if k != "scan_layers"}
     assert T.config_diff(old, cfg) == []
