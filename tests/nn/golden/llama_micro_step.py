@@ -7,8 +7,8 @@ layers and ``PrecisionPolicy``), before the Llama became plain Flax layers put u
 today's code and compares: the parameter tree (paths and shapes), the loss's and every
 gradient's float32 bits (SHA-256 of each array's bytes). Regenerate (only on purpose)::
 
-    PYTHONPATH=$PWD python tests/golden/llama_micro_step.py \
-        > tests/golden/llama_micro_step.json
+    PYTHONPATH=$PWD python tests/nn/golden/llama_micro_step.py \
+        > tests/nn/golden/llama_micro_step.json
 
 (at 7e8f18f: this file run on ``git archive 7e8f18f``'s tree; XLA:CPU, the suite's flags).
 """
