@@ -263,7 +263,7 @@ def div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
     On the CPU XLA's float32 division is IEEE-exact, so it is used (the other paths compile
     slower there), guarded against XLA's rewrites of divisions (``_div_cpu``): a scalar or
     constant divisor made ``A * (1 / B)``, one ulp off for 0.2-33% of quotients
-    (``tests/test_core.py``), and chained divisions merged.
+    (``tests/core/test_quantize.py``), and chained divisions merged.
     On every other platform the quotient comes from ``div_rn_f64`` (one float64 division,
     where the JAX version can trace one) or else ``div_rn_integer``: the same bits. The
     choice is made by ``jax.lax.platform_dependent`` when the computation is lowered for
@@ -282,7 +282,7 @@ def _div_cpu(a: jax.Array, b: jax.Array) -> jax.Array:
     XLA's algebraic simplifier cannot see through. Without them it rewrites, on the CPU,
     ``A / broadcast(B)`` and ``A / constant`` into ``A * (1 / B)``, ``(A / B) / C`` into
     ``A / (B * C)`` and ``A / (B / C)`` into ``(A * C) / B``: each one ulp off for a share
-    of the quotients (``tests/test_core.py``)."""
+    of the quotients (``tests/core/test_quantize.py``)."""
     a, b = jnp.broadcast_arrays(a, b)
     return jax.lax.optimization_barrier(a / jax.lax.optimization_barrier(b))
 
@@ -326,7 +326,7 @@ def div_rn_f64(a: jax.Array, b: jax.Array) -> jax.Array:
     exact quotient ``A / B`` differs from a float32 rounding midpoint ``M / 2**25`` (``M``
     odd) by ``(2**25 A - M B) / (2**25 B)``, a nonzero integer over ``2**25 B`` (zero would
     need ``B`` a power of two, whose reciprocal is exact), so by over ``2**-50`` relative,
-    and both roundings to float32 agree (``tests/test_core.py`` checks scalar and constant
+    and both roundings to float32 agree (``tests/core/test_quantize.py`` checks scalar and constant
     divisors on the CPU, which rewrites so).
     """
     a = a.astype(jnp.float32)
@@ -574,7 +574,7 @@ def recip_scaled_rn(s: jax.Array, dec: jax.Array) -> jax.Array:
     ``div_rn`` and each element takes one table entry and an exponent subtraction.
     Everywhere else (``p`` or the result not normal; ``s`` zero, NaN or Inf) it returns
     the backend's ``1 / p``, which is exactly where ``div_rn_integer`` also falls back:
-    the bits equal ``div_rn(1, s * dec)`` on every backend (``tests/test_core.py``
+    the bits equal ``div_rn(1, s * dec)`` on every backend (``tests/core/test_quantize.py``
     checks every E4M3/E8M0 value and random grid values times decode scales over the
     whole float32 range, against NumPy and against ``div_rn_integer``).
 

@@ -364,7 +364,7 @@ def four_over_six(blocks: jax.Array, amax: jax.Array, rule: str = "4over6", *,
     square is kept out of an FMA with the sum (XLA on CPU contracts ``acc + d*d``; TE
     uses ``__fmul_rn``/``__fadd_rn``). XLA on CPU flushes float32 subnormal results to
     zero, so error terms below ``2**-126`` (MSE: ``|d| < 2**-63``) are 0 there; TE keeps
-    them, and so does XLA on an H100 (JAX 0.11.2), where ``tests/test_four_over_six.py``
+    them, and so does XLA on an H100 (JAX 0.11.2), where ``tests/core/test_four_over_six.py``
     passes against TE's unflushed math.
     TE refuses 4over6 with stochastic rounding and with the RHT (``quantizer.cpp``
     l. 2561-2564); ``fp4jax.quantize`` and the recipes refuse them too.
