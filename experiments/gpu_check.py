@@ -664,6 +664,31 @@ def check_w4a4(ctx: Ctx) -> None:
     ctx.run(cases)
 
 
+def _dot_on_vs_off(ctx: Ctx, m: int, k: int, n: int, seed: int, recipe=None, key=None,
+                   off_has_no_kernels: bool = False) -> dict:
+    """``fp4jax.dot`` forward + backward (``lab.dot_loss``) with the kernels (``on``, or
+    ``interpret``) and with ``FP4JAX_KERNELS=off``: the mismatches of y, loss, dx and dw, the
+    kernel calls in the kernel lowering (> 0 required) and, with ``off_has_no_kernels``,
+    none in the XLA lowering."""
+    setting = "interpret" if ctx.interpret else "on"
+    x, w, ct = lab.dot_problem(m, k, n, seed=seed)
+    outs, calls = {}, {}
+    for s in ("off", setting):
+        with lab.kernel_env(s):
+            f = jax.jit(jax.value_and_grad(lab.dot_loss(recipe, key=key, with_y=True),
+                                           argnums=(0, 1), has_aux=True))
+            text = f.lower(x, w, ct).as_text()
+            calls[s] = text.count("mosaic_gpu") + text.count("callback")
+            (v, y), (dx, dw) = f(x, w, ct)
+            outs[s] = (y, v, dx, dw)
+    st = {f"{name}_mismatch": lab.mismatches(a, b) for name, a, b in zip(
+        ("y", "loss", "dx", "dw"), outs["off"], outs[setting], strict=True)}
+    ok = calls[setting] > 0 and not any(st.values())
+    if off_has_no_kernels:
+        ok = ok and calls["off"] == 0
+    return st | {"kernel_calls_in_lowering": calls[setting], "ok": ok}
+
+
 @check("dot", "fp4jax.dot, NVFP4 recipe, forward + backward (value_and_grad of sum(y * ct), "
        "random cotangent): y, loss, dx, dw with the kernels vs FP4JAX_KERNELS=off, bit for bit; "
        "the kernel lowering must contain kernel calls")
@@ -671,20 +696,7 @@ def check_dot(ctx: Ctx) -> None:
     setting = "interpret" if ctx.interpret else "on"
     for i, (m, k, n) in enumerate(DOT_SHAPES[ctx.size]):
         def run(m=m, k=k, n=n, i=i):
-            x, w, ct = lab.dot_problem(m, k, n, seed=ctx.seed + 400 + i)
-            outs, calls = {}, {}
-            for s in ("off", setting):
-                with lab.kernel_env(s):
-                    f = jax.jit(jax.value_and_grad(lab.dot_loss(with_y=True), argnums=(0, 1),
-                                                   has_aux=True))
-                    text = f.lower(x, w, ct).as_text()
-                    calls[s] = text.count("mosaic_gpu") + text.count("callback")
-                    (v, y), (dx, dw) = f(x, w, ct)
-                    outs[s] = (y, v, dx, dw)
-            st = {f"{name}_mismatch": lab.mismatches(a, b) for name, a, b in zip(
-                ("y", "loss", "dx", "dw"), outs["off"], outs[setting], strict=True)}
-            ok = calls[setting] > 0 and not any(st.values())
-            return st | {"kernel_calls_in_lowering": calls[setting], "ok": ok}
+            return _dot_on_vs_off(ctx, m, k, n, ctx.seed + 400 + i)
         ctx.case("dot", f"fwd+bwd {setting} vs off", run, shape=[m, k, n])
 
 
@@ -698,21 +710,8 @@ def check_dot_recipes(ctx: Ctx) -> None:
     for name, recipe in dot_recipes().items():
         for i, (m, k, n) in enumerate(DOT_RECIPE_SHAPES[ctx.size]):
             def run(m=m, k=k, n=n, i=i, recipe=recipe):
-                x, w, ct = lab.dot_problem(m, k, n, seed=ctx.seed + 600 + i)
-                outs, calls = {}, {}
-                for s in ("off", setting):
-                    with lab.kernel_env(s):
-                        f = jax.jit(jax.value_and_grad(
-                            lab.dot_loss(recipe, key=ctx.key, with_y=True), argnums=(0, 1),
-                            has_aux=True))
-                        text = f.lower(x, w, ct).as_text()
-                        calls[s] = text.count("mosaic_gpu") + text.count("callback")
-                        (v, y), (dx, dw) = f(x, w, ct)
-                        outs[s] = (y, v, dx, dw)
-                st = {f"{nm}_mismatch": lab.mismatches(a, b) for nm, a, b in zip(
-                    ("y", "loss", "dx", "dw"), outs["off"], outs[setting], strict=True)}
-                ok = calls[setting] > 0 and calls["off"] == 0 and not any(st.values())
-                return st | {"kernel_calls_in_lowering": calls[setting], "ok": ok}
+                return _dot_on_vs_off(ctx, m, k, n, ctx.seed + 600 + i, recipe, ctx.key,
+                                      off_has_no_kernels=True)
             ctx.case("dot_recipes", f"{name} {setting} vs off", run, shape=[m, k, n],
                      recipe=fp4jax.recipes.spec(recipe))
 
