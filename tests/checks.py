@@ -103,3 +103,32 @@ def recipe_grads(r: Any, x: Any, w: Any, g: Any) -> tuple[np.ndarray, np.ndarray
 def run_records(out: str | Path) -> list[dict]:
     """The records of the run folder ``out``'s ``metrics.jsonl``, in order."""
     return [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def patch_train_step(monkeypatch: Any, change: Any) -> None:
+    """Make the harness's train step pass each step's result through ``change(s, new,
+    metrics) -> (new, metrics)`` (``s``: the step index the state entered with): how the
+    safety tests poison a run's parameters or losses from a chosen step on. Patched where
+    ``fp4jax.train.loop.train`` looks it up; it wraps the real step (``steps``), so a
+    second call replaces the first change instead of stacking on it."""
+    from fp4jax.train import loop, steps
+
+    real = steps.make_train_step
+
+    def patched(*args: Any, **kwargs: Any):
+        step = real(*args, **kwargs)
+
+        def wrapped(state, batch, *key):
+            s = int(state["step"])
+            new, m = step(state, batch, *key)
+            return change(s, new, m)
+
+        return wrapped
+
+    monkeypatch.setattr(loop, "make_train_step", patched)
+
+
+def nan_loss_from(monkeypatch: Any, first: int) -> None:
+    """From step ``first`` on, every step reports a NaN loss (``patch_train_step``)."""
+    patch_train_step(monkeypatch, lambda s, new, m: (
+        new, dict(m, loss=m["loss"] * np.nan) if s >= first else m))

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 from fp4jax import train as T
-from fp4jax.train import loop
-from tests.checks import run_records
+from tests.checks import nan_loss_from, patch_train_step, run_records
 from tests.textdata import write_text
 
 BASE = dict(preset="micro", recipe="bf16", steps=30, lr=1e-2, batch_size=8, seq_len=64,
@@ -183,21 +182,12 @@ def test_torn_metrics_record(base, tmp_path, capsys):
 
 def _poison_last_update(monkeypatch, at):
     """Step ``at`` returns NaN parameters (its own loss, from the parameters before, is fine)."""
-    real = T.make_train_step
+    def change(s, new, m):
+        if s == at:
+            new = dict(new, params=jax.tree.map(lambda x: x * np.nan, new["params"]))
+        return new, m
 
-    def poisoned(*args, **kwargs):
-        step = real(*args, **kwargs)
-
-        def wrapped(state, batch, *key):
-            s = int(state["step"])
-            new, m = step(state, batch, *key)
-            if s == at:
-                new = dict(new, params=jax.tree.map(lambda x: x * np.nan, new["params"]))
-            return new, m
-
-        return wrapped
-
-    monkeypatch.setattr(loop, "make_train_step", poisoned)
+    patch_train_step(monkeypatch, change)
 
 
 def test_nan_at_final_step_is_divergence(base, tmp_path, monkeypatch, capsys):
@@ -306,19 +296,7 @@ def test_keep_checkpoints(base, tmp_path, monkeypatch):
     assert _steps(cfg.out) == [4, 5]
     # keep 1: checkpoint 4 is saved (pruning keeps 2, the newest known good) and its step
     # diverges: checkpoint 4 goes, 2 stays
-    real = T.make_train_step
-
-    def poisoned(*args, **kwargs):
-        step = real(*args, **kwargs)
-
-        def wrapped(state, batch, *key):
-            s = int(state["step"])
-            new, m = step(state, batch, *key)
-            return new, (dict(m, loss=m["loss"] * np.nan) if s >= 4 else m)
-
-        return wrapped
-
-    monkeypatch.setattr(loop, "make_train_step", poisoned)
+    nan_loss_from(monkeypatch, 4)
     cfg = cfg.replace(out=str(tmp_path / "one"), checkpoint_every=2, keep_checkpoints=1)
     with pytest.raises(T.TrainingDiverged, match="Last good checkpoint: 2"):
         T.train(cfg)

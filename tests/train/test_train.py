@@ -15,6 +15,7 @@ import fp4jax
 from fp4jax import train as T
 from fp4jax.train import loop
 from tests import MICRO_SCAN_NVFP4, ROOT
+from tests.checks import nan_loss_from
 from tests.textdata import write_text
 
 # One optimizer schedule for every test, so that runs share compiled step functions.
@@ -210,21 +211,9 @@ def test_switch_at_end_never_switches(text, tmp_path, capsys):
 
 
 def test_nan_stops_and_keeps_last_good_checkpoint(text, tmp_path, monkeypatch, capsys):
-    real = T.make_train_step
-
-    def poisoned(*args, **kwargs):
-        step = real(*args, **kwargs)
-
-        def wrapped(state, batch, *key):
-            s = int(state["step"])
-            new, m = step(state, batch, *key)
-            return new, (dict(m, loss=m["loss"] * np.nan) if s >= 4 else m)
-
-        return wrapped
-
     # the poison stands for parameters that went bad at checkpoint 4: the loss of step s comes
     # from the parameters of checkpoint s, so checkpoint 4 is not good and must not be kept
-    monkeypatch.setattr(loop, "make_train_step", poisoned)  # where train() looks it up
+    nan_loss_from(monkeypatch, 4)
     cfg = _cfg(text, tmp_path, recipe="bf16", checkpoint_every=2, eval_every=0)
     msg = (r"at step 4 \(0-based\).*Last good checkpoint: 2 \(the state before step 2\).*"
            r"deleted checkpoint 4.*resuming unchanged repeats.*--resume-override lr")
