@@ -501,7 +501,15 @@ def recip_scaled_subnormal_rn(s: jax.Array, dec: jax.Array) -> jax.Array:
         # elsewhere, as the integer path does)
         ax = jnp.abs(x)
         p_sub = jnp.round(ax * f64(2.0**149)) * f64(2.0**-149)  # half to even
-        p = jnp.where(ax < f64(2.0**-126), p_sub, x.astype(jnp.float32).astype(f64))
+        # the normal float32 product RNE(x) in integer arithmetic on x's float64 bits
+        # (52 -> 23 fraction bits, a carry moves into the exponent): not
+        # ``x.astype(float32).astype(float64)``, a convert pair that XLA:GPU removes
+        # under its default ``xla_allow_excess_precision`` (1 ulp off in 9% of the
+        # encode scales on an H100, experiments/results/kernels/2026-11-27_native_h100)
+        xb = jax.lax.bitcast_convert_type(x, jnp.int64)
+        half = jnp.int64((1 << 28) - 1) + ((xb >> 29) & 1)
+        p_norm = jax.lax.bitcast_convert_type((xb + half) & ~jnp.int64((1 << 29) - 1), f64)
+        p = jnp.where(ax < f64(2.0**-126), p_sub, p_norm)
         e = jax.lax.div(f64(1.0), p).astype(jnp.float32)
     e = jnp.minimum(e, jnp.float32(FLT_MAX))
     return jnp.where(jnp.isnan(s), jnp.float32(jnp.nan), e)
