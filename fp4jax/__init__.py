@@ -6,6 +6,8 @@ Public API (see ``README.md``):
             rounded-up-scale ``_up`` variants), ``BlockFormat``
   tensors   ``quantize``, ``dequantize``, ``QuantizedArray``, ``pack_e2m1``, ``unpack_e2m1``
   GEMMs     ``dot``, ``dot_general`` (custom_vjp, FP4 forward and backward)
+  attention ``attention`` (opt-in FP4 attention: q k^T and P v under an
+            ``recipes.AttentionRecipe``, softmax in float32)
   recipes   ``recipes.nvfp4()``, ``.fp4_all_the_way()``, ``.mxfp4()``, ``.bf16()``,
             ``.nvfp4_fwd_only()``, ``.mxfp8()``, ``.mxfp8_fwd_nvfp4_bwd()``; ``Recipe``,
             ``GemmSpec``, ``QuantSpec``
@@ -39,6 +41,7 @@ from fp4jax.quantization import (
     quantize,
     unpack_e2m1,
 )
+from fp4jax.quantized_attention import attention
 from fp4jax.quantized_dot import dot, dot_general
 from fp4jax.recipes import GemmSpec, QuantSpec, Recipe
 
@@ -66,6 +69,7 @@ __all__ = [
     "QuantizedArray",
     "Recipe",
     "TE_SIGN_VECTOR",
+    "attention",
     "dequantize",
     "dot",
     "data",

@@ -50,6 +50,13 @@ __all__ = [
     "parse",
     "spec",
     "HIGH_PRECISION",
+    "AttentionRecipe",
+    "attn_nvfp4",
+    "attn_mxfp4",
+    "attn_nvfp4_all",
+    "attn_bf16",
+    "attention_names",
+    "get_attention",
 ]
 
 _ROUNDINGS = ROUNDINGS
@@ -897,3 +904,161 @@ def spec(recipe: Recipe | str) -> str:
                 if getattr(q, k) != getattr(bq, k):
                     items.append(f"{gname}.{o}.{k}={_value_spec(k, getattr(q, k))}")
     return base_name + (f"({', '.join(items)})" if items else "")
+
+
+# ---------------------------------------------------------------------------
+# Attention recipes: the two batched products of an attention layer.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionRecipe:
+    """How the two products of an attention layer are quantized (``fp4jax.attention``):
+    one ``Recipe`` per product, its operands in the roles a linear layer's have
+    (``x``: the left operand, ``w``: the right one, ``dy``: the product's output gradient).
+
+    * ``qk``: ``S = q @ k.T`` (x = q, w = k; fprop contracts the head dim ``hd``; dgrad
+      ``dq = dS @ k`` contracts the keys; wgrad ``dk = dS.T @ q`` contracts the queries).
+    * ``pv``: ``O = P @ v`` with ``P = softmax(S)`` (x = P, w = v; fprop contracts the keys;
+      dgrad ``dP = dO @ v.T`` contracts ``hd``; wgrad ``dv = P.T @ dO`` the queries).
+
+    Each operand's format, block scaling (1D blocks along that GEMM's contraction axis, or
+    2D tiles), rounding and RHT are the ``QuantSpec``/``GemmSpec`` data of its recipe, as in
+    ``fp4jax.dot``; ``P``, in [0, 1], is quantized with its own tensor and block scales.
+
+    Attributes:
+      name: display name (``attn_...``; the names ``get_attention`` knows).
+      qk, pv: the products' recipes (``Recipe`` or a recipe name/spec).
+    """
+
+    name: str
+    qk: Recipe
+    pv: Recipe
+
+    def __post_init__(self) -> None:
+        for f in ("qk", "pv"):
+            v = getattr(self, f)
+            if isinstance(v, str):
+                object.__setattr__(self, f, get(v))
+            elif not isinstance(v, Recipe):
+                raise TypeError(f"AttentionRecipe.{f} must be a fp4jax.Recipe or a recipe "
+                                f"name, got {type(v).__name__} {v!r}")
+            if getattr(self, f).needs_layer_key:
+                raise ValueError(f"AttentionRecipe.{f} ({getattr(self, f).name!r}) draws its "
+                                 "RHT signs per layer (hadamard_signs='layer'): attention "
+                                 "has no per-layer key; use None, an int seed, 'random' or "
+                                 "'ones'")
+
+    @property
+    def needs_key(self) -> bool:
+        """Whether either product draws random bits (stochastic rounding, random RHT)."""
+        return self.qk.needs_key or self.pv.needs_key
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any operand of either product is quantized."""
+        return self.qk.quantized or self.pv.quantized
+
+    def replace(self, **changes: Any) -> AttentionRecipe:
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """A multi-line table: each product's six quantization points."""
+        return "\n".join([f"attention recipe {self.name}",
+                          "  qk (S = q k^T): x = q, w = k, dy = dS",
+                          *("  " + line for line in self.qk.describe().splitlines()[1:]),
+                          "  pv (O = P v): x = P, w = v, dy = dO",
+                          *("  " + line for line in self.pv.describe().splitlines()[1:])])
+
+
+def _attn_fwd_only(name: str, fmt: BlockFormat) -> AttentionRecipe:
+    fwd = GemmSpec(lhs=_rtn(fmt), rhs=_rtn(fmt))
+    r = Recipe(name=name, fprop=fwd, dgrad=GemmSpec(), wgrad=GemmSpec())
+    return AttentionRecipe(name, qk=r, pv=r)
+
+
+def attn_nvfp4() -> AttentionRecipe:
+    """FP4 attention forward, high-precision backward: the Attn-QAT setting (Zhang et al.,
+    2026, "Attn-QAT: 4-Bit Attention With Quantization-Aware Training", arXiv 2603.00040;
+    reference code hao-ai-lab/FastVideo ``fastvideo-kernel/python/fastvideo_kernel/
+    triton_kernels/attn_qat_train.py`` and ``tests/qat_forward_reference.py``).
+
+    Forward: q, k, P and v in NVFP4 (E2M1, E4M3 scales of 1x16 blocks along each product's
+    contraction axis: ``hd`` for q and k, the keys for P and v; FP32 tensor scale),
+    round to nearest. Backward: the four products ``dq, dk, dv, dP`` in high precision
+    (their operands unquantized: a straight-through estimator), softmax and its gradient in
+    float32.
+
+    What Attn-QAT does and fp4jax does not (fp4jax composes two ``fp4jax.dot_general``
+    calls, XLA only): their fused kernel quantizes v along ``hd`` (the Triton emulation's
+    layout; a native FP4 ``P @ v`` needs blocks along the keys, fp4jax's choice), quantizes
+    the unnormalized probabilities ``exp(s - m)`` per key tile with E4M3 block scales only
+    (fp4jax: the normalized ``P`` with a tensor scale), and runs the backward's GEMMs on
+    the forward's fake-quantized q, k, v (and the re-quantized P for ``dv``), where fp4jax's
+    high-precision backward uses the unquantized tensors. Their second principle (the
+    softmax gradient's row sum from the high-precision output ``P v``, not the quantized
+    one) is what autodiff of fp4jax's composition computes:
+    ``dS = P * (dP - rowsum(P * dP))``.
+    """
+    return _attn_fwd_only("attn_nvfp4", NVFP4)
+
+
+def attn_mxfp4() -> AttentionRecipe:
+    """``attn_nvfp4`` with MXFP4 (E2M1, E8M0 scales of 1x32 blocks, no tensor scale):
+    forward q, k, P, v round to nearest, high-precision backward."""
+    return _attn_fwd_only("attn_mxfp4", MXFP4)
+
+
+def attn_nvfp4_all() -> AttentionRecipe:
+    """The NVFP4 training recipe (``nvfp4()``: NVIDIA, arXiv 2509.25149, sec. 4) on both
+    attention products, forward and backward, with 1D blocks on every operand (k and v are
+    activations, not weights: no 16x16 tiles): forward q, k, P, v round to nearest; dgrad
+    dS/dO with stochastic rounding, k/v round to nearest; wgrad a 16-point RHT along the
+    queries, q/P round to nearest, dS/dO stochastic. fp4jax's own composition (no paper
+    quantizes attention's backward this way); needs a key."""
+    r = nvfp4().replace(block_2d=False, name="attn_nvfp4_all")
+    return AttentionRecipe("attn_nvfp4_all", qk=r, pv=r)
+
+
+def attn_bf16() -> AttentionRecipe:
+    """No quantization (``bf16()`` on both products): the attention's plain bits."""
+    return AttentionRecipe("attn_bf16", qk=bf16(), pv=bf16())
+
+
+_ATTENTION: dict[str, Callable[[], AttentionRecipe]] = {
+    "attn_nvfp4": attn_nvfp4,
+    "attn_mxfp4": attn_mxfp4,
+    "attn_nvfp4_all": attn_nvfp4_all,
+    "attn_bf16": attn_bf16,
+}
+
+
+def attention_names() -> list[str]:
+    """Names accepted by ``get_attention``."""
+    return sorted(_ATTENTION)
+
+
+def get_attention(name: str | AttentionRecipe | Recipe) -> AttentionRecipe:
+    """An attention recipe: itself, a named one (``attention_names()``), or a linear
+    recipe (a ``Recipe``, name or spec: ``get``) applied to both products alike.
+
+    Raises:
+      ValueError: an unknown name (listing the attention names and ``names()``).
+    """
+    if isinstance(name, AttentionRecipe):
+        return name
+    if isinstance(name, Recipe):
+        return AttentionRecipe(name.name, qk=name, pv=name)
+    if isinstance(name, str):
+        key = name.strip().lower().replace("-", "_")
+        if key in _ATTENTION:
+            return _ATTENTION[key]()
+        try:
+            r = get(name)
+        except ValueError:
+            raise ValueError(f"unknown attention recipe {name!r}; valid names: "
+                             f"{attention_names()}, or a linear recipe for both products "
+                             f"({names()} or a spec)") from None
+        return AttentionRecipe(r.name, qk=r, pv=r)
+    raise TypeError(f"attention recipe must be a fp4jax.recipes.AttentionRecipe, a Recipe or "
+                    f"a name, got {type(name).__name__} {name!r}")

@@ -36,6 +36,8 @@ from fp4jax.nn.linen import COTANGENT_COLLECTION, PERTURB_COLLECTION, STATS_COLL
 from fp4jax.nn.model import quantize_model
 from fp4jax.nn.policy import PrecisionPolicy
 from fp4jax.nn.rules import Rule, as_rules, match_rule
+from fp4jax.quantized_attention import attention as quantized_attention
+from fp4jax.recipes import AttentionRecipe, get_attention
 
 ATTENTION = ("auto", "xla", "cudnn")
 """``LlamaConfig.attention`` values (``causal_attention``'s implementations)."""
@@ -337,9 +339,15 @@ class ChannelScaledDense(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm transformer block (plain Flax layers ``q, k, v, o, gate, up, down``)."""
+    """One pre-norm transformer block (plain Flax layers ``q, k, v, o, gate, up, down``).
+
+    ``attn_recipe``: None (the default) runs ``causal_attention(..., cfg.attention)``; an
+    ``fp4jax.recipes.AttentionRecipe`` runs ``fp4jax.attention`` under it instead (FP4
+    ``q k^T`` and ``P v``, XLA: cuDNN's fused attention takes no FP4 operands), drawing its
+    stochastic-rounding key from the ``"fp4"`` stream when the recipe needs one."""
 
     cfg: LlamaConfig
+    attn_recipe: AttentionRecipe | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -354,8 +362,13 @@ class Block(nn.Module):
         k = _dense(cfg, KV * hd, "k", std)(h).reshape(B, T, KV, hd)
         v = _dense(cfg, KV * hd, "v", std)(h).reshape(B, T, KV, hd)
         q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
-        # Grouped-query attention in high precision (causal_attention).
-        a = causal_attention(q, k, v, cfg.attention).reshape(B, T, H * hd)
+        if self.attn_recipe is None:
+            # Grouped-query attention in high precision (causal_attention).
+            a = causal_attention(q, k, v, cfg.attention)
+        else:  # FP4 attention, opted into per block (Llama.attn_recipes)
+            key = self.make_rng("fp4") if self.attn_recipe.needs_key else None
+            a = quantized_attention(q, k, v, self.attn_recipe, causal=True, key=key)
+        a = a.reshape(B, T, H * hd)
         x = x + _dense(cfg, cfg.d_model, "o", out_std)(a)
 
         h = RMSNorm(cfg.norm_eps, cfg.dtype, name="mlp_norm")(x)
@@ -377,10 +390,11 @@ class _ScanBlock(nn.Module):
     """``Block`` as a ``flax.linen.scan`` body: ``(x, positions) -> (x, None)``."""
 
     cfg: LlamaConfig
+    attn_recipe: AttentionRecipe | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
-        return Block(self.cfg, name="block")(x, positions), None
+        return Block(self.cfg, self.attn_recipe, name="block")(x, positions), None
 
 
 def layer_name(path: tuple[str, ...], index: tuple[int, ...] = ()) -> str:
@@ -445,6 +459,11 @@ class Llama(nn.Module):
         None: one run of every block. Ignored without ``scan_layers`` (every block
         ``block_{i}``). :func:`quantized_llama` sets them to the runs of blocks that share
         their recipes (``scan_runs``), so a scanned stack never mixes precisions.
+      attn_recipes: None (the default: every block's attention in high precision,
+        ``causal_attention``), or one ``fp4jax.recipes.AttentionRecipe`` (or its name) or
+        None per block: FP4 attention in those blocks (``Block.attn_recipe``). The blocks of
+        a scanned run must agree. :func:`quantized_llama` sets it from attention rules on
+        ``block_{i}/attn`` (``attention_recipes``).
 
     The model has no quantization of its own: put it under precision rules with
     :func:`quantized_llama` (a ``PrecisionPolicy`` or rules by block-level path) or
@@ -455,8 +474,16 @@ class Llama(nn.Module):
 
     cfg: LlamaConfig
     runs: tuple[int, ...] | None = None
+    attn_recipes: tuple[AttentionRecipe | None, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.attn_recipes is not None:
+            a = self.attn_recipes
+            if not isinstance(a, (tuple, list)) or len(a) != self.cfg.n_layers:
+                raise ValueError(f"Llama: attn_recipes must be None or one attention recipe "
+                                 f"(or None) per block ({self.cfg.n_layers}), got {a!r}")
+            object.__setattr__(self, "attn_recipes", tuple(
+                None if r is None else get_attention(r) for r in a))
         if self.runs is not None and not (
                 isinstance(self.runs, tuple)
                 and all(isinstance(r, int) and not isinstance(r, bool) for r in self.runs)):
@@ -500,7 +527,13 @@ class Llama(nn.Module):
         x = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, name="embed")(tokens)
         x = x.astype(cfg.dtype)
         positions = jnp.arange(T)
+        attn = self.attn_recipes or (None,) * cfg.n_layers
         for i, last in self.block_runs():
+            if any(attn[b] != attn[i] for b in range(i, last + 1)):
+                raise ValueError(
+                    f"Llama: the scanned blocks {i}..{last} get different attention recipes "
+                    f"{[getattr(r, 'name', None) for r in attn[i:last + 1]]}: one scanned "
+                    "body runs one; pass runs=scan_runs(cfg, rules) or turn scan_layers off")
             if last > i:
                 # the statistics collections (fp4jax.nn.linen) get a leading block axis
                 # too; absent in training, they change nothing there
@@ -514,9 +547,9 @@ class Llama(nn.Module):
                                       COTANGENT_COLLECTION: 0, STATS_COLLECTION: 0},
                                   split_rngs={"params": True, "fp4": True, "fp4_layer": True},
                                   in_axes=nn.broadcast, length=last - i + 1)
-                x, _ = scanned(cfg, name=f"blocks_{i}_{last}")(x, positions)
+                x, _ = scanned(cfg, attn[i], name=f"blocks_{i}_{last}")(x, positions)
             else:
-                x = Block(cfg, name=f"block_{i}")(x, positions)
+                x = Block(cfg, attn[i], name=f"block_{i}")(x, positions)
         x = RMSNorm(cfg.norm_eps, cfg.dtype, name="final_norm")(x)
         logits = nn.Dense(
             cfg.vocab_size, use_bias=False, dtype=cfg.dtype, kernel_init=init, name="lm_head"
@@ -561,11 +594,31 @@ def block_recipes(cfg: LlamaConfig, rules: Any) -> list[tuple[Any, ...]]:
     return out
 
 
+ATTENTION_SITE = "attn"
+"""The block-level path of a block's attention, ``block_{i}/attn``: attention rules
+(``fp4jax.nn.Rule`` with an ``AttentionRecipe``) matching it turn FP4 attention on there."""
+
+
+def attention_recipes(cfg: LlamaConfig, rules: Any) -> tuple[AttentionRecipe | None, ...]:
+    """Per block, the attention recipe the attention rules of ``rules`` give its attention
+    at ``block_{i}/attn`` (first matching attention rule; None: high precision). Linear
+    rules never match there (``fp4jax.nn.match_rule``), so ``Rule(".*", "nvfp4")`` leaves
+    the attention as it is; ``Rule(r"block_[1-2]/attn", "attn_nvfp4")`` turns it on in
+    blocks 1 and 2."""
+    rules = as_rules(rules)
+    out = []
+    for i in range(cfg.n_layers):
+        j = match_rule(rules, f"block_{i}/{ATTENTION_SITE}", attention=True)
+        out.append(None if j is None else rules[j].recipe)
+    return tuple(out)
+
+
 def scan_runs(cfg: LlamaConfig, rules: Any) -> tuple[int, ...]:
     """The lengths of the maximal runs of consecutive blocks to which ``rules`` give the
-    same recipes (``block_recipes``): :class:`Llama`'s ``runs``, so that a scanned stack
-    (one traced body) holds blocks of one precision."""
-    recipes = block_recipes(cfg, rules)
+    same recipes (``block_recipes``, and ``attention_recipes``): :class:`Llama`'s ``runs``,
+    so that a scanned stack (one traced body) holds blocks of one precision."""
+    recipes = list(zip(block_recipes(cfg, rules), attention_recipes(cfg, rules),
+                       strict=True))
     runs: list[int] = []
     for i in range(cfg.n_layers):
         if i and recipes[i] == recipes[i - 1]:
@@ -622,6 +675,10 @@ def quantized_llama(cfg: LlamaConfig, precision: PrecisionPolicy | Any,
         embeddings and LM head high precision), or precision rules (``fp4jax.nn.Rule`` or
         ``(pattern, recipe)`` pairs) matched against block-level paths ``block_{i}/q``,
         ..., ``block_{i}/down`` and ``lm_head``, which reach a scanned stack's blocks too.
+        Attention rules (an ``AttentionRecipe`` or its name, e.g. ``Rule(r"block_[0-9]+/attn",
+        "attn_nvfp4")``) match ``block_{i}/attn`` and turn FP4 attention on there
+        (``attention_recipes``; ``Llama.attn_recipes``); without one every block's
+        attention is the unquantized ``causal_attention``, bit for bit.
       runs: the scanned runs (``Llama.runs``); None: ``scan_runs(cfg, rules)``, the runs
         of blocks with equal recipes. Models that share parameters (a run before and
         after its precision switch) must share ``runs``.
@@ -634,4 +691,6 @@ def quantized_llama(cfg: LlamaConfig, precision: PrecisionPolicy | Any,
              else list(as_rules(precision, "quantized_llama: precision")))
     if runs is None:
         runs = scan_runs(cfg, rules)
-    return quantize_model(Llama(cfg, runs), llama_rules(cfg, rules, runs))
+    attn = attention_recipes(cfg, rules)
+    model = Llama(cfg, runs, attn if any(a is not None for a in attn) else None)
+    return quantize_model(model, llama_rules(cfg, rules, runs))

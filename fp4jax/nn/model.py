@@ -886,7 +886,8 @@ class Report:
       layers: ``{path: {"op", "weight" (shape), "rule" (index or None), "recipe" (name or
         None: high precision), "calls"}}``, every linear layer the hooks saw.
       unused_rules: the rules no layer took (matched nothing, or always after an earlier
-        rule that matched), as ``(index, Rule)``.
+        rule that matched), as ``(index, Rule)``; attention rules are not listed (a model
+        with attention sites applies them, e.g. ``fp4jax.models.llama``).
       activation_products: products of two activations (left alone by design).
       uncovered: products that could not be covered: ``"path: op shapes (why)"``; those no
         hook saw (``x @ w``, a jitted helper, ``lax.dot_general`` imported by name) are
@@ -981,7 +982,8 @@ def report(qmodel: Any, *example_args: Any, rngs: Any = None, method: Any = None
     finally:
         session.record = None
     used = {d["rule"] for d in rec.layers.values() if d["rule"] is not None}
-    unused = [(i, r) for i, r in enumerate(session.rules) if i not in used]
+    unused = [(i, r) for i, r in enumerate(session.rules)
+              if i not in used and not r.attention]  # attention rules: the model applies them
     unseen = _unseen_products(jaxpr)
     return Report(rec.layers, unused, rec.activation, rec.uncovered + unseen)
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 
-from fp4jax.recipes import Recipe, parse
+from fp4jax.recipes import AttentionRecipe, Recipe, attention_names, get_attention, parse
 
 __all__ = ["Rule", "as_rules", "block_paths", "einsum_dimension_numbers", "layer_key",
            "load_rules", "match_rule", "match_rule_in_stack"]
@@ -36,21 +36,25 @@ __all__ = ["Rule", "as_rules", "block_paths", "einsum_dimension_numbers", "layer
 _NONE_SPECS = ("none", "high", "high_precision")
 
 
-def _recipe_of(recipe: Any, what: str) -> Recipe | None:
-    """``recipe`` as a ``Recipe`` (a spec string parsed) or ``None``; ValueError naming
+def _recipe_of(recipe: Any, what: str) -> Recipe | AttentionRecipe | None:
+    """``recipe`` as a ``Recipe`` (a spec string parsed), an ``AttentionRecipe`` (one, or
+    the name of one: ``fp4jax.recipes.attention_names()``) or ``None``; ValueError naming
     ``what`` otherwise."""
-    if recipe is None or isinstance(recipe, Recipe):
+    if recipe is None or isinstance(recipe, (Recipe, AttentionRecipe)):
         return recipe
     if isinstance(recipe, str):
         if recipe.strip().lower() in _NONE_SPECS:
             return None
+        if recipe.strip().lower().replace("-", "_") in attention_names():
+            return get_attention(recipe)
         try:
             return parse(recipe)
         except ValueError as e:
             raise ValueError(f"{what}: bad recipe spec {recipe!r}: {e}") from None
     raise ValueError(f"{what}: recipe must be a fp4jax.Recipe, a spec string such as "
-                     f"'nvfp4' or None (high precision), got {type(recipe).__name__} "
-                     f"{recipe!r}")
+                     f"'nvfp4', an attention recipe (fp4jax.recipes.AttentionRecipe or one "
+                     f"of {attention_names()}) or None (high precision), got "
+                     f"{type(recipe).__name__} {recipe!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +67,12 @@ class Rule:
         path joined by ``/`` (``"decoder/block_0/attn/query"``).
       recipe: a ``fp4jax.Recipe``; a spec string (``fp4jax.recipes.parse``, e.g.
         ``"nvfp4(sr=False)"``) is parsed on construction; ``None`` (or ``"none"``) keeps
-        the layer's own, unquantized ``dot_general``.
+        the layer's own, unquantized ``dot_general``. Or an attention recipe
+        (``fp4jax.recipes.AttentionRecipe``, or its name such as ``"attn_nvfp4"``): an
+        *attention rule*, which applies to attention sites only (``fp4jax.attention`` in a
+        model that has them: the built-in Llama's ``block_{i}/attn``), never to a linear
+        layer; linear rules never apply to attention sites, so attention stays in high
+        precision unless an attention rule matches it (``match_rule``'s ``attention``).
 
     Raises:
       ValueError: a pattern that is not a string or not a valid regular expression, or a
@@ -71,7 +80,7 @@ class Rule:
     """
 
     pattern: str
-    recipe: Recipe | None = None
+    recipe: Recipe | AttentionRecipe | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.pattern, str):
@@ -91,6 +100,11 @@ class Rule:
     def matches(self, path: str) -> bool:
         """Whether ``re.fullmatch(self.pattern, path)``."""
         return re.fullmatch(self.pattern, path) is not None
+
+    @property
+    def attention(self) -> bool:
+        """Whether this is an attention rule (its recipe an ``AttentionRecipe``)."""
+        return isinstance(self.recipe, AttentionRecipe)
 
     @property
     def spec(self) -> str:
@@ -137,11 +151,12 @@ def _one_rule(r: Any, what: str) -> Rule:
         raise ValueError(f"{what}: {e}") from None
 
 
-def match_rule(rules: Sequence[Rule], path: str) -> int | None:
+def match_rule(rules: Sequence[Rule], path: str, attention: bool = False) -> int | None:
     """The index of the first rule of ``rules`` whose pattern ``re.fullmatch``-es
-    ``path``, or None."""
+    ``path``, or None. Linear layers (``attention=False``) see only the linear rules,
+    attention sites (``attention=True``) only the attention rules (``Rule.attention``)."""
     for i, r in enumerate(rules):
-        if r.matches(path):
+        if r.attention == attention and r.matches(path):
             return i
     return None
 
@@ -176,8 +191,8 @@ def match_rule_in_stack(rules: Sequence[Rule], path: str, stacks: Sequence[tuple
         per_block = []
         for i in range(n):
             bp = block_paths(path, stack, i)
-            per_block.append(next((j for j, r in enumerate(rules)
-                                   if r.matches(path) or r.matches(bp)), None))
+            per_block.append(next((j for j, r in enumerate(rules) if not r.attention
+                                   and (r.matches(path) or r.matches(bp))), None))
         recipes = {None if j is None else rules[j].recipe for j in per_block}
         if len(recipes) > 1:
             groups: dict[int | None, list[int]] = {}
