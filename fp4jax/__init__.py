@@ -5,7 +5,8 @@ Public API (see ``README.md``):
             ``MXFP6_E2M3``, ``MXFP6_E3M2`` (OCP MX; ``formats.FORMATS`` adds their
             rounded-up-scale ``_up`` variants), ``BlockFormat``
   tensors   ``quantize``, ``dequantize``, ``QuantizedArray``, ``pack_e2m1``, ``unpack_e2m1``
-  GEMMs     ``dot``, ``dot_general`` (custom_vjp, FP4 forward and backward)
+  GEMMs     ``dot``, ``dot_general`` (custom_vjp, FP4 forward and backward),
+            ``ragged_dot`` (grouped / mixture-of-experts GEMMs, one ``dot`` per expert)
   attention ``attention`` (opt-in FP4 attention: q k^T and P v under an
             ``recipes.AttentionRecipe``, softmax in float32)
   recipes   ``recipes.nvfp4()``, ``.fp4_all_the_way()``, ``.mxfp4()``, ``.bf16()``,
@@ -33,6 +34,7 @@ from fp4jax.formats import (
     BlockFormat,
     get_format,
 )
+from fp4jax.grouped_dot import ragged_dot
 from fp4jax.hadamard import TE_SIGN_VECTOR, random_hadamard_transform
 from fp4jax.quantization import (
     QuantizedArray,
@@ -80,6 +82,7 @@ __all__ = [
     "numerics",
     "pack_e2m1",
     "quantize",
+    "ragged_dot",
     "random_hadamard_transform",
     "recipes",
     "train",

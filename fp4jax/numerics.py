@@ -40,6 +40,7 @@ __all__ = [
     "E8M0",
     "ELEMENT_FORMATS",
     "unsigned_grid",
+    "uniform_rows",
     "element_grid",
     "floor_log2",
     "pow2",
@@ -781,6 +782,39 @@ def uniform_from_key(key: jax.Array, shape: tuple[int, ...],
     b = b.reshape(4 * nq, 2 * kh)[:n, :k]  # row 4m + 2 * word + n % 2
     u = (b.astype(jnp.float32) * 2 + 1) * jnp.float32(2.0**-9)
     return u.reshape(shape)
+
+
+def uniform_rows(key_words: jax.Array, rows: jax.Array, ncols: int) -> jax.Array:
+    """Rows of ``uniform_from_key``'s uniforms, each from its own key: row ``i`` of the result
+    is row ``rows[i]`` of ``uniform_from_key(key_i, shape)`` for any ``shape`` whose last
+    axis is ``ncols`` (the stored order's column count; the row count does not enter the
+    rule), ``key_i`` the threefry key with key words ``key_words[i]``.
+
+    The same rule, evaluated per row: element ``(n, k)`` takes draw ``d = (n // 4) *
+    ceil(ncols/2) + k // 2`` of its key, byte ``2 * (n % 2) + (k % 2)`` of word ``y0`` if
+    ``n % 4 < 2`` else ``y1``, ``u = (b + 1/2) * 2**-8``. Used where the rows of one array
+    belong to different tensors, each drawn from the start of its own stream: the experts
+    of a grouped GEMM (``fp4jax.ragged_dot``: expert ``g``'s rows are its tensor's rows
+    ``0 .. m_g - 1``). Each row makes its own draws (four rows share one draw in
+    ``uniform_from_key``): four times the Threefry work per element.
+
+    Args:
+      key_words: uint32 ``(R, 2)``, threefry key words (``jax.random.key_data``).
+      rows: int ``(R,)``, each row's index in its own tensor (``n`` above, >= 0).
+      ncols: the column count K of the stored order.
+    Returns:
+      float32 ``(R, ncols)``.
+    """
+    kw = jnp.asarray(key_words).astype(jnp.uint32)
+    n = jnp.asarray(rows).astype(jnp.uint32)
+    kh = -(-int(ncols) // 2)
+    d = (n // 4)[:, None] * jnp.uint32(kh) + jnp.arange(kh, dtype=jnp.uint32)[None, :]
+    y0, y1 = _threefry_draws(kw[:, 0:1], kw[:, 1:2], d)
+    word = jnp.where((n % 4 < 2)[:, None], y0, y1)  # (R, kh)
+    shift = 8 * (2 * (n % 2)[:, None] + jnp.arange(2, dtype=jnp.uint32)[None, :])  # (R, 2)
+    b = (word[:, :, None] >> shift[:, None, :]) & 0xFF  # (R, kh, 2): column 2j + k % 2
+    b = b.reshape(n.shape[0], 2 * kh)[:, :ncols]
+    return (b.astype(jnp.float32) * 2 + 1) * jnp.float32(2.0**-9)
 
 
 def draws_from_key(key: jax.Array, count: int, offset: jax.Array | None = None

@@ -838,7 +838,9 @@ def row_amax(x: jax.Array, axis: int) -> jax.Array:
 
 def quantize_unchecked(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding: str,
                        block_scale_rule: str = "max", shard=None, *, row_scaled: bool = False,
-                       eden_group: int = 0, local_amax: bool = False):
+                       eden_group: int = 0, local_amax: bool = False,
+                       tensor_amax: jax.Array | None = None,
+                       uniforms: jax.Array | None = None):
     """The traced body of ``quantize`` (arguments already validated). ``shard``: the mesh
     axis name(s) over which ``x`` is one block of rows of a larger tensor, inside
     ``jax.shard_map`` (``fp4jax.sharding``): the tensor amax is the ``pmax`` over them and
@@ -849,10 +851,27 @@ def quantize_unchecked(x, key, fmt: BlockFormat, axis: int, block_2d: bool, roun
     axis lies on one device, so it needs no cross-device reduction (TE's point). ``eden_group``:
     MS-EDEN's group size (``rounding="ms_eden"``). ``local_amax`` (with ``shard``): the
     block's own amax, no ``pmax`` (``Recipe.amax_scope="local"``); the draws stay at the
-    block's rows in the whole tensor."""
+    block's rows in the whole tensor.
+
+    ``tensor_amax`` (1D blocks, the ``"max"`` rule, no ``row_scaled``/``shard``): the tensor
+    amax given instead of computed, float32 with ``x``'s rank, the blocked axis of length 1
+    or the number of blocks along it, the others of ``x``'s length or 1: each block's tensor
+    scale comes from its own entry (``global_encode_scale`` is elementwise), and
+    ``global_scale`` has that shape. ``uniforms``: the stochastic-rounding uniforms given
+    instead of drawn from ``key``, shaped as ``numerics.uniform_from_key`` draws them (``x``
+    padded along ``axis`` to whole blocks, stored order). With both, quantizing the rows of
+    several tensors stacked in one array gives each row the bits of its own tensor's
+    quantization (``fp4jax.ragged_dot``'s experts)."""
     b = fmt.block_size
     xf = x.astype(jnp.float32)
-    if row_scaled:
+    given = tensor_amax is not None
+    if given and (block_2d or row_scaled or shard is not None or rounding == "ms_eden"
+                  or block_scale_rule != "max"):
+        raise ValueError("quantize_unchecked: tensor_amax is for 1D blocks with the 'max' "
+                         "rule and round-to-nearest or stochastic rounding only")
+    if given:
+        amax = jnp.asarray(tensor_amax, jnp.float32)
+    elif row_scaled:
         amax = row_amax(xf, axis)
         if shard is not None and not local_amax and axis % x.ndim == x.ndim - 2:
             amax = jax.lax.pmax(amax, shard)
@@ -868,7 +887,7 @@ def quantize_unchecked(x, key, fmt: BlockFormat, axis: int, block_2d: bool, roun
             offset = numerics.row_shard_draw_offset(padded, jax.lax.axis_index(shard),
                                                     jax.lax.axis_size(shard))
     four6 = block_scale_rule != "max"
-    if not four6 and not row_scaled and rounding != "ms_eden":
+    if not four6 and not row_scaled and rounding != "ms_eden" and not given:
         enc = global_encode_scale(amax, fmt)
         dec = numerics.reciprocal_rn(enc)
 
@@ -900,7 +919,7 @@ def quantize_unchecked(x, key, fmt: BlockFormat, axis: int, block_2d: bool, roun
         return _quantize_ms_eden(xf, key, fmt, axis, amax, eden_group, offset)
     xm = _pad_to(jnp.moveaxis(xf, axis, -1), -1, b)
     blocks = xm.reshape(*xm.shape[:-1], xm.shape[-1] // b, b)
-    if row_scaled:  # one tensor scale per row: (..., 1) against the blocks (..., nb)
+    if row_scaled or given:  # per row (or block): (..., 1 or nb) against the blocks
         amax = jnp.moveaxis(amax, axis, -1)
         if not four6:
             enc = global_encode_scale(amax, fmt)
@@ -914,12 +933,13 @@ def quantize_unchecked(x, key, fmt: BlockFormat, axis: int, block_2d: bool, roun
         e = element_encode_scale(s, dec)[..., None]
         u = None
         if rounding == "stochastic":  # drawn in the stored order (uniform_from_key)
-            u = numerics.uniform_from_key(key, _padded_shape(x.shape, axis, b), offset)
+            u = (numerics.uniform_from_key(key, _padded_shape(x.shape, axis, b), offset)
+                 if uniforms is None else uniforms)
             u = jnp.moveaxis(u, axis, -1).reshape(blocks.shape)
         q = _round_elements(blocks * e, fmt.elem_grid, rounding, u).reshape(xm.shape)[..., :n]
     q = jnp.moveaxis(q, -1, axis).astype(fmt.data_dtype)
     scale = jnp.moveaxis(s, -1, axis).astype(fmt.scale_dtype)
-    if row_scaled:
+    if (row_scaled or given) and jnp.ndim(dec):  # (formats with no tensor scale: 1.0)
         dec = jnp.moveaxis(dec, -1, axis)
     return QuantizedArray(q, scale, dec, fmt, axis, False)
 

@@ -37,8 +37,8 @@ from fp4jax.hadamard import random_hadamard_transform, resolve_signs
 from fp4jax.recipes import GemmSpec, QuantSpec, Recipe, nvfp4
 from pallas_kernels import dispatch
 
-__all__ = ["OPERAND_AXES", "call_key", "dot", "dot_general", "reference_operand",
-           "token_row_multiple"]
+__all__ = ["OPERAND_AXES", "call_key", "dot", "dot_general", "gemm_rht_signs", "operand_key",
+           "reference_operand", "token_row_multiple"]
 
 Operand = Any  # QuantizedArray | jax.Array
 
@@ -71,6 +71,21 @@ def _pack_keys(key: jax.Array, rht_key: jax.Array) -> jax.Array:
 
 def _subkey(key: jax.Array, gemm: str, which: str) -> jax.Array:
     return jax.random.fold_in(_step_key(key), _KEY_IDX[(gemm, which)])
+
+
+def operand_key(key: jax.Array, gemm: str, which: str) -> jax.Array:
+    """The key operand ``which`` (``"lhs"``, ``"rhs"``) of ``gemm`` (``"fprop"``,
+    ``"dgrad"``, ``"wgrad"``) draws its stochastic-rounding (or MS-EDEN) bits from, in a
+    call with ``key`` (``call_key``'s): ``jax.random.fold_in`` of the call's step key by the
+    operand's index (``_KEY_IDX``)."""
+    return _subkey(key, gemm, which)
+
+
+def gemm_rht_signs(recipe: Recipe, gemm: str, key: jax.Array) -> jax.Array:
+    """The float32 +-1 sign vector of ``gemm``'s RHT (length ``hadamard``) in a call of
+    ``recipe`` with ``key`` (``call_key``'s): the recipe's fixed vector, or drawn from the
+    call's key (``"random"``) or its layer key (``"layer"``). The GEMM must have an RHT."""
+    return _rht_signs(getattr(recipe, gemm), key, gemm)
 
 
 def _scoped(name: str):
