@@ -15,8 +15,8 @@ Gradients flow through the two ``dot_general`` custom VJPs (their dgrad and wgra
 ``dq, dk`` and ``dP, dv`` under the recipes' backward specs) and JAX's autodiff of the
 float32 mask and softmax. Each sequence (batch element, all its heads) is one call of the
 two products (``jax.vmap`` over the batch), so the tensor scales of q, k, P, v and of the
-gradients are per sequence: a sequence's result does not depend on the others in its batch
-or on how a batch is split over devices.
+gradients are per sequence: a sequence's quantization does not depend on the others in its
+batch or on how a batch is split over devices.
 """
 
 from __future__ import annotations
@@ -66,9 +66,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array,
     Each sequence is one pair of ``dot_general`` calls (``jax.vmap`` over the batch): the
     tensor scales are per sequence (over its heads), and its stochastic-rounding key is
     ``fold_in(key, b)`` for its index ``b`` in the batch (inside
-    ``fp4jax.sharding.data_parallel``, its index in the whole batch), then ``fold_in(., 0)``
-    for the qk product and ``fold_in(., 1)`` for pv. So a data-parallel run computes each
-    sequence's bits as one device does.
+    ``fp4jax.sharding.data_parallel``, its index in the whole batch, the batch split along
+    its leading axis in the order of the data-parallel axes), then ``fold_in(., 0)`` for
+    the qk product and ``fold_in(., 1)`` for pv. So a data-parallel run quantizes each
+    sequence as one device does: the forward bits are one device's, and the backward's
+    quantized operands too (unquantized float32 sums may round differently in the
+    per-device program).
 
     This is an XLA computation with the (B, H, T, S) scores in memory: cuDNN's fused
     attention (``jax.nn.dot_product_attention(implementation="cudnn")``) takes no FP4

@@ -284,3 +284,43 @@ def test_recipes_describe_their_operands():
     assert "pv (O = P v)" in r.describe()
     assert recipes.attention_names() == ["attn_bf16", "attn_mxfp4", "attn_nvfp4",
                                          "attn_nvfp4_all"]
+
+
+def test_data_parallel_sequences_get_one_devices_bits():
+    """Inside ``fp4jax.sharding.data_parallel`` under ``jax.shard_map`` (4 devices, a 2 x 2
+    mesh, the batch split data-major as the harness splits it), each device's sequences
+    get the one-device forward bits, and the stochastic backward the same random bits
+    (keys folded with each sequence's index in the whole batch: a wrong index moves FP4
+    roundings, ~10% of the gradient); the gradient's float32 sums of unquantized products
+    (the softmax gradient, dS's row sums) may round differently in the per-device program:
+    to 1e-6."""
+    from jax.sharding import PartitionSpec as P
+
+    from fp4jax.train import parallel
+
+    mesh = parallel.make_mesh(4, fsdp=2)
+    q, k, v = _qkv(4, 16, 2, 1, 16)
+    nv, sr = fp4jax.QuantSpec(fp4jax.NVFP4), fp4jax.QuantSpec(fp4jax.NVFP4, "stochastic")
+    pv = fp4jax.Recipe("sr_dP", fprop=fp4jax.GemmSpec(nv, nv), dgrad=fp4jax.GemmSpec(sr),
+                       wgrad=fp4jax.GemmSpec())
+    r = recipes.AttentionRecipe("sr_dP", qk=recipes.attn_nvfp4().qk, pv=pv)
+
+    def out_grad(q, k, v, key):
+        f = lambda q: fp4jax.attention(q, k, v, r, key=key)  # noqa: E731
+        o, vjp = jax.vjp(f, q)
+        return o, vjp(o)[0]
+
+    def local(q, k, v, key):
+        with fp4jax.sharding.data_parallel(parallel.AXES):
+            return out_grad(q, k, v, key)
+
+    sm = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(parallel.BATCH,) * 3 + (P(),),
+                               out_specs=(parallel.BATCH,) * 2, check_vma=False))
+    key = jax.random.key(7)
+    o, g = sm(q, k, v, key)
+    o1, g1 = jax.jit(out_grad)(q, k, v, key)
+    bits_equal(o, o1)
+    g, g1 = np.asarray(g), np.asarray(g1)
+    np.testing.assert_allclose(g, g1, rtol=0, atol=1e-6 * np.abs(g1).max())
+    _, g2 = jax.jit(out_grad)(q, k, v, jax.random.key(8))  # other keys: other roundings
+    assert np.abs(np.asarray(g2) - g1).max() > 1e-3 * np.abs(g1).max()
