@@ -50,7 +50,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from fp4jax import numerics
+from fp4jax import quantization as qz
+from fp4jax.formats import BlockFormat
 
 AxisName = str | tuple[str, ...]
 
@@ -78,3 +87,206 @@ def data_parallel(axis_name: AxisName) -> Iterator[None]:
 def data_axis() -> AxisName | None:
     """The mesh axis (or axes) of the active ``data_parallel`` block, or None."""
     return _AXIS.get()
+
+
+# ---------------------------------------------------------------------------
+# FSDP parameter all-gather in FP4 (``fp4_all_gather``)
+# ---------------------------------------------------------------------------
+
+
+def param_gather_unsupported_reason(recipe: Any) -> str | None:
+    """None when ``fp4_all_gather`` can stand in for the plain all-gather of a weight that
+    ``fp4jax.dot`` multiplies under ``recipe`` (a ``fp4jax.Recipe`` or None), else why not.
+
+    It can when the weight is quantized once, the same way for fprop and dgrad, by a rule
+    that only reads the weight's values: ``fprop.rhs`` quantized with 4-bit E2M1 elements
+    (NVFP4; an MX FP4 format too) in 2D tiles, round-to-nearest, the ``"max"`` block scale
+    rule, one tensor scale (not row-scaled), ``dgrad.rhs`` the same spec, and no RHT on
+    either GEMM (the rotation would mix the weight before it is quantized). That is the
+    2D-scaled weight of ``recipes.nvfp4()`` (NVFP4 paper sec. 4.2: ``Q(W).T == Q(W.T)``, one
+    quantized weight for both GEMMs)."""
+    if recipe is None:
+        return "the layer runs in high precision (no recipe): its weight is not quantized"
+    name = getattr(recipe, "name", "?")
+    fp, dg = recipe.fprop, recipe.dgrad
+    q = fp.rhs
+    if not q.quantized:
+        return f"recipe {name!r} keeps the forward weight in high precision"
+    if jnp.dtype(q.fmt.data_dtype) != jnp.dtype(jnp.float4_e2m1fn):
+        return (f"recipe {name!r} quantizes weights to {q.fmt.name} elements, not 4-bit "
+                "E2M1 (only E2M1 codes pack two a byte)")
+    if not q.block_2d:
+        return (f"recipe {name!r} quantizes weights in 1D blocks (fprop.rhs.block_2d=False): "
+                "fprop and dgrad quantize them along different axes, so one gathered weight "
+                "cannot serve both")
+    if q.rounding != "nearest":
+        return f"recipe {name!r} rounds weights with {q.rounding!r}, not round-to-nearest"
+    if q.block_scale_rule != "max":
+        return (f"recipe {name!r} chooses weight block scales by {q.block_scale_rule!r}, "
+                "which reads every element's error, not only the block amax")
+    if q.row_scaled:
+        return f"recipe {name!r} row-scales weights"
+    if dg.rhs != q:
+        return (f"recipe {name!r} quantizes the dgrad weight ({dg.rhs}) unlike the fprop "
+                f"weight ({q})")
+    if fp.hadamard or dg.hadamard:
+        return f"recipe {name!r} rotates the weight by an RHT in fprop or dgrad"
+    return None
+
+
+def fp4_gather_shard_reason(shape: tuple[int, ...], axis: int, n: int, block: int
+                            ) -> str | None:
+    """None when a weight of (global) ``shape`` split over ``n`` devices along ``axis`` can
+    be gathered by ``fp4_all_gather`` with ``block x block`` tiles over its last two axes,
+    else why not: it needs 2 or more dims, and along a tiled axis (one of the last two) a
+    multiple of ``block`` rows or columns per device (no tile may straddle two devices).
+    A split of a leading (stacked-layer) axis keeps every tile whole."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) < 2:
+        return f"a weight of shape {shape} has no 2D tiles"
+    axis = axis % len(shape)
+    if shape[axis] % n:
+        return f"axis {axis} of shape {shape} does not split evenly over {n} devices"
+    if axis >= len(shape) - 2 and (shape[axis] // n) % block:
+        what = "rows" if axis == len(shape) - 2 else "columns"
+        return (f"its shards hold {shape[axis] // n} {what} of shape {shape} "
+                f"(split over {n} devices along axis {axis}): not a "
+                f"multiple of the {block}x{block} tiles, one would straddle two devices")
+    return None
+
+
+def _fp4_gather_parts(x: jax.Array, axis_name: AxisName, axis: int, fmt: BlockFormat,
+                      dtype: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Sender side of ``fp4_all_gather``: this shard's packed codes (uint8, two a byte along
+    the last axis), block amaxes (``(..., rows/b, cols/b)`` in ``dtype``) and the tensor
+    amax (float32, one per leading index; the ``pmax`` over ``axis_name`` when ``axis`` is
+    a tiled axis)."""
+    b = fmt.block_size
+    nd = x.ndim
+    tiled = axis % nd >= nd - 2
+    xf = x.astype(dtype).astype(jnp.float32)  # what the model's cast gives the dot
+    lead = xf.shape[:-2]
+    mat = xf.reshape((-1,) + xf.shape[-2:])
+
+    def one(m):
+        q = qz.quantize_unchecked(m, None, fmt, -1, True, "nearest", "max",
+                                  axis_name if tiled else None)
+        amax = qz.finite_amax(m)
+        if tiled:
+            amax = jax.lax.pmax(amax, axis_name)
+        r, c = m.shape
+        mp = jnp.pad(m, ((0, (-r) % b), (0, (-c) % b)))
+        tiles = mp.reshape(mp.shape[0] // b, b, mp.shape[1] // b, b)
+        return qz.pack_e2m1(q.data, axis=-1), qz.block_amax(tiles, axis=(-3, -1)), amax
+
+    codes, bamax, amax = jax.vmap(one)(mat)
+    return (codes.reshape(lead + codes.shape[1:]),
+            bamax.astype(dtype).reshape(lead + bamax.shape[1:]), amax.reshape(lead))
+
+
+def _fp4_rebuild(codes: jax.Array, bamax: jax.Array, amax: jax.Array, cols: int,
+                 fmt: BlockFormat, dtype: Any) -> jax.Array:
+    """Receiver side of ``fp4_all_gather``: the representative weight (module docstring of
+    ``fp4_all_gather``) from the whole tensor's codes, block amaxes and tensor amax."""
+    b = fmt.block_size
+    lead = codes.shape[:-2]
+    codes = codes.reshape((-1,) + codes.shape[-2:])
+    bam = bamax.reshape((-1,) + bamax.shape[-2:]).astype(jnp.float32)
+    amax = amax.reshape(-1)
+
+    def one(c, bm, a):
+        data = qz.unpack_e2m1(c, cols, axis=-1)
+        enc = qz.global_encode_scale(a, fmt)
+        dec = numerics.reciprocal_rn(enc)
+        s = qz.block_decode_scale(bm, enc, fmt)
+        v = qz.dequantize(qz.QuantizedArray(data, s.astype(fmt.scale_dtype), dec, fmt, None,
+                                            True), jnp.float32)
+        r = data.shape[0]
+        mag = jnp.abs(data.astype(jnp.float32))
+        magp = jnp.pad(mag, ((0, (-r) % b), (0, (-cols) % b)))
+        qmax = magp.reshape(magp.shape[0] // b, b, magp.shape[1] // b, b).max(axis=(1, 3))
+        full = lambda t: jnp.repeat(jnp.repeat(t, b, 0), b, 1)[:r, :cols]  # noqa: E731
+        top = mag == full(qmax)
+        neg = jnp.signbit(data.astype(jnp.float32))
+        bm_el = full(bm)
+        return jnp.where(top, jnp.where(neg, -bm_el, bm_el), v)
+
+    out = jax.vmap(one)(codes, bam, amax)
+    return out.astype(dtype).reshape(lead + out.shape[1:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def fp4_all_gather(x: jax.Array, axis_name: AxisName, axis: int, fmt: BlockFormat,
+                   dtype: Any) -> jax.Array:
+    """``jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)`` of an FSDP-sharded weight
+    that ``fp4jax.dot`` quantizes (``param_gather_unsupported_reason``), moving its packed
+    FP4 codes instead of its values: inside ``jax.shard_map`` over ``axis_name``.
+
+    Args:
+      x: this device's shard of a weight ``(..., R, C)`` in any float dtype (float32
+        master weights): its last two axes are the matrix the dot's 2D tiles cover, leading
+        axes stack layers (a scanned model's kernels); the whole weight is the shards
+        concatenated along ``axis`` in device order (``P(..., axis_name, ...)``).
+      axis_name: the mesh axis (or axes) the weight is split over.
+      axis: the split axis of ``x``; along one of the last two, each shard holds a
+        multiple of ``fmt.block_size`` rows/columns (``fp4_gather_shard_reason``).
+      fmt: the weight's format in the recipe (``fprop.rhs.fmt``: E2M1 elements, 2D tiles,
+        round-to-nearest, ``"max"`` block scale rule).
+      dtype: the dtype the model casts the weight to before ``fp4jax.dot`` (its compute
+        dtype, e.g. bfloat16).
+
+    Returns:
+      the whole weight's shape in ``x.dtype``: a representative ``W'`` of the gathered
+      weight ``W`` whose quantization is ``W``'s, bit for bit: ``Q(W'.astype(dtype)) ==
+      Q(W.astype(dtype))`` (codes, block scales, tensor scale), ``Q`` the recipe's weight
+      quantization, so every GEMM that quantizes it multiplies exactly the dequantized
+      ``Q(W)`` of the plain gather. Its values are not ``W``'s: use it only where the dot
+      quantizes it (fprop and dgrad of a recipe for which
+      ``param_gather_unsupported_reason`` is None).
+
+    How (the idea of Megatron-LM's ``--fp4-param-gather``, which gathers FSDP/ZeRO weights
+    as NVFP4 with their scales; here the numerics are fp4jax's own): each device quantizes
+    its shard of ``W.astype(dtype)`` with the whole tensor's amax (one ``pmax`` of a scalar
+    per weight; ``quantize``'s ``shard``), 2D tiles never straddling devices, so its codes
+    are those of quantizing ``W``; it sends the codes packed two a byte
+    (``fp4jax.pack_e2m1``) and each tile's amax in ``dtype`` (one value per ``b x b`` tile:
+    1/16 bit an element for NVFP4's 16x16 tiles in bfloat16); each device rebuilds ``W'``:
+    every element the dequantized value of its code (``dequantize`` with the block scales
+    recomputed from the tile amaxes by ``block_decode_scale``, rounded to ``dtype``) except
+    the elements of each tile whose code has the tile's largest magnitude, which become
+    the tile amax with their code's sign. Then ``W'`` has the same tensor amax (the largest
+    tile amax) and tile amaxes as ``W``, hence the same tensor and block scales, and each
+    element rounds to its own code again (a dequantized value is within ``dtype``'s
+    rounding of its code times the decode scales; the tile amax rounded to the tile's
+    largest code in ``W``). Bytes moved per element: 4 bits of code plus 16 / 256 bits of
+    tile amax, against 16 for a bfloat16 gather and 32 for float32 master weights.
+    Not covered: tensors whose amax is below ~1e-35 (subnormal float32 decode scales; the
+    dequantized values may flush to zero) and weights holding NaN/Inf.
+
+    The gradient is the plain gather's: ``psum_scatter`` of the cotangent over
+    ``axis_name`` along ``axis`` (the straight-through estimator of the dot's quantization
+    already gives the whole weight's gradient).
+    """
+    return _fp4_all_gather_fwd(x, axis_name, axis, fmt, dtype)[0]
+
+
+def _fp4_all_gather_fwd(x, axis_name, axis, fmt, dtype):
+    nd = x.ndim
+    axis = axis % nd
+    codes, bamax, amax = _fp4_gather_parts(x, axis_name, axis, fmt, dtype)
+    with jax.named_scope("fp4_param_gather"):
+        codes = jax.lax.all_gather(codes, axis_name, axis=axis, tiled=True)
+        bamax = jax.lax.all_gather(bamax, axis_name, axis=axis, tiled=True)
+        if axis < nd - 2:  # a leading (stacked-layer) axis: each device's own amaxes
+            amax = jax.lax.all_gather(amax, axis_name, axis=axis, tiled=True)
+    cols = x.shape[-1] * (jax.lax.axis_size(axis_name) if axis == nd - 1 else 1)
+    w = _fp4_rebuild(codes, bamax, amax, cols, fmt, dtype).astype(x.dtype)
+    return w, None
+
+
+def _fp4_all_gather_bwd(axis_name, axis, fmt, dtype, res, g):
+    del fmt, dtype, res
+    return (jax.lax.psum_scatter(g, axis_name, scatter_dimension=axis % g.ndim, tiled=True),)
+
+
+fp4_all_gather.defvjp(_fp4_all_gather_fwd, _fp4_all_gather_bwd)

@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--fsdp", type=int, default=d.fsdp,
       help="shard parameters and optimizer state over groups of this many of the devices "
            "(ZeRO-3 style; must divide --devices; 1: replicated)")
+    a("--fp4-param-gather", action="store_true",
+      help="with --fsdp: gather the weights of layers whose recipe quantizes them as 2D "
+           "NVFP4 as packed FP4 codes and tile amaxes instead of float32 (~4 bits an "
+           "element instead of 32; the same loss and gradients bit for bit)")
     a("--out", default=d.out, help="run directory; one that holds a run is refused without "
       "--resume or --overwrite")
     a("--resume", action="store_true",

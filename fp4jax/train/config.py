@@ -32,7 +32,7 @@ SCHEDULES = ("wsd", "cosine")
 RESUMABLE_KEYS = frozenset(
     {"out", "resume", "stop_at", "progress", "cache_dir", "checkpoint_every", "log_every",
      "devices", "fsdp", "compare", "resume_override", "overwrite", "keep_checkpoints",
-     "stats_every", "scan_remat", "attention"}
+     "stats_every", "scan_remat", "attention", "fp4_param_gather"}
 )
 # Config keys that ``--resume-override`` may change (they leave the state's structure alone);
 # ``data`` lets the corpus (its path and its content, see ``ByteDataset.fingerprint``) change.
@@ -109,6 +109,9 @@ class TrainConfig:
     model: str | None = None  # MODULE:FACTORY (fp4jax.train.models.FACTORY_PROTOCOL)
     model_args: str | None = None  # JSON object: the factory's keyword arguments
     rules: str | None = None  # JSON/TOML file of pattern -> recipe spec (with --model)
+    # with --fsdp > 1: gather the weights of 2D-NVFP4 layers as packed FP4 codes (the same
+    # bits; fp4jax.sharding.fp4_all_gather)
+    fp4_param_gather: bool = False
 
     def __post_init__(self) -> None:
         validate_config(self)
@@ -301,9 +304,16 @@ def validate_config(cfg: TrainConfig) -> None:
             raise ConfigError("switch_at", f"must be a number in [0, 1] or 'auto', got "
                               f"{cfg.switch_at!r}")
         _check_real("switch_at", cfg.switch_at, 0.0, True, 1.0, True)
-    for field in ("resume", "progress", "scan_layers", "overwrite"):
+    for field in ("resume", "progress", "scan_layers", "overwrite", "fp4_param_gather"):
         if not isinstance(getattr(cfg, field), bool):
             raise ConfigError(field, f"must be True or False, got {getattr(cfg, field)!r}")
+    if cfg.fp4_param_gather and isinstance(cfg.fsdp, int) and cfg.fsdp < 2:
+        raise ConfigError("fp4_param_gather", f"gathers the weights that --fsdp shards: it "
+                          f"needs --fsdp 2 or more (got --fsdp {cfg.fsdp})")
+    if cfg.fp4_param_gather and cfg.model is not None:
+        raise ConfigError("fp4_param_gather", "works with the built-in Llama only: a --model's"
+                          " layer may transform its kernel before the product (which the FP4 "
+                          "gather must see unchanged); drop --fp4-param-gather")
     try:
         get_preset(cfg.preset)
     except ValueError as e:

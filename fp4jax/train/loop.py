@@ -210,26 +210,57 @@ def check_token_rows(cfg: TrainConfig, rm: RunModels, mesh: Mesh) -> None:
                 f"{n_dev * per_dev}, or a --seq-len that is a multiple of {mult}")
 
 
+def fp4_gather_plans(rm: RunModels, params: Any, specs: Any, mesh: Mesh
+                     ) -> tuple[dict[bool, Any], dict[bool, dict[str, str | None]]]:
+    """``--fp4-param-gather``: per model of the run (before and after its precision switch),
+    ``parallel.fp4_gather_plan`` of its parameters (``params``: their shapes, ``specs``:
+    their layout) from its linear layers (``rm.weight_layers``) and compute dtype. Returns
+    ``(plans, notes)``, each by ``switched``.
+
+    Raises:
+      ValueError: a model whose layers are not known (a ``--model``), or no weight of the
+        run gathered in FP4 (naming why not for each)."""
+    if rm.weight_layers is None:
+        raise ValueError("--fp4-param-gather works with the built-in Llama only (its layers "
+                         "are known to multiply their kernels unchanged)")
+    dtype = model_config(rm.rcfg).dtype
+    plans, notes = {}, {}
+    for k in rm.models:
+        plans[k], notes[k] = parallel.fp4_gather_plan(params, specs, mesh,
+                                                      rm.weight_layers(k), dtype)
+    if not any(why is None for n in notes.values() for why in n.values()):
+        raise ValueError("--fp4-param-gather: no weight of this run can be gathered in FP4 ("
+                         + parallel.describe_plan(notes[False]) + "); drop the flag")
+    return plans, notes
+
+
 def compiled_steps(cfg: TrainConfig, rm: RunModels, recipe: Recipe, mesh: Mesh,
                    root: jax.Array) -> tuple[dict, bool]:
     """The jitted functions of the run: ``{"init": init(root) -> state, "train":
-    {switched: step}, "eval": {switched: eval}}`` (``switched``: the precision switch),
-    the state laid out replicated or (``--fsdp > 1``) by ``parallel.state_specs``; shared
-    with earlier runs of the same compiled config (``_step_fns``). Returns ``(functions,
-    reused)``."""
+    {switched: step}, "eval": {switched: eval}, "param_gather": {switched: notes} or
+    None}`` (``switched``: the precision switch), the state laid out replicated or
+    (``--fsdp > 1``) by ``parallel.state_specs``, with ``--fp4-param-gather`` the weights
+    gathered as ``fp4_gather_plans`` says (its notes); shared with earlier runs of the same
+    compiled config (``_step_fns``). Returns ``(functions, reused)``."""
     tx = make_optimizer(cfg)
     init_fn = make_init_state(rm.models[False], tx, cfg)
 
     def build() -> dict:
         # the state's layout: replicated, or (--fsdp > 1) each array's fsdp_spec, from its
         # shapes (an abstract evaluation of init: one more "init" trace)
-        specs = (parallel.state_specs(jax.eval_shape(init_fn, root), mesh)
-                 if mesh.shape["fsdp"] > 1 else _REPLICATED)
+        shapes = jax.eval_shape(init_fn, root) if mesh.shape["fsdp"] > 1 else None
+        specs = parallel.state_specs(shapes, mesh) if shapes is not None else _REPLICATED
+        plans: dict[bool, Any] = {k: None for k in rm.models}
+        notes = None
+        if cfg.fp4_param_gather:
+            plans, notes = fp4_gather_plans(rm, shapes["params"], specs["params"], mesh)
         return {
             "init": jax.jit(init_fn, out_shardings=parallel.shardings(specs, mesh)),
-            "train": {k: make_train_step(m, tx, None, mesh, specs)
+            "train": {k: make_train_step(m, tx, None, mesh, specs, plans[k])
                       for k, m in rm.models.items()},
-            "eval": {k: make_eval_step(m, None, mesh) for k, m in rm.models.items()}}
+            "eval": {k: make_eval_step(m, None, mesh, plans[k])
+                     for k, m in rm.models.items()},
+            "param_gather": notes}
 
     return _step_fns(rm.rcfg, recipe, mesh, build, _file_digests(cfg))
 
@@ -394,6 +425,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         header += f"; BF16 layers ({rm.bf16['source']}): {', '.join(rm.bf16['layers']) or 'none'}"
     if cfg.stats_every:
         header += f"; per-layer stats every {cfg.stats_every} steps"
+    if fns.get("param_gather"):
+        header += "; " + parallel.describe_plan(fns["param_gather"][False])
     if processes.count() > 1:
         header += f"; {processes.count()} processes"
     pbar = Progress(end, start, cfg.progress and main, recipe.name, quiet=not main)
@@ -407,6 +440,9 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         log.write({"type": "bf16_layers", "step": 0, **rm.bf16})
     if rm.layers is not None and not cfg.resume:  # a --model's: what each layer runs
         log.write({"type": "precision", "step": 0, "layers": rm.layers})
+    if fns.get("param_gather") and not cfg.resume:  # --fp4-param-gather: which kernels
+        log.write({"type": "param_gather", "step": 0,
+                   "kernels": {str(k): v for k, v in fns["param_gather"].items()}})
     if overridden or damaged:
         rec: dict[str, Any] = {"type": "resume", "step": start}
         if overridden:

@@ -26,6 +26,7 @@ from fp4jax.models.llama import (
     LlamaConfig,
     layer_name,
     layer_order,
+    llama_rules,
     policy_rules,
     quantized_llama,
     scan_runs,
@@ -77,6 +78,10 @@ class RunModels:
       scan_axes: ``scan_axes(path, shape) -> n`` for ``diagnostics.gradient_noise``: how
         many leading axes of a kernel stack scanned layers (a foreign model:
         ``fp4jax.nn.report(...).scan_axes``), or None.
+      weight_layers: ``weight_layers(switched) -> {kernel path: (recipe, weight shape,
+        reason or None)}`` of ``models[switched]`` (``llama_weight_layers``: what
+        ``--fp4-param-gather`` plans from, ``parallel.fp4_gather_plan``), or None (a
+        foreign model).
     """
 
     models: dict[bool, Any]
@@ -93,6 +98,32 @@ class RunModels:
     flat_kernels: bool = False
     layers: dict[str, str | None] | None = None
     scan_axes: Callable[[tuple[str, ...], tuple[int, ...]], int] | None = None
+    weight_layers: Callable[[bool], dict[str, tuple[Any, tuple[int, ...], str | None]]] | None \
+        = None
+
+
+def llama_weight_layers(mc: LlamaConfig, model: Any, rules: list, seq_len: int
+                        ) -> dict[str, tuple[Recipe | None, tuple[int, ...], str | None]]:
+    """The linear layers of ``model`` (a Llama of ``mc`` under ``fp4jax.nn.quantize_model``
+    with ``rules``), by the path of their kernel (``"block_0/q/kernel"``,
+    ``"blocks_0_3/block/q/kernel"`` for a scanned stack): ``(recipe or None, the weight
+    shape their product uses, why the kernel is not what the product quantizes, or
+    None)``, from ``fp4jax.nn.report`` (one abstract trace). The Llama's layers multiply
+    their kernel as it is stored, cast to the compute dtype, except Smooth-SwiGLU's down
+    projection (``ChannelScaledDense``), whose kernel is divided by a per-channel scale
+    first."""
+    from fp4jax import nn as fnn
+
+    rep = fnn.report(model, jnp.zeros((1, seq_len), jnp.int32))
+    out = {}
+    for path, d in rep.layers.items():
+        recipe = None if d["rule"] is None else rules[d["rule"]].recipe
+        why = None
+        if mc.ffn == "smooth_swiglu" and path.rsplit("/", 1)[-1] == "down":
+            why = ("Smooth-SwiGLU divides its kernel by a per-channel scale before the "
+                   "product")
+        out[f"{path}/kernel"] = (recipe, tuple(d["weight"]), why)
+    return out
 
 
 def llama_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe, mc: LlamaConfig,
@@ -118,6 +149,10 @@ def llama_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe, mc: LlamaC
         p = policies[switched]
         return quantized_llama(mc, p.replace(recipe=switched_recipe(p.recipe, "bwd")), runs)
 
+    def weight_layers(switched: bool) -> dict:
+        rules = llama_rules(mc, policy_rules(mc, policies[switched]), runs)
+        return llama_weight_layers(mc, models[switched], rules, rcfg.seq_len)
+
     return RunModels(
         models=models, recipes={k: p.recipe for k, p in policies.items()}, rcfg=rcfg,
         bf16=bf16, describe=(f"{mc.num_params() / 1e6:.2f}M params ({cfg.preset}, {mc.ffn}, "
@@ -126,7 +161,7 @@ def llama_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe, mc: LlamaC
         fp4_names=precision.fp4_layer_names(mc, policy), name_fn=layer_name,
         order=layer_order,
         gemm_fraction=lambda steps, switch_step: precision.bf16_gemm_fraction(
-            mc, policy, policy2, steps, switch_step))
+            mc, policy, policy2, steps, switch_step), weight_layers=weight_layers)
 
 
 class PrecisionSwitch:

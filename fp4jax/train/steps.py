@@ -84,7 +84,8 @@ REPLICATED = {"step": P(), "params": P(), "opt_state": P()}
 
 
 def make_train_step(model: Any, tx: optax.GradientTransformation,
-                    base_key: jax.Array | None, mesh: Mesh, specs: Any = None) -> Callable:
+                    base_key: jax.Array | None, mesh: Mesh, specs: Any = None,
+                    fp4_gather: Any = None) -> Callable:
     """A jit-compiled ``step(state, batch) -> (state, metrics)``. The stochastic-rounding key
     of step ``s`` is ``fold_in(base_key, s)``. With ``base_key=None`` (what ``train`` uses)
     the key is an argument, ``step(state, batch, base_key)``, so one compilation serves
@@ -95,7 +96,8 @@ def make_train_step(model: Any, tx: optax.GradientTransformation,
     gradients run in ``jax.shard_map`` (``parallel.sharded_value_and_grad``: each device its
     rows of the batch, the Pallas kernels on, every quantized tensor's amax and random bits
     those of the whole batch, parameters gathered over ``fsdp``); the optimizer update runs
-    on the state as it is laid out."""
+    on the state as it is laid out. ``fp4_gather``: which parameters are gathered in FP4
+    (``parallel.fp4_gather_plan``'s tree; None: all as stored)."""
     if tuple(mesh.axis_names) != parallel.AXES:
         raise ValueError(f"make_train_step needs a mesh with axes {parallel.AXES} "
                          f"(parallel.make_mesh), got {tuple(mesh.axis_names)}")
@@ -110,7 +112,8 @@ def make_train_step(model: Any, tx: optax.GradientTransformation,
 
     value_and_grad = jax.value_and_grad(loss_of)
     if mesh.devices.size > 1:
-        value_and_grad = parallel.sharded_value_and_grad(loss_of, specs["params"], mesh)
+        value_and_grad = parallel.sharded_value_and_grad(loss_of, specs["params"], mesh,
+                                                         fp4_gather)
 
     def step(state, batch, key_arg=None):
         _traced("train")
@@ -127,11 +130,13 @@ def make_train_step(model: Any, tx: optax.GradientTransformation,
                    donate_argnums=0)
 
 
-def make_eval_step(model: Any, base_key: jax.Array | None, mesh: Mesh) -> Callable:
+def make_eval_step(model: Any, base_key: jax.Array | None, mesh: Mesh,
+                   fp4_gather: Any = None) -> Callable:
     """A jit-compiled ``eval(params, batch) -> mean loss`` (``base_key=None``: ``eval(params,
     batch, base_key)``, as for ``make_train_step``). On several devices the loss runs in
     ``jax.shard_map`` as the train step's does (``parallel.sharded_value``; parameters laid
-    out by ``parallel.state_specs``), so cuDNN's attention sees per-device arrays."""
+    out by ``parallel.state_specs``), so cuDNN's attention sees per-device arrays.
+    ``fp4_gather``: as ``make_train_step``'s."""
 
     def loss_of(p, b, key, layer_key):
         return loss_fn(model, p, b, key, layer_key)
@@ -141,7 +146,8 @@ def make_eval_step(model: Any, base_key: jax.Array | None, mesh: Mesh) -> Callab
         k = base_key if key_arg is None else key_arg
         f = loss_of
         if mesh.devices.size > 1:
-            f = parallel.sharded_value(loss_of, parallel.state_specs(p, mesh), mesh)
+            f = parallel.sharded_value(loss_of, parallel.state_specs(p, mesh), mesh,
+                                       fp4_gather)
         return f(p, b, jax.random.fold_in(k, EVAL_KEY_INDEX),
                  jax.random.fold_in(k, LAYER_KEY_INDEX))
 
