@@ -249,8 +249,9 @@ def fp4_all_gather(x: jax.Array, axis_name: AxisName, axis: int, fmt: BlockForma
     its shard of ``W.astype(dtype)`` with the whole tensor's amax (one ``pmax`` of a scalar
     per weight; ``quantize``'s ``shard``), 2D tiles never straddling devices, so its codes
     are those of quantizing ``W``; it sends the codes packed two a byte
-    (``fp4jax.pack_e2m1``) and each tile's amax in ``dtype`` (one value per ``b x b`` tile:
-    1/16 bit an element for NVFP4's 16x16 tiles in bfloat16); each device rebuilds ``W'``:
+    (``fp4jax.pack_e2m1``) and each tile's amax in ``dtype`` (its bits as an unsigned
+    integer; one value per ``b x b`` tile: 1/16 bit an element for NVFP4's 16x16 tiles in
+    bfloat16); each device rebuilds ``W'``:
     every element the dequantized value of its code (``dequantize`` with the block scales
     recomputed from the tile amaxes by ``block_decode_scale``, rounded to ``dtype``) except
     the elements of each tile whose code has the tile's largest magnitude, which become
@@ -272,11 +273,25 @@ def fp4_all_gather(x: jax.Array, axis_name: AxisName, axis: int, fmt: BlockForma
 
 def _fp4_all_gather_fwd(x, axis_name, axis, fmt, dtype):
     nd = x.ndim
+    if nd < 2 or not -nd <= axis < nd:
+        raise ValueError(f"fp4_all_gather: x must have 2 or more dims and axis must be one of "
+                         f"them, got shape {x.shape} and axis={axis}")
     axis = axis % nd
+    if axis >= nd - 2 and x.shape[axis] % fmt.block_size:
+        raise ValueError(
+            f"fp4_all_gather: each shard holds {x.shape[axis]} of axis {axis} (shape "
+            f"{x.shape}), not a multiple of {fmt.name}'s {fmt.block_size}x{fmt.block_size} "
+            "tiles: a tile would straddle two devices; use the plain all-gather "
+            "(fp4_gather_shard_reason says which weights can)")
     codes, bamax, amax = _fp4_gather_parts(x, axis_name, axis, fmt, dtype)
     with jax.named_scope("fp4_param_gather"):
         codes = jax.lax.all_gather(codes, axis_name, axis=axis, tiled=True)
-        bamax = jax.lax.all_gather(bamax, axis_name, axis=axis, tiled=True)
+        # the tile amaxes as their bit patterns: an integer gather, which no backend widens
+        # (XLA:CPU gathers bfloat16 as float32)
+        bits = jnp.dtype(f"uint{8 * bamax.dtype.itemsize}")
+        bamax = jax.lax.bitcast_convert_type(jax.lax.all_gather(
+            jax.lax.bitcast_convert_type(bamax, bits), axis_name, axis=axis, tiled=True),
+            bamax.dtype)
         if axis < nd - 2:  # a leading (stacked-layer) axis: each device's own amaxes
             amax = jax.lax.all_gather(amax, axis_name, axis=axis, tiled=True)
     cols = x.shape[-1] * (jax.lax.axis_size(axis_name) if axis == nd - 1 else 1)
