@@ -2,12 +2,13 @@
 
 The table of issue 17 ("NVFP4 training at the speed of BF16") in one call. For each preset
 (``--presets``, default ``small 100m``) and each configuration (``--configs``, default
-``bf16 bf16:scan nvfp4:scan nvfp4 mxfp4:scan``; syntax ``SPEC[:scan]``, ``SPEC`` a recipe
-spec as ``fp4jax-train --recipe`` takes it, run-level keys included, ``:scan`` for
-``--scan-layers``) it builds the step ``fp4jax-train`` compiles, as
-``profile_step.build_step`` does (``TrainConfig``, ``run_recipe``, ``model_config``,
-``Llama``, ``make_policy``, ``make_optimizer``, ``make_mesh(1)``, ``make_init_state``,
-``make_train_step``; random int32 tokens ``(batch, seq_len + 1)`` below 256), and measures:
+``bf16 bf16:scan nvfp4:scan nvfp4 mxfp4:scan``; syntax ``SPEC[:scan][:fp4gather]``,
+``SPEC`` a recipe spec as ``fp4jax-train --recipe`` takes it, run-level keys included,
+``:scan`` for ``--scan-layers``, ``:fp4gather`` for ``--fp4-param-gather``) it builds the
+step ``fp4jax-train`` compiles, as ``profile_step.build_step`` does (``TrainConfig``,
+``run_recipe``, ``model_config``, ``Llama``, ``make_policy``, ``make_optimizer``,
+``make_mesh(1)``, ``make_init_state``, ``make_train_step``; random int32 tokens ``(batch,
+seq_len + 1)`` below 256), and measures:
 
 * **cold compile**: the wall seconds of ``step.trace(state, batch, key)``, ``.lower()`` and
   ``.compile()`` on the harness's own jitted step (donated state, its out_shardings), which
@@ -49,6 +50,17 @@ give one preset per call, or ``--time-limit``, to stay within a 600 s device cal
         [--presets small 100m] [--configs bf16 bf16:scan nvfp4:scan nvfp4 mxfp4:scan] \\
         [--batch-size 64 --seq-len 256 --iterations 20 --timeout-s 240 --time-limit S]
 
+FSDP parameter gather in FP4 (issue 37 item 1): a configuration with ``:fp4gather``
+(``--fp4-param-gather``) beside the same one without, on 2-4 devices with ``--fsdp`` equal
+to them; each row records ``all_gather_bytes`` (what the compiled step's all-gathers
+return, by dtype: float32 master weights, or uint8 codes and tile amaxes) and the
+``:fp4gather`` row ``all_gather_bytes_vs_plain`` and ``tokens_per_s_vs_plain``; the table
+has an all-gather MB column:
+
+    FP4JAX_COMMIT=<sha> PYTHONPATH=$PWD python3 experiments/bench_train.py \\
+        --presets small --configs nvfp4 nvfp4:fp4gather --devices 2 --fsdp 2 \\
+        --batch-size 64 --seq-len 256
+
 On a CPU it runs as is, slowly (``--presets micro --batch-size 4 --seq-len 32``);
 ``--dry-run`` checks the presets and configurations and prints the child commands without
 running them.
@@ -59,6 +71,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -91,25 +104,45 @@ CHILD_ENV_DROP = ("JAX_COMPILATION_CACHE_DIR",)
 # ---------------------------------------------------------------------------
 
 
-def split_config(text: str) -> tuple[str, bool]:
-    """``"SPEC[:scan]"`` -> ``(SPEC, scan_layers)``; the spec is checked by
-    ``fp4jax.train.config.run_recipe`` (run-level keys and recipe spec).
+SUFFIXES = ("scan", "fp4gather")
+"""A configuration's options after its spec: ``:scan`` (``--scan-layers``) and
+``:fp4gather`` (``--fp4-param-gather``: with ``--fsdp`` 2 or more, the weights of the 2D
+NVFP4 layers gathered as packed FP4 codes; the row then records the all-gather bytes of
+the compiled step beside those of the same configuration without it)."""
+
+
+def config_options(text: str) -> tuple[str, set[str]]:
+    """``"SPEC[:scan][:fp4gather]"`` -> ``(SPEC, {options})``.
 
     Raises:
-      ValueError: an empty spec, a suffix other than ``:scan``, or a bad spec.
+      ValueError: an empty spec, an unknown or repeated suffix, or a bad spec.
     """
-    spec, sep, suffix = text.strip().rpartition(":")
-    if not sep:
-        spec, suffix = text.strip(), ""
-    elif suffix.strip() != "scan":
-        raise ValueError(f"{text!r}: the only suffix is ':scan' (SPEC or SPEC:scan)")
+    spec, *opts = text.strip().split(":")
     spec = spec.strip()
     if not spec:
         raise ValueError(f"{text!r}: empty recipe spec")
-    if ":" in spec:
-        raise ValueError(f"{text!r}: use SPEC or SPEC:scan")
+    bad = [o for o in opts if o.strip() not in SUFFIXES]
+    if bad or len(set(opts)) != len(opts):
+        raise ValueError(f"{text!r}: the suffixes are {', '.join(':' + x for x in SUFFIXES)} "
+                         "(SPEC, SPEC:scan, SPEC:fp4gather, SPEC:scan:fp4gather), each once")
     quantized(spec)  # raises for a bad spec
-    return spec, bool(suffix)
+    return spec, {o.strip() for o in opts}
+
+
+def split_config(text: str) -> tuple[str, bool]:
+    """``"SPEC[:scan][:fp4gather]"`` -> ``(SPEC, scan_layers)`` (``config_options``); the
+    spec is checked by ``fp4jax.train.config.run_recipe`` (run-level keys and recipe spec).
+
+    Raises:
+      ValueError: an empty spec, a suffix other than ``:scan``/``:fp4gather``, or a bad spec.
+    """
+    spec, opts = config_options(text)
+    return spec, "scan" in opts
+
+
+def fp4_gather(config: str) -> bool:
+    """Whether the configuration gathers its weights in FP4 (``:fp4gather``)."""
+    return "fp4gather" in config_options(config)[1]
 
 
 def quantized(spec: str) -> bool:
@@ -201,6 +234,7 @@ def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
         "tokens_per_step": batch_size * seq_len, "device": str(dev.device_kind),
         "platform": dev.platform, "device_count": jax.device_count(), "jax": jax.__version__,
         "devices": devices, "fsdp": fsdp, "attention": attention,
+        "fp4_param_gather": fp4_gather(config),
         "attention_resolved": resolve_attention(attention),
         "scan_remat": scan_remat_in_effect(scan_remat, scan),
         "threefry_lowering": threefry_lowering(),
@@ -213,7 +247,7 @@ def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
         rec["persistent_cache"] = None
     t = time.perf_counter()
     step, state, batch, key, mc = build_step(preset, spec, scan, batch_size, seq_len, devices,
-                                             attention, scan_remat, fsdp)
+                                             attention, scan_remat, fsdp, fp4_gather(config))
     jax.block_until_ready(state)
     rec["params"] = mc.num_params()
     rec["build_s"] = round(time.perf_counter() - t, 3)
@@ -233,6 +267,7 @@ def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
         hlo = compiled.as_text()
         rec["hlo_chars"] = len(hlo)
         rec["fusions"] = hlo.count(" fusion(")
+        rec.update(all_gather_bytes(hlo))
     except Exception as e:  # noqa: BLE001 (informational only)
         rec["hlo_error"] = lab.error_text(e, 200)
     try:
@@ -275,6 +310,29 @@ def measure_one(preset: str, config: str, batch_size: int, seq_len: int,
                final_loss=float(metrics["loss"]), status="ok")
     _emit(rec | {"stage": "done"})
     return rec
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def all_gather_bytes(hlo: str) -> dict[str, Any]:
+    """What the all-gathers of a compiled HLO module return (an all-gather's result: every
+    device receives it, all but its own shard over the links): ``all_gather_bytes`` (sum
+    over them; a loop body counted once: the harness's step has no loop around its
+    parameter gathers unless ``:scan``, whose stacked kernels are gathered before the scan)
+    and ``all_gather_bytes_by_dtype`` (``{"u8": ..., "f32": ...}``)."""
+    by: dict[str, int] = {}
+    for line in hlo.splitlines():
+        m = re.search(r"=\s*(\(.*?\)|\S+)\s+all-gather(?:-start)?\(", line)
+        if not m:
+            continue
+        for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
+            n = 1
+            for d in dims.split(","):
+                n *= int(d) if d else 1
+            by[dt] = by.get(dt, 0) + n * _DTYPE_BYTES.get(dt, 0)
+    return {"all_gather_bytes": sum(by.values()), "all_gather_bytes_by_dtype": by}
 
 
 def child_main(args: argparse.Namespace) -> int:
@@ -340,7 +398,7 @@ def run_child(args: argparse.Namespace, preset: str, config: str, timeout: float
     devices = devices or args.devices[0]
     base = {"preset": preset, "config": config, "spec": spec, "scan_layers": scan,
             "quantized": quantized(spec), "devices": devices, "fsdp": args.fsdp,
-            "batch_size": batch_for(args, devices)}
+            "fp4_param_gather": fp4_gather(config), "batch_size": batch_for(args, devices)}
     t = time.perf_counter()
     try:
         r = subprocess.run(child_command(args, preset, config, devices), env=child_env(),
@@ -385,11 +443,28 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             r["compile_bf16"] = base["config"] if base else None
             r["compile_vs_bf16"] = (r["compile_s"] / base["compile_s"]
                                     if base and r.get("compile_s") else None)
+    for r in rows:  # :fp4gather against the same configuration gathering as stored
+        if not r.get("fp4_param_gather"):
+            continue
+        plain = next((o for o in rows if group_key(o) == group_key(r)
+                      and not o.get("fp4_param_gather") and o.get("status") == "ok"
+                      and o.get("spec") == r.get("spec")
+                      and o.get("scan_layers") == r.get("scan_layers")), None)
+        ok = plain is not None and r.get("status") == "ok"
+        r["plain_gather"] = plain["config"] if plain else None
+        r["all_gather_bytes_vs_plain"] = (r["all_gather_bytes"] / plain["all_gather_bytes"]
+                                          if ok and plain.get("all_gather_bytes") else None)
+        r["tokens_per_s_vs_plain"] = (r["tokens_per_s"] / plain["tokens_per_s"]
+                                      if ok else None)
     for r in rows:
         one = next((o for o in rows if o["preset"] == r["preset"] and o["config"] == r["config"]
                     and o.get("devices", 1) == 1 and o.get("status") == "ok"), None)
         r["scaling_vs_1_device"] = (r["tokens_per_s"] / one["tokens_per_s"]
                                     if one and r.get("status") == "ok" else None)
+
+
+def _mb(n: int | None) -> float | None:
+    return None if n is None else n / 1e6
 
 
 def _fmt(v: float | None, spec: str) -> str:
@@ -409,8 +484,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             head += (f" ({info['params'] / 1e6:.1f}M parameters, batch {info['batch_size']}"
                      f" x seq {info['seq_len']}, {info.get('device', '?')})")
         out += [head, "", "| configuration | tokens/s (pipelined) | vs fastest bf16 "
-                "| tokens/s (synced) | compile s | compile vs bf16 |",
-                "| --- | ---: | ---: | ---: | ---: | ---: |"]
+                "| tokens/s (synced) | compile s | compile vs bf16 | all-gather MB |",
+                "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in mine:
             st = r.get("status")
             if st == "ok":
@@ -425,7 +500,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                        f"{'x' if ratio is not None else ''} "
                        f"| {_fmt(r.get('tokens_per_s_synced'), ',.0f')} "
                        f"| {_fmt(r.get('compile_s'), '.1f')}"
-                       f" | {_fmt(comp, '.2f')}{'x' if comp is not None else ''} |")
+                       f" | {_fmt(comp, '.2f')}{'x' if comp is not None else ''} "
+                       f"| {_fmt(_mb(r.get('all_gather_bytes')), '.2f')} |")
         out.append("")
     out += summary(rows)
     return "\n".join(out)
@@ -524,7 +600,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                       batch_size=batch_for(args, devices),
                                       seq_len=args.seq_len, devices=devices, fsdp=args.fsdp,
                                       attention=args.attention,
-                                      scan_remat=args.scan_remat if scan else None)
+                                      scan_remat=args.scan_remat if scan else None,
+                                      fp4_param_gather=fp4_gather(config))
                     run_recipe(cfg)
                     validate_config(cfg)
                 except (TypeError, ValueError) as e:

@@ -235,25 +235,38 @@ def _op_of(kernel: str, instrs: dict) -> str:
 
 def build_step(preset: str, spec: str, scan_layers: bool, batch_size: int, seq_len: int,
                devices: int = 1, attention: str = "xla", scan_remat: str | None = None,
-               fsdp: int = 1):
+               fsdp: int = 1, fp4_param_gather: bool = False):
     """The harness's train step for one spec, its initial state and one batch (on
     ``devices`` local devices: the data-parallel step, the batch split over them; ``fsdp``:
     the state split over that many of them, as ``--fsdp``; ``attention`` as
-    ``--attention``)."""
+    ``--attention``; ``fp4_param_gather`` as ``--fp4-param-gather``: the weights planned
+    by ``parallel.fp4_gather_plan`` gathered in FP4)."""
+    from fp4jax.models.llama import llama_rules, policy_rules
     from fp4jax.train import parallel
+    from fp4jax.train.models import llama_weight_layers
 
     cfg = TrainConfig(preset=preset, recipe=spec, scan_layers=scan_layers,
                       batch_size=batch_size, seq_len=seq_len, devices=devices, fsdp=fsdp,
-                      attention=attention, scan_remat=scan_remat if scan_layers else None)
+                      attention=attention, scan_remat=scan_remat if scan_layers else None,
+                      fp4_param_gather=fp4_param_gather)
     rcfg, recipe = run_recipe(cfg)
     mc = model_config(cfg)
-    model = quantized_llama(mc, make_policy(rcfg, mc, recipe))
+    policy = make_policy(rcfg, mc, recipe)
+    model = quantized_llama(mc, policy)
     tx = make_optimizer(cfg)
     mesh = make_mesh(devices, fsdp)
     init = make_init_state(model, tx, cfg)
-    specs = parallel.state_specs(jax.eval_shape(init, jax.random.key(0)), mesh)
+    shapes = jax.eval_shape(init, jax.random.key(0))
+    specs = parallel.state_specs(shapes, mesh)
     state = jax.jit(init, out_shardings=parallel.shardings(specs, mesh))(jax.random.key(0))
-    step = make_train_step(model, tx, None, mesh, specs)
+    plan = None
+    if fp4_param_gather:
+        layers = llama_weight_layers(mc, model, llama_rules(mc, policy_rules(mc, policy)),
+                                     seq_len)
+        plan, notes = parallel.fp4_gather_plan(shapes["params"], specs["params"], mesh,
+                                               layers, mc.dtype)
+        print(parallel.describe_plan(notes), file=sys.stderr, flush=True)
+    step = make_train_step(model, tx, None, mesh, specs, plan)
     batch = jax.random.randint(jax.random.key(1), (batch_size, seq_len + 1), 0, 256, jnp.int32)
     batch = jax.device_put(batch, NamedSharding(mesh, parallel.BATCH))
     return step, state, batch, jax.random.key(2), mc
