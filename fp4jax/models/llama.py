@@ -664,8 +664,18 @@ def llama_rules(cfg: LlamaConfig, rules: Any, runs: tuple[int, ...] | None = Non
     return out + rules
 
 
+def every_block_attention(recipe: Any) -> list[Rule]:
+    """Attention rules for ``recipe`` (an ``AttentionRecipe``, its name or a linear recipe
+    for both products) in every block: ``[Rule(r"block_[0-9]+/attn", recipe)]``; None: no
+    rule (``[]``)."""
+    if recipe is None:
+        return []
+    return [Rule(r"block_[0-9]+/" + ATTENTION_SITE, get_attention(recipe))]
+
+
 def quantized_llama(cfg: LlamaConfig, precision: PrecisionPolicy | Any,
-                    runs: tuple[int, ...] | None = None) -> nn.Module:
+                    runs: tuple[int, ...] | None = None, attention: Any = None
+                    ) -> nn.Module:
     """A :class:`Llama` of ``cfg`` under precision rules: ``fp4jax.nn.quantize_model(
     Llama(cfg, runs), llama_rules(cfg, rules, runs))``.
 
@@ -682,6 +692,9 @@ def quantized_llama(cfg: LlamaConfig, precision: PrecisionPolicy | Any,
       runs: the scanned runs (``Llama.runs``); None: ``scan_runs(cfg, rules)``, the runs
         of blocks with equal recipes. Models that share parameters (a run before and
         after its precision switch) must share ``runs``.
+      attention: FP4 attention added to ``precision`` (with a policy too): None (none
+        added), an attention recipe (or its name, or a linear recipe) for every block
+        (``every_block_attention``), or attention rules (placed after ``precision``'s).
 
     Returns:
       the quantized linen model (``init``/``apply`` as the Llama's; parameter tree the
@@ -689,6 +702,15 @@ def quantized_llama(cfg: LlamaConfig, precision: PrecisionPolicy | Any,
     """
     rules = (policy_rules(cfg, precision) if isinstance(precision, PrecisionPolicy)
              else list(as_rules(precision, "quantized_llama: precision")))
+    if attention is not None:
+        extra = (list(as_rules(attention, "quantized_llama: attention"))
+                 if isinstance(attention, (list, tuple, Rule))
+                 else every_block_attention(attention))
+        if not all(r.attention for r in extra):
+            raise ValueError("quantized_llama: attention takes attention rules (their recipe "
+                             "an AttentionRecipe or its name, e.g. 'attn_nvfp4') or one "
+                             "attention recipe; linear rules go in precision")
+        rules = [*rules, *extra]
     if runs is None:
         runs = scan_runs(cfg, rules)
     attn = attention_recipes(cfg, rules)

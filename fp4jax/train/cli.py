@@ -184,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
       help="the causal attention (not quantized): auto (the default: cudnn where it runs, "
            "else xla), xla (float32 scores and softmax, einsums) or cudnn "
            "(jax.nn.dot_product_attention on cuDNN's fused kernel; NVIDIA GPUs)")
+    a("--attn-recipe", default=d.attn_recipe,
+      help="opt-in FP4 attention in every block (unset: high-precision attention): an "
+           "attention recipe (attn_nvfp4: Attn-QAT's FP4 forward, high-precision backward; "
+           "attn_mxfp4; "
+           "attn_nvfp4_all; attn_bf16) or a recipe spec for both products "
+           "(fp4jax.attention, docs/recipes.md); those blocks run XLA's attention, not cuDNN")
     a("--stats-every", type=int, default=d.stats_every,
       help="every N steps (0: never), measure each quantized linear layer on that step's "
            "batch: per GEMM (fprop, dgrad, wgrad) the relative error of the quantized "

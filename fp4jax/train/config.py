@@ -103,6 +103,7 @@ class TrainConfig:
     scan_layers: bool = False
     scan_remat: str | None = None  # None: the model's default with scan_layers ("dots")
     attention: str = "auto"  # cuDNN's fused attention where it runs, else XLA's
+    attn_recipe: str | None = None  # FP4 attention in every block (fp4jax.attention)
     overwrite: bool = False
     keep_checkpoints: int = 3
     stats_every: int = 0
@@ -334,6 +335,11 @@ def validate_config(cfg: TrainConfig) -> None:
     if cfg.attention not in ATTENTION:
         raise ConfigError("attention", f"must be one of {list(ATTENTION)}, got "
                           f"{cfg.attention!r}")
+    if cfg.attn_recipe is not None:
+        try:
+            fp4jax.recipes.get_attention(cfg.attn_recipe)
+        except (TypeError, ValueError) as e:
+            raise ConfigError("attn_recipe", str(e)) from None
     if cfg.ffn is not None and cfg.ffn not in ("relu2", "swiglu", "smooth_swiglu"):
         raise ConfigError("ffn", f"must be 'relu2', 'swiglu' or 'smooth_swiglu', got "
                                  f"{cfg.ffn!r}")
@@ -405,7 +411,7 @@ def validate_config(cfg: TrainConfig) -> None:
 
 
 # flags of the built-in Llama that a --model run refuses (their non-default values)
-LLAMA_ONLY = ("ffn", "dtype", "scan_layers", "scan_remat")
+LLAMA_ONLY = ("ffn", "dtype", "scan_layers", "scan_remat", "attn_recipe")
 
 
 def validate_model(cfg: TrainConfig) -> None:

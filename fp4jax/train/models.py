@@ -24,6 +24,7 @@ import fp4jax.recipes
 from fp4jax import diagnostics
 from fp4jax.models.llama import (
     LlamaConfig,
+    every_block_attention,
     layer_name,
     layer_order,
     llama_rules,
@@ -141,13 +142,17 @@ def llama_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe, mc: LlamaC
     policy2 = policy.replace(recipe=switched_recipe(recipe, rcfg.switch))
     # the plain Llama under the policy's rules (fp4jax.nn.quantize_model); the three models
     # share their parameters, so their scanned runs are those of the run's own policy
-    runs = scan_runs(mc, policy_rules(mc, policy))
+    # --attn-recipe: FP4 attention in every block, before and after the switch (which
+    # moves the linear layers only)
+    attn = every_block_attention(rcfg.attn_recipe)
+    runs = scan_runs(mc, policy_rules(mc, policy) + attn)
     policies = {False: policy, True: policy2}
-    models = {k: quantized_llama(mc, p, runs) for k, p in policies.items()}
+    models = {k: quantized_llama(mc, p, runs, attn) for k, p in policies.items()}
 
     def hp_backward(switched: bool) -> Any:
         p = policies[switched]
-        return quantized_llama(mc, p.replace(recipe=switched_recipe(p.recipe, "bwd")), runs)
+        return quantized_llama(mc, p.replace(recipe=switched_recipe(p.recipe, "bwd")), runs,
+                               attn)
 
     def weight_layers(switched: bool) -> dict:
         rules = llama_rules(mc, policy_rules(mc, policies[switched]), runs)
@@ -156,7 +161,8 @@ def llama_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe, mc: LlamaC
     return RunModels(
         models=models, recipes={k: p.recipe for k, p in policies.items()}, rcfg=rcfg,
         bf16=bf16, describe=(f"{mc.num_params() / 1e6:.2f}M params ({cfg.preset}, {mc.ffn}, "
-                             f"{mc.dtype})"),
+                             f"{mc.dtype})" + (f"; FP4 attention {attn[0].recipe.name}"
+                                               if attn else "")),
         summary=policy.summary(mc.n_layers, mc.linear_layers), hp_backward=hp_backward,
         fp4_names=precision.fp4_layer_names(mc, policy), name_fn=layer_name,
         order=layer_order,

@@ -117,3 +117,25 @@ def test_fp4_attention_changes_the_logits_a_little():
     assert a.shape == b.shape and not np.array_equal(a, b)
     assert np.abs(a - b).max() < 0.1 * np.abs(a).max()
     assert fp4jax.recipes.get_attention("attn_nvfp4") == fp4.attn_recipes[0]
+
+
+def test_attention_argument_and_the_harness_flag(monkeypatch):
+    """``quantized_llama(cfg, policy, attention=...)`` adds FP4 attention in every block to
+    a policy (``fp4jax-train --attn-recipe``); the config checks the name and refuses it
+    with ``--model``."""
+    from fp4jax.nn import PrecisionPolicy
+    from fp4jax.train.config import ConfigError, TrainConfig
+
+    calls = _spy(monkeypatch)
+    pol = PrecisionPolicy(fp4jax.recipes.nvfp4())
+    model = llama.quantized_llama(CFG, pol, attention="attn_nvfp4")
+    jax.eval_shape(lambda: model.init({"params": jax.random.key(0)}, TOKENS))
+    assert [c[0] for c in calls] == ["attn_nvfp4"] * 3
+    assert llama.every_block_attention(None) == []
+    with pytest.raises(ValueError, match="attention takes attention rules"):
+        llama.quantized_llama(CFG, pol, attention=[Rule(".*", "nvfp4")])
+    assert TrainConfig(attn_recipe="attn_mxfp4").attn_recipe == "attn_mxfp4"
+    with pytest.raises(ConfigError, match="unknown attention recipe"):
+        TrainConfig(attn_recipe="attn_fp3")
+    with pytest.raises(ConfigError, match="attn_recipe"):
+        TrainConfig(model="m:f", attn_recipe="attn_nvfp4")
