@@ -156,11 +156,12 @@ def fp4_gather_shard_reason(shape: tuple[int, ...], axis: int, n: int, block: in
 
 
 def _fp4_gather_parts(x: jax.Array, axis_name: AxisName, axis: int, fmt: BlockFormat,
-                      dtype: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+                      dtype: Any) -> tuple[jax.Array, jax.Array]:
     """Sender side of ``fp4_all_gather``: this shard's packed codes (uint8, two a byte along
-    the last axis), block amaxes (``(..., rows/b, cols/b)`` in ``dtype``) and the tensor
-    amax (float32, one per leading index; the ``pmax`` over ``axis_name`` when ``axis`` is
-    a tiled axis)."""
+    the last axis) and tile amaxes (``(..., ceil(rows/b), ceil(cols/b))`` in ``dtype``),
+    quantized with the whole weight's tensor amax (``quantize``'s ``shard``: a ``pmax`` over
+    ``axis_name`` when ``axis`` is a tiled axis; a split of a leading axis keeps every
+    matrix whole on one device)."""
     b = fmt.block_size
     nd = x.ndim
     tiled = axis % nd >= nd - 2
@@ -171,30 +172,48 @@ def _fp4_gather_parts(x: jax.Array, axis_name: AxisName, axis: int, fmt: BlockFo
     def one(m):
         q = qz.quantize_unchecked(m, None, fmt, -1, True, "nearest", "max",
                                   axis_name if tiled else None)
-        amax = qz.finite_amax(m)
-        if tiled:
-            amax = jax.lax.pmax(amax, axis_name)
         r, c = m.shape
         mp = jnp.pad(m, ((0, (-r) % b), (0, (-c) % b)))
         tiles = mp.reshape(mp.shape[0] // b, b, mp.shape[1] // b, b)
-        return qz.pack_e2m1(q.data, axis=-1), qz.block_amax(tiles, axis=(-3, -1)), amax
+        return qz.pack_e2m1(q.data, axis=-1), qz.block_amax(tiles, axis=(-3, -1))
 
-    codes, bamax, amax = jax.vmap(one)(mat)
+    codes, bamax = jax.vmap(one)(mat)
     return (codes.reshape(lead + codes.shape[1:]),
-            bamax.astype(dtype).reshape(lead + bamax.shape[1:]), amax.reshape(lead))
+            bamax.astype(dtype).reshape(lead + bamax.shape[1:]))
 
 
-def _fp4_rebuild(codes: jax.Array, bamax: jax.Array, amax: jax.Array, cols: int,
-                 fmt: BlockFormat, dtype: Any) -> jax.Array:
-    """Receiver side of ``fp4_all_gather``: the representative weight (module docstring of
-    ``fp4_all_gather``) from the whole tensor's codes, block amaxes and tensor amax."""
+def _gather_bytes(parts: list[jax.Array], axis_name: AxisName, axis: int) -> list[jax.Array]:
+    """``all_gather(p, axis_name, axis=axis, tiled=True)`` of each array of ``parts`` (any
+    dtypes) as one all-gather of their bytes (one collective a weight)."""
+    flat = [jax.lax.bitcast_convert_type(p, jnp.uint8).reshape(-1) if p.dtype.itemsize > 1
+            else p.reshape(-1) for p in parts]
+    sizes = [f.shape[0] for f in flat]
+    buf = jax.lax.all_gather(jnp.concatenate(flat), axis_name, axis=0, tiled=False)
+    out, start = [], 0
+    for p, n in zip(parts, sizes, strict=True):
+        raw = buf[:, start:start + n]
+        start += n
+        if p.dtype.itemsize > 1:
+            v = jax.lax.bitcast_convert_type(raw.reshape(raw.shape[0], *p.shape,
+                                                         p.dtype.itemsize), p.dtype)
+        else:
+            v = jax.lax.bitcast_convert_type(raw.reshape(raw.shape[0], *p.shape), p.dtype)
+        out.append(jnp.concatenate(list(v), axis=axis))  # the devices' shards in order
+    return out
+
+
+def _fp4_rebuild(codes: jax.Array, bamax: jax.Array, cols: int, fmt: BlockFormat,
+                 dtype: Any) -> jax.Array:
+    """Receiver side of ``fp4_all_gather``: the representative weight (``fp4_all_gather``'s
+    docstring) from the whole tensor's codes and tile amaxes; its tensor amax is the
+    largest finite tile amax (the sender's ``pmax``, for finite weights)."""
     b = fmt.block_size
     lead = codes.shape[:-2]
     codes = codes.reshape((-1,) + codes.shape[-2:])
     bam = bamax.reshape((-1,) + bamax.shape[-2:]).astype(jnp.float32)
-    amax = amax.reshape(-1)
 
-    def one(c, bm, a):
+    def one(c, bm):
+        a = qz.finite_amax(bm)
         data = qz.unpack_e2m1(c, cols, axis=-1)
         enc = qz.global_encode_scale(a, fmt)
         dec = numerics.reciprocal_rn(enc)
@@ -211,7 +230,7 @@ def _fp4_rebuild(codes: jax.Array, bamax: jax.Array, amax: jax.Array, cols: int,
         bm_el = full(bm)
         return jnp.where(top, jnp.where(neg, -bm_el, bm_el), v)
 
-    out = jax.vmap(one)(codes, bam, amax)
+    out = jax.vmap(one)(codes, bam)
     return out.astype(dtype).reshape(lead + out.shape[1:])
 
 
@@ -249,9 +268,9 @@ def fp4_all_gather(x: jax.Array, axis_name: AxisName, axis: int, fmt: BlockForma
     its shard of ``W.astype(dtype)`` with the whole tensor's amax (one ``pmax`` of a scalar
     per weight; ``quantize``'s ``shard``), 2D tiles never straddling devices, so its codes
     are those of quantizing ``W``; it sends the codes packed two a byte
-    (``fp4jax.pack_e2m1``) and each tile's amax in ``dtype`` (its bits as an unsigned
-    integer; one value per ``b x b`` tile: 1/16 bit an element for NVFP4's 16x16 tiles in
-    bfloat16); each device rebuilds ``W'``:
+    (``fp4jax.pack_e2m1``) and each tile's amax in ``dtype`` (one value per ``b x b`` tile:
+    1/16 bit an element for NVFP4's 16x16 tiles in bfloat16), both as the bytes of one
+    all-gather; each device rebuilds ``W'``:
     every element the dequantized value of its code (``dequantize`` with the block scales
     recomputed from the tile amaxes by ``block_decode_scale``, rounded to ``dtype``) except
     the elements of each tile whose code has the tile's largest magnitude, which become
@@ -283,19 +302,13 @@ def _fp4_all_gather_fwd(x, axis_name, axis, fmt, dtype):
             f"{x.shape}), not a multiple of {fmt.name}'s {fmt.block_size}x{fmt.block_size} "
             "tiles: a tile would straddle two devices; use the plain all-gather "
             "(fp4_gather_shard_reason says which weights can)")
-    codes, bamax, amax = _fp4_gather_parts(x, axis_name, axis, fmt, dtype)
+    codes, bamax = _fp4_gather_parts(x, axis_name, axis, fmt, dtype)
     with jax.named_scope("fp4_param_gather"):
-        codes = jax.lax.all_gather(codes, axis_name, axis=axis, tiled=True)
-        # the tile amaxes as their bit patterns: an integer gather, which no backend widens
-        # (XLA:CPU gathers bfloat16 as float32)
-        bits = jnp.dtype(f"uint{8 * bamax.dtype.itemsize}")
-        bamax = jax.lax.bitcast_convert_type(jax.lax.all_gather(
-            jax.lax.bitcast_convert_type(bamax, bits), axis_name, axis=axis, tiled=True),
-            bamax.dtype)
-        if axis < nd - 2:  # a leading (stacked-layer) axis: each device's own amaxes
-            amax = jax.lax.all_gather(amax, axis_name, axis=axis, tiled=True)
+        # codes and tile amaxes in one all-gather of bytes (an integer gather, which no
+        # backend widens: XLA:CPU gathers bfloat16 as float32)
+        codes, bamax = _gather_bytes([codes, bamax], axis_name, axis)
     cols = x.shape[-1] * (jax.lax.axis_size(axis_name) if axis == nd - 1 else 1)
-    w = _fp4_rebuild(codes, bamax, amax, cols, fmt, dtype).astype(x.dtype)
+    w = _fp4_rebuild(codes, bamax, cols, fmt, dtype).astype(x.dtype)
     return w, None
 
 

@@ -10,8 +10,8 @@ CPU devices.
 * the loss and every gradient of a one-layer ``fp4jax.dot`` model through
   ``parallel.sharded_value_and_grad`` with the FP4 gather are the plain gather's, bit for
   bit, over fsdp 2 and 4;
-* the compiled HLO: the all-gathers of planned weights carry uint8 codes and tile amaxes
-  in the compute dtype, no float32 weight; their bytes;
+* the compiled HLO: a planned weight's one all-gather carries bytes (its packed codes and
+  tile amaxes), no float32 weight; their count;
 * the plan and the refusals: which recipes, shards and layers fall back to the plain
   gather and why; bad configurations raise naming the flag.
 """
@@ -159,7 +159,7 @@ def _all_gathers(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _bytes(arrays):
-    size = {"u8": 1, "u16": 2, "bf16": 2, "f32": 4, "s32": 4, "u32": 4}
+    size = {"u8": 1, "bf16": 2, "f32": 4}
     return sum(size[dt] * int(np.prod(s)) for dt, s in arrays)
 
 
@@ -168,9 +168,10 @@ def test_compiled_all_gathers_carry_fp4_codes_not_float_weights():
     fp4 = _all_gathers(_model(4, True)[0].as_text())
     # the plain gather moves the float32 master weights
     assert sorted(plain) == [("f32", (64,)), ("f32", (64, 32))], plain
-    # the FP4 gather: packed codes (two a byte) and one bf16 amax per 16x16 tile (its bits,
-    # u16), no float weight; the norm scale g (not a dot weight) keeps its float32 gather
-    assert sorted(fp4) == [("f32", (64,)), ("u16", (4, 2)), ("u8", (64, 16))], fp4
+    # the FP4 gather: one all-gather of bytes a weight, each device's packed codes (two a
+    # byte: 16 x 16) and its bf16 amax per 16x16 tile (1 x 2 tiles, 4 bytes); no float
+    # weight; the norm scale g (not a dot weight) keeps its float32 gather
+    assert sorted(fp4) == [("f32", (64,)), ("u8", (4, 16 * 16 + 4))], fp4
     weights_plain = _bytes([a for a in plain if len(a[1]) == 2])
     weights_fp4 = _bytes([a for a in fp4 if len(a[1]) == 2])
     assert weights_plain == 4 * 64 * 32

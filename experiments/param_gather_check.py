@@ -1,0 +1,131 @@
+"""FSDP parameter all-gather in FP4 on the GPUs (issue 37 item 1): the same bits, fewer
+bytes, and the step time.
+
+In one process, on ``--devices`` devices with the state split over ``--fsdp`` of them, the
+harness's train step (``profile_step.build_step``: the step ``fp4jax-train`` compiles) is
+built twice from the same initial state and batch: gathering the parameters as stored
+(float32), and with ``--fp4-param-gather`` (the 2D NVFP4 weights as packed FP4 codes and
+tile amaxes, ``fp4jax.sharding.fp4_all_gather``). Each is compiled (seconds recorded), its
+all-gathers read from the compiled HLO (``bench_train.all_gather_bytes``: bytes by dtype),
+run ``--steps`` steps (loss and gradient norm of each), then timed (``--iterations`` steps
+in ``bench_train.PIPELINE_WINDOWS`` pipelined windows, the median window's mean step time).
+
+Verdict: ``identical`` when every step's loss and gradient norm and every parameter after
+the steps have the same bits in both runs. XLA's deterministic GPU ops are on
+(``fp4jax.train.cli.set_deterministic``, as ``fp4jax-train --deterministic``): without them
+two runs of one program may differ in float32 sums (atomics), and the check would not
+say anything about the gather.
+
+    FP4JAX_COMMIT=<sha> PYTHONPATH=$PWD python3 experiments/param_gather_check.py \\
+        --preset small --devices 2 --fsdp 2 [--scan-layers] [--recipe nvfp4] \\
+        [--batch-size 64 --seq-len 256 --steps 5 --iterations 20] [--out DIR]
+
+Writes ``param_gather_check.json`` to ``--out`` (default ``$OUT``, else
+``./param_gather_out``). On a CPU: ``XLA_FLAGS=--xla_force_host_platform_device_count=4``
+and ``--preset micro --batch-size 8 --seq-len 32`` (slow: two cold compiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import jax
+import lab  # before fp4jax: puts the repository root on sys.path
+import numpy as np
+from bench_train import PIPELINE_WINDOWS, all_gather_bytes
+from profile_step import build_step
+
+from fp4jax.train.cli import set_deterministic
+
+JSON_NAME = "param_gather_check.json"
+
+
+def run_one(args: argparse.Namespace, fp4: bool) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """One configuration: its row and its parameters (host arrays) after ``--steps``."""
+    step, state, batch, key, mc = build_step(args.preset, args.recipe, args.scan_layers,
+                                             args.batch_size, args.seq_len, args.devices,
+                                             args.attention, None, args.fsdp, fp4)
+    rec: dict[str, Any] = {"fp4_param_gather": fp4, "params": mc.num_params()}
+    t = time.perf_counter()
+    compiled = step.lower(state, batch, key).compile()
+    rec["compile_s"] = round(time.perf_counter() - t, 2)
+    rec.update(all_gather_bytes(compiled.as_text()))
+    losses, norms = [], []
+    for _ in range(args.steps):
+        state, m = compiled(state, batch, key)
+        losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+    rec["losses"], rec["grad_norms"] = losses, norms
+    params = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state["params"]))]
+    windows = []
+    for _ in range(PIPELINE_WINDOWS):
+        t = time.perf_counter()
+        for _ in range(args.iterations):
+            state, m = compiled(state, batch, key)
+        jax.block_until_ready((state, m))
+        windows.append((time.perf_counter() - t) / args.iterations)
+    rec["step_s"] = statistics.median(windows)
+    rec["windows_s"] = windows
+    rec["tokens_per_s"] = args.batch_size * args.seq_len / rec["step_s"]
+    del compiled, state
+    return rec, params
+
+
+def same_bits(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(
+        x.shape == y.shape and x.dtype == y.dtype and x.tobytes() == y.tobytes()
+        for x, y in zip(a, b, strict=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--recipe", default="nvfp4")
+    ap.add_argument("--scan-layers", action="store_true")
+    ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--fsdp", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--iterations", type=int, default=20)
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--commit", default=None)
+    args = ap.parse_args(argv)
+    set_deterministic()  # before JAX touches a backend
+    out = args.out or os.environ.get("OUT") or "param_gather_out"
+    meta = lab.run_info(__file__, argv, args.commit)
+    meta.update(vars(args), xla_flags=os.environ.get("XLA_FLAGS", ""))
+    res = lab.Results(os.path.join(out, JSON_NAME), meta)
+    plain, p0 = run_one(args, False)
+    res.add("rows", plain)
+    fp4, p1 = run_one(args, True)
+    res.add("rows", fp4)
+    identical = (plain["losses"] == fp4["losses"] and plain["grad_norms"] == fp4["grad_norms"]
+                 and same_bits(p0, p1))
+    summary = {
+        "identical": identical,
+        "all_gather_bytes": [plain["all_gather_bytes"], fp4["all_gather_bytes"]],
+        "all_gather_bytes_ratio": plain["all_gather_bytes"] / max(fp4["all_gather_bytes"], 1),
+        "tokens_per_s": [plain["tokens_per_s"], fp4["tokens_per_s"]],
+        "speed_ratio": fp4["tokens_per_s"] / plain["tokens_per_s"],
+        "compile_s": [plain["compile_s"], fp4["compile_s"]],
+    }
+    res.finish(summary=summary)
+    print(f"param_gather_check: identical={identical}; all-gather bytes "
+          f"{plain['all_gather_bytes']:,} -> {fp4['all_gather_bytes']:,} "
+          f"({summary['all_gather_bytes_ratio']:.2f}x fewer); tokens/s "
+          f"{plain['tokens_per_s']:,.0f} -> {fp4['tokens_per_s']:,.0f} "
+          f"({summary['speed_ratio']:.3f}x); compile {plain['compile_s']} -> "
+          f"{fp4['compile_s']} s; wrote {res.path}")
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
