@@ -3,16 +3,19 @@
 * :func:`quantize_model`: precision rules (:class:`Rule`: module-path regex -> recipe)
   applied to any unedited linen or NNX model; :func:`report` lists what they did;
   :func:`load_rules` reads rules from JSON or TOML.
+* :func:`quantize_function`: the same rules on plain JAX functions (Equinox, pure
+  functions) by ``jax.named_scope`` path; :func:`function_report`.
 * :mod:`fp4jax.nn.linen`: ``DotGeneral`` (for ``nn.Dense(dot_general_cls=...)``) and ``Dense``.
 * :mod:`fp4jax.nn.nnx`: ``DotGeneral`` (for ``nnx.Linear(dot_general=...)``) and ``Linear``.
 * :class:`PrecisionPolicy`: which linear layers of a model run in which recipe.
 """
 
 from fp4jax.nn import linen, nnx
+from fp4jax.nn.functional import FunctionReport, function_report, quantize_function
 from fp4jax.nn.model import Report, quantize_model, report
 from fp4jax.nn.policy import PrecisionPolicy, recipe_quantizes
 from fp4jax.nn.rules import Rule, einsum_dimension_numbers, layer_key, load_rules, match_rule
 
-__all__ = ["PrecisionPolicy", "Report", "Rule", "einsum_dimension_numbers", "layer_key",
-           "linen", "load_rules", "match_rule", "nnx", "quantize_model", "recipe_quantizes",
-           "report"]
+__all__ = ["FunctionReport", "PrecisionPolicy", "Report", "Rule", "einsum_dimension_numbers",
+           "function_report", "layer_key", "linen", "load_rules", "match_rule", "nnx",
+           "quantize_function", "quantize_model", "recipe_quantizes", "report"]

@@ -103,6 +103,7 @@ from fp4jax.nn.rules import (
     layer_key,
     match_rule,
     match_rule_in_stack,
+    weight_dot_general,
 )
 from fp4jax.recipes import Recipe
 
@@ -389,30 +390,8 @@ def _quantized(frame: _Frame, recipe: Recipe, lhs: Any, rhs: Any, dims: Any,
     """``lax.dot_general(lhs, rhs, dims)`` through fp4jax with the weight as the RHS: the
     operands transposed and reshaped to ``x (..., K) @ w (K, N)`` (or ``(B.., ..., K) @
     (B.., K, N)`` with batch dims), the output put back in ``lax.dot_general``'s order."""
-    (lc, rc), (lb, rb) = dims
-    nl, nr = jnp.ndim(lhs), jnp.ndim(rhs)
-    lc, rc = tuple(d % nl for d in lc), tuple(d % nr for d in rc)
-    lb, rb = tuple(d % nl for d in lb), tuple(d % nr for d in rb)
-    if weight_is_lhs:  # the activation becomes the LHS
-        lhs, rhs, lc, rc, lb, rb, nl, nr = rhs, lhs, rc, lc, rb, lb, nr, nl
-    x, w = jnp.asarray(lhs), jnp.asarray(rhs)
-    xfree = [d for d in range(nl) if d not in lc + lb]
-    wfree = [d for d in range(nr) if d not in rc + rb]
-    bshape = [x.shape[d] for d in lb]
-    xfs, wfs = [x.shape[d] for d in xfree], [w.shape[d] for d in wfree]
-    K = int(np.prod([x.shape[d] for d in lc]))
-    N = int(np.prod(wfs))
-    nb = len(lb)
-    x2 = jnp.transpose(x, [*lb, *xfree, *lc]).reshape(*bshape, *xfs, K)
-    w2 = jnp.transpose(w, [*rb, *rc, *wfree]).reshape(*bshape, K, N)
-    dn = (((x2.ndim - 1,), (nb,)), (tuple(range(nb)), tuple(range(nb))))
-    dot = _dot_fn(frame, recipe)
-    y = dot(x2, w2, dn, precision, preferred_element_type, None)
-    y = y.reshape(*bshape, *xfs, *wfs)
-    if weight_is_lhs:  # lax order: batch, weight free, activation free
-        nx = len(xfs)
-        y = jnp.transpose(y, [*range(nb), *range(nb + nx, nb + nx + len(wfs)),
-                              *range(nb, nb + nx)])
+    y = weight_dot_general(_dot_fn(frame, recipe), lhs, rhs, dims, weight_is_lhs, precision,
+                           preferred_element_type)
     if out_sharding is not None:
         y = jax.lax.with_sharding_constraint(y, out_sharding)
     return y

@@ -27,6 +27,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from fp4jax.recipes import AttentionRecipe, Recipe, attention_names, get_attention, parse
 
@@ -340,3 +342,46 @@ def _expand(term: str, ndim: int) -> list[str] | None:
     if n < 0:
         return None
     return [*head, *(str(9 - (n - 1 - i)) for i in range(n)), *tail]
+
+
+def weight_dot_general(dot: Any, lhs: Any, rhs: Any, dimension_numbers: Any,
+                       weight_is_lhs: bool, precision: Any = None,
+                       preferred_element_type: Any = None) -> jax.Array:
+    """``lax.dot_general(lhs, rhs, dimension_numbers)`` computed by ``dot`` (a
+    ``fp4jax.dot_general``-like callable ``dot(x, w, dn, precision, preferred_element_type,
+    out_sharding)``) with the weight as the RHS, the recipe's weight role: the operands are
+    transposed and reshaped to ``x (B.., ..., K) @ w (B.., K, N)`` (every contracted axis
+    flattened into K, every free weight axis into N, batch axes leading) and the output put
+    back in ``lax.dot_general``'s order (batch, lhs free, rhs free).
+
+    Args:
+      dot: the quantized product of the reshaped operands.
+      lhs, rhs: ``lax.dot_general``'s operands; the weight is ``lhs`` if ``weight_is_lhs``.
+      dimension_numbers: ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))``.
+    Returns:
+      the product, shaped as ``lax.dot_general(lhs, rhs, dimension_numbers)``.
+    """
+    (lc, rc), (lb, rb) = dimension_numbers
+    nl, nr = jnp.ndim(lhs), jnp.ndim(rhs)
+    lc, rc = tuple(d % nl for d in lc), tuple(d % nr for d in rc)
+    lb, rb = tuple(d % nl for d in lb), tuple(d % nr for d in rb)
+    if weight_is_lhs:  # the activation becomes the LHS
+        lhs, rhs, lc, rc, lb, rb, nl, nr = rhs, lhs, rc, lc, rb, lb, nr, nl
+    x, w = jnp.asarray(lhs), jnp.asarray(rhs)
+    xfree = [d for d in range(nl) if d not in lc + lb]
+    wfree = [d for d in range(nr) if d not in rc + rb]
+    bshape = [x.shape[d] for d in lb]
+    xfs, wfs = [x.shape[d] for d in xfree], [w.shape[d] for d in wfree]
+    K = int(np.prod([x.shape[d] for d in lc]))
+    N = int(np.prod(wfs))
+    nb = len(lb)
+    x2 = jnp.transpose(x, [*lb, *xfree, *lc]).reshape(*bshape, *xfs, K)
+    w2 = jnp.transpose(w, [*rb, *rc, *wfree]).reshape(*bshape, K, N)
+    dn = (((x2.ndim - 1,), (nb,)), (tuple(range(nb)), tuple(range(nb))))
+    y = dot(x2, w2, dn, precision, preferred_element_type, None)
+    y = y.reshape(*bshape, *xfs, *wfs)
+    if weight_is_lhs:  # lax order: batch, weight free, activation free
+        nx = len(xfs)
+        y = jnp.transpose(y, [*range(nb), *range(nb + nx, nb + nx + len(wfs)),
+                              *range(nb, nb + nx)])
+    return y
