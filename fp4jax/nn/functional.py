@@ -30,6 +30,9 @@ rules are matched with ``re.fullmatch``, the first match wins (``fp4jax.nn.Rule`
 keeps a layer in high precision), and a product no rule matches runs unchanged. Attention
 rules do not apply here.
 
+With ``paths="params"`` the rules match the weight's own path in the parameter pytree
+instead (``param_path``: ``layers/0/weight``), for models that open no scopes (Equinox).
+
 **Weights.** A product is a linear layer when exactly one operand is a parameter: a leaf of
 the arguments named by ``params_argnums`` (default ``0``), possibly reshaped, transposed,
 cast, broadcast or sliced along a scanned stack's axis. That operand takes the recipe's
@@ -60,7 +63,7 @@ import jax.numpy as jnp
 
 from fp4jax.nn.rules import Rule, as_rules, layer_key, match_rule, weight_dot_general
 
-__all__ = ["FunctionReport", "function_report", "quantize_function"]
+__all__ = ["FunctionReport", "function_report", "param_path", "quantize_function"]
 
 # unary equations through which an operand stays "the parameter" (its layout or dtype only)
 _LAYOUT = frozenset({"reshape", "transpose", "convert_element_type", "squeeze",
@@ -141,6 +144,7 @@ class _Ctx:
     rules: tuple[Rule, ...]
     key: Any
     layer_key: Any
+    by: str = "scope"  # what a layer's path is: "scope" or "params"
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
     record: FunctionReport | None = None
     index: tuple[Any, ...] = ()  # the scan iterations around the current equation
@@ -149,7 +153,8 @@ class _Ctx:
         return dataclasses.replace(self, index=self.index + (i,))
 
 
-def _product(ctx: _Ctx, eqn: Any, path: str, invals: list[Any], roles: list[bool]) -> Any:
+def _product(ctx: _Ctx, eqn: Any, path: str, invals: list[Any], roles: list[str | None]
+             ) -> Any:
     """One ``dot_general`` equation: through fp4jax when exactly one operand is a
     parameter and a linear rule gives a recipe, else as written."""
     lhs, rhs = invals
@@ -160,6 +165,9 @@ def _product(ctx: _Ctx, eqn: Any, path: str, invals: list[Any], roles: list[bool
 
     rec = ctx.record
     shapes = " x ".join(str(tuple(jnp.shape(v))) for v in invals)
+    if ctx.by == "params" and sum(r is not None for r in roles) == 1:
+        path = roles[0] if roles[0] is not None else roles[1]
+    roles = [r is not None for r in roles]
     if not any(roles) or all(roles):
         if rec is not None:
             if all(roles):
@@ -245,25 +253,25 @@ def _note_opaque(ctx: _Ctx, eqn: Any, path: str) -> None:
         walk(sub, path)
 
 
-def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], is_param: Sequence[bool],
-          ctx: _Ctx, outer: str) -> list[Any]:
+def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
+          is_param: Sequence[str | None], ctx: _Ctx, outer: str) -> list[Any]:
     """Evaluates ``jaxpr`` like ``jax.core.eval_jaxpr``, rewriting the matched products;
-    ``is_param`` marks the invars that are parameters."""
+    ``is_param`` gives the parameter path of each invar that is a parameter (else None)."""
     env: dict[Any, Any] = {}
-    param: set[Any] = set()
+    param: dict[Any, str] = {}
 
     def read(v: Any) -> Any:
         return v.val if _is_literal(v) else env[v]
 
-    def pr(v: Any) -> bool:
-        return not _is_literal(v) and v in param
+    def pr(v: Any) -> str | None:
+        return None if _is_literal(v) else param.get(v)
 
     for v, c in zip(jaxpr.constvars, consts, strict=True):
         env[v] = c
     for v, a, isp in zip(jaxpr.invars, args, is_param, strict=True):
         env[v] = a
-        if isp:
-            param.add(v)
+        if isp is not None:
+            param[v] = isp
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         invals = [read(v) for v in eqn.invars]
@@ -288,11 +296,11 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], is_param: Sequ
             outs = _bind(eqn, invals)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
-            if name in _LAYOUT and roles and roles[0]:
-                param.update(eqn.outvars)
-            elif name in ("slice", "dynamic_slice", "gather", "index_in_dim") and roles[0] \
-                    and not any(roles[1:]):
-                param.update(eqn.outvars)  # one block of a stacked weight
+            first = roles[0] if roles else None
+            if first is not None and (name in _LAYOUT or (
+                    name in ("slice", "dynamic_slice", "gather", "index_in_dim")
+                    and all(r is None for r in roles[1:]))):  # (one block of a stack)
+                param.update({o: first for o in eqn.outvars})
         for v, o in zip(eqn.outvars, outs, strict=True):
             env[v] = o
     return [read(v) for v in jaxpr.outvars]
@@ -317,7 +325,7 @@ def _scan(eqn: Any, invals: list[Any], roles: list[bool], ctx: _Ctx, path: str) 
     nc, nk = p["num_consts"], p["num_carry"]
     cj = p["jaxpr"]
     consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
-    is_param = roles[:nc] + [False] * nk + roles[nc + nk:]
+    is_param = roles[:nc] + [None] * nk + roles[nc + nk:]
 
     def body(carry, x):
         xs_i, i = x
@@ -330,17 +338,32 @@ def _scan(eqn: Any, invals: list[Any], roles: list[bool], ctx: _Ctx, path: str) 
     return [*carry, *ys]
 
 
-def _parameter_flags(args: Sequence[Any], kwargs: dict[str, Any],
-                     params_argnums: Sequence[int]) -> list[bool]:
-    flags = []
+def _key_name(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def param_path(key_path: Sequence[Any]) -> str:
+    """A pytree key path (``jax.tree_util.tree_flatten_with_path``) as a ``/``-joined
+    parameter path: dict keys, attribute names and sequence indices (``layers/0/weight``
+    for an Equinox ``MLP``'s first weight, ``block_0/up`` for ``params["block_0"]["up"]``)."""
+    return "/".join(_key_name(k) for k in key_path)
+
+
+def _parameter_paths(args: Sequence[Any], kwargs: dict[str, Any],
+                     params_argnums: Sequence[int]) -> list[str | None]:
+    paths: list[str | None] = []
     for i, a in enumerate(args):
-        flags += [i in params_argnums] * len(jax.tree_util.tree_leaves(a))
-    flags += [False] * len(jax.tree_util.tree_leaves(kwargs))
-    return flags
+        leaves = jax.tree_util.tree_flatten_with_path(a)[0]
+        paths += [param_path(kp) if i in params_argnums else None for kp, _ in leaves]
+    paths += [None] * len(jax.tree_util.tree_leaves(kwargs))
+    return paths
 
 
 def _run(fn: Callable[..., Any], rules: tuple[Rule, ...], params_argnums: tuple[int, ...],
-         args: tuple[Any, ...], kwargs: dict[str, Any], key: Any, lkey: Any,
+         by: str, args: tuple[Any, ...], kwargs: dict[str, Any], key: Any, lkey: Any,
          record: FunctionReport | None) -> Any:
     for i in params_argnums:
         if not -len(args) <= i < len(args):
@@ -355,14 +378,15 @@ def _run(fn: Callable[..., Any], rules: tuple[Rule, ...], params_argnums: tuple[
         return fn(*a, **k)
 
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves)
-    ctx = _Ctx(rules, key, lkey, record=record)
+    ctx = _Ctx(rules, key, lkey, by, record=record)
     outs = _eval(closed.jaxpr, closed.consts, leaves,
-                 _parameter_flags(args, kwargs, argnums), ctx, "")
+                 _parameter_paths(args, kwargs, argnums), ctx, "")
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 
 
 def quantize_function(fn: Callable[..., Any], rules: Any, *,
-                      params_argnums: int | Sequence[int] = 0) -> Callable[..., Any]:
+                      params_argnums: int | Sequence[int] = 0,
+                      paths: str = "scope") -> Callable[..., Any]:
     """``fn`` with its linear products quantized by rules on ``jax.named_scope`` paths.
 
     Args:
@@ -371,6 +395,9 @@ def quantize_function(fn: Callable[..., Any], rules: Any, *,
       rules: ``fp4jax.nn.Rule`` objects or ``(pattern, recipe)`` pairs (a ``Recipe``, a spec
         string, or ``None`` for high precision), matched in order (module docstring).
       params_argnums: the positional argument(s) whose leaves are parameters (weights).
+      paths: what the rules match: ``"scope"`` (default) the ``jax.named_scope`` path
+        around the product; ``"params"`` the weight's own path in the parameter pytree
+        (``param_path``: ``layers/0/weight`` in an Equinox ``MLP``, which opens no scopes).
 
     Returns:
       ``qfn(*args, fp4_key=None, fp4_layer_key=None, **kwargs)``: ``fn``'s result with the
@@ -378,6 +405,9 @@ def quantize_function(fn: Callable[..., Any], rules: Any, *,
       says; ``fp4_key`` is required when a matched recipe rounds stochastically).
     """
     rs = tuple(r for r in as_rules(rules, "quantize_function: rules") if not r.attention)
+    if paths not in ("scope", "params"):
+        raise ValueError(f"quantize_function: paths must be 'scope' or 'params', got "
+                         f"{paths!r}")
     nums = (params_argnums,) if isinstance(params_argnums, int) else tuple(params_argnums)
     if not nums or not all(isinstance(i, int) for i in nums):
         raise TypeError("quantize_function: params_argnums must be an int or a sequence of "
@@ -385,11 +415,12 @@ def quantize_function(fn: Callable[..., Any], rules: Any, *,
 
     @functools.wraps(fn)
     def qfn(*args: Any, fp4_key: Any = None, fp4_layer_key: Any = None, **kwargs: Any) -> Any:
-        return _run(fn, rs, nums, args, kwargs, fp4_key, fp4_layer_key, None)
+        return _run(fn, rs, nums, paths, args, kwargs, fp4_key, fp4_layer_key, None)
 
     qfn.fp4jax_rules = rs  # type: ignore[attr-defined]
     qfn.fp4jax_fn = fn  # type: ignore[attr-defined]
     qfn.fp4jax_params_argnums = nums  # type: ignore[attr-defined]
+    qfn.fp4jax_paths = paths  # type: ignore[attr-defined]
     return qfn
 
 
@@ -408,7 +439,8 @@ def function_report(qfn: Callable[..., Any], *args: Any, **kwargs: Any) -> Funct
     rules, nums = qfn.fp4jax_rules, qfn.fp4jax_params_argnums
     rec = FunctionReport({}, [], [], [])
     k = jax.random.key(0)
-    jax.eval_shape(lambda a, kw: _run(fn, rules, nums, a, kw, k, k, rec), args, kwargs)
+    by = qfn.fp4jax_paths
+    jax.eval_shape(lambda a, kw: _run(fn, rules, nums, by, a, kw, k, k, rec), args, kwargs)
     used = {d["rule"] for d in rec.layers.values() if d["rule"] is not None}
     rec.unused_rules = [(i, r) for i, r in enumerate(rules) if i not in used]
     return rec

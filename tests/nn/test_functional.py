@@ -144,7 +144,7 @@ def test_checkpointed_body_keeps_its_bits():
     want = jax.value_and_grad(
         lambda w: jnp.tanh(fp4jax.dot_general(X, w, DN, recipe=REC, key=k)).sum())(w)
     assert _same(got, want)
-    assert "checkpoint" in str(jax.make_jaxpr(lambda w: qf(w, X, fp4_key=key))(w))
+    assert "prevent_cse" in str(jax.make_jaxpr(lambda w: qf(w, X, fp4_key=key))(w))
 
 
 def test_custom_vjp_products_are_reported_not_rewritten():
@@ -176,3 +176,46 @@ def test_bad_input_errors():
         quantize_function(model, [(r".*", "no_such_recipe")])
     with pytest.raises(ValueError, match="quantize_function"):
         function_report(model, p, X)
+
+
+def test_rules_on_parameter_paths():
+    """``paths="params"``: an Equinox-style model (a pytree of layers, no scopes) addressed
+    by its weights' pytree paths."""
+    import dataclasses
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Linear:
+        weight: jax.Array
+
+        def __call__(self, x):
+            return self.weight @ x
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class MLP:
+        layers: list
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = jnp.tanh(layer(x))
+            return x
+
+    ks = jax.random.split(jax.random.key(0), 2)
+    m = MLP([Linear(jax.random.normal(ks[0], (64, 64)) * 0.1),
+             Linear(jax.random.normal(ks[1], (32, 64)) * 0.1)])
+    key = jax.random.key(9)
+    fn = lambda m, x: jax.vmap(m)(x)  # noqa: E731
+    qf = quantize_function(fn, [(r"layers/1/weight", None), (r"layers/.*", "nvfp4")],
+                           paths="params")
+    rep = function_report(qf, m, X)
+    assert {p: d["recipe"] for p, d in rep.layers.items()} == {
+        "layers/0/weight": REC.name, "layers/1/weight": None}
+    k = jax.random.fold_in(layer_key(key, "layers/0/weight"), 0)
+
+    def want(m):
+        h = jnp.tanh(fp4jax.dot_general(X, m.layers[0].weight.T, DN, recipe=REC, key=k))
+        return jnp.tanh(jax.vmap(lambda hi: m.layers[1].weight @ hi)(h))  # as written
+    assert _same(jax.jit(lambda m: qf(m, X, fp4_key=key))(m), jax.jit(want)(m))
+    with pytest.raises(ValueError, match="paths"):
+        quantize_function(fn, [], paths="module")
