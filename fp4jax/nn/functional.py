@@ -60,6 +60,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fp4jax.nn.rules import Rule, as_rules, layer_key, match_rule, weight_dot_general
 
@@ -371,17 +372,38 @@ def _run(fn: Callable[..., Any], rules: tuple[Rule, ...], params_argnums: tuple[
                              f"argument {i}, but the call has {len(args)} positional "
                              "arguments; pass the parameters positionally")
     argnums = tuple(i % len(args) for i in params_argnums)
-    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+    arrays, rebuild = _split((args, kwargs))
+    paths = [p for p, leaf in zip(_parameter_paths(args, kwargs, argnums),
+                                  jax.tree_util.tree_leaves((args, kwargs)), strict=True)
+             if _is_array(leaf)]
 
-    def flat_fn(*leaves):
-        a, k = jax.tree_util.tree_unflatten(tree, leaves)
+    def flat_fn(*arrays):
+        a, k = rebuild(arrays)
         return fn(*a, **k)
 
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves)
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
     ctx = _Ctx(rules, key, lkey, by, record=record)
-    outs = _eval(closed.jaxpr, closed.consts, leaves,
-                 _parameter_paths(args, kwargs, argnums), ctx, "")
+    outs = _eval(closed.jaxpr, closed.consts, arrays, paths, ctx, "")
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+
+
+def _is_array(leaf: Any) -> bool:
+    """Whether a pytree leaf is traced (arrays; other leaves, e.g. an Equinox module's
+    activation function or a Python number, stay static)."""
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+def _split(tree: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
+    """``tree``'s array leaves, and the function that puts (traced) arrays back among its
+    static leaves."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    mask = [_is_array(leaf) for leaf in leaves]
+
+    def rebuild(arrays: Sequence[Any]) -> Any:
+        it = iter(arrays)
+        return jax.tree_util.tree_unflatten(
+            treedef, [next(it) if m else leaf for leaf, m in zip(leaves, mask, strict=True)])
+    return [leaf for leaf, m in zip(leaves, mask, strict=True) if m], rebuild
 
 
 def quantize_function(fn: Callable[..., Any], rules: Any, *,
@@ -440,7 +462,8 @@ def function_report(qfn: Callable[..., Any], *args: Any, **kwargs: Any) -> Funct
     rec = FunctionReport({}, [], [], [])
     k = jax.random.key(0)
     by = qfn.fp4jax_paths
-    jax.eval_shape(lambda a, kw: _run(fn, rules, nums, by, a, kw, k, k, rec), args, kwargs)
+    arrays, rebuild = _split((args, kwargs))
+    jax.eval_shape(lambda arrs: _run(fn, rules, nums, by, *rebuild(arrs), k, k, rec), arrays)
     used = {d["rule"] for d in rec.layers.values() if d["rule"] is not None}
     rec.unused_rules = [(i, r) for i, r in enumerate(rules) if i not in used]
     return rec
