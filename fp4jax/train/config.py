@@ -149,7 +149,17 @@ RUN_KEYS: dict[str, str] = {
                         "--grad-noise-every)",
     "switch_threshold": "ratio below which switch_at=auto switches (number > 0)",
     "switch_window": "steps the ratio must stay below the threshold (int >= 0)",
+    "attn_recipe": "FP4 attention in every block of the built-in Llama (as --attn-recipe: "
+                   "attn_nvfp4, attn_mxfp4, attn_nvfp4_all, attn_bf16, or a recipe spec)",
 }
+
+
+def _is_attention_recipe(name: str) -> bool:
+    try:
+        fp4jax.recipes.get_attention(name)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _run_value(spec: str, key: str, text: str) -> Any:
@@ -175,6 +185,7 @@ def _run_value(spec: str, key: str, text: str) -> Any:
         "grad_noise_every": _is_int(v) and v >= 0,
         "switch_threshold": _is_real(v) and math.isfinite(v) and v > 0,
         "switch_window": _is_int(v) and v >= 0,
+        "attn_recipe": isinstance(v, str) and _is_attention_recipe(v),
     }[key]
     if not ok:
         raise ValueError(f"recipe spec {spec!r}: {key}={text}: {key} is {want}")
@@ -436,6 +447,11 @@ def validate_model(cfg: TrainConfig) -> None:
                 raise ConfigError(field, f"sets the built-in Llama; --model {cfg.model} "
                                   "builds its own model: leave it out (pass the model's "
                                   "options in --model-args)")
+        for spec in [cfg.recipe] + (compare_names(cfg.compare) if cfg.compare else []):
+            if "attn_recipe" in split_run_spec(spec)[1]:
+                raise ConfigError("recipe", f"spec {spec!r}: attn_recipe sets the built-in "
+                                  f"Llama's attention; --model {cfg.model} builds its own: "
+                                  "call fp4jax.attention in its attention instead")
         if cfg.attention not in ("xla", "auto"):
             raise ConfigError("attention", f"sets the built-in Llama's attention; --model "
                               f"{cfg.model} builds its own: leave it out")

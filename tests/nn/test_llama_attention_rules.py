@@ -139,3 +139,13 @@ def test_attention_argument_and_the_harness_flag(monkeypatch):
         TrainConfig(attn_recipe="attn_fp3")
     with pytest.raises(ConfigError, match="attn_recipe"):
         TrainConfig(model="m:f", attn_recipe="attn_nvfp4")
+    # a run-level key of a spec, so one --compare pairs it with the plain run
+    from fp4jax.train.config import run_recipe
+
+    rcfg, r = run_recipe(TrainConfig(recipe="nvfp4(sr=False, attn_recipe=attn_mxfp4)"))
+    assert rcfg.attn_recipe == "attn_mxfp4" and r == fp4jax.recipes.nvfp4().replace(sr=False)
+    TrainConfig(compare="nvfp4,nvfp4(attn_recipe=attn_nvfp4)")
+    with pytest.raises(ConfigError, match="attn_recipe=attn_fp3: attn_recipe is FP4"):
+        TrainConfig(recipe="nvfp4(attn_recipe=attn_fp3)")
+    with pytest.raises(ConfigError, match="attn_recipe sets the built-in"):
+        TrainConfig(model="m:f", compare="nvfp4,nvfp4(attn_recipe=attn_nvfp4)")
