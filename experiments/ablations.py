@@ -174,6 +174,16 @@ GROUPS: dict[str, Group] = {
          ("E2M1, RHT-16 on all three GEMMs", "nvfp4(fprop.hadamard=16, dgrad.hadamard=16)"),
          ("E1M2, RHT-16 on all three GEMMs (UFP4 as its abstract states it)",
           "nvfp4(fmt=nvfp4_e1m2, fprop.hadamard=16, dgrad.hadamard=16)"))),
+    # issue 37 item 3: FP4 attention (fp4jax.attention), opt-in, the linear layers as nvfp4
+    "attention": Group(
+        "FP4 attention (q k^T and P v) on top of the NVFP4 recipe",
+        "Attn-QAT (arXiv 2603.00040): an FP4 attention forward with a high-precision "
+        "backward trains close to BF16 attention; TE's NVFP4 recipe leaves attention in BF16.",
+        (("BF16", "bf16"), ("NVFP4 recipe (BF16 attention)", "nvfp4"),
+         ("+ NVFP4 attention forward (attn_nvfp4)", "nvfp4(attn_recipe=attn_nvfp4)"),
+         ("+ MXFP4 attention forward (attn_mxfp4)", "nvfp4(attn_recipe=attn_mxfp4)"),
+         ("+ NVFP4 attention forward and backward (attn_nvfp4_all)",
+          "nvfp4(attn_recipe=attn_nvfp4_all)"))),
 }
 
 
