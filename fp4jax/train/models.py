@@ -119,6 +119,10 @@ def llama_weight_layers(mc: LlamaConfig, model: Any, rules: list, seq_len: int
     out = {}
     for path, d in rep.layers.items():
         recipe = None if d["rule"] is None else rules[d["rule"]].recipe
+        if getattr(recipe, "name", None) != d["recipe"]:
+            raise ValueError(f"llama_weight_layers: rule {d['rule']} of the rules given is not "
+                             f"the one that quantized {path!r} ({d['recipe']!r}): pass the "
+                             "rules the model was built with (llama_rules)")
         why = None
         if mc.ffn == "smooth_swiglu" and path.rsplit("/", 1)[-1] == "down":
             why = ("Smooth-SwiGLU divides its kernel by a per-channel scale before the "
@@ -154,8 +158,8 @@ def llama_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe, mc: LlamaC
         return quantized_llama(mc, p.replace(recipe=switched_recipe(p.recipe, "bwd")), runs,
                                attn)
 
-    def weight_layers(switched: bool) -> dict:
-        rules = llama_rules(mc, policy_rules(mc, policies[switched]), runs)
+    def weight_layers(switched: bool) -> dict:  # the rules quantized_llama built it with
+        rules = llama_rules(mc, policy_rules(mc, policies[switched]) + attn, runs)
         return llama_weight_layers(mc, models[switched], rules, rcfg.seq_len)
 
     return RunModels(
