@@ -1,4 +1,5 @@
-"""Data-parallel ``fp4jax.dot`` inside ``jax.shard_map``: the same bits as one device.
+"""Data-parallel ``fp4jax.dot`` inside ``jax.shard_map``: the same bits as one device; and
+the FSDP parameter all-gather in FP4 (``fp4_all_gather``, at the end of this module).
 
 Under a plain ``jax.jit`` with sharded inputs, XLA partitions ``fp4jax.dot``'s XLA path
 with its global meaning (tensor amaxes become all-reduces, random bits are drawn by

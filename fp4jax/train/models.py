@@ -118,8 +118,9 @@ def llama_weight_layers(mc: LlamaConfig, model: Any, rules: list, seq_len: int
     rep = fnn.report(model, jnp.zeros((1, seq_len), jnp.int32))
     out = {}
     for path, d in rep.layers.items():
-        recipe = None if d["rule"] is None else rules[d["rule"]].recipe
-        if getattr(recipe, "name", None) != d["recipe"]:
+        j = d["rule"]
+        recipe = None if j is None or j >= len(rules) else rules[j].recipe
+        if getattr(recipe, "name", None) != d["recipe"] or (j is not None and j >= len(rules)):
             raise ValueError(f"llama_weight_layers: rule {d['rule']} of the rules given is not "
                              f"the one that quantized {path!r} ({d['recipe']!r}): pass the "
                              "rules the model was built with (llama_rules)")

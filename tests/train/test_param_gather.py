@@ -248,6 +248,8 @@ def test_llama_plan_gathers_the_nvfp4_blocks():
         "lm_head/kernel"]
     assert plan["block_0"]["q"]["kernel"] == parallel.FP4Gather(fp4jax.NVFP4, "bfloat16")
     assert plan["embed"]["embedding"] is None
+    with pytest.raises(ValueError, match="pass the rules the model was built with"):
+        llama_weight_layers(mc, model, policy_rules(mc, policy)[1:], 64)  # indices shifted
 
 
 def test_bad_configurations_are_refused(tmp_path):
