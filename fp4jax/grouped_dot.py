@@ -13,10 +13,13 @@ rht_key=fold_in(rht_key, g))`` would, forward and backward, bit for bit: output 
 
 * **per-expert tensor scales**: each expert's activation rows, gradient rows and weight
   get their own tensor amax, hence their own FP32 tensor scale (NVFP4), as Transformer
-  Engine's grouped NVFP4 quantizes each GEMM of a grouped GEMM (its grouped quantize,
-  ``split_quantize`` of ``transformer_engine/pytorch/module/grouped_linear.py``, gives
-  every split its own quantizer, and each NVFP4 quantizer computes the amax of its own
-  tensor); one expert's outlier does not coarsen another's scales;
+  Engine's grouped NVFP4 does: its grouped quantize ``tex.split_quantize(x,
+  split_sections, quantizers)`` takes one ``NVFP4Quantizer`` per split (per expert) and
+  gives each split its own amax, checked bit for bit against quantizing each split alone
+  (TE ``tests/pytorch/nvfp4/test_nvfp4_group_quantize.py``, commit ``01e50c5e``: per-split
+  ``_amax_rowwise``/``_amax_columnwise``, RHT and post-RHT amax included; TE's test
+  splits are multiples of 64 rows, fp4jax takes any size). One expert's outlier does not
+  coarsen another's scales;
 * **per-expert random bits**: stochastic rounding and ``"random"``/``"layer"`` RHT signs
   of expert ``g`` come from ``fold_in(key, g)`` (``fold_in(rht_key, g)``), drawn at the
   expert's own row positions (``numerics.uniform_rows``), as if its rows were a tensor of

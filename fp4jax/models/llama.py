@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import sharding
+from fp4jax.models.moe import AUX_COLLECTION, moe_ffn
 from fp4jax.nn.linen import COTANGENT_COLLECTION, PERTURB_COLLECTION, STATS_COLLECTION
 from fp4jax.nn.model import quantize_model
 from fp4jax.nn.policy import PrecisionPolicy
@@ -89,6 +90,13 @@ class LlamaConfig:
         (recomputation uses the same values and random keys); a speed and memory knob. On
         an H100 at the ``small`` preset ``"dots"`` ran bf16 with the scan 1.18x and NVFP4
         1.07x faster than ``"none"`` (experiments/results/training/2026-11-26_scan_remat_h100/).
+      n_experts: 0 (the default): a dense FFN; ``G > 0``: a mixture of ``G`` experts, each an
+        FFN of ``ffn``'s kind (``"swiglu"`` or ``"relu2"``) and width ``d_ff``, at the dense
+        FFN's paths (``block_{i}/gate``, ``up``, ``down``: weights ``(G, K, N)``, grouped
+        GEMMs) plus the router ``block_{i}/router`` (``fp4jax.models.moe``).
+      top_k: experts per token (with ``n_experts``).
+      moe_aux_weight: the load-balancing loss's coefficient (Switch Transformer's
+        ``alpha = 0.01``), sown by every router (``fp4jax.models.moe.aux_loss``).
     """
 
     vocab_size: int = 256
@@ -106,8 +114,18 @@ class LlamaConfig:
     attention: str = "auto"
     scan_layers: bool = False
     scan_remat: str = "dots"
+    n_experts: int = 0
+    top_k: int = 2
+    moe_aux_weight: float = 0.01
 
     def __post_init__(self) -> None:
+        if self.n_experts:
+            if not 1 <= self.top_k <= self.n_experts:
+                raise ValueError(f"top_k={self.top_k} must be in 1..n_experts="
+                                 f"{self.n_experts}")
+            if self.ffn == "smooth_swiglu":
+                raise ValueError("ffn='smooth_swiglu' has no mixture-of-experts form here: "
+                                 "use ffn='swiglu' or 'relu2' with n_experts")
         if self.scan_remat not in SCAN_REMAT:
             raise ValueError(f"scan_remat must be one of {SCAN_REMAT}, got {self.scan_remat!r}")
         if self.ffn not in FFNS:
@@ -147,6 +165,8 @@ class LlamaConfig:
         d, hd = self.d_model, self.head_dim
         attn = d * d * 2 + 2 * d * self.n_kv_heads * hd
         mlp = (3 if self.gated else 2) * d * self.d_ff
+        if self.n_experts:  # one FFN per expert and the router
+            mlp = self.n_experts * mlp + d * self.n_experts
         return 2 * self.vocab_size * d + self.n_layers * (attn + mlp + 2 * d) + d
 
 
@@ -372,6 +392,10 @@ class Block(nn.Module):
         x = x + _dense(cfg, cfg.d_model, "o", out_std)(a)
 
         h = RMSNorm(cfg.norm_eps, cfg.dtype, name="mlp_norm")(x)
+        if cfg.n_experts:  # mixture of experts (fp4jax.models.moe): router, gate, up, down
+            return x + moe_ffn(h, n_experts=cfg.n_experts, top_k=cfg.top_k, d_ff=cfg.d_ff,
+                               gated=cfg.gated, dtype=cfg.dtype, init_std=std,
+                               out_std=out_std, aux_weight=cfg.moe_aux_weight)
         up = _dense(cfg, cfg.d_ff, "up", std)(h)
         if cfg.gated:
             gate = _dense(cfg, cfg.d_ff, "gate", std)(h)
@@ -544,7 +568,8 @@ class Llama(nn.Module):
                         "full": jax.checkpoint_policies.nothing_saveable}[cfg.scan_remat])
                 scanned = nn.scan(body, variable_axes={
                                       "params": 0, PERTURB_COLLECTION: 0,
-                                      COTANGENT_COLLECTION: 0, STATS_COLLECTION: 0},
+                                      COTANGENT_COLLECTION: 0, STATS_COLLECTION: 0,
+                                      AUX_COLLECTION: 0},
                                   split_rngs={"params": True, "fp4": True, "fp4_layer": True},
                                   in_axes=nn.broadcast, length=last - i + 1)
                 x, _ = scanned(cfg, attn[i], name=f"blocks_{i}_{last}")(x, positions)
@@ -566,6 +591,11 @@ HIGH_PRECISION_RULE = Rule(r"embed|lm_head", None)
 rule of ``policy_rules``."""
 
 
+ROUTER_RULE = Rule(r"(.*/)?router", None)
+"""A mixture-of-experts model's routers stay in high precision (``fp4jax.models.moe``): the
+second rule of ``policy_rules`` when ``n_experts``."""
+
+
 def layer_paths(cfg: LlamaConfig) -> dict[str, str]:
     """``{policy layer name: module path inside a block}`` of ``cfg``'s linear layers:
     ``{"attn.q": "q", ..., "mlp.down": "down"}`` (``PrecisionPolicy.rules``'s ``layers``)."""
@@ -577,7 +607,8 @@ def policy_rules(cfg: LlamaConfig, policy: PrecisionPolicy) -> list[Rule]:
     (``block_{i}/{layer}``): ``HIGH_PRECISION_RULE`` (embeddings, LM head), then
     ``policy.rules(cfg.n_layers, "block_{i}", layer_paths(cfg))``. Every block layer gets
     ``policy.recipe_for(i, n_layers, name)``."""
-    return [HIGH_PRECISION_RULE, *policy.rules(cfg.n_layers, "block_{i}", layer_paths(cfg))]
+    hp = [HIGH_PRECISION_RULE, ROUTER_RULE] if cfg.n_experts else [HIGH_PRECISION_RULE]
+    return [*hp, *policy.rules(cfg.n_layers, "block_{i}", layer_paths(cfg))]
 
 
 def block_recipes(cfg: LlamaConfig, rules: Any) -> list[tuple[Any, ...]]:

@@ -199,6 +199,31 @@ class DotGeneral(nn.Module):
         return y
 
 
+class RaggedDot(DotGeneral):
+    """A linen module with ``jax.lax.ragged_dot``'s call signature (grouped GEMM: ``lhs (M,
+    K)`` rows sorted by group, ``rhs (G, K, N)`` one weight per group, ``group_sizes (G,)``),
+    computed by ``fp4jax.ragged_dot`` (each group, an expert, runs the recipe as its own
+    ``fp4jax.dot``). Keys as :class:`DotGeneral`'s: one draw of each stream per call
+    (expert ``g`` runs with ``fold_in(key, g)``). No parameters; the per-layer statistics
+    collections are not touched (grouped products are not measured)."""
+
+    def __call__(  # type: ignore[override]
+        self,
+        lhs: jax.Array,
+        rhs: jax.Array,
+        group_sizes: jax.Array,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+    ) -> jax.Array:
+        """``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` with FP4 numerics: ``(M, N)``."""
+        import fp4jax
+
+        key, rht_key = self._key(), self._rht_key()
+        return fp4jax.ragged_dot(lhs, rhs, group_sizes, recipe=self.recipe, key=key,
+                                 rht_key=rht_key, precision=precision,
+                                 preferred_element_type=preferred_element_type)
+
+
 class Dense(nn.Module):
     """A linear layer ``y = x @ kernel (+ bias)`` whose matmul runs in an fp4jax recipe.
 

@@ -24,6 +24,15 @@ dimensions kept). ``flax.linen`` ``Dense``, ``DenseGeneral`` and ``Einsum``, NNX
 activations (attention scores) is not a linear layer and stays as it is; so does a product
 whose both operands look like parameters (``report`` lists it).
 
+**Experts.** A grouped GEMM ``jax.lax.ragged_dot(x (M, K), w (G, K, N), group_sizes)``
+whose ``w`` is the module's own parameter (a mixture-of-experts layer, one weight per
+expert: ``fp4jax.models.moe.Experts``) is a linear layer too: ``w`` takes the weight role of
+each expert and the product runs ``fp4jax.ragged_dot`` (every expert its own
+``fp4jax.dot``: per-expert tensor scales, expert ``g``'s keys ``fold_in(key, g)``); its keys
+come from a ``fp4jax.nn.linen.RaggedDot`` submodule (``RaggedDot_0``) as a ``DotGeneral``'s
+do, or from the NNX layer's ``fp4jax_dot``. A router is an ordinary linear layer: keep it
+in high precision with a rule (``Rule(".*router", None)``; the Llama's ``policy_rules`` do).
+
 **Paths.** linen: ``Module.path`` joined by ``/`` (``"decoder/layers_0/attn/query"``).
 Under ``nn.scan`` the scanned body's modules keep the scan's own path for every iteration
 (``"decoder/blocks/attn/query"``), and block ``i`` also answers to its block path, the index
@@ -61,15 +70,15 @@ streams and RHT keys are new NNX state of the model (``nnx.RngState``, ``RHTKey`
 **How (and why this way).** linen: ``flax.linen.intercept_methods`` (public, made for
 this) sees every module method call and keeps a thread-local stack of the module whose own
 code is running; for the duration of ``qmodel.init``/``apply`` the four public JAX names
-above are replaced by hooks that read that stack (other threads, and code outside a module,
-get the original functions). Patching the public names rather than the ``dot_general_cls``
-attributes reaches modules that have no hook (``nn.Einsum``, raw ``jnp.einsum``), and
-replacing ``jnp.einsum`` itself (translated to one ``dot_general``,
-``einsum_dimension_numbers``) keeps key draws out of ``jnp.einsum``'s internal ``jit``
-(where drawing fails: ``TraceContextError``). NNX layers keep their ``dot_general`` /
-``einsum_op`` as attributes, so the covered layers are changed by graph traversal
-(``nnx.iter_graph``), with no patching; other NNX modules with parameters get a subclass
-whose ``__call__`` runs under the same hooks. google/qwix (``quantize_model``,
+above (and ``jax.lax.ragged_dot``) are replaced by hooks that read that stack (other
+threads, and code outside a module, get the original functions). Patching the public names
+rather than the ``dot_general_cls`` attributes reaches modules that have no hook
+(``nn.Einsum``, raw ``jnp.einsum``), and replacing ``jnp.einsum`` itself (translated to
+one ``dot_general``, ``einsum_dimension_numbers``) keeps key draws out of ``jnp.einsum``'s
+internal ``jit`` (where drawing fails: ``TraceContextError``). NNX layers keep their
+``dot_general`` / ``einsum_op`` as attributes, so the covered layers are changed by graph
+traversal (``nnx.iter_graph``), with no patching; other NNX modules with parameters get a
+subclass whose ``__call__`` runs under the same hooks. google/qwix (``quantize_model``,
 ``QuantizationRule(module_path=...)``) patches functions' code objects and disables
 ``jit`` inside intercepted calls to reach ``jnp`` internals; fp4jax stays with public
 names and leaves ``jit`` alone (qwix is not a dependency). What neither reaches: a product
@@ -115,11 +124,13 @@ _ORIGINALS = {
     (jax.numpy, "einsum"): jax.numpy.einsum,
     (jax.numpy, "dot"): jax.numpy.dot,
     (jax.numpy, "matmul"): jax.numpy.matmul,
+    (jax.lax, "ragged_dot"): jax.lax.ragged_dot,
 }
 _ORIG_DOT_GENERAL = jax.lax.dot_general
 _ORIG_EINSUM = jax.numpy.einsum
 _ORIG_DOT = jax.numpy.dot
 _ORIG_MATMUL = jax.numpy.matmul
+_ORIG_RAGGED_DOT = jax.lax.ragged_dot
 
 _patch_lock = threading.Lock()
 _patch_depth = 0
@@ -186,6 +197,7 @@ def _patched():
             jax.numpy.einsum = _hook_einsum
             jax.numpy.dot = _hook_dot
             jax.numpy.matmul = _hook_matmul
+            jax.lax.ragged_dot = _hook_ragged_dot
         _patch_depth += 1
     try:
         yield
@@ -285,6 +297,23 @@ _hook_dot = _matmul_hook("dot", _ORIG_DOT)
 _hook_matmul = _matmul_hook("matmul", _ORIG_MATMUL)
 
 
+def _hook_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
+                     **kw):
+    """The hook of ``jax.lax.ragged_dot`` (grouped GEMMs: ``rhs (G, K, N)``, one weight per
+    expert): a call whose ``rhs`` is the module's own parameter (and ``lhs`` is not) is a
+    linear layer of experts (``_ragged_product``); others run unchanged."""
+    frame = _current()
+
+    def orig():
+        return _ORIG_RAGGED_DOT(lhs, rhs, group_sizes, precision, preferred_element_type,
+                                **kw)
+
+    if frame is None or any(v is not None for v in kw.values()):
+        return orig()
+    return _ragged_product(frame, orig, lhs, rhs, group_sizes, precision,
+                           preferred_element_type)
+
+
 # ---------------------------------------------------------------------------
 # one product: which operand is the weight, which recipe, the quantized call
 # ---------------------------------------------------------------------------
@@ -373,6 +402,52 @@ def _product(frame: _Frame, op: str, orig: Callable[[], Any], lhs: Any, rhs: Any
     return y if perm is None else jnp.transpose(y, perm)
 
 
+def _ragged_product(frame: _Frame, orig: Callable[[], Any], lhs: Any, rhs: Any,
+                    group_sizes: Any, precision: Any, preferred_element_type: Any) -> Any:
+    """One ``jax.lax.ragged_dot`` seen by the hook: the expert weights ``rhs (G, K, N)``
+    take the recipe's weight role (each expert's, ``fp4jax.ragged_dot``) when they are the
+    module's own parameter and a rule gives the module a recipe, else ``orig()``."""
+    s, rec = frame.session, frame.session.record
+    params = _own_params(frame)
+    is_w = bool(params) and jnp.ndim(rhs) == 3 and _is_param(rhs, params)
+    if not is_w or _is_param(lhs, params):
+        if rec is not None:
+            (rec.uncovered if is_w else rec.activation).append(
+                f"{frame.path or '/'}: ragged_dot {_shapes(lhs, rhs)}"
+                + (" (both operands look like parameters)" if is_w else ""))
+        return _seen(orig)
+    idx = s.rule_index(frame.path, _stacks_of(frame.path) if frame.kind == "linen" else ())
+    recipe = s.rules[idx].recipe if idx is not None else None
+    if rec is not None:
+        rec.layers.setdefault(frame.path, {
+            "op": "ragged_dot", "weight": tuple(jnp.shape(rhs)), "rule": idx,
+            "recipe": None if recipe is None else recipe.name, "calls": 0})
+        rec.layers[frame.path]["calls"] += 1
+    if recipe is None:
+        return _seen(orig)
+    return _seen(lambda: _ragged_fn(frame, recipe)(lhs, rhs, group_sizes, precision,
+                                                   preferred_element_type))
+
+
+def _ragged_fn(frame: _Frame, recipe: Recipe) -> Callable[..., jax.Array]:
+    """The layer's ``fp4jax.ragged_dot`` with its keys (as ``_dot_fn``'s: a linen
+    ``RaggedDot`` submodule, the layer's own scope for setup-style modules, or the NNX
+    layer's ``fp4jax_dot``)."""
+    s = frame.session
+    if frame.kind == "nnx":
+        dot = getattr(frame.module, "fp4jax_dot", None)
+        if dot is None:
+            raise ValueError(f"fp4jax.nn.quantize_model: NNX module at {frame.path!r} was "
+                             "not prepared (call quantize_model on the model that runs)")
+        return dot.ragged_dot
+    try:
+        return fnn.RaggedDot(recipe=recipe, rng_collection=s.rng_collection,
+                             layer_rng_collection=s.layer_rng_collection)
+    except Exception:  # noqa: BLE001 (not compact: no submodule here; keys from the layer)
+        return _ScopeDot(frame.module, recipe, s.rng_collection,
+                         s.layer_rng_collection).ragged
+
+
 def _seen(f: Callable[[], Any]) -> Any:
     """``f()`` with the hooks off (its own products are not the model's), under a named
     scope that ``report`` recognises as a product some hook saw."""
@@ -435,6 +510,16 @@ class _ScopeDot:
             return m.make_rng("params")
         raise ValueError(f"fp4jax recipe {self.recipe.name!r} needs the RNG stream "
                          f"{stream!r}: pass rngs={{{stream!r}: key}} to Module.apply")
+
+    def ragged(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None):
+        """``fp4jax.ragged_dot`` with keys drawn in the module's scope."""
+        import fp4jax
+
+        key = self._draw(self.recipe.needs_key, self.stream)
+        rht_key = self._draw(self.recipe.needs_layer_key, self.layer_stream)
+        return fp4jax.ragged_dot(lhs, rhs, group_sizes, recipe=self.recipe, key=key,
+                                 rht_key=rht_key, precision=precision,
+                                 preferred_element_type=preferred_element_type)
 
     def __call__(self, lhs, rhs, dims, precision=None, preferred_element_type=None,
                  out_sharding=None):

@@ -121,6 +121,21 @@ class DotGeneral(nnx.Module):
                                recipe=self.recipe, key=key, rht_key=rht_key)
 
 
+    def ragged_dot(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+                   precision: Any = None, preferred_element_type: Any = None) -> jax.Array:
+        """``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` (grouped GEMM, ``rhs (G, K, N)``)
+        by ``fp4jax.ragged_dot``, with this layer's keys (one draw per call; expert ``g``
+        runs with ``fold_in(key, g)``). Not measured by ``layer_stats``."""
+        import fp4jax
+
+        key = self.rng() if self.rng is not None else None
+        rht_key = (None if self.rht_key is None
+                   else jax.random.wrap_key_data(self.rht_key[...]))
+        return fp4jax.ragged_dot(lhs, rhs, group_sizes, recipe=self.recipe, key=key,
+                                 rht_key=rht_key, precision=precision,
+                                 preferred_element_type=preferred_element_type)
+
+
 class Linear(nnx.Linear):
     """``nnx.Linear`` whose matmul runs in an fp4jax recipe (bias off by default).
 
