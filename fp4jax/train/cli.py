@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
       help="override the preset's FFN (smooth_swiglu: SwiGLU with Smooth-SwiGLU's per-channel "
            "scaling of the quantized down projection's input, Fishman et al. 2024); default: "
            f"the preset's ({_by_preset(lambda mc: mc.ffn)})")
+    a("--n-experts", type=int, default=d.n_experts,
+      help="N > 0: every block's FFN a mixture of N experts (top-k routing, Switch's "
+           "load-balancing loss added to the training loss; fp4jax.models.moe); default 0")
+    a("--top-k", type=int, default=d.top_k, help="experts per token with --n-experts "
+      "(default 2)")
     a("--dtype", default=None, help="compute dtype override (bfloat16, float32); default: the "
       f"preset's ({_by_preset(lambda mc: mc.dtype)})")
     a("--data", default=None,

@@ -60,6 +60,8 @@ class TrainConfig:
     recipe: str = "nvfp4"
     ffn: str | None = None
     dtype: str | None = None
+    n_experts: int = 0  # > 0: the Llama's FFNs as mixtures of experts (fp4jax.models.moe)
+    top_k: int = 2
     data: str | None = None
     tokenizer: str | None = None  # None: bytes for text, the files' own for token files
     vocab_size: int | None = None  # None: the data's vocabulary
@@ -351,6 +353,16 @@ def validate_config(cfg: TrainConfig) -> None:
             fp4jax.recipes.get_attention(cfg.attn_recipe)
         except (TypeError, ValueError) as e:
             raise ConfigError("attn_recipe", str(e)) from None
+    for field, lo in (("n_experts", 0), ("top_k", 1)):
+        v = getattr(cfg, field)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ConfigError(field, f"must be an integer >= {lo}, got {v!r}")
+    if cfg.n_experts and cfg.top_k > cfg.n_experts:
+        raise ConfigError("top_k", f"must be at most n_experts={cfg.n_experts}, got "
+                          f"{cfg.top_k}")
+    if cfg.n_experts and cfg.ffn == "smooth_swiglu":
+        raise ConfigError("ffn", "smooth_swiglu has no mixture-of-experts form: use swiglu or "
+                          "relu2 with --n-experts")
     if cfg.ffn is not None and cfg.ffn not in ("relu2", "swiglu", "smooth_swiglu"):
         raise ConfigError("ffn", f"must be 'relu2', 'swiglu' or 'smooth_swiglu', got "
                                  f"{cfg.ffn!r}")
@@ -422,7 +434,7 @@ def validate_config(cfg: TrainConfig) -> None:
 
 
 # flags of the built-in Llama that a --model run refuses (their non-default values)
-LLAMA_ONLY = ("ffn", "dtype", "scan_layers", "scan_remat", "attn_recipe")
+LLAMA_ONLY = ("ffn", "dtype", "scan_layers", "scan_remat", "attn_recipe", "n_experts")
 
 
 def validate_model(cfg: TrainConfig) -> None:
@@ -589,7 +601,8 @@ def validate_precision(cfg: TrainConfig) -> None:
 
 
 def model_config(cfg: TrainConfig) -> LlamaConfig:
-    """The model config: the preset with ``ffn``/``dtype``/``seq_len`` overrides applied."""
+    """The model config: the preset with ``ffn``/``dtype``/``seq_len`` (and
+    ``n_experts``/``top_k``) overrides applied."""
     mc = get_preset(cfg.preset)
     changes: dict[str, Any] = {"max_seq_len": max(mc.max_seq_len, cfg.seq_len)}
     if cfg.ffn is not None:
@@ -600,6 +613,8 @@ def model_config(cfg: TrainConfig) -> LlamaConfig:
         changes["scan_layers"] = True
     if cfg.scan_remat is not None:
         changes["scan_remat"] = cfg.scan_remat
+    if cfg.n_experts:
+        changes.update(n_experts=cfg.n_experts, top_k=cfg.top_k)
     changes["attention"] = cfg.attention
     return mc.replace(**changes)
 

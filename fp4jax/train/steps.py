@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -25,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fp4jax import diagnostics
+from fp4jax.models import moe
 from fp4jax.models.llama import layer_name
 from fp4jax.train import parallel
 from fp4jax.train.config import TrainConfig
@@ -39,14 +41,24 @@ EVAL_KEY_INDEX = 2**31 - 1
 
 def loss_fn(model: Any, params: Any, batch: jax.Array, key: jax.Array,
             layer_key: jax.Array | None = None) -> jax.Array:
-    """Mean next-token cross-entropy (nats). ``batch (B, T+1)`` int32 -> float32 scalar
+    """Mean next-token cross-entropy (nats), plus the load-balancing losses a
+    mixture-of-experts model sows (``fp4jax.models.moe.aux_loss``; none for a dense model,
+    whose loss is the cross-entropy itself). ``batch (B, T+1)`` int32 -> float32 scalar
     (the model's logits ``(B, T, vocab)``, any float dtype, taken in float32).
     ``key``: the step's stochastic-rounding key; ``layer_key``: the run's constant key of
     per-layer RHT signs (stream ``"fp4_layer"``; needed by ``hadamard_signs="layer"``)."""
     rngs = {"fp4": key} if layer_key is None else {"fp4": key, "fp4_layer": layer_key}
-    logits = model.apply({"params": params}, batch[:, :-1], rngs=rngs)
-    return optax.softmax_cross_entropy_with_integer_labels(
+    aux = None
+    if isinstance(model, nn.Module):  # a mixture of experts sows its load-balancing losses
+        logits, state = model.apply({"params": params}, batch[:, :-1], rngs=rngs,
+                                    mutable=[moe.AUX_COLLECTION])
+        if jax.tree.leaves(state):
+            aux = moe.aux_loss(state)
+    else:
+        logits = model.apply({"params": params}, batch[:, :-1], rngs=rngs)
+    loss = optax.softmax_cross_entropy_with_integer_labels(
         jnp.asarray(logits, jnp.float32), batch[:, 1:]).mean()
+    return loss if aux is None else loss + aux
 
 
 def _global_norm(tree: Any) -> jax.Array:

@@ -209,3 +209,30 @@ def test_moe_llama_trains_with_the_aux_loss():
     assert losses[-1] < losses[0] - 0.2, losses
     assert 0.01 <= float(aux) < 0.015  # alpha = 0.01 times ~1 (near-uniform load)
     assert float(jnp.abs(g["block_0"]["router"]["kernel"]).max()) > 0
+
+
+def test_harness_loss_adds_the_moe_aux_loss():
+    """fp4jax-train's loss_fn: the cross-entropy plus the routers' sown losses for an MoE
+    Llama (a dense one's is the cross-entropy alone, bit for bit: the golden step of
+    tests/nn/test_llama_rules.py); the --n-experts/--top-k config."""
+    from fp4jax.train import ConfigError, TrainConfig, loss_fn
+    from fp4jax.train.config import model_config, validate_config
+
+    model = llama.Llama(CFG.replace(n_layers=1))
+    params = jax.jit(model.init)(jax.random.key(1), TOKENS[:, :-1])["params"]
+
+    @jax.jit
+    def both(p):
+        logits, st = model.apply({"params": p}, TOKENS[:, :-1], mutable=[AUX_COLLECTION])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, TOKENS[:, 1:]).mean()
+        return loss_fn(model, p, TOKENS, jax.random.key(0)), ce, aux_loss(st)
+
+    got, ce, aux = both(params)
+    assert float(aux) > 0
+    np.testing.assert_allclose(got, ce + aux, rtol=1e-6)
+    mc = model_config(TrainConfig(preset="micro", ffn="swiglu", n_experts=4, top_k=1))
+    assert (mc.n_experts, mc.top_k, mc.ffn) == (4, 1, "swiglu")
+    for bad in ({"n_experts": -1}, {"n_experts": 2, "top_k": 3}, {"top_k": 0},
+                {"n_experts": 2, "ffn": "smooth_swiglu"}):
+        with pytest.raises(ConfigError):
+            validate_config(TrainConfig(**bad))
