@@ -41,6 +41,16 @@ for bit; the float32 accumulation order is the backend's (on the CPU, JAX 0.10.2
 results equal the per-expert ``fp4jax.dot``'s bit for bit in ``tests/dot/test_ragged.py``).
 The Pallas kernels do not cover grouped GEMMs: this always runs on XLA.
 
+**Data parallel.** Inside ``fp4jax.sharding.data_parallel(axis)`` (``jax.shard_map`` over
+the batch, weights replicated) each device's call is its own grouped GEMM: every device
+quantizes its own rows of each expert with their own amax (Transformer Engine's
+data-parallel semantics, ``Recipe.amax_scope="local"``, whatever the recipe's scope: an
+expert's rows on one device are not a block of rows of one global tensor, so the
+single-device bits are not reachable without moving tokens), with the key folded with the
+device's index first (``fold_in(fold_in(key, device), g)`` for expert ``g``); each
+device returns its experts' partial ``dw``, which the caller's ``pmean``/``psum`` adds.
+Bits depend on the device count.
+
 Supported recipes: every operand spec with the ``"max"`` block scale rule and
 round-to-nearest or stochastic rounding, 1D or (weights) 2D blocks, with or without RHTs
 (``nvfp4``, ``mxfp4``, ``fp4_all_the_way``, ``bf16``, ``nvfp4_fwd_only``, ``mxfp8``,
@@ -104,6 +114,22 @@ def _check_spec(q: QuantSpec, where: str) -> None:
             f"rounding={q.rounding!r}, row_scaled={q.row_scaled}: grouped GEMMs support the "
             "'max' rule with round-to-nearest or stochastic rounding only (use e.g. "
             "recipes.nvfp4(), mxfp4(), fp4_all_the_way() or bf16())")
+
+
+def _device_key(key: jax.Array, shard: Any) -> jax.Array:
+    """Inside ``fp4jax.sharding.data_parallel(shard)``: the call's key folded with the
+    device's index along ``shard`` (both keys of a packed pair), so that each device's rows
+    run as their own call (``ragged_dot``'s data-parallel rule)."""
+    try:
+        idx = jax.lax.axis_index(shard)
+    except NameError as e:
+        raise ValueError(
+            f"fp4jax.sharding.data_parallel({shard!r}) is active but fp4jax.ragged_dot is "
+            f"not traced inside jax.shard_map over {shard!r} ({e}): call it inside the "
+            "shard_map'd function, or leave the data_parallel block") from e
+    if key.ndim:
+        return jax.vmap(lambda k: jax.random.fold_in(k, idx))(key)
+    return jax.random.fold_in(key, idx)
 
 
 def _threefry(key: jax.Array) -> bool:
@@ -409,6 +435,10 @@ def ragged_dot(
       implementation: ``None`` or ``"xla"``: the Pallas kernels and Blackwell's native
         GEMMs do not cover grouped GEMMs, so the XLA reference always runs.
 
+    Inside ``fp4jax.sharding.data_parallel(axis)``: each device's rows as their own call,
+    with ``key`` (and ``rht_key``) folded with the device's index along ``axis`` (module
+    docstring, Data parallel).
+
     Returns:
       ``(M, N)``: row ``r`` of expert ``g`` is ``fp4jax.dot(lhs_g, rhs[g], recipe=recipe,
       key=fold_in(key, g), rht_key=fold_in(rht_key, g))``'s row, rows past
@@ -442,10 +472,10 @@ def ragged_dot(
     for name, g in recipe.gemms.items():
         _check_spec(g.lhs, f"recipe {recipe.name!r} {name}.lhs")
         _check_spec(g.rhs, f"recipe {recipe.name!r} {name}.rhs")
-    if sharding.data_axis() is not None:
-        raise ValueError("fp4jax.ragged_dot inside fp4jax.sharding.data_parallel is not "
-                         "supported: call it outside the data_parallel block")
     key = call_key(recipe, key, rht_key)
+    shard = sharding.data_axis()
+    if shard is not None:
+        key = _device_key(key, shard)
     if any(q.stochastic for g in recipe.gemms.values() for q in (g.lhs, g.rhs)):
         k0 = key[0] if key.ndim else key
         if not _threefry(k0):

@@ -206,3 +206,35 @@ def test_ragged_dot_errors():
         fp4jax.ragged_dot(x, w, gs, recipe="nvfp4")
     with pytest.raises(ValueError, match="threefry"):
         fp4jax.ragged_dot(x, w, gs, recipe="nvfp4", key=jax.random.key(0, impl="rbg"))
+
+
+def test_ragged_dot_data_parallel_is_each_devices_own_call(mesh):
+    """Inside fp4jax.sharding.data_parallel (shard_map over 4 devices, each with its own
+    rows and group sizes): each device's output is the bits of ragged_dot on its rows alone
+    with the key folded with its index (its own amaxes; stochastic rounding on x here, so
+    the keys show). The backward runs the same operands (tested above)."""
+    from jax.sharding import PartitionSpec as P
+
+    from fp4jax import sharding
+
+    n, m = 4, 12
+    r = recipes.nvfp4().replace(**{"fprop.lhs.rounding": "stochastic"})
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((n * m, 32)) * np.exp(rng.uniform(-3, 3, (n * m, 1))),
+                    jnp.float32)
+    w = jnp.asarray(rng.standard_normal((3, 32, 16)), jnp.float32)
+    sizes = jnp.asarray([[5, 0, 7], [12, 0, 0], [1, 2, 3], [0, 9, 3]], jnp.int32)
+    key = jax.random.key(3)
+
+    def local(x, gs):
+        with sharding.data_parallel("data"):
+            return fp4jax.ragged_dot(x, w, gs[0], recipe=r, key=key)
+
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P("data")),
+                              out_specs=P("data"), check_vma=False))
+    y = f(x, sizes)
+    one = jax.jit(lambda x, gs, k: fp4jax.ragged_dot(x, w, gs, recipe=r, key=k))
+    for i in range(n):
+        rows = slice(i * m, (i + 1) * m)
+        bits_equal(y[rows], one(x[rows], sizes[i], jax.random.fold_in(key, i)))
+    assert not np.array_equal(np.asarray(y[:m]), np.asarray(one(x[:m], sizes[0], key)))
