@@ -101,6 +101,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array,
 
     Example:
       >>> o = fp4jax.attention(q, k, v, "attn_nvfp4", causal=True)
+
+    References:
+      Attn-QAT (Zhang et al., 2026, arXiv 2603.00040; hao-ai-lab/FastVideo
+      ``fastvideo-kernel``): FP4 q, k, v and P in the forward, a high-precision backward
+      whose softmax gradient takes its row sum from the high-precision ``P v``; the
+      composition above is fp4jax's, its differences from their kernels are in
+      ``fp4jax.recipes.attn_nvfp4`` and docs/recipes.md ("Attention").
     """
     where = "fp4jax.attention"
     q = qz.check_float(q, "q", where)
