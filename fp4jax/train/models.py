@@ -112,7 +112,9 @@ def llama_weight_layers(mc: LlamaConfig, model: Any, rules: list, seq_len: int
     None)``, from ``fp4jax.nn.report`` (one abstract trace). The Llama's layers multiply
     their kernel as it is stored, cast to the compute dtype, except Smooth-SwiGLU's down
     projection (``ChannelScaledDense``), whose kernel is divided by a per-channel scale
-    first."""
+    first. A mixture of experts' kernel ``(G, K, N)`` (``fp4jax.ragged_dot``: every expert
+    its own ``fp4jax.dot``) is listed with the expert's weight shape ``(K, N)``, its
+    leading axis stacking matrices quantized each on its own."""
     from fp4jax import nn as fnn
 
     rep = fnn.report(model, jnp.zeros((1, seq_len), jnp.int32))
@@ -128,7 +130,10 @@ def llama_weight_layers(mc: LlamaConfig, model: Any, rules: list, seq_len: int
         if mc.ffn == "smooth_swiglu" and path.rsplit("/", 1)[-1] == "down":
             why = ("Smooth-SwiGLU divides its kernel by a per-channel scale before the "
                    "product")
-        out[f"{path}/kernel"] = (recipe, tuple(d["weight"]), why)
+        weight = tuple(d["weight"])
+        if d["op"] == "ragged_dot":  # experts (G, K, N): each its own fp4jax.dot of (K, N)
+            weight = weight[1:]
+        out[f"{path}/kernel"] = (recipe, weight, why)
     return out
 
 

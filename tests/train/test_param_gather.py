@@ -252,6 +252,29 @@ def test_llama_plan_gathers_the_nvfp4_blocks():
         llama_weight_layers(mc, model, policy_rules(mc, policy)[1:], 64)  # indices shifted
 
 
+def test_moe_expert_kernels_gather_per_expert():
+    # a mixture of experts' kernel (G, K, N): every expert its own fp4jax.dot, so the plan
+    # takes it as a stack of (K, N) matrices; the router stays high precision
+    from fp4jax.models.llama import get_preset, llama_rules, policy_rules, quantized_llama
+    from fp4jax.nn import PrecisionPolicy
+    from fp4jax.train.models import llama_weight_layers
+
+    mc = get_preset("micro").replace(n_experts=4, top_k=2)
+    policy = PrecisionPolicy(RECIPE, last_high_precision=1)
+    model = quantized_llama(mc, policy)
+    layers = llama_weight_layers(mc, model, llama_rules(mc, policy_rules(mc, policy)), 64)
+    assert layers["block_0/up/kernel"][1:] == ((64, 128), None)
+    mesh = parallel.make_mesh(4, fsdp=2)
+    x0 = jnp.zeros((1, 64), jnp.int32)
+    params = jax.eval_shape(lambda: model.init({"params": jax.random.key(0)}, x0))["params"]
+    assert params["block_0"]["up"]["kernel"].shape == (4, 64, 128)
+    plan, notes = parallel.fp4_gather_plan(params, parallel.state_specs(params, mesh), mesh,
+                                           layers, mc.dtype)
+    assert notes["block_0/up/kernel"] is None and notes["block_0/down/kernel"] is None
+    assert plan["block_0"]["up"]["kernel"] == parallel.FP4Gather(fp4jax.NVFP4, "bfloat16")
+    assert "high precision" in notes["block_0/router/kernel"]
+
+
 def test_bad_configurations_are_refused(tmp_path):
     from fp4jax import train as T
     from fp4jax.train.config import ConfigError
