@@ -72,6 +72,7 @@ from fp4jax.hadamard import random_hadamard_transform
 from fp4jax.numerics import reciprocal_rn, uniform_rows
 from fp4jax.quantized_dot import (
     call_key,
+    gemm_inputs,
     gemm_rht_signs,
     operand_key,
     reference_operand,
@@ -222,21 +223,6 @@ def _tile_rht(t: jax.Array, signs_tiles: jax.Array, size: int) -> jax.Array:
     return out.reshape(t.shape)
 
 
-def _gemm_value(op: Any, compute: Any) -> jax.Array:
-    if isinstance(op, qz.QuantizedArray):
-        with jax.named_scope("fp4_decode"):
-            return qz.scaled_data(op, compute)
-    return op.astype(compute)
-
-
-def _exact_bf16(op: Any) -> bool:
-    """``fp4jax.dot``'s rule for a GEMM in bfloat16: each operand's ``data * scale`` exact in
-    it (``fmt.scaled_bits <= 8``), an unquantized operand bfloat16 itself."""
-    if isinstance(op, qz.QuantizedArray):
-        return op.fmt.scaled_bits <= 8
-    return op.dtype == jnp.bfloat16
-
-
 class _Ragged:
     """One call's static data: recipe, shapes, and how its operands are made."""
 
@@ -319,20 +305,13 @@ def _alpha(*decs: jax.Array | None) -> jax.Array | None:
     return functools.reduce(jnp.multiply, ds) if ds else None
 
 
-def _compute_and_precision(a: Any, b: Any, precision: Any) -> tuple[Any, Any]:
-    compute = jnp.bfloat16 if (_exact_bf16(a) and _exact_bf16(b)) else jnp.float32
-    if isinstance(a, qz.QuantizedArray) or isinstance(b, qz.QuantizedArray):
-        precision = jax.lax.Precision.HIGHEST
-    return compute, precision
-
-
 def _rows_gemm(a: Any, b: Any, sizes: jax.Array, lay: dict, alpha: jax.Array | None,
                precision: Any, out_dtype: Any, rhs_contract: int) -> jax.Array:
     """``out[r] = (a[r] @ b[gid[r]]) * alpha[gid[r]]`` (zero past the groups): ``a (1, M,
     C)``, ``b (G, 1, ...)`` contracting its axis ``rhs_contract`` (1: ``(K, N)`` fprop, 2:
     ``(K, N)`` transposed, dgrad)."""
-    compute, precision = _compute_and_precision(a, b, precision)
-    av, bv = _gemm_value(a, compute)[0], _gemm_value(b, compute)[:, 0]
+    av, bv, _, _, precision = gemm_inputs(a, b, precision)
+    av, bv = av[0], bv[:, 0]
     dn = _RAGGED_DN(dot_dimension_numbers=(([1], [rhs_contract]), ([], [])),
                     lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
     y = jax.lax.ragged_dot_general(av, bv, sizes, dn, precision=precision,
@@ -346,8 +325,8 @@ def _wgrad_gemm(a: Any, b: Any, psizes: jax.Array, alpha: jax.Array | None,
                 precision: Any, out_dtype: Any) -> jax.Array:
     """``dw[g] = (sum over expert g's padded rows of a[p]^T b[p]) * alpha[g]``: a ragged
     contraction over the tokens, ``(G, K, N)``."""
-    compute, precision = _compute_and_precision(a, b, precision)
-    av, bv = _gemm_value(a, compute)[0], _gemm_value(b, compute)[0]
+    av, bv, _, _, precision = gemm_inputs(a, b, precision)
+    av, bv = av[0], bv[0]
     dn = _RAGGED_DN(dot_dimension_numbers=(([0], [0]), ([], [])),
                     lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
     dw = jax.lax.ragged_dot_general(av, bv, psizes, dn, precision=precision,

@@ -37,8 +37,8 @@ from fp4jax.hadamard import random_hadamard_transform, resolve_signs
 from fp4jax.recipes import GemmSpec, QuantSpec, Recipe, nvfp4
 from pallas_kernels import dispatch
 
-__all__ = ["OPERAND_AXES", "call_key", "dot", "dot_general", "gemm_rht_signs", "operand_key",
-           "reference_operand", "token_row_multiple"]
+__all__ = ["OPERAND_AXES", "call_key", "dot", "dot_general", "gemm_inputs", "gemm_rht_signs",
+           "operand_key", "reference_operand", "token_row_multiple"]
 
 Operand = Any  # QuantizedArray | jax.Array
 
@@ -163,8 +163,15 @@ def _bf16_exact(op: Operand) -> bool:
     return op.dtype == jnp.bfloat16
 
 
-def _gemm(subscripts: str, a: Operand, b: Operand, precision: Any) -> jax.Array:
-    """``einsum(subscripts)`` of two operands, f32 accumulation, global scales last."""
+def gemm_inputs(a: Operand, b: Operand, precision: Any
+                ) -> tuple[jax.Array, jax.Array, Any, Any, Any]:
+    """How the XLA path feeds a GEMM its two operands (each a ``QuantizedArray`` or an
+    unquantized array): ``(a_value, b_value, a_scale, b_scale, precision)``. The values are
+    ``scaled_data`` (``data * scale``, no tensor scale) of a quantized operand or the array
+    itself, both in bfloat16 when both are exact in it (``_bf16_exact``), else float32; the
+    scales are the tensor decode scales (None when unquantized); the precision is
+    ``Precision.HIGHEST`` when an operand is quantized, else ``precision``. Also the
+    per-expert GEMMs of ``fp4jax.ragged_dot``."""
     compute = jnp.bfloat16 if (_bf16_exact(a) and _bf16_exact(b)) else jnp.float32
     quantized = isinstance(a, qz.QuantizedArray) or isinstance(b, qz.QuantizedArray)
     if quantized:
@@ -178,6 +185,12 @@ def _gemm(subscripts: str, a: Operand, b: Operand, precision: Any) -> jax.Array:
 
     av, sa = unpack(a)
     bv, sb = unpack(b)
+    return av, bv, sa, sb, precision
+
+
+def _gemm(subscripts: str, a: Operand, b: Operand, precision: Any) -> jax.Array:
+    """``einsum(subscripts)`` of two operands, f32 accumulation, global scales last."""
+    av, bv, sa, sb, precision = gemm_inputs(a, b, precision)
     return _einsum_scaled(subscripts, av, bv, sa, sb, precision)
 
 
