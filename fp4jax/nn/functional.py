@@ -34,8 +34,12 @@ With ``paths="params"`` the rules match the weight's own path in the parameter p
 instead (``param_path``: ``layers/0/weight``), for models that open no scopes (Equinox).
 
 **Weights.** A product is a linear layer when exactly one operand is a parameter: a leaf of
-the arguments named by ``params_argnums`` (default ``0``), possibly reshaped, transposed,
-cast, broadcast or sliced along a scanned stack's axis. That operand takes the recipe's
+the arguments named by ``params_argnums`` (default ``0``) or ``params_argnames``, possibly
+reshaped, transposed, cast, broadcast, sliced (a block of a scanned stack) or split (a fused
+weight's parts). A value computed from a parameter by any other op (``w * mask``) is not a
+weight: its products run as written and ``function_report`` lists them as not covered; so
+does a weight the function closes over instead of taking it as an argument (it is a
+constant to the trace: the report's unused rules show it). That operand takes the recipe's
 weight role (the RHS of fprop, 2D scaling), as in ``quantize_model``; products of two
 activations or of two parameters are left alone.
 
@@ -46,7 +50,9 @@ scanned stack and every step (pass ``fold_in(seed_key, step)``) rounds independe
 per-layer RHT signs (``hadamard_signs="layer"``) use ``layer_key(fp4_layer_key, p)``.
 
 **Not covered** (left unchanged; ``function_report`` lists them): products inside
-``custom_jvp``/``custom_vjp`` functions, ``cond``/``switch`` branches and ``while`` loops.
+``custom_jvp``/``custom_vjp`` functions, ``cond``/``switch`` branches, ``while`` loops,
+``shard_map``/``pmap`` bodies and any other equation holding a jaxpr other than ``jit``,
+``checkpoint`` and ``scan``.
 ``jax.checkpoint`` (remat) is kept around the rewritten body with its policy.
 """
 
@@ -70,10 +76,11 @@ __all__ = ["FunctionReport", "function_report", "param_path", "quantize_function
 _LAYOUT = frozenset({"reshape", "transpose", "convert_element_type", "squeeze",
                      "expand_dims", "broadcast_in_dim", "copy", "copy_p", "reduce_precision",
                      "sharding_constraint", "device_put", "optimization_barrier"})
+# equations whose outputs are pieces of their first operand (a block of a stacked weight,
+# the parts of a fused weight)
+_PIECES = frozenset({"slice", "dynamic_slice", "gather", "index_in_dim", "split", "rev"})
 _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
 _REMAT = frozenset({"checkpoint", "remat", "remat2"})
-_OPAQUE = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
-                     "cond", "while", "switch"})
 
 
 # the names JAX's transformations add to a name stack (``vmap()``, ``jvp(f)``, ...)
@@ -154,8 +161,8 @@ class _Ctx:
         return dataclasses.replace(self, index=self.index + (i,))
 
 
-def _product(ctx: _Ctx, eqn: Any, path: str, invals: list[Any], roles: list[str | None]
-             ) -> Any:
+def _product(ctx: _Ctx, eqn: Any, path: str, invals: list[Any], roles: list[str | None],
+             derived: Sequence[str | None] = (None, None)) -> Any:
     """One ``dot_general`` equation: through fp4jax when exactly one operand is a
     parameter and a linear rule gives a recipe, else as written."""
     lhs, rhs = invals
@@ -173,6 +180,10 @@ def _product(ctx: _Ctx, eqn: Any, path: str, invals: list[Any], roles: list[str 
         if rec is not None:
             if all(roles):
                 rec.uncovered.append(f"{path or '/'}: {shapes} (both operands are parameters)")
+            elif any(d is not None for d in derived) and _quantizing(ctx, path):
+                d = next(d for d in derived if d is not None)
+                rec.uncovered.append(f"{path or '/'}: {shapes} (an operand is computed from "
+                                     f"the parameter {d}: not a weight, left as written)")
             else:
                 rec.activation_products.append(f"{path or '/'}: {shapes}")
         return orig()
@@ -217,6 +228,12 @@ def _product(ctx: _Ctx, eqn: Any, path: str, invals: list[Any], roles: list[str 
     return y if y.dtype == want else y.astype(want)
 
 
+def _quantizing(ctx: _Ctx, path: str) -> bool:
+    """Whether a rule would give the product at ``path`` a recipe."""
+    i = match_rule(ctx.rules, path)
+    return i is not None and ctx.rules[i].recipe is not None
+
+
 def _is_literal(v: Any) -> bool:
     return type(v).__name__ == "Literal"
 
@@ -243,8 +260,7 @@ def _note_opaque(ctx: _Ctx, eqn: Any, path: str) -> None:
             p = _scope_path(outer, e)
             if e.primitive.name == "dot_general":
                 shapes = " x ".join(str(tuple(v.aval.shape)) for v in e.invars)
-                i = match_rule(ctx.rules, p)
-                if i is not None and ctx.rules[i].recipe is not None:
+                if _quantizing(ctx, p):
                     ctx.record.uncovered.append(
                         f"{p or '/'}: {shapes} (inside {eqn.primitive.name}: not rewritten)")
             for sub in _sub_jaxprs(e):
@@ -260,6 +276,7 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
     ``is_param`` gives the parameter path of each invar that is a parameter (else None)."""
     env: dict[Any, Any] = {}
     param: dict[Any, str] = {}
+    derived: dict[Any, str] = {}  # var -> "param path (op)": computed from a parameter
 
     def read(v: Any) -> Any:
         return v.val if _is_literal(v) else env[v]
@@ -279,7 +296,8 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
         roles = [pr(v) for v in eqn.invars]
         path = _scope_path(outer, eqn)
         if name == "dot_general":
-            outs = [_product(ctx, eqn, path, invals, roles)]
+            outs = [_product(ctx, eqn, path, invals, roles,
+                             [None if _is_literal(v) else derived.get(v) for v in eqn.invars])]
         elif name in _CALLS and _has_product(_closed(eqn).jaxpr):
             cj = _closed(eqn)
             outs = _eval(cj.jaxpr, cj.consts, invals, roles, ctx, path)
@@ -292,16 +310,22 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
         elif name == "scan" and _has_product(eqn.params["jaxpr"].jaxpr):
             outs = _scan(eqn, invals, roles, ctx, path)
         else:
-            if name in _OPAQUE:
+            if _sub_jaxprs(eqn):  # custom rules, control flow, shard_map, pmap, ...
                 _note_opaque(ctx, eqn, path)
             outs = _bind(eqn, invals)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
             first = roles[0] if roles else None
             if first is not None and (name in _LAYOUT or (
-                    name in ("slice", "dynamic_slice", "gather", "index_in_dim")
-                    and all(r is None for r in roles[1:]))):  # (one block of a stack)
+                    name in _PIECES and all(r is None for r in roles[1:]))):
                 param.update({o: first for o in eqn.outvars})
+            else:  # computed from a parameter by another op: not a weight any more
+                src = next((r for r in roles if r is not None), None)
+                src = src or next((derived[v] for v in eqn.invars
+                                   if not _is_literal(v) and v in derived), None)
+                if src is not None:
+                    derived.update({o: src if "(" in src else f"{src} ({name})"
+                                    for o in eqn.outvars})
         for v, o in zip(eqn.outvars, outs, strict=True):
             env[v] = o
     return [read(v) for v in jaxpr.outvars]
@@ -354,18 +378,27 @@ def param_path(key_path: Sequence[Any]) -> str:
 
 
 def _parameter_paths(args: Sequence[Any], kwargs: dict[str, Any],
-                     params_argnums: Sequence[int]) -> list[str | None]:
+                     params_argnums: Sequence[int], params_argnames: Sequence[str]
+                     ) -> list[str | None]:
+    """The parameter path of every leaf of ``(args, kwargs)`` (None: not a parameter);
+    a keyword parameter's path starts with its name."""
     paths: list[str | None] = []
     for i, a in enumerate(args):
         leaves = jax.tree_util.tree_flatten_with_path(a)[0]
         paths += [param_path(kp) if i in params_argnums else None for kp, _ in leaves]
-    paths += [None] * len(jax.tree_util.tree_leaves(kwargs))
+    for kp, _ in jax.tree_util.tree_flatten_with_path(kwargs)[0]:
+        paths.append(param_path(kp) if _key_name(kp[0]) in params_argnames else None)
     return paths
 
 
-def _run(fn: Callable[..., Any], rules: tuple[Rule, ...], params_argnums: tuple[int, ...],
-         by: str, args: tuple[Any, ...], kwargs: dict[str, Any], key: Any, lkey: Any,
-         record: FunctionReport | None) -> Any:
+def _run(fn: Callable[..., Any], rules: tuple[Rule, ...],
+         params: tuple[tuple[int, ...], tuple[str, ...]], by: str, args: tuple[Any, ...],
+         kwargs: dict[str, Any], key: Any, lkey: Any, record: FunctionReport | None) -> Any:
+    params_argnums, params_argnames = params
+    missing = [n for n in params_argnames if n not in kwargs]
+    if missing:
+        raise ValueError(f"quantize_function: params_argnames names {missing}, which the "
+                         "call does not pass by keyword")
     for i in params_argnums:
         if not -len(args) <= i < len(args):
             raise ValueError(f"quantize_function: params_argnums={params_argnums} names "
@@ -373,7 +406,7 @@ def _run(fn: Callable[..., Any], rules: tuple[Rule, ...], params_argnums: tuple[
                              "arguments; pass the parameters positionally")
     argnums = tuple(i % len(args) for i in params_argnums)
     arrays, rebuild = _split((args, kwargs))
-    paths = [p for p, leaf in zip(_parameter_paths(args, kwargs, argnums),
+    paths = [p for p, leaf in zip(_parameter_paths(args, kwargs, argnums, params_argnames),
                                   jax.tree_util.tree_leaves((args, kwargs)), strict=True)
              if _is_array(leaf)]
 
@@ -407,7 +440,8 @@ def _split(tree: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
 
 
 def quantize_function(fn: Callable[..., Any], rules: Any, *,
-                      params_argnums: int | Sequence[int] = 0,
+                      params_argnums: int | Sequence[int] | None = 0,
+                      params_argnames: str | Sequence[str] = (),
                       paths: str = "scope") -> Callable[..., Any]:
     """``fn`` with its linear products quantized by rules on ``jax.named_scope`` paths.
 
@@ -416,7 +450,10 @@ def quantize_function(fn: Callable[..., Any], rules: Any, *,
         ``lambda model, x: model(x)``).
       rules: ``fp4jax.nn.Rule`` objects or ``(pattern, recipe)`` pairs (a ``Recipe``, a spec
         string, or ``None`` for high precision), matched in order (module docstring).
-      params_argnums: the positional argument(s) whose leaves are parameters (weights).
+      params_argnums: the positional argument(s) whose leaves are parameters (weights);
+        ``None`` or ``()`` when the parameters are passed by keyword only.
+      params_argnames: the keyword argument(s) whose leaves are parameters (e.g.
+        ``params_argnums=None, params_argnames="params"`` for ``fn(x, *, params)``).
       paths: what the rules match: ``"scope"`` (default) the ``jax.named_scope`` path
         around the product; ``"params"`` the weight's own path in the parameter pytree
         (``param_path``: ``layers/0/weight`` in an Equinox ``MLP``, which opens no scopes).
@@ -430,18 +467,24 @@ def quantize_function(fn: Callable[..., Any], rules: Any, *,
     if paths not in ("scope", "params"):
         raise ValueError(f"quantize_function: paths must be 'scope' or 'params', got "
                          f"{paths!r}")
-    nums = (params_argnums,) if isinstance(params_argnums, int) else tuple(params_argnums)
-    if not nums or not all(isinstance(i, int) for i in nums):
-        raise TypeError("quantize_function: params_argnums must be an int or a sequence of "
-                        f"ints, got {params_argnums!r}")
+    nums = ((params_argnums,) if isinstance(params_argnums, int)
+            else () if params_argnums is None else tuple(params_argnums))
+    names = (params_argnames,) if isinstance(params_argnames, str) else tuple(params_argnames)
+    if not all(isinstance(i, int) for i in nums) or not all(isinstance(n, str)
+                                                            for n in names):
+        raise TypeError("quantize_function: params_argnums must be ints and params_argnames "
+                        f"strings, got {params_argnums!r}, {params_argnames!r}")
+    if not nums and not names:
+        raise ValueError("quantize_function: no parameters: give params_argnums or "
+                         "params_argnames")
 
     @functools.wraps(fn)
     def qfn(*args: Any, fp4_key: Any = None, fp4_layer_key: Any = None, **kwargs: Any) -> Any:
-        return _run(fn, rs, nums, paths, args, kwargs, fp4_key, fp4_layer_key, None)
+        return _run(fn, rs, (nums, names), paths, args, kwargs, fp4_key, fp4_layer_key, None)
 
     qfn.fp4jax_rules = rs  # type: ignore[attr-defined]
     qfn.fp4jax_fn = fn  # type: ignore[attr-defined]
-    qfn.fp4jax_params_argnums = nums  # type: ignore[attr-defined]
+    qfn.fp4jax_params = (nums, names)  # type: ignore[attr-defined]
     qfn.fp4jax_paths = paths  # type: ignore[attr-defined]
     return qfn
 
@@ -458,7 +501,7 @@ def function_report(qfn: Callable[..., Any], *args: Any, **kwargs: Any) -> Funct
     if fn is None:
         raise ValueError("function_report: qfn must be a function returned by "
                          "fp4jax.nn.quantize_function")
-    rules, nums = qfn.fp4jax_rules, qfn.fp4jax_params_argnums
+    rules, nums = qfn.fp4jax_rules, qfn.fp4jax_params
     rec = FunctionReport({}, [], [], [])
     k = jax.random.key(0)
     by = qfn.fp4jax_paths

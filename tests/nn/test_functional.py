@@ -219,3 +219,40 @@ def test_rules_on_parameter_paths():
     assert _same(jax.jit(lambda m: qf(m, X, fp4_key=key))(m), jax.jit(want)(m))
     with pytest.raises(ValueError, match="paths"):
         quantize_function(fn, [], paths="module")
+
+
+def test_keyword_parameters_and_what_is_not_a_weight_are_reported():
+    w = jax.random.normal(jax.random.key(1), (64, 32)) * 0.1
+
+    def f(x, *, params):
+        with jax.named_scope("kw"):
+            y = x @ params["w"]
+        with jax.named_scope("masked"):
+            z = x @ (params["w"] * 0.5)  # computed from the weight: not a weight
+        return y, z
+    rules = [(r".*", "nvfp4")]
+    rep = function_report(quantize_function(f, rules, params_argnums=None,
+                                            params_argnames="params"), X, params={"w": w})
+    assert list(rep.layers) == ["kw"] and rep.layers["kw"]["weight"] == (64, 32)
+    assert any(u.startswith("masked") and "computed from the parameter params/w (mul)" in u
+               for u in rep.uncovered), rep.uncovered
+    with pytest.raises(ValueError, match="params_argnames"):
+        quantize_function(f, rules, params_argnums=None, params_argnames="p")(X, params={})
+    with pytest.raises(ValueError, match="no parameters"):
+        quantize_function(f, rules, params_argnums=None)
+
+
+def test_products_in_a_shard_map_are_reported_not_rewritten():
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+    w = jnp.ones((64, 16))
+
+    def fn(w, x):
+        with jax.named_scope("sm"):
+            return jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(P("d"), P()),
+                                 out_specs=P("d"))(x, w)
+    qf = quantize_function(fn, [(r".*", "nvfp4")])
+    assert _same(qf(w, X), fn(w, X))
+    assert any("shard_map" in u for u in function_report(qf, w, X).uncovered)
