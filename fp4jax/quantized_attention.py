@@ -53,8 +53,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array,
 
     ``S = Qqk(q) Qqk(k)^T * scale`` (float32 accumulation), masked (``causal`` and
     ``mask``: masked scores are ``finfo(float32).min`` before the float32 softmax, and the
-    probabilities there are set to exactly 0 after it, so masked positions never enter a
-    scale, an amax or the output, and a row with no visible key outputs 0), ``P =
+    probabilities there are set to exactly 0 after it, so masked scores never enter P's
+    scales or the output, and a row with no visible key outputs 0; masked *keys and
+    queries* do enter q's, k's and v's scales: their tensor amaxes span the whole sequence,
+    padded positions included, and v's blocks of keys mix masked with visible keys), ``P =
     softmax(S)`` in float32, ``O = Qpv(P) Qpv(v)`` (float32 accumulation) returned in
     ``q.dtype``. ``Qqk``, ``Qpv``: the recipe's forward operand specs (blocks along the
     contraction axis: ``hd`` for q and k, the keys for P and v); the backward runs each
