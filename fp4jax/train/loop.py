@@ -138,11 +138,6 @@ def run_mesh(cfg: TrainConfig, rcfg: TrainConfig) -> Mesh:
                          f"{mesh.devices.flat[0].platform} devices): use --attention xla")
     if cfg.batch_size % n_dev:
         raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by {n_dev} devices")
-    if cfg.n_experts and n_dev > 1:
-        # fp4jax.ragged_dot takes per-expert tensor amaxes of the whole batch, which it does
-        # not gather across devices yet: refused here rather than failing at trace time
-        raise ValueError(f"--n-experts: mixtures of experts run on one device only for now "
-                         f"(this run has {n_dev}): pass --devices 1")
     if processes.count() > 1:
         # these keep host-side state in --out (records, warm-up sub-runs) that only process 0
         # would see: not wired for several processes yet
