@@ -74,7 +74,7 @@ __all__ = ["FunctionReport", "function_report", "param_path", "quantize_function
 
 # unary equations through which an operand stays "the parameter" (its layout or dtype only)
 _LAYOUT = frozenset({"reshape", "transpose", "convert_element_type", "squeeze",
-                     "expand_dims", "broadcast_in_dim", "copy", "copy_p", "reduce_precision",
+                     "expand_dims", "broadcast_in_dim", "copy", "reduce_precision",
                      "sharding_constraint", "device_put", "optimization_barrier"})
 # equations whose outputs are pieces of their first operand (a block of a stacked weight,
 # the parts of a fused weight)

@@ -429,17 +429,23 @@ def _ragged_product(frame: _Frame, orig: Callable[[], Any], lhs: Any, rhs: Any,
                                                    preferred_element_type))
 
 
+def _nnx_dot(frame: _Frame) -> Any:
+    """The ``fp4jax.nn.nnx.DotGeneral`` that ``quantize_model`` gave the NNX layer in
+    ``frame`` (its ``fp4jax_dot``)."""
+    dot = getattr(frame.module, "fp4jax_dot", None)
+    if dot is None:
+        raise ValueError(f"fp4jax.nn.quantize_model: NNX module at {frame.path!r} was "
+                         "not prepared (call quantize_model on the model that runs)")
+    return dot
+
+
 def _ragged_fn(frame: _Frame, recipe: Recipe) -> Callable[..., jax.Array]:
     """The layer's ``fp4jax.ragged_dot`` with its keys (as ``_dot_fn``'s: a linen
     ``RaggedDot`` submodule, the layer's own scope for setup-style modules, or the NNX
     layer's ``fp4jax_dot``)."""
     s = frame.session
     if frame.kind == "nnx":
-        dot = getattr(frame.module, "fp4jax_dot", None)
-        if dot is None:
-            raise ValueError(f"fp4jax.nn.quantize_model: NNX module at {frame.path!r} was "
-                             "not prepared (call quantize_model on the model that runs)")
-        return dot.ragged_dot
+        return _nnx_dot(frame).ragged_dot
     try:
         return fnn.RaggedDot(recipe=recipe, rng_collection=s.rng_collection,
                              layer_rng_collection=s.layer_rng_collection)
@@ -477,11 +483,7 @@ def _dot_fn(frame: _Frame, recipe: Recipe) -> Callable[..., jax.Array]:
     Keys)."""
     s = frame.session
     if frame.kind == "nnx":
-        dot = getattr(frame.module, "fp4jax_dot", None)
-        if dot is None:
-            raise ValueError(f"fp4jax.nn.quantize_model: NNX module at {frame.path!r} was "
-                             "not prepared (call quantize_model on the model that runs)")
-        return dot
+        return _nnx_dot(frame)
     try:
         return fnn.DotGeneral(recipe=recipe, rng_collection=s.rng_collection,
                               layer_rng_collection=s.layer_rng_collection)
