@@ -63,6 +63,7 @@ import spec as S  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results" / "ladder"
 COMMITTED_CORPUS = RESULTS / "corpus"
+SPLIT_CHECKPOINT_EVERY = 128  # steps between the checkpoints of a run started with --stop-at
 MARGIN_S = 20.0  # kept free before the limit: copying results, stopping
 # the rows run at every size (BF16, NVFP4, MXFP4): queued before the middle size's extras
 MAIN_SPECS = frozenset(spec for _, spec, _, sizes in S.ROWS if len(sizes) == len(S.SIZES))
@@ -399,6 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", action="store_true",
                    help="start a run too long for the time left with --stop-at (resumed by a "
                         "later call on the same warm machine)")
+    p.add_argument("--overhead-s", type=float, default=None,
+                   help="at least this many seconds of compile, first step, evaluations and "
+                        "start-up for every queued run (default: the largest measured for its "
+                        "size, else spec.COMPILE_S); a recipe slower to compile than those "
+                        "measured needs it for --split to fit")
     p.add_argument("--plan-only", action="store_true", help="print the plan and exit")
     p.add_argument("--toy", action="store_true",
                    help="CPU dry run: the micro preset, 6 steps, sequences of 32")
@@ -437,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     past = driver_records(committed)
     rates = {**record_rates(past), **rates}  # a finished run's own tokens/s first
     overheads = measured_overheads(past, results)
+    if a.overhead_s is not None:
+        for k in {S.overhead_key(r) for r in queue}:
+            overheads[k] = max(a.overhead_s, overheads.get(k, S.COMPILE_S[k[1]]))
 
     def est(r: dict) -> float:
         """Seconds ``r`` needs, less the part a checkpoint here already holds."""
@@ -491,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
         cmd = run_argv(r, toy, prep["tokens"], rdir)
         if resume:
             cmd.append("--resume")
+        if stop_at is not None or resume:  # a split run also keeps a checkpoint every
+            # SPLIT_CHECKPOINT_EVERY steps: cut off at the call's limit, it loses at most those
+            cmd += ["--checkpoint-every", str(SPLIT_CHECKPOINT_EVERY)]
         if stop_at is not None:
             cmd += ["--stop-at", str(stop_at)]
         log = rdir.parent / f"{rdir.name}.log"
