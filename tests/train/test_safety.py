@@ -30,7 +30,7 @@ CLI = ["--preset", "micro", "--recipe", "bf16", "--steps", "30", "--lr", "0.01",
 pytestmark = pytest.mark.usefixtures("keep_compile_cache")  # conftest
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker: other modules' tests run between
 def base(tmp_path_factory):
     """One interrupted run (steps 0-5 of 30, checkpoints 2, 4, 6) on its own corpus; tests
     work on copies of it."""

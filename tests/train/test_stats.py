@@ -204,7 +204,7 @@ def on_runs(test):
     return pytest.mark.heavy(150)(pytest.mark.xdist_group("micro_scan_nvfp4")(test))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker: other modules' tests run between
 def runs(tmp_path_factory):
     """The same micro run (2 scanned NVFP4 blocks) with --stats-every 2 and without."""
     tmp = tmp_path_factory.mktemp("stats")
