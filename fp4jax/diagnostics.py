@@ -49,6 +49,7 @@ window of steps (``fp4jax-train --switch-at auto``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import numbers
@@ -141,7 +142,17 @@ def gemm_stats(x: jax.Array, w: jax.Array, dy: jax.Array, *,
     if dy.shape != x.shape[:-1] + (w.shape[1],):
         raise ValueError(f"gemm_stats: dy must have shape {x.shape[:-1] + (w.shape[1],)} "
                          f"(y's), got {dy.shape}")
-    k = call_key(recipe, key, rht_key)  # fp4jax.dot's checks and key packing
+    call_key(recipe, key, rht_key)  # fp4jax.dot's checks, before tracing
+    return _gemm_stats(x, w, dy, recipe, key, rht_key)
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _gemm_stats(x: jax.Array, w: jax.Array, dy: jax.Array, recipe: Recipe,
+                key: jax.Array | None, rht_key: jax.Array | None) -> dict[str, dict[str, Any]]:
+    """``gemm_stats``' computation as one compiled program (inlined inside a caller's jit;
+    called eagerly, it compiles once per recipe and shapes instead of dispatching each of
+    its few hundred operations on its own)."""
+    k = call_key(recipe, key, rht_key)  # fp4jax.dot's key packing
 
     def f(a, b):
         return dot(a, b, recipe=recipe, key=key, rht_key=rht_key,

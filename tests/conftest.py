@@ -94,6 +94,30 @@ def pytest_configure(config):
         "suite starts these first, longest first")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist sends the worker's ids to the controller
+def pytest_collection_finish(session):
+    """Under ``--dist loadgroup`` every test marked ``xdist_group`` must carry its group in
+    its node id (pytest-xdist's suffix ``@group``, which its scheduler groups by). pytest
+    9.2 keeps a node's id in ``_id`` while pytest-xdist 3.8 still renames ``_nodeid``, so
+    there the suffix is silently lost, every group is split over the workers and the suite
+    compiles its shared steps on both (about 2x the CI time): add it here where it is
+    missing (pyproject's dev extra also keeps pytest below 9.2)."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    for item in session.items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if not names or "@" in item.nodeid:
+            continue
+        new = f"{item.nodeid}@{'_'.join(names)}"
+        if hasattr(item, "_id"):  # pytest >= 9.2
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(new)
+        else:
+            item._nodeid = new
+
+
 def pytest_collection_modifyitems(config, items):
     """Longest first: the tests marked ``heavy(seconds)`` run before all others, in
     decreasing ``seconds`` (the rest keep their order). Under ``-n 2 --dist loadgroup`` the
