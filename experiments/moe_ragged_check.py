@@ -10,7 +10,8 @@ call with uneven expert sizes (one empty, trailing rows) compared bit for bit wi
 ``fp4jax.dot`` on each expert's slice with ``fold_in(key, g)`` (``mismatches`` per output;
 on the CPU all 0, ``tests/dot/test_ragged.py``; on a GPU the float32 accumulation order of
 XLA's ragged GEMM may differ from its dense GEMM, so a mismatch there is reported with its
-largest relative difference, not a failure of the operands, which are the same bits),
+largest relative difference, not a failure of the operands, which are the same bits;
+the exit status counts mismatches on the CPU only),
 then the median time of one forward+backward of: ``fp4jax.ragged_dot``, the per-expert
 ``fp4jax.dot`` loop (static sizes), and ``jax.lax.ragged_dot`` in bfloat16 (no
 quantization). Writes ``lab.run_info`` then one record per recipe.
@@ -106,7 +107,8 @@ def main(argv: list[str]) -> int:
     bad = 0
     for r in args.recipes.split(","):
         rec = check(r, sizes, M, K, N, 2 if args.quick else args.iterations)
-        bad += sum(o["mismatches"] > 0 for o in rec["outputs"].values())
+        if jax.default_backend() == "cpu":  # on a GPU a mismatch is reported, not a failure
+            bad += sum(o["mismatches"] > 0 for o in rec["outputs"].values())
         records.append(rec)
         print(json.dumps(rec), flush=True)
     if args.out:
