@@ -58,6 +58,7 @@ from fp4jax.diagnostics import (  # noqa: F401 (re-exported: the statistics coll
     note_unmeasured,
     probing,
 )
+from fp4jax.grouped_dot import ragged_dot
 
 if TYPE_CHECKING:  # pragma: no cover
     from fp4jax import Recipe
@@ -216,10 +217,8 @@ class RaggedDot(DotGeneral):
         preferred_element_type: Any = None,
     ) -> jax.Array:
         """``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` with FP4 numerics: ``(M, N)``."""
-        import fp4jax
-
         key, rht_key = self._key(), self._rht_key()
-        return fp4jax.ragged_dot(lhs, rhs, group_sizes, recipe=self.recipe, key=key,
+        return ragged_dot(lhs, rhs, group_sizes, recipe=self.recipe, key=key,
                                  rht_key=rht_key, precision=precision,
                                  preferred_element_type=preferred_element_type)
 

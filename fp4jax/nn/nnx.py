@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fp4jax.diagnostics import observe_product
+from fp4jax.grouped_dot import ragged_dot
 from fp4jax.nn.linen import DEFAULT_RNG_STREAM, _needs_key, _needs_layer_key, fp4_dot_general
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -110,9 +111,7 @@ class DotGeneral(nnx.Module):
         out_sharding: Any = None,
     ) -> jax.Array:
         """``jax.lax.dot_general(lhs, rhs, dimension_numbers)`` with FP4 numerics."""
-        key = self.rng() if self.rng is not None else None
-        rht_key = (None if self.rht_key is None
-                   else jax.random.wrap_key_data(self.rht_key[...]))
+        key, rht_key = self._keys()
         y = fp4_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                             out_sharding, recipe=self.recipe, key=key, rht_key=rht_key)
         # fp4jax.diagnostics.layer_stats: this product's operands and keys (y unchanged
@@ -120,18 +119,21 @@ class DotGeneral(nnx.Module):
         return observe_product(self, self.layer_path, lhs, rhs, dimension_numbers, y,
                                recipe=self.recipe, key=key, rht_key=rht_key)
 
+    def _keys(self) -> tuple[jax.Array | None, jax.Array | None]:
+        """One call's keys: a draw of the SR stream (None without one) and the layer's
+        constant RHT-sign key (None without one)."""
+        key = self.rng() if self.rng is not None else None
+        rht_key = (None if self.rht_key is None
+                   else jax.random.wrap_key_data(self.rht_key[...]))
+        return key, rht_key
 
     def ragged_dot(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
                    precision: Any = None, preferred_element_type: Any = None) -> jax.Array:
         """``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` (grouped GEMM, ``rhs (G, K, N)``)
         by ``fp4jax.ragged_dot``, with this layer's keys (one draw per call; expert ``g``
         runs with ``fold_in(key, g)``). Not measured by ``layer_stats``."""
-        import fp4jax
-
-        key = self.rng() if self.rng is not None else None
-        rht_key = (None if self.rht_key is None
-                   else jax.random.wrap_key_data(self.rht_key[...]))
-        return fp4jax.ragged_dot(lhs, rhs, group_sizes, recipe=self.recipe, key=key,
+        key, rht_key = self._keys()
+        return ragged_dot(lhs, rhs, group_sizes, recipe=self.recipe, key=key,
                                  rht_key=rht_key, precision=precision,
                                  preferred_element_type=preferred_element_type)
 

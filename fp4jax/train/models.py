@@ -121,8 +121,9 @@ def llama_weight_layers(mc: LlamaConfig, model: Any, rules: list, seq_len: int
     out = {}
     for path, d in rep.layers.items():
         j = d["rule"]
-        recipe = None if j is None or j >= len(rules) else rules[j].recipe
-        if getattr(recipe, "name", None) != d["recipe"] or (j is not None and j >= len(rules)):
+        known = j is None or j < len(rules)
+        recipe = rules[j].recipe if known and j is not None else None
+        if not known or getattr(recipe, "name", None) != d["recipe"]:
             raise ValueError(f"llama_weight_layers: rule {d['rule']} of the rules given is not "
                              f"the one that quantized {path!r} ({d['recipe']!r}): pass the "
                              "rules the model was built with (llama_rules)")
