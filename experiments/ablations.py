@@ -174,6 +174,17 @@ GROUPS: dict[str, Group] = {
          ("E2M1, RHT-16 on all three GEMMs", "nvfp4(fprop.hadamard=16, dgrad.hadamard=16)"),
          ("E1M2, RHT-16 on all three GEMMs (UFP4 as its abstract states it)",
           "nvfp4(fmt=nvfp4_e1m2, fprop.hadamard=16, dgrad.hadamard=16)"))),
+    # issue 37 item 4: TetraJet-v2's OsciReset (fp4jax.train.oscillation), training-loop state
+    "osci_reset": Group(
+        "OsciReset: resetting oscillating weights to their FP4 value (NVFP4 recipe)",
+        "TetraJet-v2 (arXiv 2510.27527): weights whose quantized value flips while the master "
+        "weight barely moves slow training late; resetting them to the FP4 grid point helps "
+        "(their runs: from ~64% of training, every 200 steps).",
+        (("BF16", "bf16"), ("NVFP4 recipe", "nvfp4"),
+         ("+ OsciReset from 64%, period 200, 50 tracking steps, ratio >= 8 (the authors')",
+          "nvfp4(osci_reset=0.64)"),
+         ("+ OsciReset from 64%, period 100, 25 tracking steps, ratio >= 8",
+          "nvfp4(osci_reset=0.64, osci_period=100, osci_iters=25)"))),
     # issue 37 item 3: FP4 attention (fp4jax.attention), opt-in, the linear layers as nvfp4
     "attention": Group(
         "FP4 attention (q k^T and P v) on top of the NVFP4 recipe",

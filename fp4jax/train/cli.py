@@ -148,6 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
            "(--grad-noise-every) stays below --switch-threshold for --switch-window steps")
     a("--switch", default=d.switch, choices=SWITCH_MODES, help="GEMMs switched to BF16")
     precision.add_flags(a, d)  # --switch-threshold/-window, --grad-noise-every, --bf16-*
+    a("--osci-reset", type=float, default=None, metavar="FRACTION",
+      help="TetraJet-v2's OsciReset from this fraction of training (off when not given): "
+           "weights whose quantized value moves much more than they do are reset to it "
+           "(docs/recipes.md; the authors start at ~0.64)")
+    a("--osci-period", type=int, default=d.osci_period,
+      help="steps between OsciReset's snapshots")
+    a("--osci-iters", type=int, default=d.osci_iters,
+      help="steps OsciReset accumulates distances after each snapshot")
+    a("--osci-threshold", type=float, default=d.osci_threshold,
+      help="distance ratio |dQ(w)| / |dw| at or above which a weight element is reset")
     a("--eval-every", type=int, default=d.eval_every,
       help="validation loss every N steps (0: at the end only)")
     a("--eval-batches", type=int, default=d.eval_batches, help="batches per validation")

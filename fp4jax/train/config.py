@@ -115,6 +115,12 @@ class TrainConfig:
     # with --fsdp > 1: gather the weights of 2D-NVFP4 layers as packed FP4 codes (the same
     # bits; fp4jax.sharding.fp4_all_gather)
     fp4_param_gather: bool = False
+    # TetraJet-v2's OsciReset (fp4jax.train.oscillation): the fraction of the steps from
+    # which it runs (None: off), its period, tracking steps and ratio threshold
+    osci_reset: float | None = None
+    osci_period: int = 200
+    osci_iters: int = 50
+    osci_threshold: float = 8.0
 
     def __post_init__(self) -> None:
         validate_config(self)
@@ -153,6 +159,12 @@ RUN_KEYS: dict[str, str] = {
     "switch_window": "steps the ratio must stay below the threshold (int >= 0)",
     "attn_recipe": "FP4 attention in every block of the built-in Llama (as --attn-recipe: "
                    "attn_nvfp4, attn_mxfp4, attn_nvfp4_all, attn_bf16, or a recipe spec)",
+    "osci_reset": "fraction of training from which TetraJet-v2's OsciReset runs (number in "
+                  "[0, 1]; as --osci-reset)",
+    "osci_period": "steps between OsciReset's snapshots (int >= 3)",
+    "osci_iters": "steps OsciReset tracks after a snapshot (int in [1, osci_period - 2])",
+    "osci_threshold": "OsciReset's distance ratio at or above which a weight is reset "
+                      "(number > 0)",
 }
 
 
@@ -188,12 +200,17 @@ def _run_value(spec: str, key: str, text: str) -> Any:
         "switch_threshold": _is_real(v) and math.isfinite(v) and v > 0,
         "switch_window": _is_int(v) and v >= 0,
         "attn_recipe": isinstance(v, str) and _is_attention_recipe(v),
+        "osci_reset": _is_real(v) and math.isfinite(v) and 0.0 <= v <= 1.0,
+        "osci_period": _is_int(v) and v >= 3,
+        "osci_iters": _is_int(v) and v >= 1,
+        "osci_threshold": _is_real(v) and math.isfinite(v) and v > 0,
     }[key]
     if not ok:
         raise ValueError(f"recipe spec {spec!r}: {key}={text}: {key} is {want}")
     if key == "bf16_layers":
         return v.strip()
-    return (float(v) if key in ("switch_at", "bf16_budget", "switch_threshold") and v != "auto"
+    return (float(v) if key in ("switch_at", "bf16_budget", "switch_threshold", "osci_reset",
+                                 "osci_threshold") and v != "auto"
             else v)
 
 
@@ -269,7 +286,8 @@ _INT_MIN: dict[str, int] = {
     "seq_len": 2, "batch_size": 1, "steps": 1, "warmup_steps": 0, "first_bf16": 0,
     "last_bf16": -1, "eval_every": 0, "eval_batches": 1, "log_every": 1, "checkpoint_every": 0,
     "devices": 0, "fsdp": 1, "keep_checkpoints": 1, "stats_every": 0,
-    "switch_window": 0, "grad_noise_every": 0, "bf16_warmup": 1,
+    "switch_window": 0, "grad_noise_every": 0, "bf16_warmup": 1, "osci_period": 3,
+    "osci_iters": 1,
 }
 # real field -> (low, low included?, high or None, high included?); NaN and infinities are
 # always refused
@@ -279,6 +297,7 @@ _REAL_RANGES: dict[str, tuple[float, bool, float | None, bool]] = {
     "weight_decay": (0.0, True, None, False), "beta1": (0.0, True, 1.0, False),
     "beta2": (0.0, True, 1.0, False), "clip_norm": (0.0, False, None, False),
     "switch_threshold": (0.0, False, None, False), "bf16_budget": (0.0, True, 1.0, True),
+    "osci_threshold": (0.0, False, None, False),
 }
 
 
@@ -324,6 +343,15 @@ def validate_config(cfg: TrainConfig) -> None:
     if cfg.fp4_param_gather and isinstance(cfg.fsdp, int) and cfg.fsdp < 2:
         raise ConfigError("fp4_param_gather", f"gathers the weights that --fsdp shards: it "
                           f"needs --fsdp 2 or more (got --fsdp {cfg.fsdp})")
+    if cfg.osci_reset is not None:
+        _check_real("osci_reset", cfg.osci_reset, 0.0, True, 1.0, True)
+        if cfg.osci_iters > cfg.osci_period - 2:
+            raise ConfigError("osci_iters", f"must be at most --osci-period - 2 = "
+                              f"{cfg.osci_period - 2} (the reset step follows the tracking "
+                              f"steps within a period), got {cfg.osci_iters}")
+        if cfg.model is not None:
+            raise ConfigError("osci_reset", "works with the built-in Llama only (its weights' "
+                              "quantizers are known); drop --osci-reset")
     if cfg.fp4_param_gather and cfg.model is not None:
         raise ConfigError("fp4_param_gather", "works with the built-in Llama only: a --model's"
                           " layer may transform its kernel before the product (which the FP4 "

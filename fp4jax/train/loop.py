@@ -62,6 +62,7 @@ from fp4jax.train.models import (
     llama_models,
     quantized_backward,
 )
+from fp4jax.train.oscillation import OsciReset, tracked_weights
 from fp4jax.train.parallel import make_mesh
 from fp4jax.train.rundir import check_out, claim_out, releases_locks
 from fp4jax.train.runlog import Progress, RunLog, TrainingDiverged, empty_history
@@ -210,6 +211,35 @@ def check_token_rows(cfg: TrainConfig, rm: RunModels, mesh: Mesh) -> None:
                 f"{n_dev * per_dev}, or a --seq-len that is a multiple of {mult}")
 
 
+def osci_reset_plan(rm: RunModels, root: jax.Array) -> tuple[OsciReset, list]:
+    """``--osci-reset``: the run's ``(OsciReset, tracked weights)``
+    (``fp4jax.train.oscillation``) from its config and its model's linear layers.
+
+    Raises:
+      ValueError: a model whose layers are not known (a ``--model``), a precision switch
+        (``--switch-at``: the weights' quantizer would change mid-run), or no weight the
+        recipe quantizes in its forward GEMM."""
+    rcfg = rm.rcfg
+    if rm.weight_layers is None:
+        raise ValueError("--osci-reset works with the built-in Llama only (its weights' "
+                         "quantizers are known)")
+    if rcfg.switch_at is not None:
+        raise ValueError("--osci-reset with --switch-at: the forward weights' quantizer "
+                         "changes at the switch, which OsciReset does not follow; drop one")
+    cfg = OsciReset(start=math.ceil(rcfg.osci_reset * rcfg.steps), period=rcfg.osci_period,
+                    iters=rcfg.osci_iters, threshold=float(rcfg.osci_threshold))
+    shapes = jax.eval_shape(lambda r: rm.models[False].init(
+        jax.random.fold_in(r, 0), jax.numpy.zeros((1, rcfg.seq_len), jax.numpy.int32)),
+        root)["params"]
+    tracked, skipped = tracked_weights(shapes, rm.weight_layers(False),
+                                       model_config(rcfg).dtype)
+    if not tracked:
+        raise ValueError("--osci-reset: no weight of this run is quantized in its forward "
+                         "GEMM (" + "; ".join(f"{k}: {v}" for k, v in skipped.items())
+                         + "); drop the flag")
+    return cfg, tracked
+
+
 def fp4_gather_plans(rm: RunModels, params: Any, specs: Any, mesh: Mesh
                      ) -> tuple[dict[bool, Any], dict[bool, dict[str, str | None]]]:
     """``--fp4-param-gather``: per model of the run (before and after its precision switch),
@@ -243,20 +273,23 @@ def compiled_steps(cfg: TrainConfig, rm: RunModels, recipe: Recipe, mesh: Mesh,
     gathered as ``fp4_gather_plans`` says (its notes); shared with earlier runs of the same
     compiled config (``_step_fns``). Returns ``(functions, reused)``."""
     tx = make_optimizer(cfg)
-    init_fn = make_init_state(rm.models[False], tx, cfg)
+    osci = osci_reset_plan(rm, root) if rm.rcfg.osci_reset is not None else None
+    init_fn = make_init_state(rm.models[False], tx, cfg, osci)
 
     def build() -> dict:
         # the state's layout: replicated, or (--fsdp > 1) each array's fsdp_spec, from its
         # shapes (an abstract evaluation of init: one more "init" trace)
         shapes = jax.eval_shape(init_fn, root) if mesh.shape["fsdp"] > 1 else None
         specs = parallel.state_specs(shapes, mesh) if shapes is not None else _REPLICATED
+        if shapes is None and osci is not None:
+            specs = {**specs, "osci": jax.sharding.PartitionSpec()}
         plans: dict[bool, Any] = {k: None for k in rm.models}
         notes = None
         if cfg.fp4_param_gather:
             plans, notes = fp4_gather_plans(rm, shapes["params"], specs["params"], mesh)
         return {
             "init": jax.jit(init_fn, out_shardings=parallel.shardings(specs, mesh)),
-            "train": {k: make_train_step(m, tx, None, mesh, specs, plans[k])
+            "train": {k: make_train_step(m, tx, None, mesh, specs, plans[k], osci)
                       for k, m in rm.models.items()},
             "eval": {k: make_eval_step(m, None, mesh, plans[k])
                      for k, m in rm.models.items()},

@@ -143,7 +143,7 @@ def fp4_gather_plan(params: Any, specs: Any, mesh: Mesh,
     if isinstance(specs, P):
         specs = treedef.unflatten([specs] * treedef.num_leaves)
     flat_specs = treedef.flatten_up_to(specs)
-    paths = [_path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     notes: dict[str, str | None] = {}
     out = []
     for path, x, spec in zip(paths, jax.tree.leaves(params), flat_specs, strict=True):
@@ -167,7 +167,7 @@ def fp4_gather_plan(params: Any, specs: Any, mesh: Mesh,
     return treedef.unflatten(out), notes
 
 
-def _path_str(path: tuple) -> str:
+def path_str(path: tuple) -> str:
     """A parameter's tree path as ``"block_0/q/kernel"`` (dict keys, no ``"params"``)."""
     keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
     if keys[:1] == ["params"]:

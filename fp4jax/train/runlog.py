@@ -165,6 +165,9 @@ class RunLog:
                 raise self.diverged({"step": s, "loss": loss, "grad_norm": gnorm},
                                     f"loss became {loss} (grad norm {gnorm}) at step {s} "
                                     "(0-based); stopped.", s)
+            if "osci_reset" in m and float(m["osci_reset"]) > 0:  # --osci-reset's reset step
+                self.write({"type": "osci_reset", "step": s,
+                            "fraction": float(m["osci_reset"])})
             self.history["step"].append(s)
             self.history["loss"].append(loss)
             w["tokens"] += self.tokens_per_step

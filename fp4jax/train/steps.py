@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from fp4jax import diagnostics
 from fp4jax.models import moe
 from fp4jax.models.llama import layer_name
-from fp4jax.train import parallel
+from fp4jax.train import oscillation, parallel
 from fp4jax.train.config import TrainConfig
 
 NameFn = Callable[[tuple[str, ...], tuple[int, ...]], str]
@@ -75,18 +75,23 @@ def _traced(kind: str) -> None:
 
 
 def make_init_state(model: Any, tx: optax.GradientTransformation,
-                    cfg: TrainConfig) -> Callable[..., dict]:
+                    cfg: TrainConfig, osci: Any = None) -> Callable[..., dict]:
     """``init(root=None) -> {"step", "params", "opt_state"}``: parameters from
     ``fold_in(root, 0)``, ``root`` defaulting to ``jax.random.key(cfg.seed)``; ``train`` passes
-    the root key, so the seed is data and one compilation serves every seed."""
+    the root key, so the seed is data and one compilation serves every seed. ``osci``:
+    ``(OsciReset, tracked weights)`` (``fp4jax.train.oscillation``) adds its state under
+    ``"osci"``."""
 
     def init_state(root=None):
         _traced("init")
         root = jax.random.key(cfg.seed) if root is None else root
         x0 = jnp.zeros((1, cfg.seq_len), jnp.int32)
         params = model.init(jax.random.fold_in(root, 0), x0)["params"]
-        return {"step": jnp.zeros((), jnp.int32), "params": params,
-                "opt_state": tx.init(params)}
+        state = {"step": jnp.zeros((), jnp.int32), "params": params,
+                 "opt_state": tx.init(params)}
+        if osci is not None:
+            state["osci"] = oscillation.init_state(params, osci[1])
+        return state
 
     return init_state
 
@@ -97,7 +102,7 @@ REPLICATED = {"step": P(), "params": P(), "opt_state": P()}
 
 def make_train_step(model: Any, tx: optax.GradientTransformation,
                     base_key: jax.Array | None, mesh: Mesh, specs: Any = None,
-                    fp4_gather: Any = None) -> Callable:
+                    fp4_gather: Any = None, osci: Any = None) -> Callable:
     """A jit-compiled ``step(state, batch) -> (state, metrics)``. The stochastic-rounding key
     of step ``s`` is ``fold_in(base_key, s)``. With ``base_key=None`` (what ``train`` uses)
     the key is an argument, ``step(state, batch, base_key)``, so one compilation serves
@@ -109,7 +114,10 @@ def make_train_step(model: Any, tx: optax.GradientTransformation,
     rows of the batch, the Pallas kernels on, every quantized tensor's amax and random bits
     those of the whole batch, parameters gathered over ``fsdp``); the optimizer update runs
     on the state as it is laid out. ``fp4_gather``: which parameters are gathered in FP4
-    (``parallel.fp4_gather_plan``'s tree; None: all as stored)."""
+    (``parallel.fp4_gather_plan``'s tree; None: all as stored). ``osci``: ``(OsciReset,
+    tracked weights)``: after the update, TetraJet-v2's oscillation reset
+    (``fp4jax.train.oscillation.apply``) on the state's ``"osci"``; the metrics gain
+    ``"osci_reset"`` (the fraction of tracked elements reset at this step)."""
     if tuple(mesh.axis_names) != parallel.AXES:
         raise ValueError(f"make_train_step needs a mesh with axes {parallel.AXES} "
                          f"(parallel.make_mesh), got {tuple(mesh.axis_names)}")
@@ -136,7 +144,11 @@ def make_train_step(model: Any, tx: optax.GradientTransformation,
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": _global_norm(grads)}
-        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+        new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+        if osci is not None:
+            new["params"], new["osci"], metrics["osci_reset"] = oscillation.apply(
+                osci[0], params, state["osci"], state["step"], osci[1])
+        return new, metrics
 
     return jax.jit(step, out_shardings=(parallel.shardings(specs, mesh), NamedSharding(mesh, P())),
                    donate_argnums=0)
