@@ -341,7 +341,8 @@ def run(groups: list[str], out: Path, jobs: int, data: str | None, extra: list[s
                 print(f"ablations: {name}: stopped at the time limit", flush=True)
             log.close()
             print(f"ablations: {name}: exit {rc}", flush=True)
-            status = status or (rc if rc > 0 else 1)
+            if rc != 0:  # a failed sweep (a signal: 1)
+                status = status or (rc if rc > 0 else 1)
     finally:  # interrupted (Ctrl-C): the sweeps run in their own sessions, stop them
         for _, p, _ in procs:
             if p.poll() is None:

@@ -192,3 +192,26 @@ def test_longer_token_ratio_against_hand_interpolation(A, tmp_path):
         [r for r in runs if r["spec"] == "mxfp4"] + [dict(r, final_val_loss=1.0)
                                                      for r in runs if r["spec"] == "nvfp4"],
         longer)
+
+
+@pytest.mark.parametrize("rcs,want", [((0, 0), 0), ((0, 3), 3), ((-15, 0), 1)])
+def test_run_exit_status_is_the_sweeps(A, tmp_path, monkeypatch, rcs, want):
+    """``run`` exits 0 when every sweep did (it once returned 1 for a clean run), else the
+    first failure's status (1 for a signal)."""
+    calls = []
+
+    class FakeSweep:
+        def __init__(self, cmd, **kw):
+            calls.append(cmd)
+            self.pid, self.returncode = 0, rcs[len(calls) - 1]
+
+        def wait(self, timeout=None):
+            return self.returncode
+
+        def poll(self):
+            return self.returncode
+
+    monkeypatch.setattr(A, "seed_from", lambda out: [])
+    monkeypatch.setattr(A.subprocess, "Popen", FakeSweep)
+    assert A.run(["main", "osci_reset"], tmp_path / "abl", 2, None, []) == want
+    assert len(calls) == 2  # seeds3 and seeds2 sweeps
