@@ -73,12 +73,12 @@ def _recipe(recipe: Any) -> Recipe:
     return fp4jax.recipes.nvfp4() if recipe is None else fp4jax.recipes.get(recipe)
 
 
-def _needs_key(recipe: Any) -> bool:
+def needs_key(recipe: Any) -> bool:
     """Whether ``recipe`` (a ``Recipe``, a recipe name or ``None`` = NVFP4) needs SR keys."""
     return _recipe(recipe).needs_key
 
 
-def _needs_layer_key(recipe: Any) -> bool:
+def needs_layer_key(recipe: Any) -> bool:
     """Whether ``recipe`` draws RHT signs per layer (needs a key constant over steps)."""
     return _recipe(recipe).needs_layer_key
 
@@ -132,7 +132,7 @@ class DotGeneral(nn.Module):
     @nn.nowrap
     def _key(self) -> jax.Array | None:
         return self._draw(
-            _needs_key(self.recipe), self.rng_collection,
+            needs_key(self.recipe), self.rng_collection,
             f"uses stochastic rounding and needs a PRNG key: pass "
             f"rngs={{{self.rng_collection!r}: key}} to Module.apply (e.g. "
             "jax.random.fold_in(seed_key, step)).")
@@ -140,7 +140,7 @@ class DotGeneral(nn.Module):
     @nn.nowrap
     def _rht_key(self) -> jax.Array | None:
         return self._draw(
-            _needs_layer_key(self.recipe), self.layer_rng_collection,
+            needs_layer_key(self.recipe), self.layer_rng_collection,
             "draws its RHT signs per layer (hadamard_signs='layer') and needs a key that "
             f"stays the same at every step: pass rngs={{..., {self.layer_rng_collection!r}: "
             "layer_key} to Module.apply, with one fixed layer_key per run (e.g. "

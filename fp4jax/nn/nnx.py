@@ -32,7 +32,7 @@ from flax import nnx
 
 from fp4jax.diagnostics import observe_product
 from fp4jax.grouped_dot import ragged_dot
-from fp4jax.nn.linen import DEFAULT_RNG_STREAM, _needs_key, _needs_layer_key, fp4_dot_general
+from fp4jax.nn.linen import DEFAULT_RNG_STREAM, fp4_dot_general, needs_key, needs_layer_key
 
 if TYPE_CHECKING:  # pragma: no cover
     from fp4jax import Recipe
@@ -70,7 +70,7 @@ class DotGeneral(nnx.Module):
         self.recipe = recipe
         self.layer_path = layer_path
         self.rng_stream = rng_stream
-        if _needs_key(recipe):
+        if needs_key(recipe):
             if rngs is None:
                 name = getattr(recipe, "name", "default")
                 raise ValueError(
@@ -87,7 +87,7 @@ class DotGeneral(nnx.Module):
                 ) from e
         else:
             self.rng = None
-        if not _needs_layer_key(recipe):
+        if not needs_layer_key(recipe):
             self.rht_key = None
         elif rht_key is not None:
             self.rht_key = RHTKey(jax.random.key_data(rht_key))
