@@ -66,8 +66,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fp4jax import numerics, sharding
 from fp4jax import quantization as qz
-from fp4jax import sharding
 from fp4jax.hadamard import random_hadamard_transform
 from fp4jax.numerics import reciprocal_rn, uniform_rows
 from fp4jax.quantized_dot import (
@@ -249,7 +249,7 @@ class _Ragged:
             t = _row_rht(t, self.signs(keys, gemm)[lay["gid"]], g.hadamard)
         if not spec.quantized:
             return t[None], None
-        xf = t.astype(jnp.float32)
+        xf = numerics.exact_float32(t)
         amax = _segment_amax(qz.row_amax(xf, -1)[:, 0], lay["gid"], lay["valid"], self.G)
         u = None
         if spec.stochastic:
@@ -272,7 +272,7 @@ class _Ragged:
             t = _tile_rht(t, self.signs(keys, "wgrad")[pl["gid"][::h]], h)
         if not spec.quantized:
             return t[None], None
-        xf = t.astype(jnp.float32)
+        xf = numerics.exact_float32(t)
         amax = _segment_amax(qz.row_amax(xf, -1)[:, 0], pl["gid"], pl["valid"], self.G)
         b = spec.fmt.block_size
         block_amax = jnp.where(pl["valid"][::b], amax[pl["gid"][::b]], 0.0)

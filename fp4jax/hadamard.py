@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp4jax import numerics
+
 __all__ = ["TE_SIGN_VECTOR", "SIGN_POLICIES", "default_signs", "unsigned_signs", "fwht_tiles",
            "hadamard_matrix", "random_hadamard_transform", "resolve_signs"]
 
@@ -139,7 +141,7 @@ def random_hadamard_transform(
     if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
         raise TypeError(f"x must have a floating dtype, got {jnp.asarray(x).dtype}")
     _check_size(size)
-    x = jnp.asarray(x, jnp.float32)
+    x = numerics.exact_float32(x)
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis={axis} is out of range for x of shape {x.shape}")
     axis = axis % x.ndim

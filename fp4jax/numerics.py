@@ -225,6 +225,40 @@ def element_grid(exp_bits: int, man_bits: int) -> FloatGrid:
     return ELEMENT_FORMATS[key]
 
 
+def exact_float32(x: jax.Array) -> jax.Array:
+    """``x`` widened to float32 with exactly the values of its own dtype: how every fp4jax
+    quantizer, amax and RHT reads a bfloat16 or float16 operand.
+
+    Why a rule: XLA's ``--xla_allow_excess_precision`` (true by default) lets it remove a
+    ``convert(f32 -> bf16) -> convert(bf16 -> f32)`` pair, so an operand cast to bfloat16
+    inside the same jitted program (a float32 master weight that a layer casts to its
+    compute dtype) reached the quantizer unrounded on the GPU: measured on an H100 (JAX
+    0.11.2, ``experiments/excess_precision_check.py``), 90% of the values of a 2D NVFP4
+    weight quantized after an in-program cast differed from the same weight cast on the
+    host, and ``fp4jax.dot``'s outputs and gradients too; on the CPU XLA kept the rounding.
+    bfloat16 gets an explicit ``reduce_precision`` to its 8 exponent and 7 mantissa bits
+    after the widening (round to nearest even, as the convert; the same exponent range as
+    float32, so no overflow or subnormal differs), which still rounds where the convert
+    pair was removed and changes nothing where it was not (one fused element-wise op).
+    float16 gets an ``optimization_barrier`` before the widening instead (XLA's
+    ``reduce_precision`` flushes values below the target's smallest normal to zero, which
+    float16's convert does not). float32 passes unchanged.
+
+    Args:
+      x: a float array (float32, bfloat16 or float16).
+    Returns:
+      float32 array of ``x``'s shape.
+    """
+    x = jnp.asarray(x)
+    if x.dtype == jnp.float32:
+        return x
+    if x.dtype == jnp.bfloat16:
+        return jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=8, mantissa_bits=7)
+    if x.dtype == jnp.float16:
+        return jax.lax.optimization_barrier(x).astype(jnp.float32)
+    return x.astype(jnp.float32)
+
+
 def floor_log2(v: jax.Array) -> jax.Array:
     """``floor(log2(v))`` for float32 ``v > 0``, exact, as int32.
 

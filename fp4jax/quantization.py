@@ -705,10 +705,11 @@ def _check_one_key(key: jax.Array, name: str = "key") -> jax.Array:
 
 def finite_amax(x: jax.Array) -> jax.Array:
     """The tensor amax: ``max |x|`` over the finite entries of ``x`` (0 when none is finite),
-    a scalar of ``x``'s dtype. NaN/Inf are skipped so that one bad value does not poison the
-    whole tensor's scale (its block gets a NaN scale instead, ``block_amax``)."""
+    a float32 scalar (``x`` read through ``numerics.exact_float32``: a bfloat16 tensor's
+    amax is that of its bfloat16 values). NaN/Inf are skipped so that one bad value does not
+    poison the whole tensor's scale (its block gets a NaN scale instead, ``block_amax``)."""
     with jax.named_scope("fp4_amax"):  # op-name metadata for profiles; same program
-        a = jnp.abs(x)
+        a = jnp.abs(numerics.exact_float32(x))
         return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), initial=0.0)
 
 
@@ -832,7 +833,7 @@ def row_amax(x: jax.Array, axis: int) -> jax.Array:
     float32 shaped like ``x`` with ``axis`` of length 1: the amax of row-scaled NVFP4
     (Transformer Engine's ``reference_nvfp4.py`` l. 877: ``torch.max(torch.abs(row_input),
     dim=1)``; fp4jax skips NaN/Inf, as the tensor amax does)."""
-    a = jnp.abs(x.astype(jnp.float32))
+    a = jnp.abs(numerics.exact_float32(x))
     return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), axis=axis, keepdims=True, initial=0.0)
 
 
@@ -863,7 +864,7 @@ def quantize_unchecked(x, key, fmt: BlockFormat, axis: int, block_2d: bool, roun
     several tensors stacked in one array gives each row the bits of its own tensor's
     quantization (``fp4jax.ragged_dot``'s experts)."""
     b = fmt.block_size
-    xf = x.astype(jnp.float32)
+    xf = numerics.exact_float32(x)
     given = tensor_amax is not None
     if given and (block_2d or row_scaled or shard is not None or rounding == "ms_eden"
                   or block_scale_rule != "max"):

@@ -166,7 +166,7 @@ def _fp4_gather_parts(x: jax.Array, axis_name: AxisName, axis: int, fmt: BlockFo
     b = fmt.block_size
     nd = x.ndim
     tiled = axis % nd >= nd - 2
-    xf = x.astype(dtype).astype(jnp.float32)  # what the model's cast gives the dot
+    xf = numerics.exact_float32(x.astype(dtype))  # what the model's cast gives the dot
     lead = xf.shape[:-2]
     mat = xf.reshape((-1,) + xf.shape[-2:])
 

@@ -55,7 +55,7 @@ def finite_amax(x: jax.Array) -> jax.Array:
     core's tensor amax rule itself (``fp4jax.quantization.finite_amax``)."""
     from fp4jax import quantization
 
-    return quantization.finite_amax(x.astype(jnp.float32))
+    return quantization.finite_amax(x)  # reads x through numerics.exact_float32
 
 
 def global_scales(x: jax.Array | None, amax: jax.Array | None = None

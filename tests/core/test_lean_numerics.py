@@ -269,3 +269,52 @@ def test_float64_paths_round_to_float32_without_a_convert_pair():
     bad = jax.jit(lambda x: x.astype(jnp.float32).astype(jnp.float64) * 2)
     with jax.enable_x64(True):
         assert _narrow_widen_pairs(bad.lower(jnp.zeros(3, jnp.float64)).as_text())
+
+
+def test_exact_float32_is_the_widening_of_every_bf16_and_f16_value():
+    """``numerics.exact_float32`` gives the float32 value of every bfloat16 and float16 bit
+    pattern (subnormals, infinities, signed zeros; NaN stays NaN), and float32 unchanged."""
+    import ml_dtypes
+
+    for dt in (ml_dtypes.bfloat16, np.float16):
+        v = np.arange(2**16, dtype=np.uint16).view(dt)
+        got = np.asarray(jax.jit(numerics.exact_float32)(jnp.asarray(v)))
+        want = v.astype(np.float32)
+        nan = np.isnan(want)
+        assert np.array_equal(np.isnan(got), nan)
+        assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(64).astype(np.float32))
+    assert numerics.exact_float32(x) is x
+
+
+def test_operands_cast_in_program_keep_their_bf16_rounding():
+    """A float32 weight cast to bfloat16 inside the jitted program and read by fp4jax's
+    quantizers (XLA path), amax and RHT is read through ``numerics.exact_float32``: its
+    lowering holds a ``reduce_precision`` to bfloat16's bits, which still rounds where XLA:GPU
+    removes the convert pair under ``xla_allow_excess_precision`` (on an H100 90% of such a
+    weight's quantized values differed before; experiments/excess_precision_check.py)."""
+    import fp4jax
+    from fp4jax import hadamard, quantization
+
+    w = jnp.asarray(np.random.default_rng(1).standard_normal((64, 32)).astype(np.float32))
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((16, 64)).astype(np.float32))
+    r = fp4jax.recipes.nvfp4()
+    key = jax.random.key(0)
+    cases = {
+        "quantize 2d": lambda w: fp4jax.quantize(w.astype(jnp.bfloat16), fp4jax.NVFP4,
+                                                 block_2d=True).data,
+        "quantize 1d": lambda w: fp4jax.quantize(w.astype(jnp.bfloat16), fp4jax.MXFP4).data,
+        "row scaled": lambda w: fp4jax.quantize(w.astype(jnp.bfloat16), fp4jax.NVFP4,
+                                                row_scaled=True).data,
+        "amax": lambda w: quantization.finite_amax(w.astype(jnp.bfloat16)),
+        "rht": lambda w: hadamard.random_hadamard_transform(w.astype(jnp.bfloat16), axis=0),
+        "dot grads": lambda w: jax.grad(lambda v: jnp.sum(fp4jax.dot(
+            x.astype(jnp.bfloat16), v.astype(jnp.bfloat16), recipe=r, key=key
+        ).astype(jnp.float32)))(w),
+    }
+    rp = "stablehlo.reduce_precision"
+    for name, f in cases.items():
+        mlir = jax.jit(f).lower(w).as_text()
+        assert f"{rp} " in mlir and "format = e8m7" in mlir, name
+    # float32 operands need none
+    assert rp not in jax.jit(lambda w: fp4jax.quantize(w, fp4jax.NVFP4).data).lower(w).as_text()
