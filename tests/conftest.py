@@ -130,3 +130,45 @@ def pytest_collection_modifyitems(config, items):
         return float(mark.args[0]) if mark is not None and mark.args else 0.0
 
     items.sort(key=lambda item: -seconds(item))
+
+
+# --- where the suite's time goes (opt-in): FP4JAX_TEST_COMPILE_LOG=FILE appends one JSON
+# line per test phase with its wall seconds and the seconds this process spent tracing,
+# lowering and compiling (XLA backend compile, persistent-cache reads included), and its
+# persistent-cache hits and misses. Work in child processes (CLI tests) is not seen.
+_COMPILE_LOG = os.environ.get("FP4JAX_TEST_COMPILE_LOG")
+_COMPILE_ACC: dict[str, float] = {}
+if _COMPILE_LOG:
+    from jax import monitoring as _monitoring
+
+    _EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
+               "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+               "/jax/core/compile/backend_compile_duration": "compile_s"}
+
+    def _on_duration(event: str, secs: float, **_: object) -> None:
+        k = _EVENTS.get(event)
+        if k:
+            _COMPILE_ACC[k] = _COMPILE_ACC.get(k, 0.0) + secs
+            if k == "compile_s":
+                _COMPILE_ACC["compiles"] = _COMPILE_ACC.get("compiles", 0) + 1
+
+    def _on_event(event: str, **_: object) -> None:
+        k = {"/jax/compilation_cache/cache_hits": "cache_hits",
+             "/jax/compilation_cache/cache_misses": "cache_misses"}.get(event)
+        if k:
+            _COMPILE_ACC[k] = _COMPILE_ACC.get(k, 0) + 1
+
+    _monitoring.register_event_duration_secs_listener(_on_duration)
+    _monitoring.register_event_listener(_on_event)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(item, call):
+        yield
+        import json
+
+        rec = {"test": item.nodeid, "phase": call.when,
+               "wall_s": round(call.duration, 3),
+               **{k: round(v, 3) for k, v in _COMPILE_ACC.items()}}
+        _COMPILE_ACC.clear()
+        with open(_COMPILE_LOG, "a") as f:
+            f.write(json.dumps(rec) + "\n")
