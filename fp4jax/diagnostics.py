@@ -65,6 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp4jax import numerics
 from fp4jax import quantization as qz
 from fp4jax.quantized_dot import call_key, dot, reference_operand
 from fp4jax.recipes import Recipe, get, nvfp4
@@ -89,7 +90,7 @@ def _operand_stats(t: jax.Array, recipe: Recipe, key: jax.Array, gemm: str, whic
                    ) -> dict[str, jax.Array]:
     """Format usage of one operand ``t`` (canonical 3D ``(1, R, C)``) as the GEMM quantizes
     it (``fp4jax.quantized_dot.reference_operand``)."""
-    r, q = reference_operand(t.astype(jnp.float32), recipe, gemm, which, key)
+    r, q = reference_operand(numerics.exact_float32(t), recipe, gemm, which, key)
     amax = qz.finite_amax(r)
     spec = getattr(getattr(recipe, gemm), which)
     if not spec.quantized:
@@ -161,7 +162,7 @@ def _gemm_stats(x: jax.Array, w: jax.Array, dy: jax.Array, recipe: Recipe,
     y_q, vjp = jax.vjp(f, x, w)
     dx_q, dw_q = vjp(dy.astype(y_q.dtype))
     hi = jax.lax.Precision.HIGHEST
-    x32, w32, dy32 = (a.astype(jnp.float32) for a in (x, w, dy))
+    x32, w32, dy32 = (numerics.exact_float32(a) for a in (x, w, dy))
     y = jnp.matmul(x32, w32, precision=hi)
     dx = jnp.matmul(dy32, w32.T, precision=hi)
     x2, dy2 = x32.reshape(-1, x.shape[-1]), dy32.reshape(-1, w.shape[1])
