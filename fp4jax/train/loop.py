@@ -211,9 +211,10 @@ def check_token_rows(cfg: TrainConfig, rm: RunModels, mesh: Mesh) -> None:
                 f"{n_dev * per_dev}, or a --seq-len that is a multiple of {mult}")
 
 
-def osci_reset_plan(rm: RunModels, root: jax.Array) -> tuple[OsciReset, list]:
+def osci_reset_plan(rm: RunModels, params: Any) -> tuple[OsciReset, list]:
     """``--osci-reset``: the run's ``(OsciReset, tracked weights)``
-    (``fp4jax.train.oscillation``) from its config and its model's linear layers.
+    (``fp4jax.train.oscillation``) from its config and its model's linear layers
+    (``params``: the parameters' shapes, ``ShapeDtypeStruct``s).
 
     Raises:
       ValueError: a model whose layers are not known (a ``--model``), a precision switch
@@ -228,10 +229,7 @@ def osci_reset_plan(rm: RunModels, root: jax.Array) -> tuple[OsciReset, list]:
                          "changes at the switch, which OsciReset does not follow; drop one")
     cfg = OsciReset(start=math.ceil(rcfg.osci_reset * rcfg.steps), period=rcfg.osci_period,
                     iters=rcfg.osci_iters, threshold=float(rcfg.osci_threshold))
-    shapes = jax.eval_shape(lambda r: rm.models[False].init(
-        jax.random.fold_in(r, 0), jax.numpy.zeros((1, rcfg.seq_len), jax.numpy.int32)),
-        root)["params"]
-    tracked, skipped = tracked_weights(shapes, rm.weight_layers(False),
+    tracked, skipped = tracked_weights(params, rm.weight_layers(False),
                                        model_config(rcfg).dtype)
     if not tracked:
         raise ValueError("--osci-reset: no weight of this run is quantized in its forward "
@@ -273,10 +271,13 @@ def compiled_steps(cfg: TrainConfig, rm: RunModels, recipe: Recipe, mesh: Mesh,
     gathered as ``fp4_gather_plans`` says (its notes); shared with earlier runs of the same
     compiled config (``_step_fns``). Returns ``(functions, reused)``."""
     tx = make_optimizer(cfg)
-    osci = osci_reset_plan(rm, root) if rm.rcfg.osci_reset is not None else None
-    init_fn = make_init_state(rm.models[False], tx, cfg, osci)
 
     def build() -> dict:
+        osci = None
+        if rm.rcfg.osci_reset is not None:  # its tracked weights from the parameters' shapes
+            plain = make_init_state(rm.models[False], tx, cfg)
+            osci = osci_reset_plan(rm, jax.eval_shape(plain, root)["params"])
+        init_fn = make_init_state(rm.models[False], tx, cfg, osci)
         # the state's layout: replicated, or (--fsdp > 1) each array's fsdp_spec, from its
         # shapes (an abstract evaluation of init: one more "init" trace)
         shapes = jax.eval_shape(init_fn, root) if mesh.shape["fsdp"] > 1 else None

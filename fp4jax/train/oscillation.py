@@ -81,14 +81,21 @@ class OsciReset:
         """The step of the first snapshot: the first multiple of ``period`` >= ``start``."""
         return -(-self.start // self.period) * self.period
 
+    def phase_index(self, step: Any) -> Any:
+        """What step ``step`` does, as an index into ``PHASES`` (0 off, 1 snapshot, 2 track,
+        3 reset): the schedule's one rule, for a Python int or a traced int32 step."""
+        ph = step % self.period
+        return jnp.where(step < self.first_snapshot, 0,
+                         jnp.where(ph == 0, 1,
+                                   jnp.where(ph <= self.iters, 2,
+                                             jnp.where(ph == self.iters + 1, 3, 0))))
+
     def phase(self, step: int) -> str:
-        """What step ``step`` does: ``"off"``, ``"snapshot"``, ``"track"`` or ``"reset"``
-        (a Python int; ``apply`` computes the same from a traced step)."""
-        if step < self.first_snapshot:
-            return "off"
-        p = step % self.period
-        return ("snapshot" if p == 0 else "track" if p <= self.iters
-                else "reset" if p == self.iters + 1 else "off")
+        """What step ``step`` does: ``"off"``, ``"snapshot"``, ``"track"`` or ``"reset"``."""
+        return PHASES[int(self.phase_index(step))]
+
+
+PHASES = ("off", "snapshot", "track", "reset")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,8 +174,13 @@ def init_state(params: Any, tracked: list[Tracked]) -> dict[str, list[jax.Array]
     """The state OsciReset keeps beside the train state: ``{"last", "dq", "dw"}``, each a
     list of float32 arrays shaped as the tracked kernels (3 extra copies of them)."""
     ws, _ = _leaves(params, tracked)
+    return _fresh(ws, ws)
+
+
+def _fresh(ws: list, last: list) -> dict[str, list[jax.Array]]:
+    """A state with ``last`` as the snapshot (float32) and the distances at zero."""
     z = [jnp.zeros(w.shape, jnp.float32) for w in ws]
-    return {"last": [jnp.asarray(w, jnp.float32) for w in ws], "dq": z, "dw": list(z)}
+    return {"last": [jnp.asarray(w, jnp.float32) for w in last], "dq": z, "dw": list(z)}
 
 
 def apply(cfg: OsciReset, params: Any, state: dict, step: jax.Array,
@@ -180,12 +192,7 @@ def apply(cfg: OsciReset, params: Any, state: dict, step: jax.Array,
     if not tracked:
         return params, state, jnp.zeros((), jnp.float32)
     ws, idx = _leaves(params, tracked)
-    first = cfg.first_snapshot
-    ph = step % cfg.period
-    branch = jnp.where(step < first, 0,
-                       jnp.where(ph == 0, 1,
-                                 jnp.where(ph <= cfg.iters, 2,
-                                           jnp.where(ph == cfg.iters + 1, 3, 0))))
+    branch = cfg.phase_index(step)
 
     def q(w, t):
         return fake_quant_weight(w, t.spec, t.dtype)
@@ -194,9 +201,7 @@ def apply(cfg: OsciReset, params: Any, state: dict, step: jax.Array,
         return ws, st, jnp.zeros((), jnp.float32)
 
     def snapshot(ws, st):
-        z = [jnp.zeros(w.shape, jnp.float32) for w in ws]
-        return ws, {"last": [w.astype(jnp.float32) for w in ws], "dq": z, "dw": list(z)}, \
-            jnp.zeros((), jnp.float32)
+        return ws, _fresh(ws, ws), jnp.zeros((), jnp.float32)
 
     def track(ws, st):
         dq = [a + jnp.abs(q(w, t) - q(lw, t))
@@ -214,8 +219,8 @@ def apply(cfg: OsciReset, params: Any, state: dict, step: jax.Array,
             new.append(jnp.where(mask, q(w, t).astype(w.dtype), w))
             n_reset = n_reset + jnp.sum(mask, dtype=jnp.float32)
         total = float(sum(w.size for w in ws))
-        z = [jnp.zeros(w.shape, jnp.float32) for w in ws]
-        return new, {"last": z, "dq": list(z), "dw": list(z)}, n_reset / total
+        zeros = [jnp.zeros(w.shape, jnp.float32) for w in ws]
+        return new, _fresh(ws, zeros), n_reset / total
 
     ws, state, frac = jax.lax.switch(branch, [off, snapshot, track, reset], ws, state)
     flat, treedef = jax.tree.flatten(params)
