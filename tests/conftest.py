@@ -161,6 +161,37 @@ if _COMPILE_LOG:
     _monitoring.register_event_duration_secs_listener(_on_duration)
     _monitoring.register_event_listener(_on_event)
 
+    import logging as _logging
+    import re as _re
+
+    _COMPILED: list = []  # (name, seconds, "hit" | "miss" | "") of each backend compile
+    _PROGRAM_MIN_S = float(os.environ.get("FP4JAX_TEST_COMPILE_LOG_MIN_S", "0.2"))
+
+    class _CompileNames(_logging.Handler):
+        """Reads JAX's debug lines: the persistent cache's hit/miss for a module, then
+        "Finished XLA compilation of NAME in S sec"."""
+
+        _pending: dict = {}
+
+        def emit(self, record: _logging.LogRecord) -> None:
+            msg = record.getMessage()
+            m = _re.match(r"(Persistent compilation cache hit|PERSISTENT COMPILATION CACHE "
+                          r"MISS) for '([^']+)'", msg)
+            if m:
+                self._pending[m.group(2)] = "hit" if m.group(1).endswith("hit") else "miss"
+                return
+            m = _re.match(r"Finished XLA compilation of (.+) in ([0-9.e-]+) sec", msg)
+            if m:
+                name = m.group(1)
+                key = _re.sub(r"^(\w+)\((.*)\)$", r"\1_\2", name)  # jit(f) -> jit_f
+                _COMPILED.append((name, round(float(m.group(2)), 3),
+                                  self._pending.pop(key, "")))
+
+    for _name in ("jax._src.dispatch", "jax._src.compiler"):
+        _lg = _logging.getLogger(_name)
+        _lg.setLevel(_logging.DEBUG)
+        _lg.addHandler(_CompileNames(level=_logging.DEBUG))
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(item, call):
         yield
@@ -168,7 +199,9 @@ if _COMPILE_LOG:
 
         rec = {"test": item.nodeid, "phase": call.when,
                "wall_s": round(call.duration, 3),
-               **{k: round(v, 3) for k, v in _COMPILE_ACC.items()}}
+               **{k: round(v, 3) for k, v in _COMPILE_ACC.items()},
+               "programs": [c for c in _COMPILED if c[1] >= _PROGRAM_MIN_S]}
         _COMPILE_ACC.clear()
+        _COMPILED.clear()
         with open(_COMPILE_LOG, "a") as f:
             f.write(json.dumps(rec) + "\n")
