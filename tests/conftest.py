@@ -19,8 +19,19 @@ if os.environ.get("FP4JAX_TEST_XLA_OPT", "0") != "1":
             os.environ["XLA_FLAGS"] += " " + flag
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import gc  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# Python's cyclic garbage collector, at its default thresholds, runs a full collection over
+# the millions of objects JAX's tracing and caches keep alive every few hundred thousand
+# allocations: 5.6% of the process time of three harness tests (3.1 of 55 s, 1,847
+# collections). Objects alive after the imports are frozen (never traversed again) and the
+# collections are rarer (1.4 s, 20 collections); cycles are still collected, so memory is
+# not leaked.
+gc.freeze()
+gc.set_threshold(50_000, 50, 100)
 
 # Tests compare float32 matmuls against NumPy: on GPUs the default precision is
 # reduced (TF32-like), so ask for full float32 everywhere (no effect on CPU).
