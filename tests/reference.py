@@ -464,3 +464,23 @@ def ref_four_over_six(x: np.ndarray, rule: str, block_2d: bool = False, ftz: boo
     else:
         q = q.reshape(xp.shape)[..., :c]
     return q, s, dec, pick4
+
+
+def np_rht_rows(a, size=16):
+    """NumPy RHT of a 2-D array along axis 0 (zero-padded to a multiple of ``size``), with
+    Transformer Engine's sign vector, by the float32 butterfly (``ref_fwht_f32``)."""
+    import fp4jax
+
+    a = np.pad(np.asarray(a, np.float32), ((0, (-a.shape[0]) % size), (0, 0)))
+    signs = np.asarray(fp4jax.TE_SIGN_VECTOR, np.float32)
+    t = np.moveaxis(a.reshape(-1, size, a.shape[1]), 1, -1) * signs
+    return np.moveaxis(ref_fwht_f32(t.reshape(-1, size), size).reshape(t.shape), -1, 1
+                       ).reshape(a.shape)
+
+
+def np_fake_quant(a, axis, block_2d=False, sr=None, **fmt):
+    """``ref_quantize`` then ``ref_dequantize`` of ``a`` (float64 result): NVFP4 by default,
+    other formats by ``ref_quantize``'s keywords (``fmt``), SR with the key words ``sr``."""
+    q, s, dec = ref_quantize(a, axis=axis, block_2d=block_2d, sr_key_words=sr, **fmt)
+    return ref_dequantize(q, s, dec, block=fmt.get("block", 16), axis=axis,
+                          block_2d=block_2d).astype(np.float64)

@@ -107,20 +107,6 @@ def test_ragged_dot_unquantized_float32_up_to_accumulation_order():
         np.testing.assert_allclose(dw[g], want[g][2], rtol=1e-5, atol=1e-5)
 
 
-def _np_rht(a, size=16):
-    """NumPy RHT along axis 0 (zero-padded), TE's sign vector, the float32 butterfly."""
-    a = np.pad(np.asarray(a, np.float32), ((0, (-a.shape[0]) % size), (0, 0)))
-    signs = np.asarray(fp4jax.TE_SIGN_VECTOR, np.float32)
-    t = np.moveaxis(a.reshape(-1, size, a.shape[1]), 1, -1) * signs
-    return np.moveaxis(ref.ref_fwht_f32(t.reshape(-1, size), size).reshape(t.shape), -1, 1
-                       ).reshape(a.shape)
-
-
-def _np_deq(a, axis, block_2d=False, sr=None):
-    q, s, dec = ref.ref_quantize(a, axis=axis, block_2d=block_2d, sr_key_words=sr)
-    return ref.ref_dequantize(q, s, dec, axis=axis, block_2d=block_2d).astype(np.float64)
-
-
 def test_ragged_dot_nvfp4_one_expert_against_numpy():
     """Expert 2 (rows 18..35) of the NVFP4 recipe rebuilt in NumPy from its own slice: its
     own tensor amaxes, 16x16 weight tiles, SR on dy with the uniforms of its own key at its
@@ -137,17 +123,17 @@ def test_ragged_dot_nvfp4_one_expert_against_numpy():
     def words(gemm, which):
         return tuple(int(v) for v in jax.random.key_data(operand_key(kg, gemm, which)))
 
-    wq = _np_deq(wg, -1, block_2d=True)
-    want_y = _np_deq(xg, -1) @ wq
-    want_dx = _np_deq(dyg, -1, sr=words("dgrad", "lhs")) @ wq.T
-    want_dw = (_np_deq(_np_rht(xg), 0).T
-               @ _np_deq(_np_rht(dyg), 0, sr=words("wgrad", "rhs")))
+    wq = ref.np_fake_quant(wg, -1, block_2d=True)
+    want_y = ref.np_fake_quant(xg, -1) @ wq
+    want_dx = ref.np_fake_quant(dyg, -1, sr=words("dgrad", "lhs")) @ wq.T
+    want_dw = (ref.np_fake_quant(ref.np_rht_rows(xg), 0).T
+               @ ref.np_fake_quant(ref.np_rht_rows(dyg), 0, sr=words("wgrad", "rhs")))
     np.testing.assert_allclose(y[o:o + m], want_y, rtol=2e-6, atol=1e-6 * np.abs(want_y).max())
     np.testing.assert_allclose(dx[o:o + m], want_dx, rtol=2e-6,
                                atol=1e-6 * np.abs(want_dx).max())
     np.testing.assert_allclose(dw[g], want_dw, rtol=2e-6, atol=1e-6 * np.abs(want_dw).max())
     # one shared tensor scale (all experts' rows together) would give other values
-    shared = _np_deq(np.asarray(x[:sum(SIZES)]), -1)[o:o + m] @ wq
+    shared = ref.np_fake_quant(np.asarray(x[:sum(SIZES)]), -1)[o:o + m] @ wq
     assert np.abs(shared - want_y).max() > 1e-3 * np.abs(want_y).max()
 
 

@@ -1,0 +1,168 @@
+"""TetraJet-v2's OutControl: a linear layer's outlier input channels in MXFP8, the rest in FP4.
+
+TetraJet-v2 (arXiv 2510.27527; the authors' code, thu-ml/TetraJet-v2-NVFP4Training at
+``ca5953f``, ``olmo2-training/olmo/quantization_real/linear_mix.py`` and ``calibrate.py``,
+config ``TJv2-mix_fp8.yaml``: ``X_chan_select``, ``X_top_channels_ratio: 0.1``,
+``X_chan_record_start_iter: 501``, ``X_chan_record_iters: 50``) keeps the input channels
+whose activations are largest out of FP4:
+
+1. **Statistic** (``channel_norms``): while recording, every forward call of a layer adds,
+   per input channel ``c``, the L2 norm over the call's tokens ``sqrt(sum_t x[t, c]**2)``
+   to a float32 accumulator (``act_norm_channels_sum += x.view(-1, d_in).norm(p=2,
+   dim=0)``), over 50 steps.
+2. **Selection** (``outcontrol_count``, ``select_channels``): once, after the recording,
+   the top ``min(d_in // 128 * 128, ceil_128(int(d_in * ratio)))`` channels by the
+   accumulated norm (``torch.argsort(..., descending=True)``) become the high-precision
+   channels, the rest the FP4 channels; both index lists stay **in descending-norm order**
+   (not re-sorted), so the FP4 blocks along the input dimension group channels of similar
+   magnitude.
+3. **GEMMs** (``split_dot``): ``y = x[:, lo] @ w[lo] (FP4) + x[:, hi] @ w[hi] (MXFP8)``;
+   the weight is gathered at every call, never permuted in storage.
+
+What fp4jax runs (``split_dot``) and how it differs from the authors' kernels:
+
+* the FP4 channels run the layer's own recipe (``fp4jax.dot``: for ``nvfp4`` a tensor
+  scale, 16x16 weight blocks, SR and the wgrad RHT as that recipe has them), not
+  TetraJet-v2's own NVFP4 variant (1x128 FP32 second-level scales, double quantization);
+* the high-precision channels run ``outcontrol_recipe(recipe)``: forward and wgrad in MXFP8
+  E4M3 with power-of-two scales rounded up (``MXFP8_E4M3_UP``: their ``cvt.rp(amax32 /
+  448)``), 1x32 blocks along each GEMM's contraction axis, round-to-nearest, no RHT; dgrad
+  is the recipe's own (their dgrad is NVFP4 for every channel). fp4jax quantizes the
+  weight and x of these GEMMs from their high-precision values; theirs re-quantize the
+  forward MXFP8 copies (and, in dgrad, the weight's tensor amax spans all channels where
+  fp4jax's spans each part's);
+* the two partial products are summed in float32 and rounded once to the output dtype
+  (theirs: a bf16 product reduce-added into the other bf16 product);
+* the statistic is the norm over the whole batch of the step (on several devices the
+  devices' sums of squares are added first: the same selection on any device count);
+  theirs sums per-micro-batch, per-rank norms (the same on one device without gradient
+  accumulation).
+
+Ties in the selection go to the lower channel index (a stable sort; torch's is not
+stable). Tested against a NumPy transcription (``tests/dot/test_outcontrol.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from fp4jax.formats import MXFP8_E4M3_UP
+from fp4jax.quantized_dot import dot
+from fp4jax.recipes import GemmSpec, QuantSpec, Recipe, get
+
+__all__ = ["DEFAULT_RATIO", "channel_norms", "outcontrol_count", "outcontrol_recipe",
+           "select_channels", "split_dot"]
+
+DEFAULT_RATIO = 0.1
+"""TetraJet-v2's ``X_top_channels_ratio`` in every ``TJv2-mix_fp8`` config."""
+
+CHANNEL_MULTIPLE = 128
+"""The high-precision channel count is a multiple of this (their kernels' tile)."""
+
+
+def outcontrol_count(d_in: int, ratio: float = DEFAULT_RATIO) -> int:
+    """How many of a layer's ``d_in`` input channels run in MXFP8:
+    ``min(d_in // 128 * 128, ceil((int(d_in * ratio)) / 128) * 128)`` (TetraJet-v2,
+    ``linear_mix.py``: ``min(in // 128 * 128, (int(in * ratio) + 127) // 128 * 128)``).
+
+    Raises:
+      ValueError: ``d_in`` not a positive int, ``ratio`` not in (0, 1), or a count that
+        leaves no channel on one side (``d_in < 256``: theirs asserts both sides > 0).
+    """
+    if isinstance(d_in, bool) or not isinstance(d_in, int) or d_in <= 0:
+        raise ValueError(f"outcontrol_count: d_in must be a positive int, got {d_in!r}")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
+        raise ValueError(f"outcontrol_count: ratio must be a number in (0, 1), got {ratio!r}")
+    m = CHANNEL_MULTIPLE
+    n = min(d_in // m * m, (int(d_in * ratio) + m - 1) // m * m)
+    if n <= 0 or n >= d_in:
+        raise ValueError(
+            f"outcontrol_count: a layer with {d_in} input channels has {n} MXFP8 channels at "
+            f"ratio {ratio}: both sides must be non-empty (OutControl needs d_in >= "
+            f"{2 * m} and a ratio that selects at least one channel)")
+    return n
+
+
+def channel_norms(x: jax.Array) -> jax.Array:
+    """Per input channel, the L2 norm over all tokens of ``x (..., K)``: float32 ``(K,)``
+    (``x.view(-1, K).norm(p=2, dim=0)`` in TetraJet-v2, computed here in float32)."""
+    x2 = jnp.asarray(x).reshape(-1, jnp.shape(x)[-1]).astype(jnp.float32)
+    return jnp.sqrt(jnp.sum(jnp.square(x2), axis=0))
+
+
+def select_channels(norm_sums: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
+    """The ``count`` channels with the largest accumulated norms and the rest.
+
+    Args:
+      norm_sums: float32 ``(K,)``, the accumulated ``channel_norms``.
+      count: how many high-precision channels (``outcontrol_count``), ``0 < count < K``.
+    Returns:
+      ``(hi, lo)``: int32 ``(count,)`` and ``(K - count,)``, both in descending order of
+      ``norm_sums`` (ties: the lower channel first), as TetraJet-v2's
+      ``argsort(descending=True)`` split in two.
+    """
+    norm_sums = jnp.asarray(norm_sums, jnp.float32)
+    if norm_sums.ndim != 1:
+        raise ValueError(f"select_channels: norm_sums must be 1-D (K,), got shape "
+                         f"{norm_sums.shape}")
+    k = norm_sums.shape[0]
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 < count < k:
+        raise ValueError(f"select_channels: count must be an int in (0, {k}), got {count!r}")
+    order = jnp.argsort(-norm_sums, stable=True).astype(jnp.int32)
+    return order[:count], order[count:]
+
+
+def outcontrol_recipe(recipe: Recipe | str) -> Recipe:
+    """The recipe of the high-precision channels' GEMMs: forward and wgrad in MXFP8 E4M3
+    (``MXFP8_E4M3_UP``, 1x32 blocks, round-to-nearest, no RHT), dgrad ``recipe``'s own
+    (TetraJet-v2's dgrad is NVFP4 for every channel)."""
+    recipe = get(recipe)
+    f = QuantSpec(MXFP8_E4M3_UP, "nearest", False)
+    return recipe.replace(name=f"{recipe.name}+outcontrol_mxfp8",
+                          fprop=GemmSpec(lhs=f, rhs=f), wgrad=GemmSpec(lhs=f, rhs=f))
+
+
+def split_dot(x: jax.Array, w: jax.Array, hi: jax.Array, lo: jax.Array, *,
+              recipe: Recipe | str | None = None, hi_recipe: Recipe | str | None = None,
+              key: jax.Array | None = None, rht_key: jax.Array | None = None,
+              preferred_element_type: Any = None) -> jax.Array:
+    """``x @ w`` with the input channels split (OutControl; see the module doc):
+    ``dot(x[..., lo], w[lo], recipe) + dot(x[..., hi], w[hi], hi_recipe)``, both products
+    in float32, summed, then cast once. Both calls take the same ``key`` and ``rht_key``
+    (so the gradient ``dy``, quantized by both dgrads, is quantized alike in both).
+    Gradients flow through the gathers: ``dx``'s and ``dw``'s channels land where they
+    came from.
+
+    Args:
+      x: ``(..., K)`` activations; w: ``(K, N)`` weight.
+      hi, lo: int32 channel indices (``select_channels``), disjoint, together ``0..K-1``
+        (not checked: traced values).
+      recipe: the FP4 channels' recipe (default nvfp4); hi_recipe: the others' (default
+        ``outcontrol_recipe(recipe)``).
+      key, rht_key, preferred_element_type: as for ``fp4jax.dot``.
+    Returns:
+      ``(..., N)`` in ``preferred_element_type`` (default ``result_type(x, w)``).
+    """
+    recipe = get("nvfp4" if recipe is None else recipe)
+    hi_recipe = outcontrol_recipe(recipe) if hi_recipe is None else get(hi_recipe)
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"split_dot: need x (..., K) and w (K, N), got {x.shape} and "
+                         f"{w.shape}")
+    hi, lo = jnp.asarray(hi), jnp.asarray(lo)
+    if (hi.ndim != 1 or lo.ndim != 1 or hi.shape[0] + lo.shape[0] != w.shape[0]
+            or not jnp.issubdtype(hi.dtype, jnp.integer)
+            or not jnp.issubdtype(lo.dtype, jnp.integer)):
+        raise ValueError(f"split_dot: hi and lo must be 1-D integer channel indices that "
+                         f"together cover K={w.shape[0]}, got {hi.dtype}{hi.shape} and "
+                         f"{lo.dtype}{lo.shape}")
+    out = preferred_element_type or jnp.result_type(x, w)
+    f32 = jnp.float32
+    y_lo = dot(jnp.take(x, lo, axis=-1), jnp.take(w, lo, axis=0), recipe=recipe, key=key,
+               rht_key=rht_key, preferred_element_type=f32)
+    y_hi = dot(jnp.take(x, hi, axis=-1), jnp.take(w, hi, axis=0), recipe=hi_recipe,
+               key=key, rht_key=rht_key, preferred_element_type=f32)
+    return (y_lo + y_hi).astype(out)
