@@ -33,7 +33,13 @@ import jax.numpy as jnp
 
 from fp4jax import sharding
 from fp4jax.models.moe import AUX_COLLECTION, moe_ffn
-from fp4jax.nn.linen import COTANGENT_COLLECTION, PERTURB_COLLECTION, STATS_COLLECTION
+from fp4jax.nn.linen import (
+    CHANNEL_NORM_COLLECTION,
+    COTANGENT_COLLECTION,
+    OUTCONTROL_COLLECTION,
+    PERTURB_COLLECTION,
+    STATS_COLLECTION,
+)
 from fp4jax.nn.model import quantize_model
 from fp4jax.nn.policy import PrecisionPolicy
 from fp4jax.nn.rules import Rule, as_rules, match_rule
@@ -569,7 +575,8 @@ class Llama(nn.Module):
                 scanned = nn.scan(body, variable_axes={
                                       "params": 0, PERTURB_COLLECTION: 0,
                                       COTANGENT_COLLECTION: 0, STATS_COLLECTION: 0,
-                                      AUX_COLLECTION: 0},
+                                      AUX_COLLECTION: 0, CHANNEL_NORM_COLLECTION: 0,
+                                      OUTCONTROL_COLLECTION: 0},
                                   split_rngs={"params": True, "fp4": True, "fp4_layer": True},
                                   in_axes=nn.broadcast, length=last - i + 1)
                 x, _ = scanned(cfg, attn[i], name=f"blocks_{i}_{last}")(x, positions)

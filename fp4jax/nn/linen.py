@@ -39,6 +39,16 @@ unchanged):
 
 Only the dense contraction ``x (..., K) @ w (K, N)`` (what ``Dense``, ``nn.Dense`` and the
 Llama model use) is measured; other dimension numbers are left alone.
+
+TetraJet-v2's OutControl (``fp4jax.outcontrol``) uses two more collections, on the same
+dense products only:
+
+* ``CHANNEL_NORM_COLLECTION`` (``"fp4_channel_sq"``) out: when it is mutable, the layer sows
+  the float32 sum over its call's tokens of each input channel's square, ``(K,)``, as
+  ``sq`` (the harness adds the square root of each step's, over the whole batch);
+* ``OUTCONTROL_COLLECTION`` (``"fp4_outcontrol"``) in: given the int32 channel indices
+  ``hi`` and ``lo`` (``fp4jax.outcontrol.select_channels``), the layer computes
+  ``fp4jax.outcontrol.split_dot``: ``lo``'s channels in its recipe, ``hi``'s in MXFP8.
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from fp4jax import outcontrol
 from fp4jax.diagnostics import (  # noqa: F401 (re-exported: the statistics collections)
     COTANGENT_COLLECTION,
     PERTURB_COLLECTION,
@@ -65,6 +76,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 DEFAULT_RNG_STREAM = "fp4"
 DEFAULT_LAYER_RNG_STREAM = "fp4_layer"
+CHANNEL_NORM_COLLECTION = "fp4_channel_sq"
+"""Out: each dense layer's per-input-channel sums of squares (OutControl's statistic)."""
+OUTCONTROL_COLLECTION = "fp4_outcontrol"
+"""In: each dense layer's OutControl channel split (``hi``, ``lo`` int32 indices)."""
 
 
 def _recipe(recipe: Any) -> Recipe:
@@ -181,13 +196,26 @@ class DotGeneral(nn.Module):
         newer flax layers) is applied as a sharding constraint when not ``None``.
         """
         key, rht_key = self._key(), self._rht_key()
-        y = fp4_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                            out_sharding, recipe=self.recipe, key=key, rht_key=rht_key)
+        dense = is_dense_product(lhs, rhs, dimension_numbers)
+        if dense and self.has_variable(OUTCONTROL_COLLECTION, "hi"):
+            y = outcontrol.split_dot(
+                lhs, rhs, self.get_variable(OUTCONTROL_COLLECTION, "hi"),
+                self.get_variable(OUTCONTROL_COLLECTION, "lo"), recipe=_recipe(self.recipe),
+                key=key, rht_key=rht_key, preferred_element_type=preferred_element_type)
+            if out_sharding is not None:
+                y = jax.lax.with_sharding_constraint(y, out_sharding)
+        else:
+            y = fp4_dot_general(lhs, rhs, dimension_numbers, precision,
+                                preferred_element_type, out_sharding, recipe=self.recipe,
+                                key=key, rht_key=rht_key)
         if self.is_initializing():
             return y
+        if dense and self.is_mutable_collection(CHANNEL_NORM_COLLECTION):
+            x2 = jnp.asarray(lhs).reshape(-1, jnp.shape(lhs)[-1]).astype(jnp.float32)
+            self.sow(CHANNEL_NORM_COLLECTION, "sq", jnp.sum(jnp.square(x2), axis=0))
         if probing() == "shapes":  # layer_stats: say which products it cannot measure
             self._note_unmeasured(lhs, rhs, dimension_numbers)
-        if not is_dense_product(lhs, rhs, dimension_numbers):
+        if not dense:
             return y
         if (self.has_variable(PERTURB_COLLECTION, "y")
                 or self.is_mutable_collection(PERTURB_COLLECTION)):
