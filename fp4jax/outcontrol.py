@@ -63,26 +63,31 @@ CHANNEL_MULTIPLE = 128
 """The high-precision channel count is a multiple of this (their kernels' tile)."""
 
 
-def outcontrol_count(d_in: int, ratio: float = DEFAULT_RATIO) -> int:
+def outcontrol_count(d_in: int, ratio: float = DEFAULT_RATIO,
+                     multiple: int = CHANNEL_MULTIPLE) -> int:
     """How many of a layer's ``d_in`` input channels run in MXFP8:
-    ``min(d_in // 128 * 128, ceil((int(d_in * ratio)) / 128) * 128)`` (TetraJet-v2,
-    ``linear_mix.py``: ``min(in // 128 * 128, (int(in * ratio) + 127) // 128 * 128)``).
+    ``min(d_in // m * m, ceil(int(d_in * ratio) / m) * m)`` with ``m = multiple``
+    (TetraJet-v2, ``linear_mix.py``: ``min(in // 128 * 128, (int(in * ratio) + 127) // 128
+    * 128)``, i.e. ``m = 128``, the default; a smaller ``m`` is fp4jax's knob for models
+    narrower than theirs).
 
     Raises:
-      ValueError: ``d_in`` not a positive int, ``ratio`` not in (0, 1), or a count that
-        leaves no channel on one side (``d_in < 256``: theirs asserts both sides > 0).
+      ValueError: ``d_in`` or ``multiple`` not a positive int, ``ratio`` not in (0, 1), or
+        a count that leaves no channel on one side (theirs asserts both sides > 0).
     """
-    if isinstance(d_in, bool) or not isinstance(d_in, int) or d_in <= 0:
-        raise ValueError(f"outcontrol_count: d_in must be a positive int, got {d_in!r}")
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
+    for name, v in (("d_in", d_in), ("multiple", multiple)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"outcontrol_count: {name} must be a positive int, got {v!r}")
+    if (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
+            or not 0 < ratio < 1):
         raise ValueError(f"outcontrol_count: ratio must be a number in (0, 1), got {ratio!r}")
-    m = CHANNEL_MULTIPLE
+    m = multiple
     n = min(d_in // m * m, (int(d_in * ratio) + m - 1) // m * m)
     if n <= 0 or n >= d_in:
         raise ValueError(
             f"outcontrol_count: a layer with {d_in} input channels has {n} MXFP8 channels at "
-            f"ratio {ratio}: both sides must be non-empty (OutControl needs d_in >= "
-            f"{2 * m} and a ratio that selects at least one channel)")
+            f"ratio {ratio} and multiple {m}: both sides must be non-empty (OutControl needs "
+            f"d_in >= {2 * m} and a ratio that selects at least one channel)")
     return n
 
 

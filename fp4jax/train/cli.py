@@ -158,6 +158,18 @@ def build_parser() -> argparse.ArgumentParser:
       help="steps OsciReset accumulates distances after each snapshot")
     a("--osci-threshold", type=float, default=d.osci_threshold,
       help="distance ratio |dQ(w)| / |dw| at or above which a weight element is reset")
+    a("--outcontrol", type=float, default=None, metavar="RATIO",
+      help="TetraJet-v2's OutControl (off when not given): the input channels of each "
+           "quantized layer with the largest activation norms, recorded over "
+           "--outcontrol-iters steps from --outcontrol-start, run their GEMMs in MXFP8 from "
+           "then on (count: int(K * RATIO) rounded up to --outcontrol-multiple; the authors' "
+           "RATIO 0.1; docs/recipes.md)")
+    a("--outcontrol-start", type=int, default=d.outcontrol_start,
+      help="first step whose forward pass records OutControl's channel norms")
+    a("--outcontrol-iters", type=int, default=d.outcontrol_iters,
+      help="steps OutControl records before it splits the channels")
+    a("--outcontrol-multiple", type=int, default=d.outcontrol_multiple,
+      help="OutControl's MXFP8 channel count is a multiple of this (a multiple of 16)")
     a("--eval-every", type=int, default=d.eval_every,
       help="validation loss every N steps (0: at the end only)")
     a("--eval-batches", type=int, default=d.eval_batches, help="batches per validation")

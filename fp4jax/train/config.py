@@ -121,6 +121,14 @@ class TrainConfig:
     osci_period: int = 200
     osci_iters: int = 50
     osci_threshold: float = 8.0
+    # TetraJet-v2's OutControl (fp4jax.outcontrol): the ratio of each quantized layer's input
+    # channels kept in MXFP8 (None: off), the first step whose forward passes record the
+    # channels' norms, the number of recorded steps (the split runs from start + iters on)
+    # and the multiple the channel count is rounded up to (the authors': 128)
+    outcontrol: float | None = None
+    outcontrol_start: int = 501
+    outcontrol_iters: int = 50
+    outcontrol_multiple: int = 128
 
     def __post_init__(self) -> None:
         validate_config(self)
@@ -165,6 +173,13 @@ RUN_KEYS: dict[str, str] = {
     "osci_iters": "steps OsciReset tracks after a snapshot (int in [1, osci_period - 2])",
     "osci_threshold": "OsciReset's distance ratio at or above which a weight is reset "
                       "(number > 0)",
+    "outcontrol": "ratio of each quantized layer's input channels TetraJet-v2's OutControl "
+                  "keeps in MXFP8 (number in (0, 1); as --outcontrol)",
+    "outcontrol_start": "first step whose forward pass records OutControl's channel norms "
+                        "(int >= 0)",
+    "outcontrol_iters": "steps OutControl records before it splits the channels (int >= 1)",
+    "outcontrol_multiple": "OutControl's channel count is rounded up to a multiple of this "
+                           "(int >= 16, a multiple of 16)",
 }
 
 
@@ -204,13 +219,17 @@ def _run_value(spec: str, key: str, text: str) -> Any:
         "osci_period": _is_int(v) and v >= 3,
         "osci_iters": _is_int(v) and v >= 1,
         "osci_threshold": _is_real(v) and math.isfinite(v) and v > 0,
+        "outcontrol": _is_real(v) and math.isfinite(v) and 0.0 < v < 1.0,
+        "outcontrol_start": _is_int(v) and v >= 0,
+        "outcontrol_iters": _is_int(v) and v >= 1,
+        "outcontrol_multiple": _is_int(v) and v >= 16 and v % 16 == 0,
     }[key]
     if not ok:
         raise ValueError(f"recipe spec {spec!r}: {key}={text}: {key} is {want}")
     if key == "bf16_layers":
         return v.strip()
     return (float(v) if key in ("switch_at", "bf16_budget", "switch_threshold", "osci_reset",
-                                 "osci_threshold") and v != "auto"
+                                 "osci_threshold", "outcontrol") and v != "auto"
             else v)
 
 
@@ -287,7 +306,7 @@ _INT_MIN: dict[str, int] = {
     "last_bf16": -1, "eval_every": 0, "eval_batches": 1, "log_every": 1, "checkpoint_every": 0,
     "devices": 0, "fsdp": 1, "keep_checkpoints": 1, "stats_every": 0,
     "switch_window": 0, "grad_noise_every": 0, "bf16_warmup": 1, "osci_period": 3,
-    "osci_iters": 1,
+    "osci_iters": 1, "outcontrol_start": 0, "outcontrol_iters": 1, "outcontrol_multiple": 16,
 }
 # real field -> (low, low included?, high or None, high included?); NaN and infinities are
 # always refused
@@ -352,6 +371,32 @@ def validate_config(cfg: TrainConfig) -> None:
         if cfg.model is not None:
             raise ConfigError("osci_reset", "works with the built-in Llama only (its weights' "
                               "quantizers are known); drop --osci-reset")
+    if cfg.outcontrol is not None:
+        _check_real("outcontrol", cfg.outcontrol, 0.0, False, 1.0, False)
+        if cfg.outcontrol_multiple % 16:
+            raise ConfigError("outcontrol_multiple", f"must be a multiple of 16 (the NVFP4 "
+                              f"block), got {cfg.outcontrol_multiple}")
+        split = cfg.outcontrol_start + cfg.outcontrol_iters
+        if split >= cfg.steps:
+            raise ConfigError("outcontrol_start", f"OutControl records steps "
+                              f"{cfg.outcontrol_start}..{split - 1} and splits from step "
+                              f"{split}, which a run of {cfg.steps} steps never reaches: "
+                              "lower --outcontrol-start or --outcontrol-iters")
+        for field, why in (("model", "works with the built-in Llama only"),
+                           ("osci_reset", "with --osci-reset is not built (TetraJet-v2 tracks "
+                            "only the FP4 channels)"),
+                           ("switch_at", "with --switch-at is not built")):
+            if getattr(cfg, field) is not None:
+                raise ConfigError("outcontrol", f"{why}; drop --outcontrol or --"
+                                  f"{field.replace('_', '-')}")
+        if cfg.stats_every or cfg.grad_noise_every or str(cfg.bf16_layers or "").startswith(
+                "auto"):
+            raise ConfigError("outcontrol", "with --stats-every, --grad-noise-every or "
+                              "--bf16-layers auto is not built (their measurements would not "
+                              "see the channel split); drop one of them")
+        if isinstance(cfg.fsdp, int) and cfg.fsdp > 1:
+            raise ConfigError("outcontrol", "with --fsdp is not built (its statistic pass "
+                              "runs on replicated parameters); drop --outcontrol or --fsdp")
     if cfg.fp4_param_gather and cfg.model is not None:
         raise ConfigError("fp4_param_gather", "works with the built-in Llama only: a --model's"
                           " layer may transform its kernel before the product (which the FP4 "

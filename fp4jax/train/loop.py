@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 import fp4jax.recipes
@@ -38,7 +39,7 @@ from fp4jax.data import ByteDataset
 from fp4jax.quantized_dot import token_row_multiple
 from fp4jax.recipes import Recipe
 from fp4jax.tokens import load_dataset, model_vocab_size
-from fp4jax.train import parallel, processes
+from fp4jax.train import channel_split, parallel, processes
 from fp4jax.train.checkpoint import (
     RunCheckpoints,
     _history_from_metrics,
@@ -74,6 +75,7 @@ from fp4jax.train.steps import (
     make_eval_step,
     make_grad_noise_step,
     make_init_state,
+    make_outcontrol_record,
     make_stats_step,
     make_train_step,
     noise_gradients,
@@ -273,17 +275,21 @@ def compiled_steps(cfg: TrainConfig, rm: RunModels, recipe: Recipe, mesh: Mesh,
     tx = make_optimizer(cfg)
 
     def build() -> dict:
-        osci = None
+        osci = oc = None
+        plain = make_init_state(rm.models[False], tx, cfg)
         if rm.rcfg.osci_reset is not None:  # its tracked weights from the parameters' shapes
-            plain = make_init_state(rm.models[False], tx, cfg)
             osci = osci_reset_plan(rm, jax.eval_shape(plain, root)["params"])
-        init_fn = make_init_state(rm.models[False], tx, cfg, osci)
+        if rm.rcfg.outcontrol is not None:  # its layers from the record's output shapes
+            oc = outcontrol_plan(cfg, rm, mesh, jax.eval_shape(plain, root)["params"])
+        init_fn = make_init_state(rm.models[False], tx, cfg, osci, oc and oc[1:])
         # the state's layout: replicated, or (--fsdp > 1) each array's fsdp_spec, from its
         # shapes (an abstract evaluation of init: one more "init" trace)
         shapes = jax.eval_shape(init_fn, root) if mesh.shape["fsdp"] > 1 else None
         specs = parallel.state_specs(shapes, mesh) if shapes is not None else _REPLICATED
         if shapes is None and osci is not None:
             specs = {**specs, "osci": jax.sharding.PartitionSpec()}
+        if oc is not None:  # (no --fsdp: config.validate_config)
+            specs = {**specs, "outcontrol": jax.sharding.PartitionSpec()}
         plans: dict[bool, Any] = {k: None for k in rm.models}
         notes = None
         if cfg.fp4_param_gather:
@@ -294,9 +300,45 @@ def compiled_steps(cfg: TrainConfig, rm: RunModels, recipe: Recipe, mesh: Mesh,
                       for k, m in rm.models.items()},
             "eval": {k: make_eval_step(m, None, mesh, plans[k])
                      for k, m in rm.models.items()},
-            "param_gather": notes}
+            "param_gather": notes,
+            **({} if oc is None else {
+                "outcontrol": {"record": oc[0], "plan": oc[1],
+                               "train": make_train_step(rm.models[False], tx, None, mesh, specs,
+                                                        None, osci, outcontrol=True),
+                               "eval": make_eval_step(rm.models[False], None, mesh,
+                                                      outcontrol=True)}})}
 
     return _step_fns(rm.rcfg, recipe, mesh, build, _file_digests(cfg))
+
+
+def outcontrol_plan(cfg: TrainConfig, rm: RunModels, mesh: Mesh, params: Any
+                    ) -> tuple[Callable, channel_split.OutControlPlan, Any]:
+    """``--outcontrol``: the run's statistic pass (``make_outcontrol_record``), its plan
+    (``channel_split.make_plan``: which layers split how many channels) and the record's
+    output shapes, from the parameters' shapes ``params``.
+
+    Raises:
+      ValueError: no quantized dense layer of the model is wide enough to split."""
+    rcfg = rm.rcfg
+    record = make_outcontrol_record(rm.models[False], mesh)
+    batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len + 1), jnp.int32)
+    shapes = jax.eval_shape(record, params, batch, jax.random.key(0), jnp.int32(0))
+    plan = channel_split.make_plan(shapes, rcfg.outcontrol, rcfg.outcontrol_multiple,
+                                   rcfg.outcontrol_start, rcfg.outcontrol_iters)
+    if not plan.counts:
+        why = "; ".join(f"{k}: {v}" for k, v in list(plan.skipped.items())[:3])
+        raise ValueError("--outcontrol: no quantized linear layer of this run can split its "
+                         "input channels (a layer needs at least 2 x --outcontrol-multiple "
+                         f"= {2 * rcfg.outcontrol_multiple} of them{'; ' + why if why else ''}"
+                         "): lower --outcontrol-multiple or drop --outcontrol")
+    return record, plan, shapes
+
+
+def _split_evals(fn: Callable, split: Callable[[], Any]) -> dict[bool, Callable]:
+    """The evaluation of an OutControl run after its split: ``fn(params, batch, key,
+    split())`` as ``Evaluation``'s ``{switched: eval(params, batch, key)}`` (``split`` reads
+    the current state's: each step donates the one before)."""
+    return {False: lambda p, b, k: fn(p, b, k, split())}
 
 
 def _file_digests(cfg: TrainConfig) -> tuple:
@@ -500,6 +542,16 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         log.say(f"resuming at step {start} with overrides: "
                 + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in overridden.items()))
     ev = Evaluation(log, sr_key, fns["eval"], val, stats_fn, noise_fn, rm.fp4_names, rm.order)
+    oc = fns.get("outcontrol")
+    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def current_split() -> Any:  # the state's (each step donates the one before)
+        return state["outcontrol"]["split"]
+
+    if oc is not None:
+        log.say(oc["plan"].describe())
+        if start > oc["plan"].split_step:  # resumed after the split: evaluation runs it too
+            ev.evals = _split_evals(oc["eval"], current_split)
 
     def save(s: int) -> None:
         meta = {"config": cfg_dict, "step": s, "data_sha256": data_sha,
@@ -534,7 +586,22 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
                 log.flush()
                 # before the step, which donates the state
                 ev.stats(s, state["params"], batch, state["step"], switch(s))
-            state, m = fns["train"][switch(s)](state, batch, sr_key)
+            step_fn = fns["train"][switch(s)]
+            if oc is not None:  # OutControl: record, split (fp4jax.train.channel_split)
+                plan = oc["plan"]
+                if plan.recording(s):
+                    norms = oc["record"](state["params"], batch, sr_key, state["step"])
+                    state = {**state, "outcontrol": jax.device_put(channel_split.accumulate(
+                        plan, state["outcontrol"], norms), replicated)}
+                if s == plan.split_step:
+                    state = {**state, "outcontrol": jax.device_put(channel_split.select(
+                        plan, state["outcontrol"]), replicated)}
+                    log.flush()
+                    log.write(channel_split.counts_record(plan, state["outcontrol"], s))
+                    ev.evals = _split_evals(oc["eval"], current_split)
+                if s >= plan.split_step:
+                    step_fn = oc["train"]
+            state, m = step_fn(state, batch, sr_key)
             log.flush()  # metrics of step s-1 while step s runs
             log.dispatched(s, m)
             done = s + 1

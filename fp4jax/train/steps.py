@@ -28,7 +28,8 @@ from jax.sharding import PartitionSpec as P
 from fp4jax import diagnostics
 from fp4jax.models import moe
 from fp4jax.models.llama import layer_name
-from fp4jax.train import oscillation, parallel
+from fp4jax.nn.linen import CHANNEL_NORM_COLLECTION, OUTCONTROL_COLLECTION
+from fp4jax.train import channel_split, oscillation, parallel
 from fp4jax.train.config import TrainConfig
 
 NameFn = Callable[[tuple[str, ...], tuple[int, ...]], str]
@@ -40,18 +41,20 @@ EVAL_KEY_INDEX = 2**31 - 1
 
 
 def loss_fn(model: Any, params: Any, batch: jax.Array, key: jax.Array,
-            layer_key: jax.Array | None = None) -> jax.Array:
+            layer_key: jax.Array | None = None, extra: dict | None = None) -> jax.Array:
     """Mean next-token cross-entropy (nats), plus the load-balancing losses a
     mixture-of-experts model sows (``fp4jax.models.moe.aux_loss``; none for a dense model,
     whose loss is the cross-entropy itself). ``batch (B, T+1)`` int32 -> float32 scalar
     (the model's logits ``(B, T, vocab)``, any float dtype, taken in float32).
     ``key``: the step's stochastic-rounding key; ``layer_key``: the run's constant key of
-    per-layer RHT signs (stream ``"fp4_layer"``; needed by ``hadamard_signs="layer"``)."""
+    per-layer RHT signs (stream ``"fp4_layer"``; needed by ``hadamard_signs="layer"``).
+    ``extra``: more variable collections for a linen model (OutControl's channel split,
+    ``{OUTCONTROL_COLLECTION: ...}``)."""
     rngs = {"fp4": key} if layer_key is None else {"fp4": key, "fp4_layer": layer_key}
     aux = None
     if isinstance(model, nn.Module):  # a mixture of experts sows its load-balancing losses
-        logits, state = model.apply({"params": params}, batch[:, :-1], rngs=rngs,
-                                    mutable=[moe.AUX_COLLECTION])
+        logits, state = model.apply({"params": params, **(extra or {})}, batch[:, :-1],
+                                    rngs=rngs, mutable=[moe.AUX_COLLECTION])
         if jax.tree.leaves(state):
             aux = moe.aux_loss(state)
     else:
@@ -75,12 +78,15 @@ def _traced(kind: str) -> None:
 
 
 def make_init_state(model: Any, tx: optax.GradientTransformation,
-                    cfg: TrainConfig, osci: Any = None) -> Callable[..., dict]:
+                    cfg: TrainConfig, osci: Any = None, outcontrol: Any = None
+                    ) -> Callable[..., dict]:
     """``init(root=None) -> {"step", "params", "opt_state"}``: parameters from
     ``fold_in(root, 0)``, ``root`` defaulting to ``jax.random.key(cfg.seed)``; ``train`` passes
     the root key, so the seed is data and one compilation serves every seed. ``osci``:
     ``(OsciReset, tracked weights)`` (``fp4jax.train.oscillation``) adds its state under
-    ``"osci"``."""
+    ``"osci"``; ``outcontrol``: ``(OutControlPlan, the record's shapes)``
+    (``fp4jax.train.channel_split``) its zero sums and placeholder splits under
+    ``"outcontrol"``."""
 
     def init_state(root=None):
         _traced("init")
@@ -91,6 +97,8 @@ def make_init_state(model: Any, tx: optax.GradientTransformation,
                  "opt_state": tx.init(params)}
         if osci is not None:
             state["osci"] = oscillation.init_state(params, osci[1])
+        if outcontrol is not None:
+            state["outcontrol"] = channel_split.init_state(*outcontrol)
         return state
 
     return init_state
@@ -102,7 +110,8 @@ REPLICATED = {"step": P(), "params": P(), "opt_state": P()}
 
 def make_train_step(model: Any, tx: optax.GradientTransformation,
                     base_key: jax.Array | None, mesh: Mesh, specs: Any = None,
-                    fp4_gather: Any = None, osci: Any = None) -> Callable:
+                    fp4_gather: Any = None, osci: Any = None,
+                    outcontrol: bool = False) -> Callable:
     """A jit-compiled ``step(state, batch) -> (state, metrics)``. The stochastic-rounding key
     of step ``s`` is ``fold_in(base_key, s)``. With ``base_key=None`` (what ``train`` uses)
     the key is an argument, ``step(state, batch, base_key)``, so one compilation serves
@@ -117,7 +126,9 @@ def make_train_step(model: Any, tx: optax.GradientTransformation,
     (``parallel.fp4_gather_plan``'s tree; None: all as stored). ``osci``: ``(OsciReset,
     tracked weights)``: after the update, TetraJet-v2's oscillation reset
     (``fp4jax.train.oscillation.apply``) on the state's ``"osci"``; the metrics gain
-    ``"osci_reset"`` (the fraction of tracked elements reset at this step)."""
+    ``"osci_reset"`` (the fraction of tracked elements reset at this step). A state's
+    ``"outcontrol"`` (TetraJet-v2's OutControl, ``outcontrol_state``) passes through; with
+    ``outcontrol`` the model runs its channel split (``state["outcontrol"]["split"]``)."""
     if tuple(mesh.axis_names) != parallel.AXES:
         raise ValueError(f"make_train_step needs a mesh with axes {parallel.AXES} "
                          f"(parallel.make_mesh), got {tuple(mesh.axis_names)}")
@@ -127,8 +138,9 @@ def make_train_step(model: Any, tx: optax.GradientTransformation,
                              "(parallel.state_specs)")
         specs = REPLICATED
 
-    def loss_of(params, batch, key, layer_key):
-        return loss_fn(model, params, batch, key, layer_key)
+    def loss_of(params, batch, key, layer_key, *split):
+        extra = {OUTCONTROL_COLLECTION: split[0]} if split else None
+        return loss_fn(model, params, batch, key, layer_key, extra)
 
     value_and_grad = jax.value_and_grad(loss_of)
     if mesh.devices.size > 1:
@@ -140,11 +152,14 @@ def make_train_step(model: Any, tx: optax.GradientTransformation,
         base = base_key if key_arg is None else key_arg
         key = jax.random.fold_in(base, state["step"])
         layer_key = jax.random.fold_in(base, LAYER_KEY_INDEX)
-        loss, grads = value_and_grad(state["params"], batch, key, layer_key)
+        split = (state["outcontrol"]["split"],) if outcontrol else ()
+        loss, grads = value_and_grad(state["params"], batch, key, layer_key, *split)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": _global_norm(grads)}
         new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+        if "outcontrol" in state:
+            new["outcontrol"] = state["outcontrol"]
         if osci is not None:
             new["params"], new["osci"], metrics["osci_reset"] = oscillation.apply(
                 osci[0], params, state["osci"], state["step"], osci[1])
@@ -155,17 +170,19 @@ def make_train_step(model: Any, tx: optax.GradientTransformation,
 
 
 def make_eval_step(model: Any, base_key: jax.Array | None, mesh: Mesh,
-                   fp4_gather: Any = None) -> Callable:
+                   fp4_gather: Any = None, outcontrol: bool = False) -> Callable:
     """A jit-compiled ``eval(params, batch) -> mean loss`` (``base_key=None``: ``eval(params,
     batch, base_key)``, as for ``make_train_step``). On several devices the loss runs in
     ``jax.shard_map`` as the train step's does (``parallel.sharded_value``; parameters laid
     out by ``parallel.state_specs``), so cuDNN's attention sees per-device arrays.
-    ``fp4_gather``: as ``make_train_step``'s."""
+    ``fp4_gather``: as ``make_train_step``'s. ``outcontrol``: ``eval(params, batch,
+    base_key, split)`` runs OutControl's channel split."""
 
-    def loss_of(p, b, key, layer_key):
-        return loss_fn(model, p, b, key, layer_key)
+    def loss_of(p, b, key, layer_key, *split):
+        extra = {OUTCONTROL_COLLECTION: split[0]} if split else None
+        return loss_fn(model, p, b, key, layer_key, extra)
 
-    def ev(p, b, key_arg=None):
+    def ev(p, b, key_arg=None, *split):
         _traced("eval")
         k = base_key if key_arg is None else key_arg
         f = loss_of
@@ -173,7 +190,7 @@ def make_eval_step(model: Any, base_key: jax.Array | None, mesh: Mesh,
             f = parallel.sharded_value(loss_of, parallel.state_specs(p, mesh), mesh,
                                        fp4_gather)
         return f(p, b, jax.random.fold_in(k, EVAL_KEY_INDEX),
-                 jax.random.fold_in(k, LAYER_KEY_INDEX))
+                 jax.random.fold_in(k, LAYER_KEY_INDEX), *split[:1 if outcontrol else 0])
 
     return jax.jit(ev, out_shardings=NamedSharding(mesh, P()))
 
@@ -263,3 +280,24 @@ def make_grad_noise_step(model: Any, model_hp: Any, mesh: Mesh,
 
 
 # Config keys that leave the compiled init/train/eval functions unchanged (the seed enters as
+
+
+def make_outcontrol_record(model: Any, mesh: Mesh) -> Callable:
+    """A jit-compiled ``record(params, batch, base_key, step) -> norms``: OutControl's
+    statistic of train step ``step`` (TetraJet-v2, ``fp4jax.outcontrol``): the model's
+    forward pass on ``batch (B, T+1)`` with that step's keys, each quantized dense layer's
+    per-input-channel L2 norm over the whole batch's tokens, float32 ``(K,)`` (a scanned
+    stack: ``(L, K)``), in the tree of ``CHANNEL_NORM_COLLECTION`` (leaves ``"sq"``). Apart
+    from the train step (a forward pass more at each recorded step); replicated."""
+
+    def record(params, batch, key_arg, step):
+        rngs = {"fp4": jax.random.fold_in(key_arg, step),
+                "fp4_layer": jax.random.fold_in(key_arg, LAYER_KEY_INDEX)}
+        _, state = model.apply({"params": params}, batch[:, :-1], rngs=rngs,
+                               mutable=[CHANNEL_NORM_COLLECTION, moe.AUX_COLLECTION])
+        # each call of a layer sowed its sums of squares: add them, then the square root
+        return jax.tree.map(lambda calls: jnp.sqrt(sum(calls)),
+                            state.get(CHANNEL_NORM_COLLECTION, {}),
+                            is_leaf=lambda x: isinstance(x, tuple))
+
+    return jax.jit(record, out_shardings=NamedSharding(mesh, P()))
