@@ -185,6 +185,18 @@ GROUPS: dict[str, Group] = {
           "nvfp4(osci_reset=0.64)"),
          ("+ OsciReset from 64%, period 100, 25 tracking steps, ratio >= 8",
           "nvfp4(osci_reset=0.64, osci_period=100, osci_iters=25)"))),
+    # issue 37 item 4: TetraJet-v2's OutControl (fp4jax.outcontrol), training-loop state
+    "outcontrol": Group(
+        "OutControl: each layer's outlier input channels in MXFP8 (NVFP4 recipe)",
+        "TetraJet-v2 (arXiv 2510.27527): the ~10% of input channels with the largest "
+        "activation norms (recorded over steps 501-550) run their GEMMs in MXFP8, the rest "
+        "in NVFP4; with OsciReset it closes most of the gap to BF16 in their OLMo2 runs. "
+        "(At d 256 the authors' multiple of 128 puts half of q/k/v/up's inputs in MXFP8.)",
+        (("BF16", "bf16"), ("NVFP4 recipe", "nvfp4"),
+         ("+ OutControl, int(0.1 K) channels rounded up to 128 (the authors')",
+          "nvfp4(outcontrol=0.1)"),
+         ("+ OutControl, int(0.1 K) channels rounded up to 32",
+          "nvfp4(outcontrol=0.1, outcontrol_multiple=32)"))),
     # issue 37 item 3: FP4 attention (fp4jax.attention), opt-in, the linear layers as nvfp4
     "attention": Group(
         "FP4 attention (q k^T and P v) on top of the NVFP4 recipe",
