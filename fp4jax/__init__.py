@@ -13,6 +13,8 @@ Public API (see ``README.md``):
             ``.nvfp4_fwd_only()``, ``.mxfp8()``, ``.mxfp8_fwd_nvfp4_bwd()``; ``Recipe``,
             ``GemmSpec``, ``QuantSpec``
   RHT       ``random_hadamard_transform``
+  channels  ``outcontrol`` (TetraJet-v2's OutControl: outlier input channels in MXFP8,
+            ``outcontrol.split_dot``)
   Flax      ``fp4jax.nn`` (linen/NNX layers, ``PrecisionPolicy``), ``fp4jax.models`` (Llama),
             ``fp4jax.data`` (byte-level corpora): imported on first use, so the core
             does not load Flax.
@@ -22,7 +24,7 @@ Public API (see ``README.md``):
 
 import importlib
 
-from fp4jax import numerics, recipes
+from fp4jax import numerics, outcontrol, recipes
 from fp4jax.formats import (
     MXFP4,
     MXFP4_OCP,
@@ -80,6 +82,7 @@ __all__ = [
     "models",
     "nn",
     "numerics",
+    "outcontrol",
     "pack_e2m1",
     "quantize",
     "ragged_dot",
