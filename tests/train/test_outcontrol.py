@@ -52,6 +52,8 @@ def _layer_inputs(cfg):
     return {k: np.asarray(v, np.float64).reshape(-1, v.shape[-1]) for k, v in seen.items()}
 
 
+@pytest.mark.heavy(83)
+@pytest.mark.xdist_group("outcontrol")  # the resume test below reuses its compiled steps
 def test_split_is_the_top_channels_of_the_recorded_norms(tmp_path):
     text = str(write_text(tmp_path / "corpus.txt", 30_000))
     cfg = T.TrainConfig(**{**BASE, "outcontrol_start": 0, "outcontrol_iters": 1}, data=text,
@@ -75,6 +77,7 @@ def test_split_is_the_top_channels_of_the_recorded_norms(tmp_path):
         assert len(set(got["first"]) & set(np.argsort(-norms)[:8].tolist())) >= 6, path
 
 
+@pytest.mark.xdist_group("outcontrol")
 def test_resume_inside_the_window_is_exact_and_cli_flags(tmp_path):
     text = str(write_text(tmp_path / "corpus.txt", 30_000))
     flags = ["--preset", "micro", "--steps", "5", "--lr", "0.01", "--batch-size", "4",
