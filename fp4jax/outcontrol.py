@@ -121,13 +121,20 @@ def select_channels(norm_sums: jax.Array, count: int) -> tuple[jax.Array, jax.Ar
 
 
 def outcontrol_recipe(recipe: Recipe | str) -> Recipe:
-    """The recipe of the high-precision channels' GEMMs: forward and wgrad in MXFP8 E4M3
-    (``MXFP8_E4M3_UP``, 1x32 blocks, round-to-nearest, no RHT), dgrad ``recipe``'s own
+    """The recipe of the high-precision channels' GEMMs: every forward and wgrad operand
+    that ``recipe`` quantizes in MXFP8 E4M3 (``MXFP8_E4M3_UP``, 1x32 blocks,
+    round-to-nearest), no RHT; an operand ``recipe`` keeps in high precision stays so (the
+    outlier channels never lose precision: ``bf16`` stays ``bf16``); dgrad ``recipe``'s own
     (TetraJet-v2's dgrad is NVFP4 for every channel)."""
     recipe = get(recipe)
     f = QuantSpec(MXFP8_E4M3_UP, "nearest", False)
-    return recipe.replace(name=f"{recipe.name}+outcontrol_mxfp8",
-                          fprop=GemmSpec(lhs=f, rhs=f), wgrad=GemmSpec(lhs=f, rhs=f))
+
+    def mx(g: GemmSpec) -> GemmSpec:
+        return GemmSpec(lhs=f if g.lhs.quantized else g.lhs,
+                        rhs=f if g.rhs.quantized else g.rhs)
+
+    return recipe.replace(name=f"{recipe.name}+outcontrol_mxfp8", fprop=mx(recipe.fprop),
+                          wgrad=mx(recipe.wgrad))
 
 
 def split_dot(x: jax.Array, w: jax.Array, hi: jax.Array, lo: jax.Array, *,
@@ -137,7 +144,9 @@ def split_dot(x: jax.Array, w: jax.Array, hi: jax.Array, lo: jax.Array, *,
     """``x @ w`` with the input channels split (OutControl; see the module doc):
     ``dot(x[..., lo], w[lo], recipe) + dot(x[..., hi], w[hi], hi_recipe)``, both products
     in float32, summed, then cast once. Both calls take the same ``key`` and ``rht_key``
-    (so the gradient ``dy``, quantized by both dgrads, is quantized alike in both).
+    (so the gradient ``dy``, quantized by both dgrads, is quantized alike in both, as long
+    as ``hi_recipe.dgrad`` is ``recipe.dgrad``, the default's; a recipe that rounds the
+    dgrad weight stochastically draws for ``w[lo]`` and ``w[hi]`` from the same key).
     Gradients flow through the gathers: ``dx``'s and ``dw``'s channels land where they
     came from.
 

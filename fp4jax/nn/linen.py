@@ -43,12 +43,15 @@ Llama model use) is measured; other dimension numbers are left alone.
 TetraJet-v2's OutControl (``fp4jax.outcontrol``) uses two more collections, on the same
 dense products only:
 
-* ``CHANNEL_NORM_COLLECTION`` (``"fp4_channel_sq"``) out: when it is mutable, the layer sows
-  the float32 sum over its call's tokens of each input channel's square, ``(K,)``, as
-  ``sq`` (the harness adds the square root of each step's, over the whole batch);
+* ``CHANNEL_NORM_COLLECTION`` (``"fp4_channel_sq"``) out: when it is mutable (by name, or
+  by ``mutable=True``), the layer sows the float32 sum over its call's tokens of each
+  input channel's square, ``(K,)``, as ``sq`` (appended to a tuple per call, as ``sow``
+  does; the harness adds the square root of each step's, over the whole batch);
 * ``OUTCONTROL_COLLECTION`` (``"fp4_outcontrol"``) in: given the int32 channel indices
   ``hi`` and ``lo`` (``fp4jax.outcontrol.select_channels``), the layer computes
   ``fp4jax.outcontrol.split_dot``: ``lo``'s channels in its recipe, ``hi``'s in MXFP8.
+
+Both only where the layer's recipe quantizes some operand (a ``bf16`` layer is left alone).
 """
 
 from __future__ import annotations
@@ -197,7 +200,8 @@ class DotGeneral(nn.Module):
         """
         key, rht_key = self._key(), self._rht_key()
         dense = is_dense_product(lhs, rhs, dimension_numbers)
-        if dense and self.has_variable(OUTCONTROL_COLLECTION, "hi"):
+        quantized = _recipe(self.recipe).quantized  # OutControl leaves the others alone
+        if dense and quantized and self.has_variable(OUTCONTROL_COLLECTION, "hi"):
             y = outcontrol.split_dot(
                 lhs, rhs, self.get_variable(OUTCONTROL_COLLECTION, "hi"),
                 self.get_variable(OUTCONTROL_COLLECTION, "lo"), recipe=_recipe(self.recipe),
@@ -210,7 +214,7 @@ class DotGeneral(nn.Module):
                                 key=key, rht_key=rht_key)
         if self.is_initializing():
             return y
-        if dense and self.is_mutable_collection(CHANNEL_NORM_COLLECTION):
+        if dense and quantized and self.is_mutable_collection(CHANNEL_NORM_COLLECTION):
             x2 = jnp.asarray(lhs).reshape(-1, jnp.shape(lhs)[-1]).astype(jnp.float32)
             self.sow(CHANNEL_NORM_COLLECTION, "sq", jnp.sum(jnp.square(x2), axis=0))
         if probing() == "shapes":  # layer_stats: say which products it cannot measure

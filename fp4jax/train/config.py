@@ -371,6 +371,12 @@ def validate_config(cfg: TrainConfig) -> None:
         if cfg.model is not None:
             raise ConfigError("osci_reset", "works with the built-in Llama only (its weights' "
                               "quantizers are known); drop --osci-reset")
+    if cfg.outcontrol is None:
+        for field, default in (("outcontrol_start", 501), ("outcontrol_iters", 50),
+                               ("outcontrol_multiple", 128)):
+            if getattr(cfg, field) != default:
+                raise ConfigError(field, f"sets OutControl, which is off: pass --outcontrol "
+                                  f"RATIO too (e.g. 0.1), or drop --{field.replace('_', '-')}")
     if cfg.outcontrol is not None:
         _check_real("outcontrol", cfg.outcontrol, 0.0, False, 1.0, False)
         if cfg.outcontrol_multiple % 16:
@@ -382,6 +388,9 @@ def validate_config(cfg: TrainConfig) -> None:
                               f"{cfg.outcontrol_start}..{split - 1} and splits from step "
                               f"{split}, which a run of {cfg.steps} steps never reaches: "
                               "lower --outcontrol-start or --outcontrol-iters")
+        if _is_int(cfg.n_experts) and cfg.n_experts > 0:
+            raise ConfigError("outcontrol", "with --n-experts is not built (the experts' "
+                              "grouped GEMMs are not split); drop one of them")
         for field, why in (("model", "works with the built-in Llama only"),
                            ("osci_reset", "with --osci-reset is not built (TetraJet-v2 tracks "
                             "only the FP4 channels)"),

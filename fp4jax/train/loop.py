@@ -97,7 +97,8 @@ _NOT_COMPILED = frozenset({"seed", "out", "resume", "stop_at", "progress", "cach
                            "overwrite", "keep_checkpoints", "data", "tokenizer", "val_fraction",
                            "eval_every", "eval_batches", "switch_at", "stats_every",
                            "switch_threshold", "switch_window", "grad_noise_every",
-                           "bf16_budget", "bf16_warmup"})
+                           "bf16_budget", "bf16_warmup", "outcontrol_start",
+                           "outcontrol_iters"})
 _STEP_CACHE: dict[tuple, dict] = {}
 _STEP_CACHE_SIZE = 4
 
@@ -110,7 +111,7 @@ def _step_fns(cfg: TrainConfig, recipe: Recipe, mesh: Mesh,
     recipe (``run_recipe``); ``extra``: more of the key (digests of the files a ``--model``
     run reads). The newest few are kept. Returns ``(functions, reused)``."""
     # the builders as looked up now: a monkeypatched one (tests) gets its own entry
-    builders = (make_init_state, make_train_step, make_eval_step)
+    builders = (make_init_state, make_train_step, make_eval_step, make_outcontrol_record)
     fields = dataclasses.asdict(cfg)  # the recipe canonical: nvfp4(switch_at=0.8) ~ nvfp4
     fields["recipe"] = fp4jax.recipes.spec(recipe)
     key = (tuple(sorted((k, repr(v)) for k, v in fields.items() if k not in _NOT_COMPILED)),
@@ -281,7 +282,7 @@ def compiled_steps(cfg: TrainConfig, rm: RunModels, recipe: Recipe, mesh: Mesh,
             osci = osci_reset_plan(rm, jax.eval_shape(plain, root)["params"])
         if rm.rcfg.outcontrol is not None:  # its layers from the record's output shapes
             oc = outcontrol_plan(cfg, rm, mesh, jax.eval_shape(plain, root)["params"])
-        init_fn = make_init_state(rm.models[False], tx, cfg, osci, oc and oc[1:])
+        init_fn = make_init_state(rm.models[False], tx, cfg, osci, oc[1:] if oc else None)
         # the state's layout: replicated, or (--fsdp > 1) each array's fsdp_spec, from its
         # shapes (an abstract evaluation of init: one more "init" trace)
         shapes = jax.eval_shape(init_fn, root) if mesh.shape["fsdp"] > 1 else None
@@ -314,17 +315,21 @@ def compiled_steps(cfg: TrainConfig, rm: RunModels, recipe: Recipe, mesh: Mesh,
 def outcontrol_plan(cfg: TrainConfig, rm: RunModels, mesh: Mesh, params: Any
                     ) -> tuple[Callable, channel_split.OutControlPlan, Any]:
     """``--outcontrol``: the run's statistic pass (``make_outcontrol_record``), its plan
-    (``channel_split.make_plan``: which layers split how many channels) and the record's
-    output shapes, from the parameters' shapes ``params``.
+    (``channel_split.make_plan``: which layers split how many channels; its schedule is
+    set per run, ``train``) and the record's output shapes, from the parameters' shapes
+    ``params``; None when no layer of the run quantizes (a ``bf16`` run of a comparison:
+    OutControl has nothing to do there).
 
     Raises:
-      ValueError: no quantized dense layer of the model is wide enough to split."""
+      ValueError: quantized dense layers, none wide enough to split."""
     rcfg = rm.rcfg
     record = make_outcontrol_record(rm.models[False], mesh)
     batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len + 1), jnp.int32)
     shapes = jax.eval_shape(record, params, batch, jax.random.key(0), jnp.int32(0))
     plan = channel_split.make_plan(shapes, rcfg.outcontrol, rcfg.outcontrol_multiple,
                                    rcfg.outcontrol_start, rcfg.outcontrol_iters)
+    if not plan.counts and not plan.skipped:
+        return None
     if not plan.counts:
         why = "; ".join(f"{k}: {v}" for k, v in list(plan.skipped.items())[:3])
         raise ValueError("--outcontrol: no quantized linear layer of this run can split its "
@@ -544,6 +549,11 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     ev = Evaluation(log, sr_key, fns["eval"], val, stats_fn, noise_fn, rm.fp4_names, rm.order)
     oc = fns.get("outcontrol")
     replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    if oc is not None:  # this run's schedule (the compiled functions do not depend on it)
+        oc = {**oc, "plan": dataclasses.replace(oc["plan"], start=rcfg.outcontrol_start,
+                                                iters=rcfg.outcontrol_iters)}
+    elif rcfg.outcontrol is not None:
+        log.say("OutControl: off in this run: none of its linear layers is quantized")
 
     def current_split() -> Any:  # the state's (each step donates the one before)
         return state["outcontrol"]["split"]

@@ -279,9 +279,6 @@ def make_grad_noise_step(model: Any, model_hp: Any, mesh: Mesh,
     return jax.jit(noise, out_shardings=NamedSharding(mesh, P()))
 
 
-# Config keys that leave the compiled init/train/eval functions unchanged (the seed enters as
-
-
 def make_outcontrol_record(model: Any, mesh: Mesh) -> Callable:
     """A jit-compiled ``record(params, batch, base_key, step) -> norms``: OutControl's
     statistic of train step ``step`` (TetraJet-v2, ``fp4jax.outcontrol``): the model's

@@ -141,6 +141,14 @@ def test_outcontrol_recipe_and_errors():
     for spec in (r.fprop.lhs, r.fprop.rhs, r.wgrad.lhs, r.wgrad.rhs):
         assert spec.fmt == fp4jax.formats.MXFP8_E4M3_UP and spec.rounding == "nearest"
     assert r.wgrad.hadamard == 0 and r.dgrad == recipes.nvfp4().dgrad
+    # operands the recipe keeps in high precision stay so: the outlier channels never lose
+    # precision (bf16 stays bf16; nvfp4_fwd_only's backward stays high precision)
+    for name in ("bf16", "nvfp4_fwd_only"):
+        base, hi = recipes.get(name), oc.outcontrol_recipe(name)
+        for g in ("fprop", "dgrad", "wgrad"):
+            for side in ("lhs", "rhs"):
+                b, h = getattr(getattr(base, g), side), getattr(getattr(hi, g), side)
+                assert h.quantized == b.quantized, (name, g, side)
     x, w, _ = _data()
     hi, lo = jnp.arange(128), jnp.arange(128, K)
     with pytest.raises(ValueError, match="x \\(..., K\\) and w"):

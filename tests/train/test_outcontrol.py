@@ -13,6 +13,7 @@ import pytest
 
 from fp4jax import train as T
 from fp4jax.nn import linen as fnn
+from fp4jax.train import channel_split, loop
 from fp4jax.train.config import run_recipe
 from fp4jax.train.loop import build_models, load_data
 from tests.checks import run_records
@@ -54,11 +55,19 @@ def _layer_inputs(cfg):
 
 @pytest.mark.heavy(83)
 @pytest.mark.xdist_group("outcontrol")  # the resume test below reuses its compiled steps
-def test_split_is_the_top_channels_of_the_recorded_norms(tmp_path):
+def test_split_is_the_top_channels_of_the_recorded_norms(tmp_path, monkeypatch):
     text = str(write_text(tmp_path / "corpus.txt", 30_000))
     cfg = T.TrainConfig(**{**BASE, "outcontrol_start": 0, "outcontrol_iters": 1}, data=text,
                         out=str(tmp_path / "run"))
+    split_evals = []  # the evaluation after the split runs it (its eval function, called)
+    orig = loop._split_evals
+
+    def spy(fn, split):
+        return orig(lambda *a: split_evals.append(1) or fn(*a), split)
+
+    monkeypatch.setattr(loop, "_split_evals", spy)
     T.train(cfg)
+    assert split_evals  # the final validation (step 5, after the split at step 1)
     recs = run_records(tmp_path / "run")
     (rec,) = [r for r in recs if r["type"] == "outcontrol"]
     assert rec["step"] == 1 and not rec["skipped"]
@@ -86,14 +95,20 @@ def test_resume_inside_the_window_is_exact_and_cli_flags(tmp_path):
              "--outcontrol", "0.1", "--outcontrol-multiple", "16", "--outcontrol-start", "1",
              "--outcontrol-iters", "2", "--checkpoint-every", "1", "--compile-cache", "auto"]
     assert T.main([*flags, "--out", str(tmp_path / "a")]) == 0
-    assert T.main([*flags, "--out", str(tmp_path / "b"), "--stop-at", "2"]) == 0
-    assert T.main([*flags, "--out", str(tmp_path / "b"), "--resume"]) == 0
-    a, b = (json.loads((tmp_path / r / "result.json").read_text()) for r in "ab")
+    a = json.loads((tmp_path / "a" / "result.json").read_text())
     la = [r["loss"] for r in run_records(tmp_path / "a") if r["type"] == "train"]
-    lb = [r["loss"] for r in run_records(tmp_path / "b") if r["type"] == "train"]
-    assert la == lb and len(la) == 5 and a["final_val_loss"] == b["final_val_loss"]
-    oa, ob = ([r for r in run_records(tmp_path / r) if r["type"] == "outcontrol"] for r in "ab")
-    assert oa == ob and oa[0]["step"] == 3
+    oa = [r for r in run_records(tmp_path / "a") if r["type"] == "outcontrol"]
+    assert len(la) == 5 and len(oa) == 1 and oa[0]["step"] == 3
+    # stopped inside the window (2), at the split (3) and after it (4), then resumed
+    for stop in (2, 3, 4):
+        b = tmp_path / f"b{stop}"
+        assert T.main([*flags, "--out", str(b), "--stop-at", str(stop)]) == 0
+        assert T.main([*flags, "--out", str(b), "--resume"]) == 0
+        lb = [r["loss"] for r in run_records(b) if r["type"] == "train"]
+        ob = [r for r in run_records(b) if r["type"] == "outcontrol"]
+        assert lb == la and ob == oa, stop
+        assert json.loads((b / "result.json").read_text())["final_val_loss"] == (
+            a["final_val_loss"]), stop
     # the split changes the run: the same run without OutControl has the same losses
     # before step 3 (the recording leaves training alone) and others from step 3 on
     keep = [f for i, f in enumerate(flags) if not f.startswith("--outcontrol")
@@ -116,6 +131,55 @@ def test_resume_inside_the_window_is_exact_and_cli_flags(tmp_path):
 def test_refused_configs(bad, match, tmp_path):
     with pytest.raises(ValueError, match=match):
         T.TrainConfig(**{**BASE, **bad}, out=str(tmp_path / "x"))
+
+
+def test_accumulate_and_select_against_numpy():
+    """Two steps' norms added up (a plain (K,) leaf and a scanned (L, K) one), then each
+    layer's (each block's) top channels by the sum, descending, ties to the lower index."""
+    rng = np.random.default_rng(3)
+    shapes = {"a": {"DotGeneral_0": {"sq": jax.ShapeDtypeStruct((64,), jnp.float32)}},
+              "s": {"blk": {"DotGeneral_0": {"sq": jax.ShapeDtypeStruct((3, 128), jnp.float32)}}}}
+    plan = channel_split.make_plan(shapes, 0.1, 16, 5, 2)
+    assert plan.counts == {("a", "DotGeneral_0"): 16, ("s", "blk", "DotGeneral_0"): 16}
+    state = channel_split.init_state(plan, shapes)
+    steps = [(rng.random(64).astype(np.float32), rng.random((3, 128)).astype(np.float32))
+             for _ in range(2)]
+    steps[1][0][[3, 9]] = 10.0 - steps[0][0][[3, 9]]  # a tie in the sum (10 each)
+    for a, sc in steps:
+        state = channel_split.accumulate(plan, state, {
+            "a": {"DotGeneral_0": {"sq": jnp.asarray(a)}},
+            "s": {"blk": {"DotGeneral_0": {"sq": jnp.asarray(sc)}}}})
+    state = channel_split.select(plan, state)
+    sum_a = steps[0][0] + steps[1][0]
+    sum_s = steps[0][1] + steps[1][1]
+    np.testing.assert_array_equal(state["sums"]["a"]["DotGeneral_0"]["sq"], sum_a)
+    order = np.argsort(-sum_a, kind="stable")
+    np.testing.assert_array_equal(state["split"]["a"]["DotGeneral_0"]["hi"], order[:16])
+    np.testing.assert_array_equal(state["split"]["a"]["DotGeneral_0"]["lo"], order[16:])
+    assert list(np.asarray(state["split"]["a"]["DotGeneral_0"]["hi"][:2])) == [3, 9]
+    for blk in range(3):
+        order = np.argsort(-sum_s[blk], kind="stable")
+        np.testing.assert_array_equal(state["split"]["s"]["blk"]["DotGeneral_0"]["hi"][blk],
+                                      order[:16])
+
+
+def test_settings_without_outcontrol_and_experts_are_refused(tmp_path):
+    for bad in (dict(outcontrol_multiple=32), dict(outcontrol_start=10),
+                dict(outcontrol_iters=5)):
+        with pytest.raises(ValueError, match="which is off: pass --outcontrol"):
+            T.TrainConfig(preset="micro", steps=50, out=str(tmp_path / "x"), **bad)
+    with pytest.raises(ValueError, match="n-experts"):
+        T.TrainConfig(**{**BASE, "n_experts": 4}, out=str(tmp_path / "x"))
+
+
+def test_a_run_without_quantized_layers_runs_without_it(tmp_path, capsys):
+    """``--compare nvfp4,bf16 --outcontrol 0.1``: the bf16 run has nothing to split; it runs
+    as plain bf16 and says so."""
+    text = str(write_text(tmp_path / "corpus.txt", 30_000))
+    T.train(T.TrainConfig(**{**BASE, "recipe": "bf16", "steps": 4}, data=text,
+                          out=str(tmp_path / "run")))
+    assert "OutControl: off in this run" in capsys.readouterr().err
+    assert not [r for r in run_records(tmp_path / "run") if r["type"] == "outcontrol"]
 
 
 def test_no_layer_wide_enough(tmp_path):
