@@ -54,8 +54,8 @@ from fp4jax.formats import MXFP8_E4M3_UP
 from fp4jax.quantized_dot import dot
 from fp4jax.recipes import GemmSpec, QuantSpec, Recipe, get
 
-__all__ = ["DEFAULT_RATIO", "channel_norms", "outcontrol_count", "outcontrol_recipe",
-           "select_channels", "split_dot"]
+__all__ = ["DEFAULT_RATIO", "channel_norms", "channel_squares", "outcontrol_count",
+           "outcontrol_recipe", "select_channels", "split_dot"]
 
 DEFAULT_RATIO = 0.1
 """TetraJet-v2's ``X_top_channels_ratio`` in every ``TJv2-mix_fp8`` config."""
@@ -92,11 +92,17 @@ def outcontrol_count(d_in: int, ratio: float = DEFAULT_RATIO,
     return n
 
 
+def channel_squares(x: jax.Array) -> jax.Array:
+    """Per input channel, the float32 sum over all tokens of ``x (..., K)``'s squares:
+    ``(K,)`` (what a layer sows; its square root is ``channel_norms``)."""
+    x2 = jnp.asarray(x).reshape(-1, jnp.shape(x)[-1]).astype(jnp.float32)
+    return jnp.sum(jnp.square(x2), axis=0)
+
+
 def channel_norms(x: jax.Array) -> jax.Array:
     """Per input channel, the L2 norm over all tokens of ``x (..., K)``: float32 ``(K,)``
     (``x.view(-1, K).norm(p=2, dim=0)`` in TetraJet-v2, computed here in float32)."""
-    x2 = jnp.asarray(x).reshape(-1, jnp.shape(x)[-1]).astype(jnp.float32)
-    return jnp.sqrt(jnp.sum(jnp.square(x2), axis=0))
+    return jnp.sqrt(channel_squares(x))
 
 
 def select_channels(norm_sums: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:

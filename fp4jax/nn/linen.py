@@ -215,8 +215,7 @@ class DotGeneral(nn.Module):
         if self.is_initializing():
             return y
         if dense and quantized and self.is_mutable_collection(CHANNEL_NORM_COLLECTION):
-            x2 = jnp.asarray(lhs).reshape(-1, jnp.shape(lhs)[-1]).astype(jnp.float32)
-            self.sow(CHANNEL_NORM_COLLECTION, "sq", jnp.sum(jnp.square(x2), axis=0))
+            self.sow(CHANNEL_NORM_COLLECTION, "sq", outcontrol.channel_squares(lhs))
         if probing() == "shapes":  # layer_stats: say which products it cannot measure
             self._note_unmeasured(lhs, rhs, dimension_numbers)
         if not dense:
