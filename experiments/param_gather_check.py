@@ -46,8 +46,10 @@ from fp4jax.train.cli import set_deterministic
 JSON_NAME = "param_gather_check.json"
 
 
-def run_one(args: argparse.Namespace, fp4: bool) -> tuple[dict[str, Any], list[np.ndarray]]:
-    """One configuration: its row and its parameters (host arrays) after ``--steps``."""
+def run_one(args: argparse.Namespace, fp4: bool
+            ) -> tuple[dict[str, Any], list[list[np.ndarray]]]:
+    """One configuration: its row and its parameters (host arrays) after each of
+    ``--steps`` steps."""
     step, state, batch, key, mc = build_step(args.preset, args.recipe, args.scan_layers,
                                              args.batch_size, args.seq_len, args.devices,
                                              args.attention, None, args.fsdp, fp4)
@@ -56,13 +58,13 @@ def run_one(args: argparse.Namespace, fp4: bool) -> tuple[dict[str, Any], list[n
     compiled = step.lower(state, batch, key).compile()
     rec["compile_s"] = round(time.perf_counter() - t, 2)
     rec.update(all_gather_bytes(compiled.as_text()))
-    losses, norms = [], []
+    losses, norms, params = [], [], []
     for _ in range(args.steps):
         state, m = compiled(state, batch, key)
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
+        params.append([np.asarray(x) for x in jax.tree.leaves(jax.device_get(state["params"]))])
     rec["losses"], rec["grad_norms"] = losses, norms
-    params = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state["params"]))]
     windows = []
     for _ in range(PIPELINE_WINDOWS):
         t = time.perf_counter()
@@ -81,6 +83,16 @@ def same_bits(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     return len(a) == len(b) and all(
         x.shape == y.shape and x.dtype == y.dtype and x.tobytes() == y.tobytes()
         for x, y in zip(a, b, strict=True))
+
+
+def differing(a: list[np.ndarray], b: list[np.ndarray]) -> int:
+    """How many parameter elements differ in their bits (all of them where shapes do)."""
+    def bits(x: np.ndarray) -> np.ndarray:
+        return x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize])
+
+    return sum(int(np.count_nonzero(bits(x) != bits(y)))
+               if x.shape == y.shape and x.dtype == y.dtype else x.size
+               for x, y in zip(a, b, strict=True))
 
 
 def max_abs_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
@@ -125,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     fp4, p1 = run_one(args, True)
     res.add("rows", fp4)
     identical = (plain["losses"] == fp4["losses"] and plain["grad_norms"] == fp4["grad_norms"]
-                 and same_bits(p0, p1))
+                 and same_bits(p0[-1], p1[-1]))
+    # where the runs part: the parameters after each step (the update of step i)
+    by_step = [{"after_step": i, "differing_elements": differing(a, b),
+                "max_abs_diff": max_abs_diff(a, b)}
+               for i, (a, b) in enumerate(zip(p0, p1, strict=True))]
     summary = {
         "identical": identical,
         "all_gather_bytes": [plain["all_gather_bytes"], fp4["all_gather_bytes"]],
@@ -133,8 +149,13 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_s": [plain["tokens_per_s"], fp4["tokens_per_s"]],
         "speed_ratio": fp4["tokens_per_s"] / plain["tokens_per_s"],
         "compile_s": [plain["compile_s"], fp4["compile_s"]],
-        "max_abs_param_diff": max_abs_diff(p0, p1),
+        "max_abs_param_diff": max_abs_diff(p0[-1], p1[-1]),
+        "params_by_step": by_step,
     }
+    for r in by_step:
+        print(f"param_gather_check: after step {r['after_step']}: "
+              f"{r['differing_elements']:,} parameter elements differ, max |diff| "
+              f"{r['max_abs_diff']:.3g}", flush=True)
     res.finish(summary=summary)
     print(f"param_gather_check: identical={identical}; all-gather bytes "
           f"{plain['all_gather_bytes']:,} -> {fp4['all_gather_bytes']:,} "
