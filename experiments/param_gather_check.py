@@ -46,13 +46,13 @@ from fp4jax.train.cli import set_deterministic
 JSON_NAME = "param_gather_check.json"
 
 
-def run_one(args: argparse.Namespace, fp4: bool
+def run_one(args: argparse.Namespace, fp4: bool, plan_out: dict | None = None
             ) -> tuple[dict[str, Any], list[list[np.ndarray]]]:
     """One configuration: its row and its parameters (host arrays) after each of
     ``--steps`` steps."""
     step, state, batch, key, mc = build_step(args.preset, args.recipe, args.scan_layers,
                                              args.batch_size, args.seq_len, args.devices,
-                                             args.attention, None, args.fsdp, fp4)
+                                             args.attention, None, args.fsdp, fp4, plan_out)
     rec: dict[str, Any] = {"fp4_param_gather": fp4, "params": mc.num_params()}
     t = time.perf_counter()
     compiled = step.lower(state, batch, key).compile()
@@ -77,6 +77,54 @@ def run_one(args: argparse.Namespace, fp4: bool
     rec["tokens_per_s"] = args.batch_size * args.seq_len / rec["step_s"]
     del compiled, state
     return rec, params
+
+
+def weight_bits(params: list[np.ndarray], plan_out: dict) -> list[dict[str, Any]]:
+    """For every weight the FP4 gather carries, on these parameters (host arrays, the
+    state's leaf order): the weight ``fp4_all_gather`` rebuilds from its shards against the
+    plain weight, each cast to its compute dtype and 2D-quantized by ``fp4jax.quantize``
+    with its format (jitted, on the devices): how many codes, block scales and tensor
+    scales differ. Rows only for weights with a mismatch, plus a count of those checked."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import fp4jax
+
+    mesh = plan_out["mesh"]
+    plan = jax.tree.leaves(plan_out["plan"], is_leaf=lambda x: x is None)
+    specs = jax.tree.leaves(plan_out["specs"], is_leaf=lambda x: isinstance(x, P))
+    names = [jax.tree_util.keystr(k) for k, _ in
+             jax.tree_util.tree_flatten_with_path(plan_out["specs"],
+                                                  is_leaf=lambda x: isinstance(x, P))[0]]
+    # the state's specs cover more than the parameters: keep the parameter leaves
+    keep = [i for i, n in enumerate(names) if n.startswith("['params']")]
+    specs, names = [specs[i] for i in keep], [names[i] for i in keep]
+    rows, checked = [], 0
+    for w, spec, fp4, name in zip(params, specs, plan, names, strict=True):
+        if fp4 is None:
+            continue
+        checked += 1
+        axis = tuple(spec).index("fsdp")
+        dtype = jnp.dtype(fp4.dtype)
+        gather = jax.jit(jax.shard_map(
+            lambda x, axis=axis, fmt=fp4.fmt, dtype=dtype: fp4jax.sharding.fp4_all_gather(
+                x, "fsdp", axis, fmt, dtype),
+            mesh=mesh, in_specs=spec, out_specs=P(), check_vma=False))
+        got = gather(jax.device_put(jnp.asarray(w), NamedSharding(mesh, spec)))
+
+        @jax.jit
+        def q(v, fmt=fp4.fmt, dtype=dtype):
+            r = fp4jax.quantize(v.astype(dtype), fmt, block_2d=True)
+            return r.data.astype(jnp.float32), r.scale.astype(jnp.float32), r.global_scale
+
+        bad = {k: int(np.count_nonzero(np.asarray(u).view(np.uint32)
+                                       != np.asarray(v).view(np.uint32)))
+               for k, u, v in zip(("codes", "scales", "tensor_scale"), q(got),
+                                  q(jnp.asarray(w)), strict=True)}
+        if any(bad.values()):
+            rows.append({"param": name, "shape": list(w.shape), **bad})
+    return [{"weights_checked": checked}] + rows
 
 
 def same_bits(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
@@ -122,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="leave XLA's deterministic GPU ops off (the first GPU try aborted "
                          "inside XLA with them on): the verdict may then show float32 sums "
                          "of atomics differing; the largest parameter difference is recorded")
+    ap.add_argument("--weight-bits", action="store_true",
+                    help="also quantize every FP4-gathered weight, rebuilt from its shards "
+                         "and plain, on the plain run's parameters after each step, and "
+                         "count the codes and scales that differ")
     args = ap.parse_args(argv)
     if not args.no_deterministic:
         set_deterministic()  # before JAX touches a backend
@@ -134,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     res.add("rows", plain)
     print(f"param_gather_check: {plain['tokens_per_s']:,.0f} tokens/s; the FP4 gather",
           flush=True)
-    fp4, p1 = run_one(args, True)
+    plan_out: dict = {}
+    fp4, p1 = run_one(args, True, plan_out)
     res.add("rows", fp4)
     identical = (plain["losses"] == fp4["losses"] and plain["grad_norms"] == fp4["grad_norms"]
                  and same_bits(p0[-1], p1[-1]))
@@ -152,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
         "max_abs_param_diff": max_abs_diff(p0[-1], p1[-1]),
         "params_by_step": by_step,
     }
+    if args.weight_bits:
+        # the rebuilt weights on the parameters the plain run reached after each step
+        summary["weight_bits_by_step"] = [weight_bits(p, plan_out) for p in p0]
+        for i, r in enumerate(summary["weight_bits_by_step"]):
+            print(f"param_gather_check: weights after step {i}: {r}", flush=True)
     for r in by_step:
         print(f"param_gather_check: after step {r['after_step']}: "
               f"{r['differing_elements']:,} parameter elements differ, max |diff| "

@@ -235,12 +235,13 @@ def _op_of(kernel: str, instrs: dict) -> str:
 
 def build_step(preset: str, spec: str, scan_layers: bool, batch_size: int, seq_len: int,
                devices: int = 1, attention: str = "xla", scan_remat: str | None = None,
-               fsdp: int = 1, fp4_param_gather: bool = False):
+               fsdp: int = 1, fp4_param_gather: bool = False, plan_out: dict | None = None):
     """The harness's train step for one spec, its initial state and one batch (on
     ``devices`` local devices: the data-parallel step, the batch split over them; ``fsdp``:
     the state split over that many of them, as ``--fsdp``; ``attention`` as
     ``--attention``; ``fp4_param_gather`` as ``--fp4-param-gather``: the weights planned
-    by ``parallel.fp4_gather_plan`` gathered in FP4)."""
+    by ``parallel.fp4_gather_plan`` gathered in FP4; ``plan_out``, a dict, receives the
+    plan, the state's ``PartitionSpec``s and the mesh)."""
     from fp4jax.models.llama import llama_rules, policy_rules
     from fp4jax.train import parallel
     from fp4jax.train.models import llama_weight_layers
@@ -266,6 +267,8 @@ def build_step(preset: str, spec: str, scan_layers: bool, batch_size: int, seq_l
         plan, notes = parallel.fp4_gather_plan(shapes["params"], specs["params"], mesh,
                                                layers, mc.dtype)
         print(parallel.describe_plan(notes), file=sys.stderr, flush=True)
+    if plan_out is not None:
+        plan_out.update(plan=plan, specs=specs, mesh=mesh)
     step = make_train_step(model, tx, None, mesh, specs, plan)
     batch = jax.random.randint(jax.random.key(1), (batch_size, seq_len + 1), 0, 256, jnp.int32)
     batch = jax.device_put(batch, NamedSharding(mesh, parallel.BATCH))
