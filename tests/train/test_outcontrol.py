@@ -118,6 +118,36 @@ def test_resume_inside_the_window_is_exact_and_cli_flags(tmp_path):
     assert lc[:3] == la[:3] and lc[3] != la[3]
 
 
+def test_statistic_is_the_whole_batchs_on_four_devices():
+    """The statistic pass on 4 devices (the batch split over them, as the harness runs it)
+    gives the 1-device norms: every layer's channels summed over the whole batch, not a
+    device's share (which would be ~1/sqrt(2) of them at 2 devices)."""
+    from jax.sharding import NamedSharding
+
+    from fp4jax.train import parallel
+    from fp4jax.train.steps import make_outcontrol_record
+
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    cfg = T.TrainConfig(**{**BASE, "batch_size": 8}, data=None, out="unused")
+    ds = load_data(cfg)
+    model = build_models(cfg, *run_recipe(cfg), ds).models[False]
+    params = model.init(jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
+    batch = jnp.asarray(ds.train_batch(0, cfg.batch_size, cfg.seed))
+    norms = {}
+    for n in (1, 4):
+        mesh = parallel.make_mesh(n)
+        record = make_outcontrol_record(model, mesh)
+        b = jax.device_put(batch, NamedSharding(mesh, parallel.BATCH))
+        norms[n] = jax.tree.map(np.asarray, record(params, b, jax.random.key(1), 0))
+    flat1 = jax.tree_util.tree_leaves_with_path(norms[1])
+    flat4 = dict(jax.tree_util.tree_leaves_with_path(norms[4]))
+    assert len(flat1) == 12 and len(flat4) == 12
+    for path, v in flat1:
+        # float32 sums in another order: within a few ulps
+        np.testing.assert_allclose(flat4[path], v, rtol=1e-5, err_msg=str(path))
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(outcontrol=1.0), "outcontrol"),
     (dict(outcontrol=0.1, outcontrol_multiple=24), "multiple of 16"),
