@@ -65,3 +65,48 @@ def test_llama_layers_carry_the_collections(scan):
         split, sep="/")}, tokens, rngs=rngs)
     assert y.shape == y0.shape and bool(jnp.all(jnp.isfinite(y)))
     assert not np.array_equal(np.asarray(y, np.float32), np.asarray(y0, np.float32))
+
+
+def test_scanned_blocks_take_each_blocks_own_split():
+    """The scanned Llama with the unrolled one's weights and the same per-block split (row
+    ``i`` of each stacked split is block ``i``'s) computes the unrolled model's logits; the
+    blocks' splits swapped, it does not (so each block runs its own split)."""
+    cfg = get_preset("micro").replace(dtype="float32")
+    rules = [(r"block_[0-9]+/.*", "nvfp4"), (".*", None)]
+    m0 = quantized_llama(cfg, rules)
+    m1 = quantized_llama(cfg.replace(scan_layers=True), rules)
+    tokens = jnp.arange(2 * 32, dtype=jnp.int32).reshape(2, 32) % 256
+    rngs = {"fp4": jax.random.key(1), "fp4_layer": jax.random.key(2)}
+    p0 = jax.jit(m0.init)(jax.random.key(0), tokens)["params"]
+    blocks = [f"block_{i}" for i in range(cfg.n_layers)]
+    moved = {k: v for k, v in p0.items() if k not in blocks}
+    moved["blocks_0_1"] = {"block": jax.tree.map(lambda *a: jnp.stack(a),
+                                                 *[p0[b] for b in blocks])}
+    _, state = jax.jit(lambda p: m0.apply({"params": p}, tokens, rngs=rngs, mutable=[
+        fnn.CHANNEL_NORM_COLLECTION]))(p0)
+    flat = traverse_util.flatten_dict(state[fnn.CHANNEL_NORM_COLLECTION], sep="/")
+    split0, rows = {}, {}
+    for k, (sq,) in flat.items():
+        order = jnp.argsort(-sq, stable=True).astype(jnp.int32)
+        block, rest = k.split("/", 1)
+        stem = rest[:-len("sq")]
+        split0[f"{block}/{stem}hi"], split0[f"{block}/{stem}lo"] = order[:16], order[16:]
+        rows.setdefault(stem, {})[block] = order
+    assert len(rows) == 6 and all(len(v) == cfg.n_layers for v in rows.values())
+
+    def stacked(perm):
+        out = {}
+        for stem, by in rows.items():
+            orders = jnp.stack([by[blocks[i]] for i in perm])
+            out[f"blocks_0_1/block/{stem}hi"] = orders[:, :16]
+            out[f"blocks_0_1/block/{stem}lo"] = orders[:, 16:]
+        return {fnn.OUTCONTROL_COLLECTION: traverse_util.unflatten_dict(out, sep="/")}
+
+    want = jax.jit(lambda p: m0.apply({"params": p, fnn.OUTCONTROL_COLLECTION:
+                                       traverse_util.unflatten_dict(split0, sep="/")},
+                                      tokens, rngs=rngs))(p0)
+    scanned = jax.jit(lambda p, s: m1.apply({"params": p, **s}, tokens, rngs=rngs))
+    got = scanned(moved, stacked([0, 1]))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    swapped = scanned(moved, stacked([1, 0]))
+    assert np.abs(np.asarray(swapped) - np.asarray(want)).max() > 1e-3
