@@ -93,15 +93,10 @@ def weight_bits(params: list[np.ndarray], plan_out: dict) -> list[dict[str, Any]
 
     mesh = plan_out["mesh"]
     plan = jax.tree.leaves(plan_out["plan"], is_leaf=lambda x: x is None)
-    specs = jax.tree.leaves(plan_out["specs"], is_leaf=lambda x: isinstance(x, P))
-    names = [jax.tree_util.keystr(k) for k, _ in
-             jax.tree_util.tree_flatten_with_path(plan_out["specs"],
-                                                  is_leaf=lambda x: isinstance(x, P))[0]]
-    # the state's specs cover more than the parameters: keep the parameter leaves
-    keep = [i for i, n in enumerate(names) if n.startswith("['params']")]
-    specs, names = [specs[i] for i in keep], [names[i] for i in keep]
+    specs = jax.tree_util.tree_flatten_with_path(plan_out["specs"]["params"],
+                                                 is_leaf=lambda x: isinstance(x, P))[0]
     rows, checked = [], 0
-    for w, spec, fp4, name in zip(params, specs, plan, names, strict=True):
+    for w, (path, spec), fp4 in zip(params, specs, plan, strict=True):
         if fp4 is None:
             continue
         checked += 1
@@ -123,7 +118,7 @@ def weight_bits(params: list[np.ndarray], plan_out: dict) -> list[dict[str, Any]
                for k, u, v in zip(("codes", "scales", "tensor_scale"), q(got),
                                   q(jnp.asarray(w)), strict=True)}
         if any(bad.values()):
-            rows.append({"param": name, "shape": list(w.shape), **bad})
+            rows.append({"param": jax.tree_util.keystr(path), "shape": list(w.shape), **bad})
     return [{"weights_checked": checked}] + rows
 
 

@@ -372,9 +372,9 @@ def validate_config(cfg: TrainConfig) -> None:
             raise ConfigError("osci_reset", "works with the built-in Llama only (its weights' "
                               "quantizers are known); drop --osci-reset")
     if cfg.outcontrol is None:
-        for field, default in (("outcontrol_start", 501), ("outcontrol_iters", 50),
-                               ("outcontrol_multiple", 128)):
-            if getattr(cfg, field) != default:
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        for field in ("outcontrol_start", "outcontrol_iters", "outcontrol_multiple"):
+            if getattr(cfg, field) != defaults[field]:
                 raise ConfigError(field, f"sets OutControl, which is off: pass --outcontrol "
                                   f"RATIO too (e.g. 0.1), or drop --{field.replace('_', '-')}")
     if cfg.outcontrol is not None:

@@ -313,7 +313,7 @@ def compiled_steps(cfg: TrainConfig, rm: RunModels, recipe: Recipe, mesh: Mesh,
 
 
 def outcontrol_plan(cfg: TrainConfig, rm: RunModels, mesh: Mesh, params: Any
-                    ) -> tuple[Callable, channel_split.OutControlPlan, Any]:
+                    ) -> tuple[Callable, channel_split.OutControlPlan, Any] | None:
     """``--outcontrol``: the run's statistic pass (``make_outcontrol_record``), its plan
     (``channel_split.make_plan``: which layers split how many channels; its schedule is
     set per run, ``train``) and the record's output shapes, from the parameters' shapes
