@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import fp4jax
@@ -68,7 +69,10 @@ def test_parameter_trees_are_the_old_llamas():
 def test_micro_train_step_bits_are_the_old_llamas(name):
     """Loss and every gradient of one ``micro`` step (the harness's model, its loss and
     keys) are bit for bit those of 7e8f18f's Llama: NVFP4 (block 1 BF16 by default), BF16,
-    a scanned stack, ``--bf16-layers`` names, the model after a ``--switch fwd``."""
+    a scanned stack, ``--bf16-layers`` names, the model after a ``--switch fwd``. The
+    RMSNorm scales' gradients are sums over the tokens whose float32 order XLA:CPU picks by
+    the host's vector width: they must be the bits 7e8f18f gave on one of the hosts it was
+    run on (the golden file's two), and on another host within float32 rounding of them."""
     why = _same_environment()
     if why:
         pytest.skip(why)
@@ -77,7 +81,18 @@ def test_micro_train_step_bits_are_the_old_llamas(name):
     got = golden.cases([name])[name]
     want = GOLDEN["cases"][name]
     assert got["loss_bits"] == want["loss_bits"], (got["loss"], want["loss"])
-    assert got["grads"] == want["grads"]
+    assert set(got["grads"]) == set(want["grads"])
+    exact = {k: h for k, h in want["grads"].items() if not golden.is_host_sum(k)}
+    assert len(exact) >= len(want["grads"]) - 5  # the five norms' scales at most
+    assert {k: got["grads"][k] for k in exact} == exact
+    # the norms' scales: their float32 sums over the tokens follow the host's vector width:
+    # bit for bit 7e8f18f's on one of the hosts it ran on, else within their rounding
+    for k in set(want["grads"]) - set(exact):
+        seen = {want["grads"][k], *(h[name][k] for h in GOLDEN["host_sums"].values())}
+        if got["grads"][k] not in seen:
+            ref = np.asarray(want["sum_grads"][k], np.float32)
+            np.testing.assert_allclose(got["sum_grads"][k], ref, rtol=1e-5,
+                                       atol=1e-6 * float(np.abs(ref).max()), err_msg=k)
 
 
 def _small(**kw) -> LlamaConfig:
