@@ -90,6 +90,40 @@ def data_axis() -> AxisName | None:
     return _AXIS.get()
 
 
+_ONE_DEVICE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fp4jax_one_device", default=False)
+
+
+@contextlib.contextmanager
+def one_device(active: bool = True) -> Iterator[None]:
+    """Trace ``fp4jax.dot`` calls in this block as parts of a program that runs on a single
+    device although JAX sees several (a one-GPU run on a multi-GPU host: a ``jax.jit``
+    whose inputs and outputs all live on one device).
+
+    The automatic backend choice (``implementation=None``) keeps the XLA path whenever
+    ``jax.device_count() > 1``, because XLA cannot partition a Pallas call of a program
+    sharded over several devices; on a 4-GPU host that left one-GPU NVFP4 training on the
+    XLA path at 0.26x bf16's throughput against 0.60x with the kernels (H100,
+    ``experiments/results/training/2026-11-28_dp_rows_h100x4``). In this block the choice
+    is that of a single-device host: the Hopper kernels for large GEMMs (same bits either
+    way). Tracing a program that is partitioned over several devices in this block is the
+    caller's error (XLA refuses the unpartitionable kernel call or replicates it).
+    ``fp4jax-train`` and the harness's step builders enter it for a one-device mesh.
+    Nests; ``one_device(False)`` turns it off inside."""
+    if not isinstance(active, bool):
+        raise TypeError(f"one_device: active must be a bool, got {active!r}")
+    token = _ONE_DEVICE.set(active)
+    try:
+        yield
+    finally:
+        _ONE_DEVICE.reset(token)
+
+
+def on_one_device() -> bool:
+    """Whether an ``one_device`` block is active."""
+    return _ONE_DEVICE.get()
+
+
 # ---------------------------------------------------------------------------
 # FSDP parameter all-gather in FP4 (``fp4_all_gather``)
 # ---------------------------------------------------------------------------

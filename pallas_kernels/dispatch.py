@@ -227,7 +227,8 @@ def kernel_mode(mkn: int | None = None) -> str:
     the GEMM is large: ``mkn`` (``M*K*N`` of an unbatched call; ``dot_general`` passes 0
     for batched ones, which the kernels do not cover) at least ``KERNEL_AUTO_MIN_MKN``.
     Inside ``fp4jax.sharding.data_parallel`` (``jax.shard_map``: each device runs its own
-    program on its rows) the device count does not matter.
+    program on its rows) and inside ``fp4jax.sharding.one_device`` (a program on one
+    device of a multi-device host) the device count does not matter.
     Under ``jax.vmap`` the operands take the XLA path. Either way the results are the
     same bits (the kernels are tested against the XLA path). The setting is part of
     ``dot``'s trace cache key: a change takes effect on the next call of ``dot``.
@@ -243,7 +244,8 @@ def kernel_mode(mkn: int | None = None) -> str:
         raise ValueError(f"FP4JAX_KERNELS={env!r}: use auto, on or off (or native / "
                          "tcgen05: the Blackwell GEMM backend)")
     big = mkn is None or mkn >= KERNEL_AUTO_MIN_MKN
-    single = jax.device_count() == 1 or sharding.data_axis() is not None
+    single = (jax.device_count() == 1 or sharding.data_axis() is not None
+              or sharding.on_one_device())
     return "on" if big and on_sm90() and single else "off"
 
 

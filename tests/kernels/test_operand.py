@@ -440,10 +440,23 @@ def test_auto_mode_size_threshold_and_devices(monkeypatch):
     # where XLA's path cost 3x the kernels' (2026-11-26)
     assert dot.kernel_mode(8192 * 512 * 256) == want
     assert dot.kernel_mode(0) == "off"  # batched dot_general
+    # a program on one device of a multi-device host (fp4jax.sharding.one_device): the
+    # kernels as on a one-device host; nested off again, and never for small or batched GEMMs
+    with fp4jax.sharding.one_device():
+        assert dot.kernel_mode(big) == "on" and dot.kernel_mode(big - 1) == "off"
+        assert dot.kernel_mode(0) == "off"
+        with fp4jax.sharding.one_device(False):
+            assert dot.kernel_mode(big) == want
+    assert dot.kernel_mode(big) == want
+    with pytest.raises(TypeError, match="active must be a bool"):
+        with fp4jax.sharding.one_device("yes"):
+            pass
     monkeypatch.setenv("FP4JAX_KERNELS", "on")
     assert dot.kernel_mode(1) == "on"
     monkeypatch.setattr(dot, "on_sm90", lambda: False)
     assert dot.kernel_mode(big) == "off"
+    with fp4jax.sharding.one_device():
+        assert dot.kernel_mode(big) == "off"  # no sm_90 GPU
 
 
 def test_kernel_mode_setting(monkeypatch):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import fp4jax.recipes
+import fp4jax.sharding
 from fp4jax import train as T
 from fp4jax.train import checkpoint, config, models, runlog, steps
 from tests import harness_models as hm
@@ -137,9 +138,12 @@ def test_nnx_model_as_a_pure_function():
     assert all(float(jnp.abs(x).sum()) > 0 for x in jax.tree.leaves(g["layers"]))
 
 
-def test_train_step_and_eval_step_on_a_tiny_model():
+def test_train_step_and_eval_step_on_a_tiny_model(monkeypatch):
     """The step alone: one AdamW step of a foreign linen model on one device; its loss is
-    ``loss_fn``'s, the step counter advances, eval gives the loss of the new parameters."""
+    ``loss_fn``'s, the step counter advances, eval gives the loss of the new parameters.
+    On a one-device mesh of this 4-device host the steps trace their loss inside
+    ``fp4jax.sharding.one_device()`` (the Hopper kernels' automatic choice as on a one-GPU
+    host); on the 4-device mesh not (there ``shard_map`` and ``data_parallel`` decide)."""
     cfg = T.TrainConfig(model="m:f", seq_len=8, batch_size=2, warmup_steps=0)
     model = hm.linen_lm(64, 8, **SMALL)
     tx = T.make_optimizer(cfg)
@@ -149,11 +153,23 @@ def test_train_step_and_eval_step_on_a_tiny_model():
     base = jax.random.key(1)
     want = steps.loss_fn(model, state["params"], batch, jax.random.fold_in(base, 0),
                          jax.random.fold_in(base, steps.LAYER_KEY_INDEX))
+    seen, loss_fn = [], steps.loss_fn
+
+    def spy(*args, **kwargs):
+        seen.append(fp4jax.sharding.on_one_device())
+        return loss_fn(*args, **kwargs)
+
+    monkeypatch.setattr(steps, "loss_fn", spy)
     new, m = steps.make_train_step(model, tx, None, mesh)(state, batch, base)
     assert float(m["loss"]) == pytest.approx(float(want), rel=1e-6)
     assert int(new["step"]) == 1 and math.isfinite(float(m["grad_norm"]))
     ev = steps.make_eval_step(model, None, mesh)(new["params"], batch, base)
     assert float(ev) < float(want)
+    assert seen == [True, True] and not fp4jax.sharding.on_one_device()
+    batch4 = jnp.tile(batch, (2, 1))  # 4 devices: one row each
+    jax.eval_shape(steps.make_eval_step(model, None, T.make_mesh(4)), new["params"], batch4,
+                   base)
+    assert seen == [True, True, False]
 
 
 def test_runlog_records_and_divergence(tmp_path):
