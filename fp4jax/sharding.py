@@ -107,7 +107,7 @@ def one_device(active: bool = True) -> Iterator[None]:
     ``experiments/results/training/2026-11-28_dp_rows_h100x4``). In this block the choice
     is that of a single-device host: the Hopper kernels for large GEMMs (same bits either
     way). Tracing a program that is partitioned over several devices in this block is the
-    caller's error (XLA refuses the unpartitionable kernel call or replicates it).
+    caller's error: XLA does not partition the kernels' calls.
     ``fp4jax-train`` and the harness's step builders enter it for a one-device mesh.
     Nests; ``one_device(False)`` turns it off inside."""
     if not isinstance(active, bool):
@@ -120,7 +120,7 @@ def one_device(active: bool = True) -> Iterator[None]:
 
 
 def on_one_device() -> bool:
-    """Whether an ``one_device`` block is active."""
+    """Whether a ``one_device`` block is active."""
     return _ONE_DEVICE.get()
 
 

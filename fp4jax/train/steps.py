@@ -110,7 +110,6 @@ def make_init_state(model: Any, tx: optax.GradientTransformation,
 REPLICATED = {"step": P(), "params": P(), "opt_state": P()}
 
 
-
 def _jit_on(mesh: Mesh, fn: Callable, **kwargs: Any) -> Callable:
     """``jax.jit(fn, **kwargs)`` for ``mesh``: on a one-device mesh ``fn`` is traced inside
     ``fp4jax.sharding.one_device()``, so a one-GPU run on a multi-GPU host takes the Hopper
