@@ -121,6 +121,15 @@ def _step_fns(cfg: TrainConfig, recipe: Recipe, mesh: Mesh,
     if reused:
         _STEP_CACHE[key] = _STEP_CACHE.pop(key)  # most recently used last
     else:
+        # JAX's trace caches (bounded LRUs) decide which of a program's identical inner
+        # jitted calls (jnp.where, clip, round inside every quantizer) lower to one shared
+        # private function: a program traced after others lowers to different text (the
+        # micro NVFP4 stats step: 758 private functions instead of 683) and so to another
+        # persistent compilation-cache key. Cleared here, a run's programs lower as in a
+        # fresh process, so a resumed sweep or a second run of a config in one process
+        # finds them in the cache (compiled executables of other functions are dropped:
+        # they reload from that cache or recompile).
+        jax.clear_caches()
         # the entry keeps the builders alive: their ids in the key are not reused meanwhile
         _STEP_CACHE[key] = {**build(), "builders": builders}
         while len(_STEP_CACHE) > _STEP_CACHE_SIZE:

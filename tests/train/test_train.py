@@ -282,6 +282,32 @@ def test_cli_persistent_compile_cache(tmp_path):
     assert any("jit_step" in p.name for p in (tmp_path / "xla").iterdir())
 
 
+def test_new_compiled_config_starts_from_fresh_trace_caches(monkeypatch):
+    """A config the harness has not compiled yet is built from cleared JAX trace caches, as
+    in a fresh process: what a program lowers to (which identical inner jitted calls share
+    a private function) otherwise depends on what the process traced before, and so does
+    its persistent-cache key (the micro NVFP4 stats step lowered after other runs: 758
+    private functions instead of 683, recompiled for 22 s). A function jitted before the
+    build is traced again after it; a config already built is reused without clearing."""
+    traces = []
+
+    @jax.jit
+    def probe(x):
+        traces.append(1)
+        return x + 1
+
+    monkeypatch.setattr(loop, "_STEP_CACHE", {})
+    cfg = T.TrainConfig(preset="micro", progress=False)
+    recipe, mesh = fp4jax.recipes.get("bf16"), loop.make_mesh(1)
+    probe(1.0)
+    _, reused = loop._step_fns(cfg, recipe, mesh, dict)
+    probe(1.0)
+    assert not reused and len(traces) == 2
+    _, reused = loop._step_fns(cfg, recipe, mesh, dict)
+    probe(1.0)
+    assert reused and len(traces) == 2
+
+
 def test_schedules():
     cfg = T.TrainConfig(steps=100, lr=1.0, warmup_steps=10, decay_fraction=0.2, min_lr_ratio=0.1)
     wsd = T.make_schedule(cfg)
