@@ -289,6 +289,11 @@ def _quantum(a: jax.Array, grid: FloatGrid) -> tuple[jax.Array, jax.Array]:
     """Spacing of ``grid`` in the binade of ``a >= 0`` (subnormal spacing below), and its
     inverse; both exact powers of two, so ``a * inverse`` is an exact division."""
     e = jnp.clip(floor_log2(a), grid.min_exp, grid.max_exp) - grid.man_bits
+    if grid.min_exp - grid.man_bits >= -126 and grid.max_exp - grid.man_bits <= 126:
+        # both 2**e and 2**-e normal (E2M1, E4M3, every grid but the widest): one bit
+        # pattern each, the same values as ``pow2``'s product, with half the operations
+        # (an NVFP4 quantizer lowers to 16 fewer: issue 38's compile time)
+        return _pow2_normal(e), _pow2_normal(-e)
     return pow2(e), pow2(-e)
 
 
