@@ -186,8 +186,8 @@ def fwht_tiles(v: jax.Array, axis: int, size: int) -> jax.Array:
         # stage): the partner of i is i ^ h; the first of a pair gets a + b, the second
         # partner - self = a - b (float addition is commutative, so the same bits)
         t = v.reshape(*pre, size // (2 * h), 2, h, *post)
-        partner = jnp.flip(t, axis=len(pre) + 1)
+        partner = jax.lax.rev(t, (len(pre) + 1,))  # jnp.flip without its jit wrapper
         first = jax.lax.broadcasted_iota(jnp.int32, t.shape, len(pre) + 1) == 0
-        v = jnp.where(first, t + partner, partner - t).reshape(shape)
+        v = numerics.where(first, t + partner, partner - t).reshape(shape)
         h *= 2
     return v * jnp.float32(1.0 / np.sqrt(size))

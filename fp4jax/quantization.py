@@ -166,7 +166,7 @@ def global_encode_scale(amax: jax.Array, fmt: BlockFormat,
     amax = amax.astype(jnp.float32)
     enc = numerics.div_rn(jnp.float32(target * fmt.elem_max), amax)
     enc = jnp.minimum(enc, jnp.float32(numerics.FLT_MAX))
-    return jnp.where((amax == 0) | (enc == 0), jnp.float32(1.0), enc)
+    return numerics.where((amax == 0) | (enc == 0), jnp.float32(1.0), enc)
 
 
 def block_decode_scale(amax_block: jax.Array, enc: jax.Array, fmt: BlockFormat) -> jax.Array:
@@ -206,14 +206,14 @@ def block_decode_scale(amax_block: jax.Array, enc: jax.Array, fmt: BlockFormat) 
         s = oas_block_scale(amax_block * enc, fmt)
     elif fmt.scale_rule == "ocp":
         w = amax_block * enc
-        e = jnp.clip(numerics.floor_log2(w) - fmt.elem_grid.max_exp, grid.min_exp,
+        e = numerics.clip(numerics.floor_log2(w) - fmt.elem_grid.max_exp, grid.min_exp,
                      grid.max_exp)
         s = numerics.pow2(e)
     else:
         v = amax_block * (enc * jnp.float32(1.0 / fmt.elem_max))
         s = numerics.round_to_grid(v, grid, fmt.scale_rule)
     # |amax| < inf: isfinite, in compares the Pallas kernels lower (they call this function)
-    return jnp.where(jnp.abs(amax_block) < jnp.inf, s, jnp.float32(jnp.nan))
+    return numerics.where(jnp.abs(amax_block) < jnp.inf, s, jnp.float32(jnp.nan))
 
 
 def oas_block_scale(w: jax.Array, fmt: BlockFormat) -> jax.Array:
@@ -253,7 +253,7 @@ def oas_block_scale(w: jax.Array, fmt: BlockFormat) -> jax.Array:
     grid = fmt.scale_grid
     bits = jax.lax.bitcast_convert_type(w.astype(jnp.float32), jnp.int32)
     e = numerics.floor_log2(w) - 2 + ((bits & 0x600000) == 0x600000).astype(jnp.int32)
-    return numerics.pow2(jnp.clip(e, grid.min_exp, grid.max_exp))
+    return numerics.pow2(numerics.clip(e, grid.min_exp, grid.max_exp))
 
 
 def element_encode_scale(s: jax.Array, dec: jax.Array) -> jax.Array:
@@ -296,7 +296,7 @@ def _encode_normal(s: jax.Array, dec: jax.Array) -> jax.Array:
 
 def _encode_rows_tiny(s: jax.Array, dec: jax.Array) -> jax.Array:
     """``element_encode_scale`` for per-row decode scales some of which are subnormal."""
-    return jnp.where(dec < jnp.float32(2.0**-126), numerics.recip_scaled_subnormal_rn(s, dec),
+    return numerics.where(dec < jnp.float32(2.0**-126), numerics.recip_scaled_subnormal_rn(s, dec),
                      _encode_normal(s, dec))
 
 
@@ -313,8 +313,8 @@ def _round_elements(y: jax.Array, grid: numerics.FloatGrid, rounding: str,
         r = numerics.round_to_grid(mag, grid, "nearest")
     else:
         r = numerics.stochastic_round_to_grid(mag, grid, u)
-    r = jnp.where(jnp.isnan(y), 0.0, r)  # the block scale carries the NaN
-    return jnp.where(jnp.signbit(y), -r, r)
+    r = numerics.where(jnp.isnan(y), 0.0, r)  # the block scale carries the NaN
+    return numerics.where(numerics.signbit(y), -r, r)
 
 
 _TE_4OVER6 = ("Transformer Engine commit d0067d0da6cb01811b8072a7d304f0e00344ce2b, "
@@ -405,7 +405,7 @@ def four_over_six(blocks: jax.Array, amax: jax.Array, rule: str = "4over6", *,
     v = jnp.stack([base * f32(1.5), base])
     s = numerics.round_to_grid(jnp.minimum(v, f32(numerics.E4M3.max_value)), numerics.E4M3,
                                "nearest")
-    s = jnp.where(finite, s, f32(jnp.nan))
+    s = numerics.where(finite, s, f32(jnp.nan))
     q = _round_elements(blocks * per_element(element_encode_scale(s, dec)), numerics.E2M1,
                         "nearest", None)
     amax_e = amax if amax.ndim == 0 else amax[..., None]  # row-scaled: (..., 1, 1)
@@ -414,7 +414,7 @@ def four_over_six(blocks: jax.Array, amax: jax.Array, rule: str = "4over6", *,
     if metric == "mae":
         t = jnp.abs(d)
     else:  # the select keeps XLA from fusing d*d into an FMA with the sum below
-        t = jnp.where(jnp.isnan(d), d, d * d)
+        t = numerics.where(jnp.isnan(d), d, d * d)
     err = t[..., 0]
     for i in range(1, t.shape[-1]):  # element order, as TE's per-thread loop
         err = err + t[..., i]
@@ -425,7 +425,7 @@ def four_over_six(blocks: jax.Array, amax: jax.Array, rule: str = "4over6", *,
             err = err[..., :n, :] + err[..., n:, :]
         err = err[..., 0, :]
     pick4 = finite & (err[0] < err[1])
-    return dec, jnp.where(pick4, s[0], s[1]), jnp.where(per_element(pick4), q[0], q[1])
+    return dec, numerics.where(pick4, s[0], s[1]), numerics.where(per_element(pick4), q[0], q[1])
 
 
 _QUARTET2 = ("IST-DASLab/Quartet-II commit 8776a90b7aa0c0a400ad858a3c05a66f7ec55b73, "
@@ -497,29 +497,29 @@ def ms_eden(groups: jax.Array, amax: jax.Array, u: jax.Array
     amax = jnp.asarray(amax, f32)
     val_max = f32(_EDEN_VAL_MAX)
     dec = numerics.div_rn(numerics.div_rn(amax, f32(_EDEN_SCALES_MAX)), val_max)
-    dec = jnp.where(amax == 0, f32(1.0), jnp.maximum(dec, f32(2.0**-126)))
+    dec = numerics.where(amax == 0, f32(1.0), jnp.maximum(dec, f32(2.0**-126)))
     amax_b = block_amax(groups, axis=-1)  # (..., ng, G/16)
     finite = jnp.isfinite(amax_b)
     s = numerics.round_to_grid(numerics.div_rn(numerics.div_rn(amax_b, val_max), dec),
                                numerics.E4M3, "nearest")
-    s = jnp.where(finite & (s == 0), f32(1.0), s)
+    s = numerics.where(finite & (s == 0), f32(1.0), s)
     y = groups * element_encode_scale(s, dec)[..., None]
     q = _round_elements(y, numerics.E2M1, "nearest", None)
-    q = jnp.where(finite[..., None], q, f32(0.0))  # a NaN block: NaN scale, +0 elements
-    y = jnp.where(jnp.isfinite(y), y, f32(0.0))
+    q = numerics.where(finite[..., None], q, f32(0.0))  # a NaN block: NaN scale, +0 elements
+    y = numerics.where(jnp.isfinite(y), y, f32(0.0))
     flat = (*y.shape[:-2], y.shape[-2] * y.shape[-1])
     # the selects keep XLA from fusing the products into FMAs with the sums below
-    yy = jnp.where(jnp.isnan(y), y, y * y).reshape(flat)
-    yq = jnp.where(jnp.isnan(y), y, y * q).reshape(flat)
+    yy = numerics.where(jnp.isnan(y), y, y * y).reshape(flat)
+    yq = numerics.where(jnp.isnan(y), y, y * q).reshape(flat)
     n = flat[-1]
     while n > 1:  # pairwise: element i + element i + n/2
         n //= 2
         yy = yy[..., :n] + yy[..., n:]
         yq = yq[..., :n] + yq[..., n:]
     num, den = yy[..., 0], yq[..., 0]
-    c = jnp.where(den == 0, f32(1.0), numerics.div_rn(num, jnp.where(den == 0, 1.0, den)))
+    c = numerics.where(den == 0, f32(1.0), numerics.div_rn(num, numerics.where(den == 0, 1.0, den)))
     s = numerics.stochastic_round_to_grid(s * c[..., None], numerics.E4M3, u)
-    return dec, jnp.where(finite, s, f32(jnp.nan)), q
+    return dec, numerics.where(finite, s, f32(jnp.nan)), q
 
 
 def check_row_scaled(row_scaled: bool, fmt: BlockFormat | None, *, block_2d: bool = False,
@@ -710,7 +710,7 @@ def finite_amax(x: jax.Array) -> jax.Array:
     poison the whole tensor's scale (its block gets a NaN scale instead, ``block_amax``)."""
     with jax.named_scope("fp4_amax"):  # op-name metadata for profiles; same program
         a = jnp.abs(numerics.exact_float32(x))
-        return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), initial=0.0)
+        return jnp.max(numerics.where(jnp.isfinite(a), a, 0.0), initial=0.0)
 
 
 def block_amax(blocks: jax.Array, axis) -> jax.Array:
@@ -724,7 +724,7 @@ def block_amax(blocks: jax.Array, axis) -> jax.Array:
     """
     amax = jnp.max(jnp.abs(blocks), axis=axis)
     bad = jnp.any(~jnp.isfinite(blocks), axis=axis)
-    return jnp.where(bad, jnp.float32(jnp.nan), amax)
+    return numerics.where(bad, jnp.float32(jnp.nan), amax)
 
 
 def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
@@ -834,7 +834,7 @@ def row_amax(x: jax.Array, axis: int) -> jax.Array:
     (Transformer Engine's ``reference_nvfp4.py`` l. 877: ``torch.max(torch.abs(row_input),
     dim=1)``; fp4jax skips NaN/Inf, as the tensor amax does)."""
     a = jnp.abs(numerics.exact_float32(x))
-    return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), axis=axis, keepdims=True, initial=0.0)
+    return jnp.max(numerics.where(jnp.isfinite(a), a, 0.0), axis=axis, keepdims=True, initial=0.0)
 
 
 def quantize_unchecked(x, key, fmt: BlockFormat, axis: int, block_2d: bool, rounding: str,
@@ -1019,7 +1019,7 @@ def _satfinite(y: jax.Array, dtype: Any) -> jax.Array:
     clamped to it (the ``satfinite`` rule of PTX conversions); NaN stays NaN. A finite
     input never dequantizes to Inf."""
     lim = min(float(jnp.finfo(jnp.dtype(dtype)).max), float(numerics.FLT_MAX))
-    return jnp.clip(y, -lim, lim).astype(dtype)
+    return numerics.clip(y, -lim, lim).astype(dtype)
 
 
 def dequantize(q: QuantizedArray, dtype: Any = jnp.float32) -> jax.Array:
@@ -1054,7 +1054,7 @@ def e2m1_codes(data: jax.Array) -> jax.Array:
     v = data.astype(jnp.float32)
     mag = jnp.abs(v)
     idx = sum((mag >= t).astype(jnp.uint8) for t in E2M1_VALUES[1:])
-    return idx.astype(jnp.uint8) | (jnp.signbit(v).astype(jnp.uint8) << 3)
+    return idx.astype(jnp.uint8) | (numerics.signbit(v).astype(jnp.uint8) << 3)
 
 
 def pack_e2m1(data: jax.Array, axis: int = -1) -> jax.Array:
