@@ -207,7 +207,7 @@ def block_decode_scale(amax_block: jax.Array, enc: jax.Array, fmt: BlockFormat) 
     elif fmt.scale_rule == "ocp":
         w = amax_block * enc
         e = numerics.clip(numerics.floor_log2(w) - fmt.elem_grid.max_exp, grid.min_exp,
-                     grid.max_exp)
+                          grid.max_exp)
         s = numerics.pow2(e)
     else:
         v = amax_block * (enc * jnp.float32(1.0 / fmt.elem_max))
@@ -296,8 +296,8 @@ def _encode_normal(s: jax.Array, dec: jax.Array) -> jax.Array:
 
 def _encode_rows_tiny(s: jax.Array, dec: jax.Array) -> jax.Array:
     """``element_encode_scale`` for per-row decode scales some of which are subnormal."""
-    return numerics.where(dec < jnp.float32(2.0**-126), numerics.recip_scaled_subnormal_rn(s, dec),
-                     _encode_normal(s, dec))
+    return numerics.where(dec < jnp.float32(2.0**-126),
+                          numerics.recip_scaled_subnormal_rn(s, dec), _encode_normal(s, dec))
 
 
 def _round_elements(y: jax.Array, grid: numerics.FloatGrid, rounding: str,
