@@ -40,7 +40,8 @@ from pallas_kernels import dispatch
 from pallas_kernels.quantize import common_sm90 as cm
 from pallas_kernels.quantize import operand_sm90 as fq
 
-SHAPES = [((16384, 768), "wild"), ((2048, 256), "wide40"), ((4096, 2048), "tiny")]
+SHAPES = [((16384, 768), "wild"), ((2048, 256), "wide40"), ((4096, 2048), "tiny"),
+          ((4096, 512), "wild")]  # 768, 256, 512: the flat SR rows layout; 2048 the quads
 TIME_SHAPES = [(16384, 768, 4096)]  # the 100m preset's gate/up GEMM at 64 x 256 tokens
 
 

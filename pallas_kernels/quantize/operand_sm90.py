@@ -251,7 +251,8 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
     format (``fp4jax.MXFP4`` / ``MXFP4_OCP``: 1x32 blocks, E8M0 scales by the format's
     rule, no tensor scale: ``sc`` is not read; C % 32 == 0). MX tiles hold as many
     elements as NVFP4's (128 blocks of 32 per 256-block tile; ``chunk`` halved); MX SR
-    takes the quad tiles (``g`` blocks of 32), never the flat layout."""
+    takes the quad tiles (``g`` blocks of 32) or, at the widths of ``flat_quads`` (C = 256,
+    512, 768, ...), the flat layout, as NVFP4's."""
     fmt = _check_fmt(fmt)
     if not supported_rows(x.shape, x.dtype, sr, padded=True, block=16 if fmt is None else 32):
         raise ValueError(f"fq_rows needs bf16 (R, C), C % {16 if fmt is None else 32} == 0, "
@@ -263,23 +264,21 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
     mode = _mode(recip or ("rn" if sr or fmt is not None else "auto"), None)
     r, c = x.shape
     nw = _bw(fmt)
-    if sr and fmt is not None:
-        return _fq_rows_quads(x, sc, kw, interpret=interpret, mode=mode, g=g, rq=rq,
-                              sc_row=sc_row, steps=steps or 1,
-                              compact=not interpret if compact is None else compact, fmt=fmt)
     if sr:
         if flat or (flat is None and not interpret and g is None):
-            frq = flat_quads(r, c, rq)
+            frq = flat_quads(r, c, rq, fmt=fmt)
             if frq is not None:
                 return _fq_rows_flat(x, sc, kw, interpret=interpret, mode=mode, rq=frq,
-                                     sc_row=sc_row)
+                                     sc_row=sc_row, fmt=fmt)
             if flat:
-                raise ValueError(f"fq_rows SR tiling: flat=True needs C/16 % 16 == 0, not a "
+                b = 2 * nw
+                raise ValueError(f"fq_rows SR tiling: flat=True needs C/{b} blocks a row that "
+                                 f"fill whole 512-byte rows ({128 // nw} blocks) but are not a "
                                  f"multiple of 64, and rq={rq} quads that fit R/4 (got "
                                  f"{x.shape})")
         return _fq_rows_quads(x, sc, kw, interpret=interpret, mode=mode, g=g, rq=rq,
                               sc_row=sc_row, steps=steps or 1,
-                              compact=not interpret if compact is None else compact)
+                              compact=not interpret if compact is None else compact, fmt=fmt)
     nbt = r * c // (2 * nw)
     bpt = SUB * 8 // nw  # blocks per tile: 4096 elements either way
     xw = lax.bitcast_convert_type(x.reshape(nbt, nw, 2), jnp.uint32)
@@ -426,25 +425,28 @@ def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
     return result(o)
 
 
-def flat_quads(r: int, c: int, rq: int | None = None) -> int | None:
+def flat_quads(r: int, c: int, rq: int | None = None, fmt=None) -> int | None:
     """Quads per CTA of the flat SR rows layout (``_fq_rows_flat``) for an (R, C) matrix,
-    or None where it does not apply: C/16 blocks a row not a multiple of 64 but of 16
-    (C = 256, 512, 768, ...: a small model's widths) and R/4 a multiple of the
-    ``64 / gcd(C/16, 64)`` quads whose rows make whole 64-block register tiles. Default:
-    about ``QUAD_BLOCKS`` blocks a CTA, as the other SR tilings; ``rq`` checks a choice."""
-    nbr = c // 16
-    if c % 16 or nbr % 16 or nbr % 64 == 0 or r % 4:
+    or None where it does not apply: the C/16 (NVFP4; ``fmt`` an MX format: C/32) blocks
+    of a row not a multiple of 64 but filling whole 512-byte rows of words (NVFP4: a
+    multiple of 16 blocks; MX: of 8; C = 256, 512, 768, ...: a small model's widths) and
+    R/4 a multiple of the ``64 / gcd(blocks, 64)`` quads whose rows make whole 64-block
+    register tiles. Default: about ``QUAD_BLOCKS`` NVFP4 blocks' elements a CTA, as the
+    other SR tilings; ``rq`` checks a choice."""
+    nw = _bw(_check_fmt(fmt))
+    nbr = c // (2 * nw)
+    if c % (2 * nw) or (nbr * nw) % 128 or nbr % 64 == 0 or r % 4:
         return None
     q = 64 // math.gcd(nbr, 64)
     if rq is None:
-        rq = max(q, QUAD_BLOCKS // (4 * nbr) // q * q)
+        rq = max(q, QUAD_BLOCKS * 8 // nw // (4 * nbr) // q * q)
         while (r // 4) % rq and rq > q:
             rq -= q
     return rq if rq % q == 0 and (r // 4) % rq == 0 else None
 
 
 def _fq_rows_flat(x, sc, kw, *, interpret: bool, mode: str, rq: int,
-                  sc_row: int | None = None):
+                  sc_row: int | None = None, fmt=None):
     """``fq_rows_scaled`` with stochastic rounding for widths of ``flat_quads``: no tile
     overhangs a row. A CTA takes ``rq`` consecutive row quads; row ``r`` of them is read
     by its own TMA copy into a contiguous (rq, C/16, 8) tile, viewed as one run of
@@ -453,20 +455,24 @@ def _fq_rows_flat(x, sc, kw, *, interpret: bool, mode: str, rq: int,
     C/2 words, so word (f, j) of the CTA's first quad ``m0`` has draw ``m0 * C/2 + 8 f + j``
     (``_fq_quad_tile``'s ``draw0 + 8 i + j``), the same as the quad tiles'. Interpret mode
     runs the same register tiles on x rearranged by XLA to (4, R/4 * C/16, 8) (the rows
-    r of all quads contiguous), which is what the four TMA tiles hold on the GPU."""
+    r of all quads contiguous), which is what the four TMA tiles hold on the GPU.
+    ``fmt`` an MX format: the same with blocks of 32 elements, 16 words (C/32 blocks a
+    row, word (f, j) draw ``m0 * C/2 + 16 f + j``)."""
     r, c = x.shape
-    nbr = c // 16
+    nw = _bw(fmt)
+    nbr = c // (2 * nw)
     n = rq * nbr
-    xw = lax.bitcast_convert_type(x.reshape(r // 4, 4, nbr, 8, 2), jnp.uint32)
+    xw = lax.bitcast_convert_type(x.reshape(r // 4, 4, nbr, nw, 2), jnp.uint32)
 
     def tiles(sc_ref, kw_ref, xs, os, quad0, plain):
         for k in range(n // 64):
             rows = pl.ds(64 * k, 64)
             _fq_quad_tile(sc_ref, kw_ref, [v.at[rows] for v in xs], [v.at[rows] for v in os],
-                          g=64, draw0=quad0 * (c // 2) + 512 * k, plain=plain, mode=mode)
+                          g=64, draw0=quad0 * (c // 2) + 64 * nw * k, plain=plain, mode=mode,
+                          fmt=fmt)
 
     if interpret:
-        xt = xw.transpose(1, 0, 2, 3).reshape(4, r // 4 * nbr, 8)
+        xt = xw.transpose(1, 0, 2, 3).reshape(4, r // 4 * nbr, nw)
 
         def interp_body(sc_ref, kw_ref, x_ref, o_ref):
             sc_ref = scalar_row(sc_ref, sc_row)
@@ -480,7 +486,7 @@ def _fq_rows_flat(x, sc, kw, *, interpret: bool, mode: str, rq: int,
         o = pl.pallas_call(
             interp_body, out_shape=jax.ShapeDtypeStruct(xt.shape, jnp.uint32),
             interpret=interpret, compiler_params=lane_params())(sc, kw, xt)
-        o = o.reshape(4, r // 4, nbr, 8).transpose(1, 0, 2, 3)
+        o = o.reshape(4, r // 4, nbr, nw).transpose(1, 0, 2, 3)
         return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
 
     def body(sc_gmem, kw_gmem, x_gmem, o_gmem):
@@ -488,10 +494,10 @@ def _fq_rows_flat(x, sc, kw, *, interpret: bool, mode: str, rq: int,
         i = lax.axis_index("rows")
 
         def step(_, *refs):
-            views = [v.reshape(n, 8) for v in refs]
+            views = [v.reshape(n, nw) for v in refs]
             tiles(sc_gmem, kw_gmem, views[:4], views[4:], i * rq, False)
 
-        specs = [plgpu.BlockSpec((rq, 1, nbr, 8), lambda _, q=q: (i, q, 0, 0))
+        specs = [plgpu.BlockSpec((rq, 1, nbr, nw), lambda _, q=q: (i, q, 0, 0))
                  for q in range(4)]
         plgpu.emit_pipeline(step, grid=(1,), in_specs=specs, out_specs=specs,
                             max_concurrent_steps=1)(*[x_gmem] * 4, *[o_gmem] * 4)

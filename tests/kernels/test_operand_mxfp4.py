@@ -87,6 +87,33 @@ def test_mx_rows_kernel_matches_xla(fmt, sr):
         assert mismatches(got, _xla(x, fmt, -1)) > 200
 
 
+@needs_interpret
+@pytest.mark.parametrize("c,rq", [(256, 8), (512, 4), (768, 8)])
+def test_mx_sr_rows_flat_quads_match_xla(c, rq):
+    """MX stochastic rounding in the flat rows layout (the GPU's default at 256, 512, 768
+    columns: 8, 16, 24 blocks of 32 a row, where a 64-block quad tile would overhang the
+    row 8, 4 or 3 times over), run in interpret mode on the same register tiles: bit for
+    bit with the XLA path, the draws included."""
+    key = jax.random.key(29)
+    x = wild_input((32, c), 5, block=32, mx_extremes=True)
+    assert fq.flat_quads(32, c, rq, fmt=MXFP4) == rq
+    got = fq.fq_rows_scaled(x, cm.scalars(1.0, 1.0), cm.key_words(key), sr=True, rq=rq,
+                            flat=True, interpret=IP, fmt=MXFP4)
+    assert mismatches(got, _xla(x, MXFP4, -1, key)) == 0
+
+
+def test_mx_flat_quads_widths():
+    """Where the MX SR rows take the flat layout: rows of 8 to 63 (not 64) blocks of 32
+    filling whole 512-byte rows of words (a multiple of 8 blocks), about 256 blocks a CTA."""
+    assert fq.flat_quads(16384, 256, fmt=MXFP4) == 8  # 8 blocks: 8 quads a 64-block tile
+    assert fq.flat_quads(16384, 512, fmt=MXFP4) == 4
+    assert fq.flat_quads(16384, 768, fmt=MXFP4) == 8  # 24 blocks: 8 quads make 3 tiles
+    assert fq.flat_quads(16384, 2048, fmt=MXFP4) is None  # 64 blocks: the quad tiles
+    assert fq.flat_quads(16384, 128, fmt=MXFP4) is None  # 4 blocks: 256-byte rows
+    assert fq.flat_quads(16, 256, fmt=MXFP4) is None  # 4 quads, 8 needed
+    assert fq.flat_quads(16384, 256) == 8  # NVFP4 at the same width: 16 blocks of 16
+
+
 def _dot_fwd_bwd(recipe="mxfp4"):
     kx, kw, kc = jax.random.split(jax.random.key(1), 3)
     x = jax.random.normal(kx, (32, 256)).astype(jnp.bfloat16)
@@ -128,17 +155,22 @@ def test_dot_mxfp4_kernel_path_equals_xla_path(monkeypatch):
         assert (g.view(np.uint32) == w.view(np.uint32)).all(), name
 
 
-@pytest.mark.parametrize("variant", ["rows", "rows_ocp", "rows_sr", "cols_rht_sr"])
+@pytest.mark.parametrize("variant", ["rows", "rows_ocp", "rows_sr", "rows_sr_flat",
+                                     "cols_rht_sr"])
 def test_mx_kernels_lower_for_cuda(variant):
     """The real kernels (GPU tiling: WGMMA rows tiles, 64-block SR quads overhanging a
-    768-column row, strided 32-row column strips) lower for CUDA, with the flat scalars of
+    736-column row, the flat SR layout of a 768-column one, strided 32-row column strips)
+    lower for CUDA, with the flat scalars of
     several operands, as ``dispatch.make_operands`` calls them."""
     sc = jax.ShapeDtypeStruct((3 * cm.SC_WIDTH,), jnp.float32)
     kw = jax.ShapeDtypeStruct((3,), jnp.int32)
     x = jax.ShapeDtypeStruct((16384, 768), jnp.bfloat16)
     f = {"rows": lambda x, s, k: fq.fq_rows_scaled(x, s, k, sc_row=2, fmt=MXFP4),
          "rows_ocp": lambda x, s, k: fq.fq_rows_scaled(x, s, k, sc_row=0, fmt=MXFP4_OCP),
-         "rows_sr": lambda x, s, k: fq.fq_rows_scaled(x, s, k, sr=True, sc_row=1, fmt=MXFP4),
+         "rows_sr": lambda x, s, k: fq.fq_rows_scaled(x[:, :736], s, k, sr=True, sc_row=1,
+                                                      fmt=MXFP4),
+         "rows_sr_flat": lambda x, s, k: fq.fq_rows_scaled(x, s, k, sr=True, sc_row=1,
+                                                           fmt=MXFP4),
          "cols_rht_sr": lambda x, s, k: fq.fq_cols_scaled(x, s, k, sr=True, rht=True,
                                                           sc_row=1, fmt=MXFP4)}[variant]
     exp = export_cuda(f, x, sc, kw)
