@@ -717,14 +717,23 @@ def block_amax(blocks: jax.Array, axis) -> jax.Array:
     """``max |x|`` over each block (``axis``: the block's element axes); NaN where the block
     holds a NaN or an Inf, so that ``block_decode_scale`` gives it a NaN scale.
 
-    Non-finite entries are found by a separate boolean any-reduction: XLA's vectorized
-    float max reduction on CPU does not always propagate NaN (JAX 0.10.2: a NaN at most
-    positions of a 16-element block of a (64, 1024) float32 tensor vanished from
-    ``jnp.max(jnp.abs(blocks), -1)``), which would have turned NaN into finite FP4 codes.
+    One integer max over the bits of ``|x|`` (the Pallas kernels' ``_block_amax_bits``
+    rule): for non-negative floats the bit order is the value order, and NaN/Inf bits
+    (``>= 0x7F800000``) are above every finite one, so the block is non-finite exactly when
+    its max is; no float max is trusted with NaN (XLA's vectorized float max reduction on
+    CPU did not always propagate it: JAX 0.10.2 lost a NaN from most positions of a
+    16-element block of a (64, 1024) float32 tensor, which would have turned NaN into
+    finite FP4 codes), and no second any-reduction is needed. Several block axes (16x16
+    tiles) are reduced one at a time, the minor first: exact in any order, and XLA:GPU's
+    2D-tile weight quantizations ran faster (an MXFP4 ``small`` step's XLA quantize time
+    430 -> 338 µs on an H200, the same bits on 25 ``experiments/bits_ab.py`` cases).
     """
-    amax = jnp.max(jnp.abs(blocks), axis=axis)
-    bad = jnp.any(~jnp.isfinite(blocks), axis=axis)
-    return numerics.where(bad, jnp.float32(jnp.nan), amax)
+    m = jax.lax.bitcast_convert_type(jnp.abs(blocks.astype(jnp.float32)), jnp.int32)
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    for a in sorted((a % blocks.ndim for a in axes), reverse=True):  # the minor axis first
+        m = jnp.max(m, axis=a)
+    return numerics.where(m >= 0x7F800000, jnp.float32(jnp.nan),
+                          jax.lax.bitcast_convert_type(m, jnp.float32))
 
 
 def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
