@@ -102,6 +102,22 @@ def test_mx_sr_rows_flat_quads_match_xla(c, rq):
     assert mismatches(got, _xla(x, MXFP4, -1, key)) == 0
 
 
+@needs_interpret
+@pytest.mark.parametrize("c,rq", [(256, 8), (512, 4)])
+def test_mx_sr_rows_flat_shards_are_the_whole_tensors_rows(c, rq):
+    """Data parallel (``fp4jax.sharding``): each of two row shards quantized by the flat MX
+    SR layout from its first draw (``numerics.row_shard_draw_offset``) gives the whole
+    tensor's rows, bit for bit with the XLA path on the whole tensor."""
+    from fp4jax.numerics import row_shard_draw_offset
+
+    key = jax.random.key(31)
+    x = wild_input((64, c), 7, block=32, mx_extremes=True)
+    parts = [fq.fq_rows_scaled(x[32 * i:32 * (i + 1)], cm.scalars(1.0, 1.0),
+                               cm.key_words(key, row_shard_draw_offset((32, c), i)), sr=True,
+                               rq=rq, flat=True, interpret=IP, fmt=MXFP4) for i in range(2)]
+    assert mismatches(jnp.concatenate(parts), _xla(x, MXFP4, -1, key)) == 0
+
+
 def test_mx_flat_quads_widths():
     """Where the MX SR rows take the flat layout: rows of 8 to 63 (not 64) blocks of 32
     filling whole 512-byte rows of words (a multiple of 8 blocks), about 256 blocks a CTA."""
