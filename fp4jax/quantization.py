@@ -724,9 +724,8 @@ def block_amax(blocks: jax.Array, axis) -> jax.Array:
     CPU did not always propagate it: JAX 0.10.2 lost a NaN from most positions of a
     16-element block of a (64, 1024) float32 tensor, which would have turned NaN into
     finite FP4 codes), and no second any-reduction is needed. Several block axes (16x16
-    tiles) are reduced one at a time, the minor first: exact in any order, and XLA:GPU's
-    2D-tile weight quantizations ran faster (an MXFP4 ``small`` step's XLA quantize time
-    430 -> 338 µs on an H200, the same bits on 25 ``experiments/bits_ab.py`` cases).
+    and 32x32 tiles) are reduced one at a time, the minor first: exact in any order, and
+    faster on XLA:GPU (``experiments/results/training/2026-11-28_mx_flat_rows``).
     """
     m = jax.lax.bitcast_convert_type(jnp.abs(blocks.astype(jnp.float32)), jnp.int32)
     axes = (axis,) if isinstance(axis, int) else tuple(axis)
