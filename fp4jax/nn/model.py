@@ -13,8 +13,9 @@
 **What is a linear layer.** A product ``lax.dot_general(a, b)`` (through the public names
 ``jax.lax.dot_general``, ``jax.numpy.einsum``, ``jax.numpy.dot`` or ``jax.numpy.matmul``)
 made by a module's own code in which exactly one operand is one of that module's own
-parameters (the same array, or an array of its shape: the module may have cast it to its
-compute dtype first; a 2-D parameter's transpose counts too). That parameter takes the
+parameters (the same array, a copy cast to another dtype: the module's compute dtype,
+or a 2-D parameter transposed; an activation that merely has a parameter's shape and dtype
+is not one, ``_param_match``). That parameter takes the
 weight role of the recipe (the RHS of fprop: 2-D block scales where the recipe asks, the
 RHS of dgrad, the RHS of wgrad's ``dw``); dimension numbers are transposed and the operands
 reshaped so that ``fp4jax.dot_general`` computes the same product, ``x (..., K) @ w (K, N)``
@@ -101,6 +102,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.extend import core as jex_core
 
 from fp4jax.diagnostics import observe_product
 from fp4jax.nn import linen as fnn
@@ -284,11 +286,12 @@ def _matmul_hook(name: str, original):
             return original(a, b, *args, **kw)
 
         form = _matmul_form(a, b, name)
-        if (frame is None or args or set(kw) - {"precision", "preferred_element_type"}
+        if (frame is None or args
+                or set(kw) - {"precision", "preferred_element_type", "out_sharding"}
                 or not form):
             return orig()
         return _product(frame, name, orig, a, b, form[0], None, kw.get("precision"),
-                        kw.get("preferred_element_type"), None)
+                        kw.get("preferred_element_type"), kw.get("out_sharding"))
 
     return hook
 
@@ -351,13 +354,53 @@ def _subtree_params(frame: _Frame) -> list[Any]:
     return [v[...] for _, v in nnx.iter_graph(frame.module) if isinstance(v, nnx.Param)]
 
 
-def _is_param(x: Any, params: Sequence[Any]) -> bool:
-    shape = jnp.shape(x)
+def _param_match(x: Any, params: Sequence[Any]) -> int:
+    """How surely ``x`` is one of the module's parameters ``params``: 3 the array itself
+    (as the layer's code read it; an ``nnx.Variable`` by its value), 2 a copy cast to
+    another dtype (a parameter of at least 2 dimensions, the same shape: ``kernel.astype(
+    bf16)``, Flax's ``promote_dtype``), 1 a 2-D parameter transposed (``embedding.T``,
+    maybe cast; not square), 0 none. An array of a parameter's shape and dtype that is not
+    the parameter is not one (an activation that happens to have its shape: products of
+    two activations stay unquantized); ``_roles`` reports it."""
+    if isinstance(x, nnx.Variable):
+        x = x[...]
+    shape, dtype = jnp.shape(x), getattr(x, "dtype", None)
+    best = 0
     for p in params:
+        if x is p:
+            return 3
         ps = jnp.shape(p)
-        if x is p or (shape == ps and len(shape) >= 1) or (len(ps) == 2 and shape == ps[::-1]):
-            return True
-    return False
+        if len(ps) >= 2 and shape == ps and dtype != getattr(p, "dtype", None):
+            best = max(best, 2)
+        elif len(ps) == 2 and ps[0] != ps[1] and shape == ps[::-1]:
+            best = max(best, 1)
+    return best
+
+
+def _lookalike(x: Any, params: Sequence[Any]) -> bool:
+    """``x`` has a parameter's shape and dtype without being it (``_param_match`` 0)."""
+    shape, dtype = jnp.shape(x), getattr(x, "dtype", None)
+    return any(len(jnp.shape(p)) >= 2 and shape == jnp.shape(p)
+               and dtype == getattr(p, "dtype", None) for p in params)
+
+
+def _roles(lhs: Any, rhs: Any, params: Sequence[Any]) -> tuple[list[bool], str | None]:
+    """Which operand of a product is the module's parameter (the weight): the one that
+    ``_param_match`` finds surer; ``[False, False]`` when neither is one, ``[True, True]``
+    when both are equally (two parameters, or a square input that is indistinguishable
+    from a cast weight). The second item says why a product is left out (for
+    ``report``), or None."""
+    if not params:
+        return [False, False], None
+    a, b = _param_match(lhs, params), _param_match(rhs, params)
+    if a == b == 0:
+        if _lookalike(lhs, params) or _lookalike(rhs, params):
+            return [False, False], ("an operand has the shape and dtype of the module's "
+                                    "parameter but is not it: not quantized")
+        return [False, False], None
+    if a == b:
+        return [True, True], "both operands look like parameters"
+    return [a > b, b > a], None
 
 
 def _shapes(a: Any, b: Any) -> str:
@@ -370,22 +413,25 @@ def _product(frame: _Frame, op: str, orig: Callable[[], Any], lhs: Any, rhs: Any
     """Runs one product seen by a hook inside ``frame``'s module: quantized when one
     operand is the module's parameter and a rule gives a recipe, else ``orig()``."""
     s, rec = frame.session, frame.session.record
-    params = _own_params(frame)
-    roles = [_is_param(lhs, params), _is_param(rhs, params)] if params else [False, False]
+    roles, left_out = _roles(lhs, rhs, _own_params(frame))
     if not any(roles):
         if rec is not None:
             sub = _subtree_params(frame)
-            if sub and (_is_param(lhs, sub) or _is_param(rhs, sub)):
+            if left_out is not None:
+                rec.uncovered.append(f"{frame.path or '/'}: {op} {_shapes(lhs, rhs)} "
+                                     f"({left_out})")
+            elif sub and (_param_match(lhs, sub) or _param_match(rhs, sub)):
                 rec.uncovered.append(f"{frame.path or '/'}: {op} {_shapes(lhs, rhs)} (an "
                                      "operand looks like a submodule's parameter, not the "
                                      "module's own)")
-            else:
-                rec.activation.append(f"{frame.path or '/'}: {op} {_shapes(lhs, rhs)}")
-        return _seen(orig)
+        # an activation product: counted by report from the traced program (its scope),
+        # so that one traced before, and cached inside jnp.einsum's jit, counts too
+        return _seen(orig, _SEEN_SCOPE if left_out is not None
+                     else f"{_ACT_SCOPE}:{op} {_shapes(lhs, rhs)}")
     if all(roles) or why is not None:
         if rec is not None:
             rec.uncovered.append(f"{frame.path or '/'}: {op} {_shapes(lhs, rhs)} "
-                                 f"({why or 'both operands look like parameters'})")
+                                 f"({why or left_out})")
         return _seen(orig)
     idx = s.rule_index(frame.path, _stacks_of(frame.path) if frame.kind == "linen" else ())
     recipe = s.rules[idx].recipe if idx is not None else None
@@ -409,8 +455,9 @@ def _ragged_product(frame: _Frame, orig: Callable[[], Any], lhs: Any, rhs: Any,
     module's own parameter and a rule gives the module a recipe, else ``orig()``."""
     s, rec = frame.session, frame.session.record
     params = _own_params(frame)
-    is_w = bool(params) and jnp.ndim(rhs) == 3 and _is_param(rhs, params)
-    if not is_w or _is_param(lhs, params):
+    a, b = _param_match(lhs, params), _param_match(rhs, params)
+    is_w = jnp.ndim(rhs) == 3 and b > 0
+    if not is_w or a >= b:
         if rec is not None:
             (rec.uncovered if is_w else rec.activation).append(
                 f"{frame.path or '/'}: ragged_dot {_shapes(lhs, rhs)}"
@@ -454,12 +501,17 @@ def _ragged_fn(frame: _Frame, recipe: Recipe) -> Callable[..., jax.Array]:
                          s.layer_rng_collection).ragged
 
 
-def _seen(f: Callable[[], Any]) -> Any:
+_SEEN_SCOPE = "fp4jax_seen"
+_ACT_SCOPE = "fp4jax_seen_activations"  # a product of two activations, left alone
+
+
+def _seen(f: Callable[[], Any], scope: str = _SEEN_SCOPE) -> Any:
     """``f()`` with the hooks off (its own products are not the model's), under a named
-    scope that ``report`` recognises as a product some hook saw."""
+    scope that ``report`` recognises as a product some hook saw (``_ACT_SCOPE``: one of
+    two activations)."""
     _local.busy += 1
     try:
-        with jax.named_scope("fp4jax_seen"):
+        with jax.named_scope(scope):
             return f()
     finally:
         _local.busy -= 1
@@ -792,6 +844,14 @@ def _make_nnx_dot(recipe: Recipe, path: str, session: _Session, keys: dict[str, 
 def _quantize_nnx(model: nnx.Module, session: _Session, rngs: Any) -> nnx.Module:
     nodes = [(path, node) for path, node in nnx.iter_graph(model)
              if isinstance(node, nnx.Module)]
+    done = [p for p, n in nodes if isinstance(n, _NnxWrapped) or "_fp4jax_base" in
+            vars(type(n))]
+    if done:
+        raise ValueError(
+            "fp4jax.nn.quantize_model: this NNX model was already quantized (in place) by "
+            f"quantize_model (e.g. at {'/'.join(str(p) for p in done[0]) or '/'!r}); new "
+            "rules would not replace the old ones: quantize a fresh model, or keep an "
+            "nnx.clone of the original and quantize that")
     modules = {tuple(path): node for path, node in nodes}
     plan = []
     for path, node in nodes:
@@ -803,7 +863,7 @@ def _quantize_nnx(model: nnx.Module, session: _Session, rngs: Any) -> nnx.Module
             # a parameter-free module (a block holding layers, an attention): its own
             # products (attention scores) run under the hooks in its own frame, so
             # report counts them as activation products rather than unseen ones
-            if any("__call__" in vars(c) for c in type(node).__mro__[:-1]):
+            if _nnx_methods(getattr(type(node), "_fp4jax_base", type(node))):
                 _intercept_nnx(node, name, session)
             continue
         idx = session.rule_index(name, _nnx_stacks(path, node, modules) if covered else ())
@@ -860,19 +920,42 @@ def _as_data(m: nnx.Module) -> Any:
 _nnx_classes: dict[type, type] = {}
 
 
+def _nnx_methods(base: type) -> list[str]:
+    """The methods of an NNX module class that run under the hooks, as linen's
+    ``nn.intercept_methods`` runs every method: ``__call__`` and each public method its
+    classes define (``nnx.Embed.attend``), not those of ``nnx.Module`` itself."""
+    skip = set(nnx.Module.__mro__)
+    names: list[str] = []
+    for c in base.__mro__:
+        if c in skip:
+            continue
+        for n, v in vars(c).items():
+            if ((n == "__call__" or not n.startswith("_")) and inspect.isfunction(v)
+                    and n not in names):
+                names.append(n)
+    return names
+
+
+def _nnx_hooked(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def method(self, *args, **kwargs):
+        path = self._fp4jax_path
+        frame = _Frame(self._fp4jax_session, path, self, "nnx")
+        with _patched(), _push(frame), \
+                jax.named_scope("fp4jax_module:" + path.replace("/", "|")):
+            return orig(self, *args, **kwargs)
+    method.__name__, method.__doc__ = orig.__name__, orig.__doc__
+    return method
+
+
 def _intercept_nnx(node: Any, path: str, session: _Session) -> None:
-    """Gives a non-covered NNX module with parameters a subclass whose ``__call__`` runs
-    under the hooks with the module on the frame stack."""
+    """Gives a non-covered NNX module with parameters a subclass whose ``__call__`` and
+    other public methods (``_nnx_methods``) run under the hooks with the module on the
+    frame stack (and its path as a named scope, for ``report``)."""
     base = getattr(type(node), "_fp4jax_base", type(node))
     cls = _nnx_classes.get(base)
     if cls is None:
-        orig = base.__call__
-
-        def __call__(self, *args, **kwargs):
-            frame = _Frame(self._fp4jax_session, self._fp4jax_path, self, "nnx")
-            with _patched(), _push(frame):
-                return orig(self, *args, **kwargs)
-        cls = type(base.__name__, (base,), {"_fp4jax_base": base, "__call__": __call__})
+        methods = {n: _nnx_hooked(getattr(base, n)) for n in _nnx_methods(base)}
+        cls = type(base.__name__, (base,), {"_fp4jax_base": base, **methods})
         _nnx_classes[base] = cls
     object.__setattr__(node, "__class__", cls)
     object.__setattr__(node, "_fp4jax_session", session)
@@ -1025,58 +1108,138 @@ def report(qmodel: Any, *example_args: Any, rngs: Any = None, method: Any = None
     if session is None:
         raise ValueError("report: qmodel must be a model returned by "
                          "fp4jax.nn.quantize_model")
-    rec = _Record()
-    session.record = rec
-    try:
-        if isinstance(qmodel, nn.Module):
-            k = jax.random.key(0)
-            streams = {"params": k, session.rng_collection: k,
-                       session.layer_rng_collection: k, **(rngs or {})}
+    if isinstance(qmodel, nn.Module):
+        k = jax.random.key(0)
+        streams = {"params": k, session.rng_collection: k,
+                   session.layer_rng_collection: k, **(rngs or {})}
+        kw = dict(kwargs) if method is None else {**kwargs, "method": method}
+        # the variables' shapes (before recording), then ``apply`` traced from them, so
+        # that report knows which of the program's inputs are parameters
+        variables = jax.eval_shape(lambda: qmodel.init(streams, *example_args, **kw))
+        params = variables.get("params", {})
+        rest = {c: v for c, v in variables.items() if c != "params"}
 
-            def fn():
-                kw = dict(kwargs) if method is None else {**kwargs, "method": method}
-                return qmodel.init(streams, *example_args, **kw)
-            jaxpr = jax.make_jaxpr(fn)()
-        else:
-            # traced on a copy of the graph: the model's RNG counters do not advance
-            graphdef, state = nnx.split(qmodel)
+        def fn(params, rest):
+            return qmodel.apply({"params": params, **rest}, *example_args, rngs=streams,
+                                mutable=True, **kw)
 
-            def fn_nnx(state):
-                with _patched(), _push(None):
-                    return nnx.merge(graphdef, state)(*example_args, **kwargs)
-            jaxpr = jax.make_jaxpr(fn_nnx)(state)
-    finally:
-        session.record = None
+        def fn_init():  # when apply cannot run as init did (e.g. a stream not split)
+            return qmodel.init(streams, *example_args, **kw)
+        attempts = [(fn, (params, rest)), (fn_init, ())]
+    else:
+        # traced on a copy of the graph: the model's RNG counters do not advance
+        graphdef, params, rest = nnx.split(qmodel, nnx.Param, ...)
+
+        def fn_nnx(params, rest):
+            with _patched(), _push(None):
+                return nnx.merge(graphdef, params, rest)(*example_args, **kwargs)
+        attempts = [(fn_nnx, (params, rest))]
+    for i, (fn, args) in enumerate(attempts):
+        rec = _Record()
+        session.record = rec
+        try:
+            jaxpr = jax.make_jaxpr(fn)(*args)
+            break
+        except Exception:  # noqa: BLE001 (apply failed: the init trace, as before)
+            if i == len(attempts) - 1:
+                raise
+        finally:
+            session.record = None
+    # which program inputs are parameters (none known for the init trace)
+    n_params = len(jax.tree.leaves(args[0])) if args else None
+    is_param = (None if n_params is None
+                else [j < n_params for j in range(len(jaxpr.jaxpr.invars))])
     used = {d["rule"] for d in rec.layers.values() if d["rule"] is not None}
     unused = [(i, r) for i, r in enumerate(session.rules)
               if i not in used and not r.attention]  # attention rules: the model applies them
-    unseen = _unseen_products(jaxpr)
-    return Report(rec.layers, unused, rec.activation, rec.uncovered + unseen)
+    unseen, products = _unseen_products(jaxpr, is_param)
+    return Report(rec.layers, unused, rec.activation + products, rec.uncovered + unseen)
 
 
-def _unseen_products(closed: Any) -> list[str]:
-    """``dot_general`` equations of the traced program outside every product a hook saw,
-    as ``"module path: dot_general shapes (not seen: ...)"``."""
+# the provenance of a traced value (``_unseen_products``): computed from nothing but
+# literals and constants, from parameters only (a weight, maybe cast, transposed, scaled),
+# or from anything else (an activation)
+_CONST, _PARAM, _ACT = 0, 1, 2
+
+
+def _sub_jaxprs(eqn: Any) -> list[Any]:
+    """The open jaxprs an equation holds (``pjit``, ``scan``, ``cond``, ``remat``, ...)."""
     out = []
+    for p in eqn.params.values():
+        for sub in (p if isinstance(p, (list, tuple)) else [p]):
+            inner = getattr(sub, "jaxpr", None)
+            if inner is not None and hasattr(inner, "eqns"):
+                out.append(inner)
+            elif hasattr(sub, "eqns"):
+                out.append(sub)
+    return out
 
-    def walk(jaxpr: Any, outer: str) -> None:
+
+def _unseen_products(closed: Any, param_invars: Sequence[bool] | None = None
+                     ) -> tuple[list[str], list[str]]:
+    """The ``dot_general`` equations of the traced program outside every product a hook
+    saw, split by their operands' provenance: ``(uncovered, activation)``. A product with
+    an operand computed from the parameters alone (``param_invars[i]``: whether the
+    program's ``i``-th input is a parameter; None: every product counts as uncovered) is
+    ``"module path: dot_general shapes (not seen by a hook: ...)"``; one of two activations
+    (attention scores inside a library's attention function) is ``"path: dot_general
+    shapes"``, left alone by design."""
+    uncovered: list[str] = []
+    activation: list[str] = []
+
+    def join(states: Sequence[int]) -> int:
+        return max(states, default=_CONST)
+
+    def walk(jaxpr: Any, outer: str, states: Sequence[int]) -> list[int]:
+        env = dict(zip(jaxpr.invars, states, strict=False))
+
+        def st(v: Any) -> int:
+            if isinstance(v, jex_core.Literal):
+                return _CONST
+            return env.get(v, _CONST)  # literals and closed-over constants
+
         for eqn in jaxpr.eqns:
+            ins = [st(v) for v in eqn.invars]
             # a sub-jaxpr's name stacks are relative to the equation that holds it
             stack = outer + "/" + str(getattr(eqn.source_info, "name_stack", ""))
-            if eqn.primitive.name == "dot_general" and "fp4jax_seen" not in stack:
-                mods = [p.split(":", 1)[1].replace("|", "/") for p in stack.split("/")
-                        if p.startswith("fp4jax_module:")]
+            subs = _sub_jaxprs(eqn)
+            if eqn.primitive.name == "dot_general":
+                mods = [q.split(":", 1)[1].replace("|", "/") for q in stack.split("/")
+                        if q.startswith("fp4jax_module:")]
                 shapes = " x ".join(str(tuple(v.aval.shape)) for v in eqn.invars)
-                out.append(f"{(mods[-1] if mods else '') or '/'}: dot_general {shapes} "
-                           "(not seen by a hook: an '@', a jitted helper or "
-                           "lax.dot_general imported by name)")
-            for p in eqn.params.values():
-                for sub in (p if isinstance(p, (list, tuple)) else [p]):
-                    inner = getattr(sub, "jaxpr", None)
-                    if inner is not None and hasattr(inner, "eqns"):
-                        walk(inner, stack)
-                    elif hasattr(sub, "eqns"):
-                        walk(sub, stack)
+                where = (mods[-1] if mods else "") or "/"
+                act = [q for q in stack.split("/") if q.startswith(_ACT_SCOPE + ":")]
+                if act:  # as the hook described it, where it runs now
+                    activation.append(f"{where}: {act[-1].split(':', 1)[1]}")
+                elif _SEEN_SCOPE not in stack:
+                    if param_invars is None or _PARAM in ins:
+                        uncovered.append(f"{where}: dot_general {shapes} (not seen by a "
+                                         "hook: an '@', a jitted helper or "
+                                         "lax.dot_general imported by name)")
+                    else:
+                        activation.append(f"{where}: dot_general {shapes}")
+                outs = [_ACT if any(ins) else _CONST] * len(eqn.outvars)
+            elif subs:
+                outs = None
+                for sub in subs:
+                    n = len(sub.invars)
+                    # pjit, remat, custom_jvp/vjp and scan pass their inputs in order;
+                    # cond (after its index) and while (after their consts): the tail
+                    sub_in = ins[-n:] if n <= len(ins) else [join(ins)] * n
+                    res = walk(sub, stack, sub_in)
+                    if len(res) == len(eqn.outvars):  # cond's branches: joined
+                        outs = res if outs is None else [max(a, b) for a, b in
+                                                         zip(outs, res, strict=True)]
+                if outs is None:
+                    outs = [join(ins)] * len(eqn.outvars)
+            else:
+                outs = [join(ins)] * len(eqn.outvars)
+            for v, o in zip(eqn.outvars, outs, strict=True):
+                env[v] = o
+        return [st(v) for v in jaxpr.outvars]
 
-    walk(closed.jaxpr, "")
-    return out
+    n = len(closed.jaxpr.invars)
+    states = ([_PARAM if p else _ACT for p in param_invars] if param_invars is not None
+              else [_ACT] * n)
+    walk(closed.jaxpr, "", states)
+    return uncovered, activation
