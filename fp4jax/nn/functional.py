@@ -68,7 +68,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax.nn.rules import Rule, as_rules, layer_key, match_rule, weight_dot_general
+from fp4jax.nn.rules import (
+    Rule,
+    as_rules,
+    layer_key,
+    match_rule,
+    sub_jaxprs,
+    weight_dot_general,
+)
 
 __all__ = ["FunctionReport", "function_report", "param_path", "quantize_function"]
 
@@ -96,18 +103,6 @@ def _scope_path(outer: str, eqn: Any) -> str:
     parts = [p for p in (outer.split("/") + inner.split("/"))
              if p and "->" not in p and not _TRANSFORM.fullmatch(p)]
     return "/".join(parts)
-
-
-def _sub_jaxprs(eqn: Any) -> list[Any]:
-    out = []
-    for v in eqn.params.values():
-        for sub in (v if isinstance(v, (list, tuple)) else [v]):
-            inner = getattr(sub, "jaxpr", None)
-            if inner is not None and hasattr(inner, "eqns"):
-                out.append(inner)
-            elif hasattr(sub, "eqns"):
-                out.append(sub)
-    return out
 
 
 @dataclasses.dataclass
@@ -246,7 +241,7 @@ def _closed(eqn: Any) -> Any:
 
 def _has_product(jaxpr: Any) -> bool:
     return any(e.primitive.name == "dot_general" or any(_has_product(j) for j in
-                                                        _sub_jaxprs(e))
+                                                        sub_jaxprs(e))
                for e in jaxpr.eqns)
 
 
@@ -263,10 +258,10 @@ def _note_opaque(ctx: _Ctx, eqn: Any, path: str) -> None:
                 if _quantizing(ctx, p):
                     ctx.record.uncovered.append(
                         f"{p or '/'}: {shapes} (inside {eqn.primitive.name}: not rewritten)")
-            for sub in _sub_jaxprs(e):
+            for sub in sub_jaxprs(e):
                 walk(sub, p)
 
-    for sub in _sub_jaxprs(eqn):
+    for sub in sub_jaxprs(eqn):
         walk(sub, path)
 
 
@@ -310,7 +305,7 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
         elif name == "scan" and _has_product(eqn.params["jaxpr"].jaxpr):
             outs = _scan(eqn, invals, roles, ctx, path)
         else:
-            if _sub_jaxprs(eqn):  # custom rules, control flow, shard_map, pmap, ...
+            if sub_jaxprs(eqn):  # custom rules, control flow, shard_map, pmap, ...
                 _note_opaque(ctx, eqn, path)
             outs = _bind(eqn, invals)
             if not eqn.primitive.multiple_results:

@@ -114,6 +114,7 @@ from fp4jax.nn.rules import (
     layer_key,
     match_rule,
     match_rule_in_stack,
+    sub_jaxprs,
     weight_dot_general,
 )
 from fp4jax.recipes import Recipe
@@ -1162,19 +1163,6 @@ def report(qmodel: Any, *example_args: Any, rngs: Any = None, method: Any = None
 _CONST, _PARAM, _ACT = 0, 1, 2
 
 
-def _sub_jaxprs(eqn: Any) -> list[Any]:
-    """The open jaxprs an equation holds (``pjit``, ``scan``, ``cond``, ``remat``, ...)."""
-    out = []
-    for p in eqn.params.values():
-        for sub in (p if isinstance(p, (list, tuple)) else [p]):
-            inner = getattr(sub, "jaxpr", None)
-            if inner is not None and hasattr(inner, "eqns"):
-                out.append(inner)
-            elif hasattr(sub, "eqns"):
-                out.append(sub)
-    return out
-
-
 def _unseen_products(closed: Any, param_invars: Sequence[bool] | None = None
                      ) -> tuple[list[str], list[str]]:
     """The ``dot_general`` equations of the traced program outside every product a hook
@@ -1202,7 +1190,7 @@ def _unseen_products(closed: Any, param_invars: Sequence[bool] | None = None
             ins = [st(v) for v in eqn.invars]
             # a sub-jaxpr's name stacks are relative to the equation that holds it
             stack = outer + "/" + str(getattr(eqn.source_info, "name_stack", ""))
-            subs = _sub_jaxprs(eqn)
+            subs = sub_jaxprs(eqn)
             if eqn.primitive.name == "dot_general":
                 mods = [q.split(":", 1)[1].replace("|", "/") for q in stack.split("/")
                         if q.startswith("fp4jax_module:")]

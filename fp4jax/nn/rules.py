@@ -33,6 +33,7 @@ import numpy as np
 from fp4jax.recipes import AttentionRecipe, Recipe, attention_names, get_attention, parse
 
 __all__ = ["Rule", "as_rules", "block_paths", "einsum_dimension_numbers", "layer_key",
+           "sub_jaxprs",
            "load_rules", "match_rule", "match_rule_in_stack"]
 
 _NONE_SPECS = ("none", "high", "high_precision")
@@ -385,3 +386,17 @@ def weight_dot_general(dot: Any, lhs: Any, rhs: Any, dimension_numbers: Any,
         y = jnp.transpose(y, [*range(nb), *range(nb + nx, nb + nx + len(wfs)),
                               *range(nb, nb + nx)])
     return y
+
+
+def sub_jaxprs(eqn: Any) -> list[Any]:
+    """The open jaxprs a traced equation holds (``pjit``, ``scan``, ``cond``'s branches,
+    ``remat``, custom derivatives): for the walks of ``report`` and ``function_report``."""
+    out = []
+    for v in eqn.params.values():
+        for sub in (v if isinstance(v, (list, tuple)) else [v]):
+            inner = getattr(sub, "jaxpr", None)
+            if inner is not None and hasattr(inner, "eqns"):
+                out.append(inner)
+            elif hasattr(sub, "eqns"):
+                out.append(sub)
+    return out
