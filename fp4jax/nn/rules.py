@@ -138,11 +138,10 @@ def _one_rule(r: Any, what: str) -> Rule:
     if isinstance(r, Rule):
         return r
     if isinstance(r, dict):
-        unknown = set(r) - {"pattern", "recipe"}
-        if "pattern" not in r or unknown:
+        if set(r) != {"pattern", "recipe"}:  # a missing recipe is not high precision
             raise ValueError(f"{what}: a rule mapping needs the keys 'pattern' and 'recipe' "
                              f"(recipe may be null/'none'), got keys {sorted(r)}")
-        pattern, recipe = r["pattern"], r.get("recipe")
+        pattern, recipe = r["pattern"], r["recipe"]
     elif isinstance(r, (list, tuple)) and len(r) == 2:
         pattern, recipe = r
     else:

@@ -393,11 +393,14 @@ def _history_from_metrics(path: Path) -> dict[str, list]:
 
 
 def restore_newest(ckpt: Checkpointer, target: Any, cfg_dict: dict, overrides: list[str],
-                   data_sha: str, out: Path) -> tuple[Any, dict, list[CheckpointDamaged]]:
+                   data_sha: str, out: Path, model_sha: str | None = None
+                   ) -> tuple[Any, dict, list[CheckpointDamaged]]:
     """Restores the newest checkpoint that restores completely (metadata, arrays, checksum)
     after checking that its config and data fingerprint match ``cfg_dict`` and ``data_sha``
-    (keys in ``overrides`` may differ); damaged newer checkpoints are moved to
-    ``OUT/checkpoints.damaged/`` and reported. Returns ``(state, meta, damaged)``.
+    and its model-code fingerprint ``model_sha`` (``--model``/``--rules`` files; None: not
+    checked) the run's (keys in ``overrides`` may differ, ``"model"`` the code); damaged
+    newer checkpoints are moved to ``OUT/checkpoints.damaged/`` and reported. Returns
+    ``(state, meta, damaged)``.
 
     Raises:
       ValueError: a changed config or corpus, or no checkpoint that restores.
@@ -413,6 +416,15 @@ def restore_newest(ckpt: Checkpointer, target: Any, cfg_dict: dict, overrides: l
             raise ValueError("refusing to resume with a changed config; differing keys: "
                              + "; ".join(diff) + f" (only {list(OVERRIDABLE_KEYS)} can change, "
                              "named in --resume-override)")
+        code = meta.get("model_sha256")
+        if code is not None and model_sha is not None and code != model_sha \
+                and "model" not in overrides:
+            raise ValueError(
+                f"refusing to resume: the --model code or --rules file differs from that of "
+                f"checkpoint {meta['step']} (SHA-256 {code[:12]}... then, {model_sha[:12]}... "
+                f"now; --model {cfg_dict.get('model')!r}, --rules {cfg_dict.get('rules')!r}): "
+                "resume with the files the run started with, or pass --resume-override "
+                "model to continue with these (a model of other parameter shapes cannot)")
         saved = meta.get("data_sha256")
         if saved is not None and saved != data_sha and "data" not in overrides:
             raise ValueError(
@@ -497,7 +509,7 @@ class RunCheckpoints:
                   "written (pip install orbax-checkpoint)", file=sys.stderr)
 
     def resume(self, state: Any, cfg_dict: dict, overrides: list[str], data_sha: str,
-               check: Callable[[dict], None]) -> Resumed:
+               check: Callable[[dict], None], model_sha: str | None = None) -> Resumed:
         """Restores the newest good checkpoint into the layout of ``state`` (several
         processes: process 0 restores host arrays and broadcasts them); ``check(meta)`` runs
         on process 0 after the restore (its errors stop every process).
@@ -515,7 +527,7 @@ class RunCheckpoints:
                                  "orbax-checkpoint)")
             restored, meta, found["damaged"] = restore_newest(
                 self.ckpt, host_target if multi else state, cfg_dict, overrides, data_sha,
-                self.out)
+                self.out, model_sha)
             saved_cfg = meta["config"]
             overridden = {k: [saved_cfg.get(k), cfg_dict[k]] for k in overrides
                           if saved_cfg.get(k) != cfg_dict[k]}

@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="checkpoints kept: the newest N, and always the newest known-good one")
     a("--resume-override", default=None,
       help=f"with --resume: comma-separated keys allowed to change ({', '.join(OVERRIDABLE_KEYS)}"
-           "; data: the corpus)")
+           "; data: the corpus; model: the --model code and --rules file)")
     a("--stop-at", type=int, default=None, help="stop after this step (schedule unchanged)")
     a("--no-progress", dest="progress", action="store_false",
       help="hide the progress bar (shown by default)")

@@ -36,7 +36,8 @@ RESUMABLE_KEYS = frozenset(
 )
 # Config keys that ``--resume-override`` may change (they leave the state's structure alone);
 # ``data`` lets the corpus (its path and its content, see ``ByteDataset.fingerprint``) change.
-OVERRIDABLE_KEYS = ("lr", "min_lr_ratio", "clip_norm", "weight_decay", "beta1", "beta2", "data")
+OVERRIDABLE_KEYS = ("lr", "min_lr_ratio", "clip_norm", "weight_decay", "beta1", "beta2", "data",
+                    "model")
 
 
 class ConfigError(ValueError):

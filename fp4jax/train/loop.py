@@ -355,14 +355,43 @@ def _split_evals(fn: Callable, split: Callable[[], Any]) -> dict[bool, Callable]
     return {False: lambda p, b, k: fn(p, b, k, split())}
 
 
-def _file_digests(cfg: TrainConfig) -> tuple:
-    """SHA-256 of the files a ``--model`` run's functions are built from (the rules file,
-    a factory given as a file): a changed file is compiled anew."""
+def _model_files(cfg: TrainConfig) -> list[str]:
+    """The files a ``--model`` run's model is built from: the rules file, the factory's
+    file (given as a path, or the source of its dotted module)."""
+    files = [cfg.rules] if cfg.rules else []
+    where = cfg.model.rpartition(":")[0] if cfg.model else ""
+    if where.endswith(".py") or "/" in where:
+        files.append(where)
+    elif where:
+        import importlib.util
+
+        try:
+            spec = importlib.util.find_spec(where)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.origin and spec.origin.endswith(".py"):
+            files.append(spec.origin)
+    return files
+
+
+def model_digest(cfg: TrainConfig) -> str | None:
+    """One SHA-256 over the files of ``_model_files`` (None when there are none: the
+    built-in Llama): recorded with each checkpoint, so that a resume with edited model
+    code is refused (``checkpoint.restore_newest``) instead of continuing another model."""
     import hashlib
 
-    files = [cfg.rules] if cfg.rules else []
-    if cfg.model and cfg.model.rpartition(":")[0].endswith(".py"):
-        files.append(cfg.model.rpartition(":")[0])
+    digests = _file_digests(cfg)
+    if not digests:
+        return None
+    return hashlib.sha256("\n".join(str(d) for d in digests).encode()).hexdigest()
+
+
+def _file_digests(cfg: TrainConfig) -> tuple:
+    """SHA-256 of the files a ``--model`` run's functions are built from
+    (``_model_files``): a changed file is compiled anew."""
+    import hashlib
+
+    files = _model_files(cfg)
     out = []
     for f in files:
         try:
@@ -476,6 +505,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     n_params = sum(int(x.size) for x in jax.tree.leaves(state["params"]))
     cfg_dict = dataclasses.asdict(cfg)
     data_sha = ds.fingerprint()
+    model_sha = model_digest(cfg)
     metrics_path = out / "metrics.jsonl"
 
     # checkpoints: open the run directory, resume
@@ -486,7 +516,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     damaged: list = []
     if cfg.resume:
         resumed = ckpts.resume(state, cfg_dict, overrides, data_sha,
-                               lambda meta: switch.restore(meta, rm.bf16))
+                               lambda meta: switch.restore(meta, rm.bf16), model_sha)
         state, start = resumed.state, resumed.step
         overridden, damaged = resumed.overridden, resumed.damaged
         if main:
@@ -574,6 +604,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
 
     def save(s: int) -> None:
         meta = {"config": cfg_dict, "step": s, "data_sha256": data_sha,
+                **({"model_sha256": model_sha} if model_sha is not None else {}),
                 **({"bf16_layers": rm.bf16} if rm.bf16 is not None else {}),
                 **({"auto_switch": switch.state()} if switch.monitor is not None else {})}
         ckpts.save(s, state, meta, log)

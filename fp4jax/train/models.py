@@ -37,6 +37,7 @@ from fp4jax.train import precision
 from fp4jax.train.config import (
     TrainConfig,
     explicit_bf16_layers,
+    gradient_noise_problem,
     last_bf16_blocks,
     make_policy,
     switched_recipe,
@@ -265,8 +266,9 @@ from ``--seed``). Called on int32 token ids ``(batch, seq_len)``, the model retu
 
 def load_factory(spec: str) -> Callable[..., Any]:
     """The factory named by ``MODULE:FACTORY``: ``MODULE`` a dotted module importable from
-    the current directory (``mypkg.models``) or a Python file (``path/to/model.py``),
-    ``FACTORY`` a callable in it (dotted for an attribute of an attribute).
+    the current directory (``mypkg.models``) or a Python file (``path/to/model.py``, run
+    with its folder on ``sys.path``, so that it imports its sibling modules), ``FACTORY`` a
+    callable in it (dotted for an attribute of an attribute).
 
     Raises:
       ValueError: ``spec`` is not ``MODULE:FACTORY``, the module does not import or the
@@ -286,6 +288,8 @@ def load_factory(spec: str) -> Callable[..., Any]:
             path = os.path.abspath(os.path.expanduser(where))
             if not os.path.isfile(path):
                 raise ValueError(f"--model {spec!r}: no file {path}")
+            if os.path.dirname(path) not in sys.path:  # its sibling modules import, as
+                sys.path.insert(0, os.path.dirname(path))  # when the file runs as a script
             namespace: Any = runpy.run_path(path, run_name=f"fp4jax_model_{abs(hash(path))}")
             obj = namespace.get(name.split(".")[0], None)
             rest = name.split(".")[1:]
@@ -364,7 +368,7 @@ class NnxModel:
     key) and its counter 0, so a step is a pure function of its keys.
 
     Raises (at construction):
-      TypeError: the model holds variables other than parameters and RNG streams (batch
+      ValueError: the model holds variables other than parameters and RNG streams (batch
         statistics, caches): not supported by the harness.
     """
 
@@ -378,7 +382,7 @@ class NnxModel:
         other = sorted({type(v).__name__ for _, v in nnx.to_flat_state(self.rest)
                         if not isinstance(v, nnx.RngKey | nnx.RngCount)})
         if other:
-            raise TypeError(f"--model: the NNX model holds variables other than nnx.Param and "
+            raise ValueError(f"--model: the NNX model holds variables other than nnx.Param and "
                             f"RNG streams ({', '.join(other)}): the harness trains parameters "
                             "only (no batch statistics or caches)")
 
@@ -495,7 +499,8 @@ def read_rules(path: str) -> Rules:
     ``"bf16"``-like specs for high precision).
 
     Raises:
-      ValueError: the file does not exist or does not read (naming it and the format).
+      ValueError: the file does not exist or does not read (naming it and the format), or
+        a rule gives an attention recipe (naming it).
     """
     import fp4jax.nn
 
@@ -503,13 +508,19 @@ def read_rules(path: str) -> Rules:
         raise ValueError("--rules needs fp4jax.nn.load_rules, which this version of fp4jax "
                          "does not have")
     rules = fp4jax.nn.load_rules(path)
+    for i, r in enumerate(rules):
+        if r.attention:
+            raise ValueError(f"--rules {path}: rule [{i}] {r.pattern!r} -> {r.spec} is an "
+                             "attention recipe, which applies to fp4jax's own attention "
+                             "(a --model runs its own): give its linear layers' recipe")
     return [(getattr(r.pattern, "pattern", r.pattern), _as_recipe(r.recipe)) for r in rules]
 
 
 def default_rules(recipe: Recipe, layers: list[str], rcfg: TrainConfig
                   ) -> tuple[Rules, list[str]]:
-    """The rules of a run without ``--rules`` (and after a rules file's own): the
-    ``--bf16-layers`` names in high precision, then embeddings and the LM head
+    """The rules of a run without ``--rules`` (a rules file's own go after the first
+    group, ``foreign_models``): the ``--bf16-layers`` names in high precision, then
+    embeddings and the LM head
     (``HIGH_PRECISION_NAMES``), then the first ``--first-bf16`` and last ``--last-bf16``
     blocks where ``find_blocks`` recognizes them, then ``recipe`` for every other layer.
     Returns ``(rules, notes)``; the notes say what the header reports (blocks not
@@ -547,6 +558,15 @@ def default_rules(recipe: Recipe, layers: list[str], rcfg: TrainConfig
             rules.append((re.escape(prefix) + "(" + "|".join(map(str, hp)) + ")/.*", None))
     rules.append((".*", recipe))
     return rules, notes
+
+
+def with_file_rules(file_rules: Rules, defaults: Rules, rcfg: TrainConfig) -> Rules:
+    """A ``--model`` run's rules, in order: the ``--bf16-layers`` names (the first rules of
+    ``defaults``, ``default_rules``: an explicit or measured choice of layers for high
+    precision wins over a rules file's patterns), the ``--rules`` file's, then the rest of
+    ``defaults``."""
+    n = len(explicit_bf16_layers(rcfg.bf16_layers) or [])
+    return defaults[:n] + list(file_rules) + defaults[n:]
 
 
 def switched_rules(rules: Rules, mode: str) -> Rules:
@@ -670,6 +690,34 @@ def path_name(path: tuple[str, ...], index: tuple[int, ...]) -> str:
     return "/".join(path) + "".join(f"[{i}]" for i in index)
 
 
+def check_logits(name: str, model: Any, x0: jax.Array, vocab_size: int) -> Any:
+    """The parameter shapes of ``model`` (a linen module or an ``NnxModel``), after checking
+    (abstractly: nothing is computed) that it maps token ids ``x0 (B, T)`` int32 to float
+    logits ``(B, T, vocab_size)``, as ``FACTORY_PROTOCOL`` says: logits of another width
+    would train on a wrong loss (targets past the last logit), other shapes fail later.
+
+    Raises:
+      ValueError: naming ``--model`` ``name``, what it returned and what it should.
+    """
+    b, t = x0.shape
+    try:
+        variables = jax.eval_shape(model.init, jax.random.key(0), x0)
+        out = jax.eval_shape(lambda v: model.apply(v, x0), variables)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 (the user's model: one line naming --model)
+        raise ValueError(f"--model {name}: the model does not run on token ids of shape "
+                         f"{(b, t)} int32: {type(e).__name__}: {e}") from e
+    shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+    if shape != (b, t, vocab_size) or not jnp.issubdtype(dtype, jnp.floating):
+        got = (f"{type(out).__name__}" if shape is None
+               else f"{dtype} {tuple(shape)}")
+        raise ValueError(f"--model {name}: the model must return float logits of shape "
+                         f"(batch, seq_len, vocab_size) = {(b, t, vocab_size)} for token ids "
+                         f"{(b, t)}, got {got} (vocab_size is the factory's first argument)")
+    return variables["params"]
+
+
 def foreign_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
                    vocab_size: int, train: Callable[..., dict] | None = None,
                    dataset: Any = None) -> RunModels:
@@ -689,31 +737,49 @@ def foreign_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
     kwargs = model_kwargs(cfg.model_args)
     nnx_factory = takes_rngs(factory)
     x0 = jnp.zeros((1, cfg.seq_len), jnp.int32)
+    how = (f"factory(vocab_size={vocab_size}, seq_len={cfg.seq_len}"
+           + "".join(f", {k}=..." for k in kwargs) + (", rngs=...)" if nnx_factory else ")"))
+
+    def call_factory(**extra: Any) -> Any:
+        try:
+            return factory(vocab_size, cfg.seq_len, **kwargs, **extra)
+        except Exception as e:  # noqa: BLE001 (the user's code: one line naming --model)
+            raise ValueError(f"--model {cfg.model}: {how} raised {type(e).__name__}: {e}"
+                             ) from e
 
     if nnx_factory:
         def build_plain(rngs: Any) -> Any:
-            m = factory(vocab_size, cfg.seq_len, **kwargs, rngs=rngs)
+            m = call_factory(rngs=rngs)
             if not isinstance(m, nnx.Module):
-                raise TypeError(f"--model {cfg.model}: a factory that takes rngs must return "
-                                f"a flax.nnx.Module, got {type(m).__name__}")
+                raise ValueError(f"--model {cfg.model}: a factory that takes rngs must "
+                                 f"return a flax.nnx.Module, got {type(m).__name__}")
             return m
 
         plain = NnxModel(build_plain)
         kind = "nnx"
     else:
-        plain = factory(vocab_size, cfg.seq_len, **kwargs)
+        plain = call_factory()
         if isinstance(plain, nnx.Module):
-            raise TypeError(f"--model {cfg.model}: an NNX model's factory must take a rngs "
-                            "keyword (nnx.Rngs): factory(vocab_size, seq_len, *, rngs)")
+            raise ValueError(f"--model {cfg.model}: an NNX model's factory must take a rngs "
+                             "keyword (nnx.Rngs): factory(vocab_size, seq_len, *, rngs)")
         if not isinstance(plain, nn.Module):
-            raise TypeError(f"--model {cfg.model}: the factory must return a flax.linen.Module "
-                            f"or (taking rngs) a flax.nnx.Module, got {type(plain).__name__}")
+            raise ValueError(f"--model {cfg.model}: the factory must return a "
+                             "flax.linen.Module or (taking rngs) a flax.nnx.Module, got "
+                             f"{type(plain).__name__}")
         kind = "linen"
-    shapes_tree = jax.eval_shape(plain.init, jax.random.key(0), x0)["params"]
+    shapes_tree = check_logits(cfg.model, plain, x0, vocab_size)
     shapes = linear_layers(shapes_tree)
     layers = list(shapes)
     n_params = sum(int(math.prod(x.shape)) for x in jax.tree.leaves(shapes_tree))
     rules = read_rules(cfg.rules) if cfg.rules else []
+    if rcfg.switch_at == "auto":  # every quantizing rule's recipe, not --recipe's only
+        for i, (pattern, r) in enumerate(rules):
+            problem = gradient_noise_problem(r) if r is not None and r.quantized else None
+            if problem:
+                raise ValueError(f"--switch-at auto needs stochastically rounded FP4 "
+                                 f"gradients in every quantized layer; --rules {cfg.rules} "
+                                 f"rule [{i}] {pattern!r} -> {fp4jax.recipes.spec(r)} "
+                                 f"{problem}. Use a fixed --switch-at FRACTION instead")
     blocks = find_blocks(layers)
     bf16 = precision.resolve_bf16_layers(cfg, rcfg, recipe, None, train, dataset,
                                          layers=layers, n_blocks=blocks[1] if blocks else 0)
@@ -722,7 +788,7 @@ def foreign_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
                                        else max(rcfg.last_bf16, 0)),
                             bf16_layers=",".join(bf16["layers"]) or None)
     defaults, notes = default_rules(recipe, layers, rcfg)
-    rules = rules + defaults
+    rules = with_file_rules(rules, defaults, rcfg)
     sw_rules = switched_rules(rules, rcfg.switch)
 
     def make(rs: Rules) -> Any:
