@@ -429,7 +429,7 @@ def restore_newest(ckpt: Checkpointer, target: Any, cfg_dict: dict, overrides: l
         if saved is not None and saved != data_sha and "data" not in overrides:
             raise ValueError(
                 f"refusing to resume: the training data differ from those of checkpoint "
-                f"{meta['step']} (SHA-256 of the split corpus {saved[:12]}... then, "
+                f"{meta['step']} (corpus, split or tokenizer: SHA-256 {saved[:12]}... then, "
                 f"{data_sha[:12]}... now; --data {cfg_dict['data']!r}, --val-fraction "
                 f"{cfg_dict['val_fraction']}): resume on the data the run started with, or pass "
                 "--resume-override data to continue on these (recorded in metrics.jsonl)")

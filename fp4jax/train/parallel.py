@@ -56,7 +56,10 @@ def make_mesh(n: int = 0, fsdp: int = 1) -> Mesh:
                          f"{len(devs)} devices: pass --devices 0 (or {len(devs)})")
     n = n or len(devs)
     if not 1 <= n <= len(devs):
-        raise ValueError(f"--devices {n}: only {len(devs)} devices ({devs[0].platform})")
+        hint = ("; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N (set before "
+                "the process starts) gives N devices" if devs[0].platform == "cpu" else "")
+        raise ValueError(f"--devices {n}: only {len(devs)} devices ({devs[0].platform})"
+                         f"{hint}")
     if fsdp < 1 or n % fsdp:
         raise ValueError(f"--fsdp {fsdp} must divide the number of devices ({n}); e.g. "
                          f"--fsdp {n} (all devices hold a shard of the state) or 1 (replicated)")
