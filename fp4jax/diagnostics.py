@@ -360,9 +360,10 @@ def layer_stats(model: Any, variables: Mapping[str, Any] | None, *args: Any,
         (a tuple of module names, the ``DotGeneral`` submodule left out) and, for layers
         inside ``flax.linen.scan``, ``index`` (the iteration, one int per scan level);
         default ``"/".join(path)`` plus ``"[i]"`` per scan level.
-      unmeasured: what to do about quantized products it cannot measure: ``"warn"``
-        (default: one ``UnmeasuredLayerWarning`` naming each and why, when traced),
-        ``"raise"`` (ValueError) or ``"ignore"``.
+      unmeasured: what to do about quantized products it cannot measure, or a model that
+        ran none (nothing quantized: rules that match no layer): ``"warn"`` (default: one
+        ``UnmeasuredLayerWarning`` naming each and why, when traced), ``"raise"``
+        (ValueError) or ``"ignore"``.
 
     Returns:
       ``{layer name: gemm_stats(...)}``, float32 scalars; layers not quantized (plain
@@ -429,6 +430,13 @@ def layer_stats(model: Any, variables: Mapping[str, Any] | None, *args: Any,
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
                          (dict(shapes.get(PERTURB_COLLECTION, {})), probe.shapes))
     if not zeros[0] and not zeros[1]:
+        if unmeasured != "ignore" and not probe.unmeasured:
+            msg = ("layer_stats: the model ran no quantized linear layer (its recipe or rules "
+                   "quantize nothing, e.g. rules that match no layer: see "
+                   "fp4jax.nn.report): nothing to measure")
+            if unmeasured == "raise":
+                raise ValueError(msg)
+            warnings.warn(msg, UnmeasuredLayerWarning, stacklevel=2)
         return {}
 
     def perturbed_loss(z: tuple[dict, dict]) -> jax.Array:
@@ -632,7 +640,9 @@ def gradient_noise(grads: Any, grads_q: Any, *,
         (``flax.linen.scan``: ``(n, K, N)``), the index along them (as for ``layer_stats``;
         default ``"/".join(path)`` plus ``"[i]"``). Boxed parameters
         (``nn.LogicallyPartitioned``, an ``nnx.State``'s variables) are named by the
-        path of the box (a trailing ``.value`` is dropped).
+        path of the box (a trailing ``.value`` is dropped); the gradients of a whole
+        variables dict name their layers as its ``"params"``' (a leading ``"params"``
+        dropped: the names of ``layer_stats``, ``report`` and the rules).
       scan_axes: ``scan_axes(path, shape) -> n``: how many leading axes of the kernel at
         ``path`` (as for ``name_fn``) stack scanned layers. Default: every axis before
         the last two (fp4jax's Llama, whose kernels are 2-D); for a model with
@@ -651,6 +661,9 @@ def gradient_noise(grads: Any, grads_q: Any, *,
       ValueError: the two pytrees differ in structure or shapes.
     """
     name_fn = name_fn or _default_name
+    # the gradients of a whole variables dict ({"params": ...}) name their layers as those
+    # of its parameters (the names of layer_stats, report and the rules)
+    variables = isinstance(grads, Mapping) and "params" in grads
     leaves, tree = jax.tree_util.tree_flatten_with_path(grads)
     leaves_q, tree_q = jax.tree_util.tree_flatten(grads_q)
     if tree != tree_q or any(jnp.shape(a) != jnp.shape(b[1]) for a, b in zip(leaves_q, leaves,
@@ -667,6 +680,8 @@ def gradient_noise(grads: Any, grads_q: Any, *,
                      for k in path)
         while keys and keys[-1] in ("value", "raw_value"):  # a box's (or Variable's) leaf
             keys = keys[:-1]
+        if variables and keys[:1] == ("params",):  # a variables dict: named as its params
+            keys = keys[1:]
         if keys and keys[-1] == "kernel" and g32.ndim >= 2:
             lead = (g32.ndim - 2 if scan_axes is None
                     else int(scan_axes(keys[:-1], tuple(g32.shape))))

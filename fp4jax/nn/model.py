@@ -438,15 +438,26 @@ def _product(frame: _Frame, op: str, orig: Callable[[], Any], lhs: Any, rhs: Any
     recipe = s.rules[idx].recipe if idx is not None else None
     weight = rhs if roles[1] else lhs
     if rec is not None:
-        rec.layers.setdefault(frame.path, {
-            "op": op, "weight": tuple(jnp.shape(weight)), "rule": idx,
-            "recipe": None if recipe is None else recipe.name, "calls": 0})
-        rec.layers[frame.path]["calls"] += 1
+        _record_layer(rec, frame.path, op, weight, idx, recipe)
     if recipe is None:
         return _seen(orig)
     y = _seen(lambda: _quantized(frame, recipe, lhs, rhs, dims, roles[0], precision,
                                  preferred_element_type, out_sharding))
     return y if perm is None else jnp.transpose(y, perm)
+
+
+def _record_layer(rec: _Record, path: str, op: str, weight: Any, rule: int | None,
+                  recipe: Any) -> None:
+    """One product of the linear layer at ``path`` for ``report``: its entry (the first
+    product's op and weight shape) and every weight shape its products used (``weights``:
+    a module may multiply several of its parameters; ``Report.scan_axes`` reads them)."""
+    shape = tuple(jnp.shape(weight))
+    d = rec.layers.setdefault(path, {
+        "op": op, "weight": shape, "weights": [], "rule": rule,
+        "recipe": None if recipe is None else recipe.name, "calls": 0})
+    if shape not in d["weights"]:
+        d["weights"].append(shape)
+    d["calls"] += 1
 
 
 def _ragged_product(frame: _Frame, orig: Callable[[], Any], lhs: Any, rhs: Any,
@@ -467,10 +478,7 @@ def _ragged_product(frame: _Frame, orig: Callable[[], Any], lhs: Any, rhs: Any,
     idx = s.rule_index(frame.path, _stacks_of(frame.path) if frame.kind == "linen" else ())
     recipe = s.rules[idx].recipe if idx is not None else None
     if rec is not None:
-        rec.layers.setdefault(frame.path, {
-            "op": "ragged_dot", "weight": tuple(jnp.shape(rhs)), "rule": idx,
-            "recipe": None if recipe is None else recipe.name, "calls": 0})
-        rec.layers[frame.path]["calls"] += 1
+        _record_layer(rec, frame.path, "ragged_dot", rhs, idx, recipe)
     if recipe is None:
         return _seen(orig)
     return _seen(lambda: _ragged_fn(frame, recipe)(lhs, rhs, group_sizes, precision,
@@ -744,10 +752,8 @@ class _NnxWrapped(nnx.Module):
             rec.uncovered.append(f"{self.path}: {self.op} ({why})")
             return
         idx = self.session.resolved.get(self.path, self.session.rule_index(self.path))
-        rec.layers.setdefault(self.path, {
-            "op": self.op, "weight": tuple(jnp.shape(weight)), "rule": idx,
-            "recipe": None if self.dot is None else self.dot.recipe.name, "calls": 0})
-        rec.layers[self.path]["calls"] += 1
+        _record_layer(rec, self.path, self.op, weight, idx,
+                      None if self.dot is None else self.dot.recipe)
 
     def _run(self, inputs, kernel, dims, precision, preferred_element_type, out_sharding):
         frame = _Frame(self.session, self.path, _DotHolder(self.dot), "nnx")
@@ -1033,8 +1039,9 @@ class Report:
     """What ``report`` found; ``str()`` prints it as a table.
 
     Attributes:
-      layers: ``{path: {"op", "weight" (shape), "rule" (index or None), "recipe" (name or
-        None: high precision), "calls"}}``, every linear layer the hooks saw.
+      layers: ``{path: {"op", "weight" (shape), "weights" (every weight shape the layer's
+        products used), "rule" (index or None), "recipe" (name or None: high precision),
+        "calls"}}``, every linear layer the hooks saw.
       unused_rules: the rules no layer took (matched nothing, or always after an earlier
         rule that matched), as ``(index, Rule)``; attention rules are not listed (a model
         with attention sites applies them, e.g. ``fp4jax.models.llama``).
@@ -1062,9 +1069,14 @@ class Report:
             d = self.layers.get("/".join(path[1:]))
         if d is None:
             return 0
-        w, shape = tuple(d["weight"]), tuple(shape)
-        n = len(shape) - len(w)
-        return n if n >= 0 and shape[n:] == w else 0
+        shape = tuple(shape)
+        weights = [tuple(w) for w in d.get("weights") or [d["weight"]]]
+        if shape in weights:  # one of the layer's own weights, whole (a 3-D DenseGeneral)
+            return 0
+        for n in range(1, len(shape)):  # the fewest leading axes that leave one of them
+            if shape[n:] in weights:
+                return n
+        return 0
 
     def __str__(self) -> str:
         rows = [("layer", "recipe", "rule", "weight", "op")]

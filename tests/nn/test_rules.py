@@ -524,9 +524,9 @@ def test_gradient_noise_unboxes_and_splits_only_scans():
     g = jax.tree.map(jnp.ones_like, params)
     gq = jax.tree.map(lambda a: a * 2, g)
     noise = gradient_noise(g, gq, scan_axes=rep.scan_axes)["layers"]
-    assert sorted(noise) == ["params/query", "params/stack/dense[0]",
-                             "params/stack/dense[1]", "params/stack/dense[2]"]
-    assert int(noise["params/query"]["d"]) == D * H * HD
+    # a variables dict's layers are named as its parameters' (report's and the rules' paths)
+    assert sorted(noise) == ["query", "stack/dense[0]", "stack/dense[1]", "stack/dense[2]"]
+    assert int(noise["query"]["d"]) == D * H * HD
     assert len(gradient_noise(g, gq)["layers"]) == 32 + 3  # the old rule: 3-D = a stack
 
 

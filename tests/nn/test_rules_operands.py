@@ -154,3 +154,43 @@ def test_linen_report_counts_activation_products_on_every_call():
     assert len(first.activation_products) == 2
     assert second.activation_products == first.activation_products
     assert sorted(first.layers) == ["attn/key", "attn/out", "attn/query", "attn/value"]
+
+
+class TwoWeightBlock(nn.Module):
+    """A block that multiplies two of its own parameters: ``w_in`` first, then ``kernel``."""
+
+    @nn.compact
+    def __call__(self, x, _):
+        w_in = self.param("w_in", nn.initializers.lecun_normal(), (32, 64))
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (64, 32))
+        h = jax.nn.gelu(jnp.einsum("btd,df->btf", x, w_in))
+        return x + jnp.einsum("btf,fd->btd", h, kernel), None
+
+
+class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.scan(TwoWeightBlock, variable_axes={"params": 0},
+                       split_rngs={"params": True}, length=3)(name="blocks")(x, None)[0]
+
+
+class MixRanks(nn.Module):
+    """A 2-D and a 3-D weight in one module (the 3-D one is one layer, not a stack)."""
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.lecun_normal(), (32, 64))
+        k = self.param("kernel", nn.initializers.lecun_normal(), (2, 32, 64))
+        return jnp.einsum("btd,hdf->bthf", x, k) * jnp.einsum("btd,df->btf", x, w)[:, :, None]
+
+
+def test_report_scan_axes_know_every_weight_of_a_module():
+    x = jnp.ones((2, 16, 32))
+    q = quantize_model(Stack(), [Rule(".*", "nvfp4")])
+    p = q.init(jax.random.key(0), x)["params"]
+    rep = report(q, x)
+    assert rep.layers["blocks"]["weights"] == [(32, 64), (64, 32)]
+    assert rep.scan_axes(("blocks",), p["blocks"]["kernel"].shape) == 1  # (3, 64, 32)
+    assert rep.scan_axes(("params", "blocks"), p["blocks"]["w_in"].shape) == 1
+    mix = report(quantize_model(MixRanks(), [Rule(".*", "nvfp4")]), x)
+    assert mix.scan_axes(("",), (2, 32, 64)) == 0 and mix.scan_axes(("",), (32, 64)) == 0

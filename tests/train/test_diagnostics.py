@@ -225,3 +225,20 @@ def test_mean_layer_stats_leaves_out_the_initialization():
     assert D.mean_layer_stats([rec(0, 9.0)])["a"]["wgrad"]["rel_error"] == 9.0
     with pytest.raises(ValueError, match="--stats-every"):
         D.mean_layer_stats([])
+
+
+def test_gradient_noise_names_a_variables_dicts_layers_as_its_params():
+    """The gradients of a whole variables dict ({"params": ...}) name their layers as the
+    parameters' (the names of layer_stats, report and the rules), not "params/...";
+    layer_stats on a model that quantizes nothing warns instead of returning {} silently."""
+    import flax.linen as nn
+
+    m = nn.Dense(8, name="fc")
+    v = m.init(jax.random.key(0), jnp.ones((2, 16)))
+    g = jax.tree.map(jnp.ones_like, v)
+    assert list(D.gradient_noise(g, g)["layers"]) == list(
+        D.gradient_noise(g["params"], g["params"])["layers"]) == [""]
+    with pytest.warns(D.UnmeasuredLayerWarning, match="ran no quantized linear layer"):
+        assert D.layer_stats(m, v, jnp.ones((2, 16)), loss=jnp.sum) == {}
+    with pytest.raises(ValueError, match="ran no quantized linear layer"):
+        D.layer_stats(m, v, jnp.ones((2, 16)), loss=jnp.sum, unmeasured="raise")
