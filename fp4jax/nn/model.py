@@ -863,23 +863,21 @@ def _quantize_nnx(model: nnx.Module, session: _Session, rngs: Any) -> nnx.Module
     plan = []
     for path, node in nodes:
         name = "/".join(str(p) for p in path)
-        if isinstance(node, (fnnx.DotGeneral, _NnxWrapped)):
+        if isinstance(node, fnnx.DotGeneral):
             continue
         covered = isinstance(node, _NNX_COVERED)
         if not covered and not _nnx_own_params(node):
             # a parameter-free module (a block holding layers, an attention): its own
             # products (attention scores) run under the hooks in its own frame, so
             # report counts them as activation products rather than unseen ones
-            if _nnx_methods(getattr(type(node), "_fp4jax_base", type(node))):
+            if _nnx_methods(type(node)):
                 _intercept_nnx(node, name, session)
             continue
         idx = session.rule_index(name, _nnx_stacks(path, node, modules) if covered else ())
         session.resolved[name] = idx
         recipe = session.rules[idx].recipe if idx is not None else None
-        if isinstance(getattr(node, "dot_general", None), (fnnx.DotGeneral, _NnxWrapped)):
-            continue  # already an fp4jax layer, or quantized before
-        if isinstance(getattr(node, "einsum_op", None), _NnxWrapped):
-            continue
+        if isinstance(getattr(node, "dot_general", None), fnnx.DotGeneral):
+            continue  # already an fp4jax layer (quantized before: refused above)
         plan.append((name, node, covered, recipe))
     keys: dict[str, Any] = {}
     needs = [(r.needs_key, r.needs_layer_key) for *_, r in plan if r is not None]
@@ -957,8 +955,9 @@ def _nnx_hooked(orig: Callable[..., Any]) -> Callable[..., Any]:
 def _intercept_nnx(node: Any, path: str, session: _Session) -> None:
     """Gives a non-covered NNX module with parameters a subclass whose ``__call__`` and
     other public methods (``_nnx_methods``) run under the hooks with the module on the
-    frame stack (and its path as a named scope, for ``report``)."""
-    base = getattr(type(node), "_fp4jax_base", type(node))
+    frame stack (and its path as a named scope, for ``report``). ``node`` is not yet
+    quantized (``_quantize_nnx`` refuses a model that is)."""
+    base = type(node)
     cls = _nnx_classes.get(base)
     if cls is None:
         methods = {n: _nnx_hooked(getattr(base, n)) for n in _nnx_methods(base)}

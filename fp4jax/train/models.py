@@ -382,9 +382,9 @@ class NnxModel:
         other = sorted({type(v).__name__ for _, v in nnx.to_flat_state(self.rest)
                         if not isinstance(v, nnx.RngKey | nnx.RngCount)})
         if other:
-            raise ValueError(f"--model: the NNX model holds variables other than nnx.Param and "
-                            f"RNG streams ({', '.join(other)}): the harness trains parameters "
-                            "only (no batch statistics or caches)")
+            raise ValueError(f"--model: the NNX model holds variables other than nnx.Param "
+                             f"and RNG streams ({', '.join(other)}): the harness trains "
+                             "parameters only (no batch statistics or caches)")
 
     def init(self, rngs: Any, tokens: jax.Array) -> dict:
         """``{"params": ...}`` of a model built with ``nnx.Rngs(params=key)``."""
@@ -516,11 +516,11 @@ def read_rules(path: str) -> Rules:
     return [(getattr(r.pattern, "pattern", r.pattern), _as_recipe(r.recipe)) for r in rules]
 
 
-def default_rules(recipe: Recipe, layers: list[str], rcfg: TrainConfig
-                  ) -> tuple[Rules, list[str]]:
-    """The rules of a run without ``--rules`` (a rules file's own go after the first
-    group, ``foreign_models``): the ``--bf16-layers`` names in high precision, then
-    embeddings and the LM head
+def default_rules(recipe: Recipe, layers: list[str], rcfg: TrainConfig,
+                  file_rules: Rules = ()) -> tuple[Rules, list[str]]:
+    """A ``--model`` run's rules: the ``--bf16-layers`` names in high precision (an
+    explicit or measured choice of layers wins over a rules file's patterns), then
+    ``file_rules`` (those of ``--rules``), then embeddings and the LM head
     (``HIGH_PRECISION_NAMES``), then the first ``--first-bf16`` and last ``--last-bf16``
     blocks where ``find_blocks`` recognizes them, then ``recipe`` for every other layer.
     Returns ``(rules, notes)``; the notes say what the header reports (blocks not
@@ -538,6 +538,7 @@ def default_rules(recipe: Recipe, layers: list[str], rcfg: TrainConfig
         raise ValueError(f"--bf16-layers: {unknown} are not linear layers of this model; its "
                          f"layers: {', '.join(layers)}")
     rules += [(re.escape(n), None) for n in names]
+    rules += list(file_rules)
     rules.append((HIGH_PRECISION_NAMES, None))
     blocks = find_blocks(layers)
     first = rcfg.first_bf16
@@ -558,15 +559,6 @@ def default_rules(recipe: Recipe, layers: list[str], rcfg: TrainConfig
             rules.append((re.escape(prefix) + "(" + "|".join(map(str, hp)) + ")/.*", None))
     rules.append((".*", recipe))
     return rules, notes
-
-
-def with_file_rules(file_rules: Rules, defaults: Rules, rcfg: TrainConfig) -> Rules:
-    """A ``--model`` run's rules, in order: the ``--bf16-layers`` names (the first rules of
-    ``defaults``, ``default_rules``: an explicit or measured choice of layers for high
-    precision wins over a rules file's patterns), the ``--rules`` file's, then the rest of
-    ``defaults``."""
-    n = len(explicit_bf16_layers(rcfg.bf16_layers) or [])
-    return defaults[:n] + list(file_rules) + defaults[n:]
 
 
 def switched_rules(rules: Rules, mode: str) -> Rules:
@@ -722,7 +714,8 @@ def foreign_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
                    vocab_size: int, train: Callable[..., dict] | None = None,
                    dataset: Any = None) -> RunModels:
     """The model of ``--model MODULE:FACTORY`` (``FACTORY_PROTOCOL``) under the run's rules
-    (``--rules`` then ``default_rules``), before and after its precision switch.
+    (``default_rules``, the ``--rules`` file's among them), before and after its precision
+    switch.
     ``--bf16-layers`` is resolved here (``auto``: an FP4 warm-up with ``train`` on
     ``dataset``, its per-layer statistics recommending high-precision rules).
 
@@ -787,8 +780,7 @@ def foreign_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
         rcfg = rcfg.replace(last_bf16=(last_bf16_blocks(rcfg, blocks[1]) if blocks
                                        else max(rcfg.last_bf16, 0)),
                             bf16_layers=",".join(bf16["layers"]) or None)
-    defaults, notes = default_rules(recipe, layers, rcfg)
-    rules = with_file_rules(rules, defaults, rcfg)
+    rules, notes = default_rules(recipe, layers, rcfg, rules)
     sw_rules = switched_rules(rules, rcfg.switch)
 
     def make(rs: Rules) -> Any:

@@ -137,9 +137,8 @@ def test_bf16_layers_win_over_a_rules_file():
     nv = T.run_recipe(T.TrainConfig(recipe="nvfp4"))[1]
     layers = ["layers_0/query", "layers_0/wo", "layers_1/query", "lm_head"]
     rcfg = T.TrainConfig(model="m:f", bf16_layers="layers_0/query", last_bf16=0)
-    defaults, _ = models.default_rules(nv, layers, rcfg)
     file_rules = [(".*/query", nv)]
-    rules = models.with_file_rules(file_rules, defaults, rcfg)
+    rules, _ = models.default_rules(nv, layers, rcfg, file_rules)
     got = models.layer_recipes(rules, layers)
     assert got["layers_0/query"] is None  # --bf16-layers, though the file matches it too
     assert got["layers_1/query"] is not None and got["lm_head"] is None
