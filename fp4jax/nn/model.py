@@ -1069,7 +1069,7 @@ class Report:
         if d is None:
             return 0
         shape = tuple(shape)
-        weights = [tuple(w) for w in d.get("weights") or [d["weight"]]]
+        weights = d["weights"]  # _record_layer: every entry lists them, as tuples
         if shape in weights:  # one of the layer's own weights, whole (a 3-D DenseGeneral)
             return 0
         for n in range(1, len(shape)):  # the fewest leading axes that leave one of them
