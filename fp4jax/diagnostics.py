@@ -5,11 +5,14 @@ of its three quantized GEMMs adds on a given batch, and how its operands use the
 (``fprop`` ``y = x @ w``, ``dgrad`` ``dx = dy @ w.T``, ``wgrad`` ``dw = x.T @ dy``):
 
 * ``rel_error``: ``||P_q - P||_F / ||P||_F``, ``P_q`` the product ``fp4jax.dot`` computes
-  (forward, or its VJP with cotangent ``dy``: the recipe's own code path, SR draws included)
-  and ``P`` the product of the unquantized float32 tensors (``Precision.HIGHEST``);
+  (forward, or its VJP with cotangent ``dy``, SR draws included), as its XLA reference does
+  (``fp4jax.quantized_dot.reference_gemms``: the same bits; the kernel backends differ in
+  their GEMMs' float32 accumulation order only), and ``P`` the product of the unquantized
+  float32 tensors (``Precision.HIGHEST``);
   0 for a GEMM the recipe leaves unquantized;
 * per operand (``lhs``/``rhs`` in the GEMM's order: fprop ``x, w``; dgrad ``dy, w``; wgrad
-  ``x, dy``), as the recipe quantizes it (after the GEMM's RHT, along its blocked axis):
+  ``x, dy``), as the recipe quantizes it (after the GEMM's RHT, along its blocked axis; the
+  very operand that GEMM consumed):
   ``underflow`` (fraction of the nonzero finite elements that quantize to 0),
   ``saturation`` (fraction whose encoded magnitude, times the quantizer's element encode
   scale, exceeds the element format's largest value, 6 for E2M1, 448 for E4M3
@@ -67,7 +70,7 @@ import numpy as np
 
 from fp4jax import numerics
 from fp4jax import quantization as qz
-from fp4jax.quantized_dot import call_key, dot, reference_operand
+from fp4jax.quantized_dot import call_key, reference_gemms
 from fp4jax.recipes import Recipe, get, nvfp4
 
 # the variable collections through which fp4jax's linen layers hand their operands to
@@ -86,13 +89,13 @@ __all__ = ["SQRT3", "SwitchMonitor", "UnmeasuredLayerWarning", "auto_switch_step
 SQRT3 = math.sqrt(3.0)  # FP4-all-the-way Section 4.1: the critical gradient-to-noise ratio
 
 
-def _operand_stats(t: jax.Array, recipe: Recipe, key: jax.Array, gemm: str, which: str
-                   ) -> dict[str, jax.Array]:
-    """Format usage of one operand ``t`` (canonical 3D ``(1, R, C)``) as the GEMM quantizes
-    it (``fp4jax.quantized_dot.reference_operand``)."""
-    r, q = reference_operand(numerics.exact_float32(t), recipe, gemm, which, key)
+def _operand_stats(op: tuple[jax.Array, Any], spec: Any) -> dict[str, jax.Array]:
+    """Format usage of one GEMM operand ``op = (r, q)`` as
+    ``fp4jax.quantized_dot.reference_gemms`` returns it (``r`` the quantizer's input, after
+    the GEMM's RHT; ``q`` its ``QuantizedArray``) for its quantization spec ``spec``."""
+    r, q = op
+    r = numerics.exact_float32(r)
     amax = qz.finite_amax(r)
-    spec = getattr(getattr(recipe, gemm), which)
     if not spec.quantized:
         return {"amax": amax}
     # each element in the quantizer's encoded domain (its encode scale, Eq. 4): beyond the
@@ -154,28 +157,24 @@ def _gemm_stats(x: jax.Array, w: jax.Array, dy: jax.Array, recipe: Recipe,
     called eagerly, it compiles once per recipe and shapes instead of dispatching each of
     its few hundred operations on its own)."""
     k = call_key(recipe, key, rht_key)  # fp4jax.dot's key packing
-
-    def f(a, b):
-        return dot(a, b, recipe=recipe, key=key, rht_key=rht_key,
-                   preferred_element_type=jnp.float32)
-
-    y_q, vjp = jax.vjp(f, x, w)
-    dx_q, dw_q = vjp(dy.astype(y_q.dtype))
+    K, N = w.shape
+    # the three quantized GEMMs as fp4jax.dot computes them (its XLA reference: forward,
+    # and backward with cotangent dy), each operand quantized once for its GEMM and its
+    # statistics
+    gemms = reference_gemms(x.reshape(1, -1, K), w[None], dy.reshape(1, -1, N), recipe, k)
     hi = jax.lax.Precision.HIGHEST
     x32, w32, dy32 = (numerics.exact_float32(a) for a in (x, w, dy))
     y = jnp.matmul(x32, w32, precision=hi)
     dx = jnp.matmul(dy32, w32.T, precision=hi)
-    x2, dy2 = x32.reshape(-1, x.shape[-1]), dy32.reshape(-1, w.shape[1])
-    dw = jnp.matmul(x2.T, dy2, precision=hi)
-
-    # canonical operands (1, M, K), (1, K, N), (1, M, N) and their blocked axes (fp4jax.dot)
-    xc, wc, gc = x2[None], w32[None], dy2[None]
-    ops = {"fprop": (xc, wc), "dgrad": (gc, wc), "wgrad": (xc, gc)}
-    errs = {"fprop": _rel(y_q, y), "dgrad": _rel(dx_q, dx), "wgrad": _rel(dw_q, dw)}
-    return {gemm: {"rel_error": errs[gemm],
-                   "lhs": _operand_stats(lhs, recipe, k, gemm, "lhs"),
-                   "rhs": _operand_stats(rhs, recipe, k, gemm, "rhs")}
-            for gemm, (lhs, rhs) in ops.items()}
+    x2, dy2 = x32.reshape(-1, K), dy32.reshape(-1, N)
+    exact = {"fprop": y, "dgrad": dx, "wgrad": jnp.matmul(x2.T, dy2, precision=hi)}
+    out = {}
+    for gemm, (p_q, lhs, rhs) in gemms.items():
+        spec = getattr(recipe, gemm)
+        out[gemm] = {"rel_error": _rel(p_q.reshape(exact[gemm].shape), exact[gemm]),
+                     "lhs": _operand_stats(lhs, spec.lhs),
+                     "rhs": _operand_stats(rhs, spec.rhs)}
+    return out
 
 
 def _default_name(path: tuple[str, ...], index: tuple[int, ...]) -> str:

@@ -38,7 +38,7 @@ from fp4jax.recipes import GemmSpec, QuantSpec, Recipe, nvfp4
 from pallas_kernels import dispatch
 
 __all__ = ["OPERAND_AXES", "call_key", "dot", "dot_general", "gemm_inputs", "gemm_rht_signs",
-           "operand_key", "reference_operand", "token_row_multiple"]
+           "operand_key", "reference_gemms", "reference_operand", "token_row_multiple"]
 
 Operand = Any  # QuantizedArray | jax.Array
 
@@ -438,6 +438,40 @@ def reference_operand(t: jax.Array, recipe: Recipe, gemm: str, which: str, key: 
     axis = OPERAND_AXES[(gemm, which)]
     r = _rht(t, g, axis, key, gemm)
     return r, _quant(r, getattr(g, which), axis, _subkey(key, gemm, which), group=g.hadamard)
+
+
+def reference_gemms(x: jax.Array, w: jax.Array, dy: jax.Array, recipe: Recipe, key: jax.Array,
+                    out_dtype: Any = jnp.float32) -> dict[str, tuple[jax.Array, tuple, tuple]]:
+    """The three GEMMs of one ``fp4jax.dot`` call on the XLA reference, with their operands:
+    what ``fp4jax.diagnostics.gemm_stats`` measures, without the custom VJP (each operand
+    quantized once, for its GEMM and for its statistics).
+
+    Args:
+      x: ``(1, M, K)``, w: ``(1, K, N)``, dy: ``(1, M, N)`` (the cotangent of ``y``): the
+        canonical tensors, float (bf16/f16/f32).
+      recipe: the ``Recipe``; key: the call's key as ``call_key`` returns it.
+      out_dtype: ``y``'s dtype (``dot``'s ``preferred_element_type``).
+
+    Returns:
+      ``{"fprop": (y, lhs, rhs), "dgrad": (dx, lhs, rhs), "wgrad": (dw, lhs, rhs)}``:
+      ``y (1, M, N)`` in ``out_dtype``, ``dx (1, M, K)`` in ``x``'s dtype, ``dw (1, K, N)``
+      in ``w``'s dtype, the same bits as ``dot``'s forward and its VJP with cotangent
+      ``dy`` on the XLA path (``implementation="xla"``; the other backends compute these
+      bits up to the float32 accumulation order of their GEMMs); ``lhs``/``rhs`` are each
+      GEMM's operands as ``reference_operand`` returns them (fprop ``x, w``, dgrad
+      ``dy, w``, wgrad ``x, dy``).
+    """
+    g = dy.astype(out_dtype)
+    g = g if g.dtype == jnp.bfloat16 else g.astype(jnp.float32)  # as dot's backward
+    tensors = {"fprop": (x, w), "dgrad": (g, w), "wgrad": (x, g)}
+    subscripts = {"fprop": "bmk,bkn->bmn", "dgrad": "bmn,bkn->bmk", "wgrad": "bmk,bmn->bkn"}
+    dtypes = {"fprop": out_dtype, "dgrad": x.dtype, "wgrad": w.dtype}
+    res = {}
+    for gemm, (a, b) in tensors.items():
+        lhs = reference_operand(a, recipe, gemm, "lhs", key)
+        rhs = reference_operand(b, recipe, gemm, "rhs", key)
+        res[gemm] = (_gemm_out(subscripts[gemm], lhs[1], rhs[1], None, dtypes[gemm]), lhs, rhs)
+    return res
 
 
 def _operands(t: jax.Array, ops: tuple, key: jax.Array, backend: dispatch.DotBackend,

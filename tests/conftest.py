@@ -146,7 +146,8 @@ def pytest_collection_modifyitems(config, items):
 # --- where the suite's time goes (opt-in): FP4JAX_TEST_COMPILE_LOG=FILE appends one JSON
 # line per test phase with its wall seconds and the seconds this process spent tracing,
 # lowering and compiling (XLA backend compile, persistent-cache reads included), and its
-# persistent-cache hits and misses. Work in child processes (CLI tests) is not seen.
+# persistent-cache hits and misses, and the CPU seconds of the process and of its waited-for
+# child processes since the previous line (CLI tests' children: only their CPU is seen).
 _COMPILE_LOG = os.environ.get("FP4JAX_TEST_COMPILE_LOG")
 _COMPILE_ACC: dict[str, float] = {}
 if _COMPILE_LOG:
@@ -203,13 +204,27 @@ if _COMPILE_LOG:
         _lg.setLevel(_logging.DEBUG)
         _lg.addHandler(_CompileNames(level=_logging.DEBUG))
 
+    import resource as _resource
+
+    def _cpu_seconds() -> tuple[float, float]:
+        """User + system CPU seconds of this process and of its waited-for children."""
+        own = _resource.getrusage(_resource.RUSAGE_SELF)
+        kids = _resource.getrusage(_resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+    _CPU_LAST = [_cpu_seconds()]
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(item, call):
         yield
         import json
 
+        now = _cpu_seconds()
+        (own0, kids0), _CPU_LAST[0] = _CPU_LAST[0], now
         rec = {"test": item.nodeid, "phase": call.when,
                "wall_s": round(call.duration, 3),
+               "cpu_s": round(now[0] - own0, 3), "child_cpu_s": round(now[1] - kids0, 3),
+               "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
                **{k: round(v, 3) for k, v in _COMPILE_ACC.items()},
                "programs": [c for c in _COMPILED if c[1] >= _PROGRAM_MIN_S]}
         _COMPILE_ACC.clear()

@@ -527,3 +527,40 @@ def test_residual_memory_is_fp4_sized(monkeypatch):
     # x and w as FP4 (0.5 B/element) plus E4M3 scales (1/16 B/element) and small extras
     fp4 = (512 * 256 + 256 * 256) * (0.5 + 1 / 16)
     assert residual_bytes("nvfp4") < 1.2 * fp4 < 0.3 * hp
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "quartet2"])
+def test_reference_gemms_are_dots_forward_and_vjp_bit_for_bit(name):
+    """``quantized_dot.reference_gemms`` (what ``diagnostics.gemm_stats`` measures) gives the
+    bits of ``fp4jax.dot``'s forward and VJP on the XLA path: SR draws, RHT and MS-EDEN
+    included, bf16 activations with a float32 weight (dx in x's dtype, dw in w's), and its
+    operands are the ones ``reference_operand`` makes."""
+    from fp4jax import quantized_dot as qd
+
+    r = recipes.get(name)
+    x = _randn(48, 64).astype(jnp.bfloat16)
+    w, g = _randn(64, 32) * 0.1, _randn(48, 32)
+    key = jax.random.key(11)
+
+    @jax.jit
+    def both(x, w, g):
+        y, vjp = jax.vjp(lambda a, b: fp4jax.dot(a, b, recipe=r, key=key,
+                                                 preferred_element_type=jnp.float32,
+                                                 implementation="xla"), x, w)
+        k = qd.call_key(r, key)
+        got = qd.reference_gemms(x[None], w[None], g[None], r, k)
+        wq = qd.reference_operand(w[None], r, "fprop", "rhs", k)[1]
+        return (y, *vjp(g)), got, wq
+
+    want, got, wq = both(x, w, g)
+    for v, gemm, dt in zip(want, ("fprop", "dgrad", "wgrad"),
+                           (jnp.float32, jnp.bfloat16, jnp.float32), strict=True):
+        p = got[gemm][0]
+        assert p.dtype == dt and p.shape == (1, *v.shape), gemm
+        assert (np.asarray(p[0], np.float32).view(np.uint32)
+                == np.asarray(v, np.float32).view(np.uint32)).all(), gemm
+    np.testing.assert_array_equal(np.asarray(got["fprop"][2][1].data, np.float32),
+                                  np.asarray(wq.data, np.float32))
+    rotated = np.asarray(got["wgrad"][1][0], np.float32)[0]  # tokens padded to the RHT
+    assert rotated.shape[0] % r.wgrad.hadamard == 0
+    assert not np.allclose(rotated[:48], np.asarray(x, np.float32))  # and rotated
