@@ -44,25 +44,27 @@ def lab_modules():
         sys.path.remove(str(EXP))
 
 
-def test_checker_lists_its_checks_and_needs_a_gpu_or_interpret():
-    r = _run("experiments/gpu_check.py", "--list")
+def test_checker_lists_its_checks_and_needs_a_gpu_or_interpret(lab_modules, capsys):
+    r = _run("experiments/gpu_check.py", "--list")  # the script as a command, once
     assert r.returncode == 0, r.stderr
     names = [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
     for name in ("recip", "rows", "cols", "2d", "amax", "packed", "packed_sr", "packed_2d",
                  "gemm_alpha", "w4a16", "w4a4", "dot", "dot_recipes"):
         assert name in names
-    r = _run("experiments/gpu_check.py", "rows")
-    assert r.returncode == 2 and "--interpret" in r.stderr
-    r = _run("experiments/gpu_check.py", "--interpret", "nosuchcheck")
-    assert r.returncode == 2 and "unknown check" in r.stderr
+    _, gc = lab_modules  # the rest in this process: its main() is the command's
+    capsys.readouterr()
+    assert gc.main(["rows"]) == 2 and "--interpret" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        gc.main(["--interpret", "nosuchcheck"])
+    assert e.value.code == 2 and "unknown check" in capsys.readouterr().err
 
 
 @needs_interpret
-def test_checker_interpret_dry_run(tmp_path):
+def test_checker_interpret_dry_run(tmp_path, lab_modules):
+    _, gc = lab_modules
     out = tmp_path / "gpu_check.json"
-    r = _run("experiments/gpu_check.py", "--interpret", "2d", "amax", "w4a16", "--seed", "3",
-             "--out", str(out), "--commit", "abc123")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert gc.main(["--interpret", "2d", "amax", "w4a16", "--seed", "3", "--out", str(out),
+                    "--commit", "abc123"]) == 0
     res = json.loads(out.read_text())
     for key in ("device", "jax", "commit", "command", "seed", "started", "finished"):
         assert key in res
