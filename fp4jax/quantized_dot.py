@@ -456,10 +456,11 @@ def reference_gemms(x: jax.Array, w: jax.Array, dy: jax.Array, recipe: Recipe, k
       ``{"fprop": (y, lhs, rhs), "dgrad": (dx, lhs, rhs), "wgrad": (dw, lhs, rhs)}``:
       ``y (1, M, N)`` in ``out_dtype``, ``dx (1, M, K)`` in ``x``'s dtype, ``dw (1, K, N)``
       in ``w``'s dtype, the same bits as ``dot``'s forward and its VJP with cotangent
-      ``dy`` on the XLA path (``implementation="xla"``; the other backends compute these
-      bits up to the float32 accumulation order of their GEMMs); ``lhs``/``rhs`` are each
-      GEMM's operands as ``reference_operand`` returns them (fprop ``x, w``, dgrad
-      ``dy, w``, wgrad ``x, dy``).
+      ``dy`` on the XLA path (``implementation="xla"``, outside
+      ``fp4jax.sharding.data_parallel``, whose amaxes span the devices; the other backends
+      compute these bits up to the float32 accumulation order of their GEMMs);
+      ``lhs``/``rhs`` are each GEMM's operands as ``reference_operand`` returns them
+      (fprop ``x, w``, dgrad ``dy, w``, wgrad ``x, dy``).
     """
     g = dy.astype(out_dtype)
     g = g if g.dtype == jnp.bfloat16 else g.astype(jnp.float32)  # as dot's backward

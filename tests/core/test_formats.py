@@ -508,16 +508,19 @@ def test_diagnostics_saturation_uses_the_element_max():
     count)."""
     from fp4jax import diagnostics
 
-    x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 32, 64)), jnp.float32)
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
     base = R.nvfp4()
     key = jax.random.key(0)
     sat = {}
     for fmt in (F.MXFP8_E4M3_UP, F.MXFP8_E4M3):
         spec = R.QuantSpec(fmt)
         recipe = dataclasses.replace(base, fprop=dataclasses.replace(base.fprop, lhs=spec))
-        st = jax.jit(lambda t, recipe=recipe: diagnostics._operand_stats(
-            t, recipe, key, "fprop", "lhs"))(x)
-        sat[fmt.name] = float(st["saturation"])
+        st = jax.jit(lambda x, w, dy, recipe=recipe: diagnostics.gemm_stats(
+            x, w, dy, recipe=recipe, key=key))(x, w, dy)
+        sat[fmt.name] = float(st["fprop"]["lhs"]["saturation"])
     assert sat["mxfp8_e4m3_up"] == 0.0
     assert 0.0 < sat["mxfp8_e4m3"] < 0.1, sat
 
