@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp4jax import numerics, sharding
 from fp4jax import quantization as qz
-from fp4jax import sharding
 from fp4jax.hadamard import random_hadamard_transform, resolve_signs
 from fp4jax.recipes import GemmSpec, QuantSpec, Recipe, nvfp4
 from pallas_kernels import dispatch
@@ -462,8 +462,12 @@ def reference_gemms(x: jax.Array, w: jax.Array, dy: jax.Array, recipe: Recipe, k
       ``lhs``/``rhs`` are each GEMM's operands as ``reference_operand`` returns them
       (fprop ``x, w``, dgrad ``dy, w``, wgrad ``x, dy``).
     """
+    # the cotangent as dot's backward takes it: y's dtype, then float32 unless bf16; widened
+    # by numerics.exact_float32 (the same value), since XLA may fold away the plain convert
+    # of a bf16 dy that it computed in float32 (excess precision) and quantize dy unrounded
     g = dy.astype(out_dtype)
-    g = g if g.dtype == jnp.bfloat16 else g.astype(jnp.float32)  # as dot's backward
+    if g.dtype != jnp.bfloat16:
+        g = numerics.exact_float32(dy if jnp.dtype(out_dtype) == jnp.float32 else g)
     tensors = {"fprop": (x, w), "dgrad": (g, w), "wgrad": (x, g)}
     subscripts = {"fprop": "bmk,bkn->bmn", "dgrad": "bmn,bkn->bmk", "wgrad": "bmk,bmn->bkn"}
     dtypes = {"fprop": out_dtype, "dgrad": x.dtype, "wgrad": w.dtype}
