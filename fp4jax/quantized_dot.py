@@ -447,21 +447,28 @@ def reference_gemms(x: jax.Array, w: jax.Array, dy: jax.Array, recipe: Recipe, k
     quantized once, for its GEMM and for its statistics).
 
     Args:
-      x: ``(1, M, K)``, w: ``(1, K, N)``, dy: ``(1, M, N)`` (the cotangent of ``y``): the
-        canonical tensors, float (bf16/f16/f32).
+      x: ``(B, M, K)``, w: ``(B, K, N)``, dy: ``(B, M, N)`` (the cotangent of ``y``):
+        ``dot``'s canonical tensors (``B = 1`` unbatched), float (bf16/f16/f32).
       recipe: the ``Recipe``; key: the call's key as ``call_key`` returns it.
       out_dtype: ``y``'s dtype (``dot``'s ``preferred_element_type``).
 
     Returns:
       ``{"fprop": (y, lhs, rhs), "dgrad": (dx, lhs, rhs), "wgrad": (dw, lhs, rhs)}``:
-      ``y (1, M, N)`` in ``out_dtype``, ``dx (1, M, K)`` in ``x``'s dtype, ``dw (1, K, N)``
+      ``y (B, M, N)`` in ``out_dtype``, ``dx (B, M, K)`` in ``x``'s dtype, ``dw (B, K, N)``
       in ``w``'s dtype, the same bits as ``dot``'s forward and its VJP with cotangent
       ``dy`` on the XLA path (``implementation="xla"``, outside
       ``fp4jax.sharding.data_parallel``, whose amaxes span the devices; the other backends
       compute these bits up to the float32 accumulation order of their GEMMs);
       ``lhs``/``rhs`` are each GEMM's operands as ``reference_operand`` returns them
       (fprop ``x, w``, dgrad ``dy, w``, wgrad ``x, dy``).
+
+    Raises:
+      ValueError: tensors not in that form.
     """
+    if (x.ndim, w.ndim, dy.ndim) != (3, 3, 3) or x.shape[0] != w.shape[0] or (
+            x.shape[2] != w.shape[1]) or dy.shape != (x.shape[0], x.shape[1], w.shape[2]):
+        raise ValueError("reference_gemms: need x (B, M, K), w (B, K, N) and dy (B, M, N) "
+                         f"(dot's canonical form), got x {x.shape}, w {w.shape}, dy {dy.shape}")
     # the cotangent as dot's backward takes it: y's dtype, then float32 unless bf16; widened
     # by numerics.exact_float32 (the same value), since XLA may fold away the plain convert
     # of a bf16 dy that it computed in float32 (excess precision) and quantize dy unrounded

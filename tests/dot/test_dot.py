@@ -561,6 +561,8 @@ def test_reference_gemms_are_dots_forward_and_vjp_bit_for_bit(name):
                 == np.asarray(v, np.float32).view(np.uint32)).all(), gemm
     np.testing.assert_array_equal(np.asarray(got["fprop"][2][1].data, np.float32),
                                   np.asarray(wq.data, np.float32))
+    with pytest.raises(ValueError, match=r"need x \(B, M, K\), w \(B, K, N\)"):
+        qd.reference_gemms(x, w, g, r, qd.call_key(r, key))  # not the canonical 3D form
     rotated = np.asarray(got["wgrad"][1][0], np.float32)[0]  # tokens padded to the RHT
     assert rotated.shape[0] % r.wgrad.hadamard == 0
     assert not np.allclose(rotated[:48], np.asarray(x, np.float32))  # and rotated
