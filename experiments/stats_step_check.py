@@ -46,10 +46,11 @@ def bits(m: int, k: int, n: int) -> list[dict]:
     rows = []
     for spec in RECIPES:
         r = fp4jax.recipes.get(spec)
-        ref = jax.jit(lambda x, w, g, r=r: [
-            p[0] for p in (lambda d: (d["fprop"], d["dgrad"], d["wgrad"]))(
-                qd.reference_gemms(x[None], w[None], g[None], r, qd.call_key(r, key)))])
-        want = [np.asarray(a[0], np.float32) for a in ref(x, w, g)]
+        def ref(x, w, g, r=r):
+            d = qd.reference_gemms(x[None], w[None], g[None], r, qd.call_key(r, key))
+            return [d[gemm][0][0] for gemm in ("fprop", "dgrad", "wgrad")]
+
+        want = [np.asarray(a, np.float32) for a in jax.jit(ref)(x, w, g)]
         for impl in ("xla", None):
             def f(x, w, g, r=r, impl=impl):
                 y, vjp = jax.vjp(lambda u, v: fp4jax.dot(
