@@ -16,6 +16,7 @@ GPU exactness and speed: ``experiments/gpu_check.py rows cols 2d amax dot``,
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import ml_dtypes
@@ -47,7 +48,10 @@ def _np_scaled(codes, sbits, scale_repeat):
     return (npref.decode_codes(codes) * scale_repeat(s)).astype(ml_dtypes.bfloat16)
 
 
+@functools.partial(jax.jit, static_argnames=("axis", "block_2d", "rht"))
 def _xla_scaled(x, axis, *, key=None, block_2d=False, rht=False):
+    """The XLA path's scaled operand and tensor scale, jitted as the library runs it (one
+    compiled program a configuration instead of ~50 eagerly compiled operations)."""
     xin = random_hadamard_transform(x, axis=0, size=16, signs=SIGNS) if rht else x
     q = qz.quantize_unchecked(xin, key, NVFP4, axis, block_2d,
                           "stochastic" if key is not None else "nearest")

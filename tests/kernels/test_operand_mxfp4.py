@@ -19,6 +19,8 @@ GPU: ``experiments/gpu_check.py mxfp4`` (bit-identity on fresh inputs, timings).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -41,7 +43,9 @@ IP = InterpretGPUParams() if InterpretGPUParams is not None else None
 SIGNS32 = jnp.asarray(default_signs(32))
 
 
+@functools.partial(jax.jit, static_argnames=("fmt", "axis", "rht"))
 def _xla(x, fmt, axis, key=None, rht=False):
+    """The XLA path's scaled operand (bf16), jitted as the library runs it."""
     xin = random_hadamard_transform(x, axis=0, size=32, signs=SIGNS32) if rht else x
     q = qz.quantize_unchecked(xin, key, fmt, axis, False,
                               "stochastic" if key is not None else "nearest")
