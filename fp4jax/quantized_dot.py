@@ -365,9 +365,14 @@ def _kernel_operands(x, ops, kinds, key, kmode, shard=None, local_amax=False):
                                   local_amax=local_amax, fmts=[op[1].fmt for op in ops])
 
 
-_GEMM_LAYOUTS = {"bmk,bkn->bmn": (False, False),  # fprop: x @ w
-                 "bmn,bkn->bmk": (False, True),  # dgrad: dy @ w^T (w stored (K, N))
-                 "bmk,bmn->bkn": (True, False)}  # wgrad: x^T @ dy (x stored (M, K))
+# each GEMM of one dot call on the canonical tensors x (B, M, K), w (B, K, N), dy (B, M, N)
+_GEMM_SUBSCRIPTS = {"fprop": "bmk,bkn->bmn",  # x @ w
+                    "dgrad": "bmn,bkn->bmk",  # dy @ w^T (w stored (K, N))
+                    "wgrad": "bmk,bmn->bkn"}  # x^T @ dy (x stored (M, K))
+# whether the kernel path transposes (lhs, rhs) for each
+_GEMM_LAYOUTS = {_GEMM_SUBSCRIPTS["fprop"]: (False, False),
+                 _GEMM_SUBSCRIPTS["dgrad"]: (False, True),
+                 _GEMM_SUBSCRIPTS["wgrad"]: (True, False)}
 
 
 def _gemm_kernel_path(subscripts: str, av: jax.Array, bv: jax.Array, sa: Any, sb: Any,
@@ -476,13 +481,13 @@ def reference_gemms(x: jax.Array, w: jax.Array, dy: jax.Array, recipe: Recipe, k
     if g.dtype != jnp.bfloat16:
         g = numerics.exact_float32(dy if jnp.dtype(out_dtype) == jnp.float32 else g)
     tensors = {"fprop": (x, w), "dgrad": (g, w), "wgrad": (x, g)}
-    subscripts = {"fprop": "bmk,bkn->bmn", "dgrad": "bmn,bkn->bmk", "wgrad": "bmk,bmn->bkn"}
     dtypes = {"fprop": out_dtype, "dgrad": x.dtype, "wgrad": w.dtype}
     res = {}
     for gemm, (a, b) in tensors.items():
         lhs = reference_operand(a, recipe, gemm, "lhs", key)
         rhs = reference_operand(b, recipe, gemm, "rhs", key)
-        res[gemm] = (_gemm_out(subscripts[gemm], lhs[1], rhs[1], None, dtypes[gemm]), lhs, rhs)
+        out = _gemm_out(_GEMM_SUBSCRIPTS[gemm], lhs[1], rhs[1], None, dtypes[gemm])
+        res[gemm] = (out, lhs, rhs)
     return res
 
 
@@ -538,7 +543,7 @@ def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, p
         xo = _operands(x, (ops["x_fprop"], ops["x_wgrad"]) if with_res else (ops["x_fprop"],),
                        key, backend, shard, local, dtypes)
         wq, = _operands(w, (ops["w_fprop"],), key, backend, dtypes=dtypes)
-        y = _run_gemm("bmk,bkn->bmn", xo[0], wq, out_dtype, precision, backend)
+        y = _run_gemm(_GEMM_SUBSCRIPTS["fprop"], xo[0], wq, out_dtype, precision, backend)
         return y, wq, xo[1:]
 
     @jax.custom_vjp
@@ -556,8 +561,8 @@ def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, p
         g = g.astype(jnp.float32) if g.dtype != jnp.bfloat16 else g
         gq_d, gq_w = _operands(g, (ops["g_dgrad"], ops["g_wgrad"]), key, backend, shard,
                                local, dtypes)
-        dx = _run_gemm("bmn,bkn->bmk", gq_d, wq_d, lhs_dtype, precision, backend)
-        dw = _run_gemm("bmk,bmn->bkn", xq_w, gq_w, rhs_dtype, precision, backend)
+        dx = _run_gemm(_GEMM_SUBSCRIPTS["dgrad"], gq_d, wq_d, lhs_dtype, precision, backend)
+        dw = _run_gemm(_GEMM_SUBSCRIPTS["wgrad"], xq_w, gq_w, rhs_dtype, precision, backend)
         return dx, dw, None
 
     dot3.defvjp(fwd, bwd)
