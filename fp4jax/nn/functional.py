@@ -338,11 +338,27 @@ def _bind(eqn: Any, invals: list[Any]) -> Any:
         return eqn.primitive.bind(*subfuns, *invals, **bp)
 
 
+def _scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """How many of a ``scan`` equation's operands are constants and carries, ``(n_consts,
+    n_carry)`` (the rest are the scanned inputs): the ``num_consts``/``num_carry``
+    parameters of JAX <= 0.11, or the groups of the ``ft_in`` flat tree (constants, carry,
+    xs) that JAX 0.12's scan equation carries instead."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    ft = params.get("ft_in")
+    if ft is None:
+        raise NotImplementedError("quantize_function: this JAX's scan equation has neither "
+                                  "num_consts/num_carry nor ft_in parameters: parameters "
+                                  f"{sorted(params)}")
+    consts, carry, _ = ft.unpack()
+    return len(list(consts.vals)), len(list(carry.vals))
+
+
 def _scan(eqn: Any, invals: list[Any], roles: list[bool], ctx: _Ctx, path: str) -> list[Any]:
     """A ``lax.scan`` equation rebuilt around the rewritten body; the iteration index is
     scanned along, and folded into every stochastic-rounding key of the body."""
     p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = _scan_counts(p)
     cj = p["jaxpr"]
     consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
     is_param = roles[:nc] + [None] * nk + roles[nc + nk:]
