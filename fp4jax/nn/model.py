@@ -859,8 +859,11 @@ def _quantize_nnx(model: nnx.Module, session: _Session, rngs: Any) -> nnx.Module
             f"quantize_model (e.g. at {'/'.join(str(p) for p in done[0]) or '/'!r}); new "
             "rules would not replace the old ones: quantize a fresh model, or keep an "
             "nnx.clone of the original and quantize that")
+    # every check (rules, stacks, RNG streams) before the first change to the model: a
+    # refused call leaves the model (and rngs) as they were
     modules = {tuple(path): node for path, node in nodes}
     plan = []
+    hooked: list[tuple[str, Any]] = []  # parameter-free modules to intercept
     for path, node in nodes:
         name = "/".join(str(p) for p in path)
         if isinstance(node, fnnx.DotGeneral):
@@ -871,7 +874,7 @@ def _quantize_nnx(model: nnx.Module, session: _Session, rngs: Any) -> nnx.Module
             # products (attention scores) run under the hooks in its own frame, so
             # report counts them as activation products rather than unseen ones
             if _nnx_methods(type(node)):
-                _intercept_nnx(node, name, session)
+                hooked.append((name, node))
             continue
         idx = session.rule_index(name, _nnx_stacks(path, node, modules) if covered else ())
         session.resolved[name] = idx
@@ -879,7 +882,7 @@ def _quantize_nnx(model: nnx.Module, session: _Session, rngs: Any) -> nnx.Module
         if isinstance(getattr(node, "dot_general", None), fnnx.DotGeneral):
             continue  # already an fp4jax layer (quantized before: refused above)
         plan.append((name, node, covered, recipe))
-    keys: dict[str, Any] = {}
+    streams: dict[str, Any] = {}
     needs = [(r.needs_key, r.needs_layer_key) for *_, r in plan if r is not None]
     for needed, stream, slot in ((any(n for n, _ in needs), session.rng_collection, "key"),
                                  (any(n for _, n in needs), session.layer_rng_collection,
@@ -890,15 +893,22 @@ def _quantize_nnx(model: nnx.Module, session: _Session, rngs: Any) -> nnx.Module
             raise ValueError(
                 "fp4jax.nn.quantize_model: a rule's recipe draws random bits (stochastic "
                 f"rounding or per-layer RHT signs): pass rngs=nnx.Rngs({stream}=seed) for "
-                "an NNX model")
-        try:
-            keys[slot] = rngs[stream]()
-        except (KeyError, AttributeError):
+                "an NNX model (the model was left unchanged)")
+        try:  # the stream itself (indexing draws nothing); drawn once all are found
+            streams[slot] = rngs[stream]
+        except (KeyError, AttributeError, TypeError):
+            streams[slot] = None
+        if not callable(streams[slot]):
             raise ValueError(f"fp4jax.nn.quantize_model: rngs has no stream {stream!r}: "
-                             f"pass rngs=nnx.Rngs(..., {stream}=seed)") from None
-    for name, node, covered, recipe in plan:
-        dot = (None if recipe is None
-               else _make_nnx_dot(recipe, name, session, keys, _stack_shape(node)))
+                             f"pass rngs=nnx.Rngs(..., {stream}=seed) (the model was left "
+                             "unchanged)")
+    keys = {slot: draw() for slot, draw in streams.items()}
+    dots = [None if recipe is None
+            else _make_nnx_dot(recipe, name, session, keys, _stack_shape(node))
+            for name, node, _, recipe in plan]
+    for name, node in hooked:
+        _intercept_nnx(node, name, session)
+    for (name, node, covered, _), dot in zip(plan, dots, strict=True):
         if isinstance(node, nnx.Einsum):
             node.einsum_op = _as_data(_NnxEinsum(node.einsum_op, dot, name, session, "einsum"))
         elif covered:
@@ -998,7 +1008,9 @@ def quantize_model(model: Any, rules: Any, *, rngs: Any = None,
 
     Raises:
       ValueError: ``model`` is not a Flax module, a bad rule (naming the entry), a bad
-        stream name, or (NNX) a recipe needing keys without ``rngs``.
+        stream name, or (NNX) a recipe needing keys without ``rngs`` (or a stream it lacks).
+        A refused call leaves ``model`` and ``rngs`` as they were: every check runs, and
+        every key is drawn, before the first change to the model.
     """
     rules_t = as_rules(rules)
     for name, v in (("rng_collection", rng_collection),
