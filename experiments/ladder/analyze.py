@@ -3,12 +3,14 @@
     python experiments/ladder/analyze.py            # TABLES.md, plots, experiments/README.md
     python experiments/ladder/analyze.py --check    # CI: the committed tables are current
 
-Reads every ``result.json`` under ``experiments/results/ladder/runs/`` (``sweep/<size>/lr<lr>``
-and ``ladder/<size>/<slug>/seed<s>``; the loss curves are in each ``result.json``'s
-``history``) and writes ``experiments/results/ladder/TABLES.md`` (setup; the LR sweep; per
-size, every row's final validation loss as mean ± sample std over seeds, its gap to BF16,
-the paired difference to BF16 over the shared seeds ± its standard error, absolute and
-relative (``fp4jax.train.comparison.paired_difference``), and tokens/s), the plots
+Reads every ``result.json`` under ``experiments/results/ladder/runs/``
+(``sweep/<size>/lr<lr>`` and ``ladder/<size>/<slug>/seed<s>``; the loss curves are in each
+``result.json``'s ``history``; a superseded rung, ``spec.ARCHIVED``, under ``ladder/<its
+key>/``, is tabled and plotted as a rung of its own) and writes
+``experiments/results/ladder/TABLES.md`` (setup; the LR sweep; per size, every row's final
+validation loss as mean ± sample std over seeds, its gap to BF16, the paired difference to
+BF16 over the shared seeds ± its standard error, absolute and relative
+(``fp4jax.train.comparison.paired_difference``), and tokens/s), the plots
 ``gap_vs_size.png`` (the paired relative gap of NVFP4 and MXFP4 to BF16 against
 non-embedding parameters, ± SE bars and each seed's gap), ``curves_<size>.png`` (validation
 loss per recipe, mean and min-max band) and ``gap_over_training.png`` (the paired relative
@@ -59,6 +61,17 @@ def _f(x: float | None, fmt: str = ".4f") -> str:
     return "n/a" if x is None or not math.isfinite(x) else format(x, fmt)
 
 
+def rungs(res: dict[str, dict]) -> list[str]:
+    """The sizes (``spec.SIZES``), then the superseded rungs (``spec.ARCHIVED``) that have
+    runs: the keys tabled and plotted."""
+    return [*S.SIZES, *(k for k in S.ARCHIVED if size_runs(res, k))]
+
+
+def rung_size(key: str) -> str:
+    """The size (``spec.SIZES`` key) whose rows and LR a rung has."""
+    return S.ARCHIVED[key]["size"] if key in S.ARCHIVED else key
+
+
 def size_runs(res: dict[str, dict], size: str) -> list[dict]:
     """The ladder runs of ``size``, each with ``spec`` and ``seed``."""
     out = []
@@ -106,9 +119,10 @@ def tables(res: dict[str, dict]) -> tuple[str, str]:
     setup = ["| size | preset | non-embedding params | embedding params | tokens | "
              "tokens / non-emb. param | steps | peak LR (BF16 sweep) |",
              "|---|---|---|---|---|---|---|---|"]
-    for size, cfg in S.SIZES.items():
+    for size in rungs(res):
+        cfg = S.SIZES.get(size) or S.ARCHIVED[size]
         pc = S.param_counts(size)
-        lr = lrs[size]
+        lr = lrs[rung_size(size)]
         setup.append(f"| {size} | `{cfg['preset']}` | {pc['non_embedding'] / 1e6:.2f}M | "
                      f"{pc['embedding'] / 1e6:.2f}M | {S.tokens(size) / 1e6:.1f}M | "
                      f"{S.tokens(size) / pc['non_embedding']:.1f} | {cfg['steps']} | "
@@ -122,12 +136,16 @@ def tables(res: dict[str, dict]) -> tuple[str, str]:
         sweep.append(f"| {r['size']} | {r['lr']:g} | {steps} | {loss} |")
     per_size = []
     short = []
-    for size in S.SIZES:
+    for size in rungs(res):
         agg = size_summary(res, size)
-        rows_here = [(lab, sp, se) for lab, sp, se, wh in S.ROWS if size in wh]
+        rows_here = [(lab, sp, se) for lab, sp, se, wh in S.ROWS if rung_size(size) in wh]
+        if size in S.ARCHIVED:  # only the rows it ran
+            rows_here = [x for x in rows_here if any(r["spec"] == x[1]
+                                                     for r in size_runs(res, size))]
         by = {x["recipe"]: x for x in agg["summary"]} if agg else {}
         pc = S.param_counts(size)
-        title = (f"### {size} ({pc['non_embedding'] / 1e6:.1f}M non-embedding parameters, "
+        name = S.ARCHIVED[size]["label"] if size in S.ARCHIVED else size
+        title = (f"### {name} ({pc['non_embedding'] / 1e6:.1f}M non-embedding parameters, "
                  f"{S.tokens(size) / 1e6:.0f}M tokens)")
         t = [title, "", "| row | spec | seeds | final val loss (mean ± std) | gap vs BF16 "
              "(means) | paired diff vs BF16 ± SE | paired rel. ± SE | tokens/s |",
@@ -152,10 +170,10 @@ def tables(res: dict[str, dict]) -> tuple[str, str]:
           *head, "## Setup", "", *setup, "", "## BF16 learning-rate sweep (seed 0)", "",
           "The ladder trains each size at the LR of the lowest final loss.", "", *sweep, "",
           "## Final validation loss per size", "", *per_size]
-    if any(f"ladder/{s}" in n for n in res for s in S.SIZES):
+    if any(f"ladder/{s}" in n for n in res for s in rungs(res)):
         md += ["![gap vs size](gap_vs_size.png)", "",
                "![gap over training](gap_over_training.png)", ""]
-        md += [f"![{s}](curves_{s}.png)" for s in S.SIZES
+        md += [f"![{s}](curves_{s}.png)" for s in rungs(res)
                if any(n.startswith(f"ladder/{s}/") for n in res)] + [""]
     readme = [*head, *setup, "", *short]
     return "\n".join(md).rstrip() + "\n", "\n".join(readme).rstrip()
@@ -187,6 +205,17 @@ def plots(res: dict[str, dict], where: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 4))
     drew = False
     for sp in ("nvfp4", "mxfp4"):
+        for key in [k for k in rungs(res) if k in S.ARCHIVED]:  # hollow, beside the ladder
+            runs = size_runs(res, key)
+            base = {r["seed"]: r.get("final_val_loss") for r in runs if r["spec"] == S.BASELINE}
+            mine = {r["seed"]: r.get("final_val_loss") for r in runs if r["spec"] == sp}
+            p = paired_difference(base, mine)
+            if p["rel_mean"] is None:
+                continue
+            n = S.param_counts(key)["non_embedding"] * 1.04  # nudged right, to be seen
+            ax.errorbar([n], [100 * p["rel_mean"]], yerr=[100 * (p["rel_se"] or 0.0)],
+                        marker="o", mfc="none", ls="none", capsize=3, color=colors[sp],
+                        label=f"{labels[sp]}, {key} (superseded)")
         xs, ys, es = [], [], []
         for size in S.SIZES:
             runs = size_runs(res, size)
@@ -219,7 +248,7 @@ def plots(res: dict[str, dict], where: Path) -> list[Path]:
         made.append(where / "gap_vs_size.png")
     plt.close(fig)
     # 2. validation curves per size, 3. the paired gap over training
-    sizes = [s for s in S.SIZES if size_runs(res, s)]
+    sizes = [s for s in rungs(res) if size_runs(res, s)]
     if sizes:
         fig2, axes2 = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
         for ax, size in zip(axes2[0], sizes, strict=True):

@@ -268,7 +268,9 @@ def measured_overheads(records: list[dict], results: dict[str, dict]
                        ) -> dict[tuple[str, str], float]:
     """Per ``spec.overhead_key`` the largest measured overhead of a whole run (process
     seconds minus its tokens at its measured tokens/s: start-up, compiles, evaluations)
-    among the driver records ``records`` (``driver.json``'s ``runs``) of finished runs."""
+    among the driver records ``records`` (``driver.json``'s ``runs``) of finished runs. A
+    record whose command trained another number of steps than the run has now (the first,
+    half-token 100m rung's) is no measure of it and is skipped."""
     out: dict[tuple[str, str], float] = {}
     runs = {r["name"]: r for ph in ("sweep", "ladder") for r in S.runs(ph)}
     for rec in records:
@@ -276,6 +278,10 @@ def measured_overheads(records: list[dict], results: dict[str, dict]
         if (run is None or res is None or rec.get("resumed") or rec.get("stop_at")
                 or not rec.get("process_s") or not res.get("tokens_per_s")
                 or rec.get("toy")):
+            continue
+        cmd = rec.get("command") or []
+        if "--steps" in cmd and cmd.index("--steps") + 1 < len(cmd) and \
+                cmd[cmd.index("--steps") + 1] != str(S.run_tokens(run) // S.TOKENS_PER_STEP):
             continue
         ov = rec["process_s"] - S.run_tokens(run) / res["tokens_per_s"]
         key = S.overhead_key(run)
