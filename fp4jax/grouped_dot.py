@@ -65,6 +65,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fp4jax import numerics, sharding
 from fp4jax import quantization as qz
@@ -336,6 +337,12 @@ def _wgrad_gemm(a: Any, b: Any, psizes: jax.Array, alpha: jax.Array | None,
     return dw.astype(out_dtype)
 
 
+def _poisoned(t: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """``t`` where every group size is >= 0, else all NaN: the rule for negative sizes
+    that only a traced call meets (``ragged_dot`` refuses concrete ones)."""
+    return jnp.where(jnp.any(group_sizes < 0), jnp.asarray(jnp.nan, t.dtype), t)
+
+
 @functools.cache
 def _make_ragged(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any,
                  precision: Any, G: int, M: int, K: int, N: int):
@@ -352,7 +359,7 @@ def _make_ragged(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any,
         xq, xd = R.row_operand(x, lay, keys, "fprop", "lhs")
         wq, wd = R.weight_operand(w, keys, "fprop")
         y = _rows_gemm(xq, wq, lay["sizes"], lay, _alpha(xd, wd), precision, out_dtype, 1)
-        return y, lay, wq, wd
+        return _poisoned(y, group_sizes), lay, wq, wd
 
     @jax.custom_vjp
     def rdot(x, w, group_sizes, keys):
@@ -375,7 +382,7 @@ def _make_ragged(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any,
                         lhs_dtype, 2)
         gq_w, gd_w = R.token_operand(gy, pl, keys, "rhs")
         dw = _wgrad_gemm(xq_w, gq_w, pl["psizes"], _alpha(xd_w, gd_w), precision, rhs_dtype)
-        return dx, dw, None, None
+        return _poisoned(dx, group_sizes), _poisoned(dw, group_sizes), None, None
 
     rdot.defvjp(fwd, bwd)
     return jax.jit(rdot)
@@ -400,9 +407,15 @@ def ragged_dot(
       lhs: ``(M, K)`` float, rows sorted by group (expert): ``group_sizes[0]`` rows of
         expert 0, then expert 1's, ...
       rhs: ``(G, K, N)`` float, one weight per expert.
-      group_sizes: ``(G,)`` integer, rows per expert (>= 0; a sum below M leaves the
+      group_sizes: ``(G,)`` integer, rows per expert, each >= 0 (a sum below M leaves the
         trailing rows zero, as ``jax.lax.ragged_dot`` does; the rows past M of a larger
-        sum are dropped).
+        sum are dropped). ``G = 0`` (no expert) gives zeros, as ``jax.lax.ragged_dot``
+        does. A negative size, which ``jax.lax.ragged_dot`` does not define, is refused
+        when the sizes are concrete (a ``ValueError`` at the call); when they are traced
+        (under ``jit``, ``vmap``, ``grad``) the call cannot see them, and the rule is
+        checked on the device instead: a negative size makes the whole output, and the
+        gradients ``dx`` and ``dw``, NaN (never a silent result). Nothing else is
+        checked at run time.
       recipe: a ``fp4jax.Recipe`` or its name; default ``recipes.nvfp4()``.
       key: ``jax.random`` key (threefry, the default implementation, where the recipe
         rounds stochastically); required when the recipe draws random bits. Expert ``g``
@@ -461,8 +474,18 @@ def ragged_dot(
             raise ValueError(f"fp4jax.ragged_dot: stochastic rounding draws each expert's "
                              f"bits by position and needs a threefry key, got "
                              f"{jax.random.key_impl(k0)}: make it with jax.random.key(seed)")
+    try:  # concrete sizes: checked now; traced ones cannot be read (NaN rule, above)
+        sizes = np.asarray(gs)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        sizes = None
+    if sizes is not None and (sizes < 0).any():
+        raise ValueError(f"fp4jax.ragged_dot: group_sizes must be >= 0 (rows per expert), "
+                         f"got {sizes.tolist()} (negative: {sizes[sizes < 0].tolist()}); "
+                         "pass each expert's row count")
     G, M, K, N = rhs.shape[0], lhs.shape[0], lhs.shape[1], rhs.shape[2]
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
+    if G == 0:  # no expert: no row belongs to one (jax.lax.ragged_dot's zeros)
+        return jnp.zeros((M, N), out_dtype)
     if isinstance(precision, list):
         precision = tuple(precision)
     fn = _make_ragged(recipe, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype),
