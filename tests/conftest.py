@@ -102,7 +102,46 @@ def mesh():
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "heavy(seconds): a compile-heavy test, with its time on 2 CI cores; the "
-        "suite starts these first, longest first")
+        "suite starts these first, longest first; also slow")
+    config.addinivalue_line(
+        "markers", "slow: left out of the fast tier (pytest -m 'not slow', tests/README.md)")
+
+
+# Test files whose every test is slow: each trains (the harness, its CLI, sweeps,
+# notebooks) or compiles much (kernels in interpret mode, the experiments' scripts); the
+# fast tier (``-m "not slow"``) leaves them to the full suite. Paths relative to tests/.
+SLOW_FILES = frozenset({
+    "docs/test_notebooks.py",
+    "experiments",
+    "kernels",
+    "train/test_auto_precision.py",
+    "train/test_cli_recipes.py",
+    "train/test_multiprocess.py",
+    "train/test_outcontrol.py",
+    "train/test_param_gather.py",
+    "train/test_safety.py",
+    "train/test_stats.py",
+    "train/test_sweep.py",
+    "train/test_train.py",
+})
+
+
+def is_slow(relpath: str, marks: set[str]) -> bool:
+    """Whether a test is slow: marked ``slow`` or ``heavy(seconds)``, or in one of
+    ``SLOW_FILES`` (a file, or a folder, relative to ``tests/``)."""
+    if marks & {"slow", "heavy"}:
+        return True
+    parts = relpath.replace(os.sep, "/").split("/")
+    return any("/".join(parts[:i]) in SLOW_FILES for i in range(1, len(parts) + 1))
+
+
+def pytest_itemcollected(item):
+    """Marks the slow tests ``slow`` (``is_slow``), so ``-m "not slow"`` selects the fast
+    tier."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    rel = os.path.relpath(str(item.path), tests_dir)
+    if is_slow(rel, {m.name for m in item.iter_markers()}):
+        item.add_marker(pytest.mark.slow)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist sends the worker's ids to the controller

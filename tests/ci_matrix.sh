@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The test suite on the oldest and the newest JAX that fp4jax supports, each in its own
+# virtual environment (what CI runs: README, Quick start):
+#   oldest: Python 3.11 with JAX pinned to 0.10.2 (pyproject.toml's lower bound);
+#   newest: the newest Python 3.13 or 3.12 found (PATH, then pyenv's versions), with the
+#           newest JAX that pip resolves within pyproject.toml's range.
+#
+# Usage: bash tests/ci_matrix.sh [all|oldest|newest] [pytest arguments...]
+#   default: all, and pytest's arguments '-q -n 2 --dist loadgroup' (the whole suite);
+#   e.g. `bash tests/ci_matrix.sh newest -m "not slow"` runs the fast tier on the newest.
+# Environment: FP4JAX_CI_VENVS (where the environments live, default
+# ~/.cache/fp4jax/ci-venvs; reused between runs, re-installed each run),
+# FP4JAX_CI_OLDEST_PYTHON / FP4JAX_CI_NEWEST_PYTHON (the interpreters to use).
+# Both runs go on even if one fails; the exit status is non-zero if either failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+which_runs=all
+case "${1:-}" in
+  all|oldest|newest) which_runs=$1; shift ;;
+esac
+if [ "$#" -eq 0 ]; then
+  set -- -q -n 2 --dist loadgroup
+fi
+venvs=${FP4JAX_CI_VENVS:-$HOME/.cache/fp4jax/ci-venvs}
+pyenv_root=${PYENV_ROOT:-$HOME/.pyenv}
+
+# an interpreter of Python version $1 (e.g. 3.12) that runs, or nothing
+find_python() {
+  local v=$1 c
+  for c in "python$v" "$pyenv_root"/versions/"$v".*/bin/"python$v"; do
+    if [ -x "$(command -v "$c" 2>/dev/null)" ] && "$c" -c 'import sys' >/dev/null 2>&1; then
+      command -v "$c"
+      return 0
+    fi
+  done
+  return 1
+}
+
+oldest_python=${FP4JAX_CI_OLDEST_PYTHON:-$(find_python 3.11 || true)}
+newest_python=${FP4JAX_CI_NEWEST_PYTHON:-$(find_python 3.13 || find_python 3.12 || true)}
+
+# run NAME PYTHON PIN...: a fresh install of fp4jax[dev] (plus the pins) into
+# $venvs/NAME, then pytest there
+run() {
+  local name=$1 python=$2
+  shift 2
+  local pins=("$@")
+  if [ -z "$python" ]; then
+    echo "ci_matrix: no Python found for the $name JAX run (set FP4JAX_CI_${name^^}_PYTHON)" >&2
+    return 1
+  fi
+  local venv="$venvs/$name"
+  echo "ci_matrix: $name: $("$python" --version 2>&1) ($python) in $venv"
+  "$python" -m venv "$venv" || return 1
+  "$venv/bin/python" -m pip install -q --upgrade pip || return 1
+  "$venv/bin/python" -m pip install -q -e ".[dev]" "${pins[@]}" || return 1
+  "$venv/bin/python" -c 'import jax, flax, sys; print(f"ci_matrix: '"$name"': Python {sys.version.split()[0]}, JAX {jax.__version__}, Flax {flax.__version__}")' || return 1
+  local t0=$SECONDS
+  "$venv/bin/python" -m pytest "${pytest_args[@]}"
+  local rc=$?
+  echo "ci_matrix: $name: pytest exit $rc in $((SECONDS - t0)) s"
+  return $rc
+}
+
+pytest_args=("$@")
+status=0
+results=()
+if [ "$which_runs" != newest ]; then
+  run oldest "$oldest_python" "jax==0.10.2" "jaxlib==0.10.2"
+  rc=$?; results+=("oldest: exit $rc"); [ $rc -eq 0 ] || status=1
+fi
+if [ "$which_runs" != oldest ]; then
+  run newest "$newest_python"
+  rc=$?; results+=("newest: exit $rc"); [ $rc -eq 0 ] || status=1
+fi
+echo "ci_matrix: ${results[*]}"
+exit $status
