@@ -12,8 +12,8 @@ rows, ``SEEDS`` for the others) through ``fp4jax-train --compare ... --seeds ...
 (one process per spec, compiles in parallel; seeds share one compile), in two sweeps
 (``OUT/seeds3``, ``OUT/seeds2``), each resumable by repeating the command. A spec trained for
 one group is reused by every group that lists it (the baselines). ``build`` reads every
-``result.json`` under ``experiments/results/ablations/`` (the per-step ``metrics.jsonl`` of
-the committed runs are packed in each campaign's ``records.tar.xz``: ``pack_results.py``) and
+``result.json`` under ``experiments/results/ablations/``, loose or packed (the committed runs'
+files are packed in ``records.tar.xz``: ``pack_results.py``, read through its ``find``) and
 writes ``TABLES.md``, the plots, and the tables block of ``experiments/README.md``.
 
 Setup (``SETUP``; why in ``experiments/README.md``): the ``mini`` preset (4.7M parameters,
@@ -235,22 +235,24 @@ def seed_from(out: Path, recorded: Path = CURRENT) -> list[str]:
     lacks, so a call never repeats a recorded run however ``out`` was carried. Returns the
     copied runs (``seedsN/<slug>/seed<s>``)."""
     copied = []
-    found = [*recorded.glob("seeds*/*/seed*/result.json"),
-             *recorded.glob(f"{LONGER}/steps*/*/seed*/result.json")]
+    found = [*pack_results.find(recorded, "seeds*/*/seed*/result.json"),
+             *pack_results.find(recorded, f"{LONGER}/steps*/*/seed*/result.json")]
     for res in sorted(found):
         run = res.parent
-        rel = run.relative_to(recorded)
+        rel = run.relative_to(recorded.resolve())
         dest = out / rel
         try:
-            status = json.loads(res.read_text()).get("status")
+            status = json.loads(pack_results.read_text(run, res.name)).get("status")
         except ValueError:
             continue
         if status not in ("finished", "diverged") or (dest / "result.json").exists():
             continue
         if dest.exists():  # a cut-off attempt of a run that is recorded: set it aside
             dest.rename(dest.with_name(dest.name + f".old-{int(time.time())}"))
-        shutil.copytree(run, dest, ignore=shutil.ignore_patterns("checkpoints"))
-        pack_results.restore(run, dest)  # its metrics.jsonl, packed in records.tar.xz
+        if run.is_dir():  # loose files of the run (a fresh result, not packed yet)
+            shutil.copytree(run, dest, ignore=shutil.ignore_patterns("checkpoints"))
+        dest.mkdir(parents=True, exist_ok=True)
+        pack_results.restore(run, dest)  # its files packed in records.tar.xz
         copied.append(str(rel))
     return copied
 
@@ -260,7 +262,7 @@ def _unfinished(spec_dir: Path, seeds: tuple[int, ...]) -> int:
     n = 0
     for s in seeds:
         try:
-            r = json.loads((spec_dir / f"seed{s}" / "result.json").read_text())
+            r = json.loads(pack_results.read_text(spec_dir / f"seed{s}", "result.json"))
             n += r.get("status") not in ("finished", "diverged")
         except (OSError, ValueError):
             n += 1
@@ -383,10 +385,10 @@ def load_repeats(root: Path = RESULTS) -> list[dict]:
     """Every ``result.json`` under a ``repeat-*`` folder of ``root``: a rerun of a recorded
     run (same spec, seed, setup and commit), kept to measure run-to-run reproducibility."""
     out = []
-    for path in sorted(root.rglob("result.json")):
-        rel = path.parent.relative_to(root)
+    for path in pack_results.find(root, "result.json"):
+        rel = path.parent.relative_to(root.resolve())
         if any(part.startswith(REPEAT) for part in rel.parts):
-            r = json.loads(path.read_text())
+            r = json.loads(pack_results.read_text(path.parent, path.name))
             r["path"] = str(rel)
             out.append(r)
     return out
@@ -416,13 +418,13 @@ def load_runs(root: Path = RESULTS) -> list[dict]:
     """Every ``result.json`` under ``root`` (runs of the ``SETUP`` only: a run whose config
     differs from the others in more than recipe, seed and output is refused, naming it)."""
     runs, seen_runs = [], {}
-    for path in sorted(root.rglob("result.json")):
-        rel = path.parent.relative_to(root)
+    for path in pack_results.find(root, "result.json"):
+        rel = path.parent.relative_to(root.resolve())
         if any(".old-" in part or part.startswith(REPEAT) for part in rel.parts):
             continue  # moved aside by --overwrite / a rerun of a recorded run (repeats_md)
         if LONGER in rel.parts:
             continue  # another number of steps: load_longer, longer_md
-        r = json.loads(path.read_text())
+        r = json.loads(pack_results.read_text(path.parent, path.name))
         r["path"] = str(rel)
         key = (r.get("spec"), r.get("seed"))
         if key in seen_runs:
@@ -447,10 +449,10 @@ def load_runs(root: Path = RESULTS) -> list[dict]:
 def load_longer(root: Path = RESULTS) -> list[dict]:
     """The finished longer MXFP4 runs (``LONGER`` folders) under ``root``."""
     out = []
-    for path in sorted(root.rglob("result.json")):
-        rel = path.parent.relative_to(root)
+    for path in pack_results.find(root, "result.json"):
+        rel = path.parent.relative_to(root.resolve())
         if LONGER in rel.parts and not any(".old-" in p for p in rel.parts):
-            r = json.loads(path.read_text())
+            r = json.loads(pack_results.read_text(path.parent, path.name))
             r["path"] = str(rel)
             out.append(r)
     return out

@@ -200,8 +200,8 @@ def load_quality(out: Path) -> list[dict]:
     (``"ratios"``: ``[(step, global ratio, smallest layer ratio, FP4 layers' ratio)]``), read
     from its ``metrics.jsonl``, loose or packed in ``records.tar.xz`` (``pack_results.py``)."""
     runs = []
-    for path in sorted((out / "quality").glob("*/seed*/result.json")):
-        r = json.loads(path.read_text())
+    for path in pack_results.find(out / "quality", "*/seed*/result.json"):
+        r = json.loads(pack_results.read_text(path.parent, path.name))
         ratios = []
         if pack_results.has_records(path.parent):
             for line in pack_results.read_text(path.parent).splitlines():
@@ -231,8 +231,8 @@ def report(out: Path, setup: dict | None = None) -> str:
     sweep = out / "quality" / "sweep.json"
     if setup is None:
         setup = dict(SETUP)
-        if sweep.exists():  # the setup the sweep ran with (e.g. --dry-run)
-            cfg = json.loads(sweep.read_text())["config"]
+        if pack_results.has_records(sweep.parent, sweep.name):  # the setup it ran with
+            cfg = json.loads(pack_results.read_text(sweep.parent, sweep.name))["config"]
             setup.update({k: cfg[k] for k in ("preset", "steps") if k in cfg})
     table_rows = rows(setup)
     lines = [f"# Issue 19 validation ({setup['preset']} preset, {setup['steps']} steps, "
@@ -284,10 +284,12 @@ def report(out: Path, setup: dict | None = None) -> str:
                                  if r["ratios"] else "-" for r in rs)
                 line += f" {sw} | {end} |"
             lines.append(line)
-    ov_files = sorted(out.glob("overhead*.json"))  # overhead.json: written before 2026-11-25
+    # overhead.json: written before 2026-11-25; loose or packed (pack_results.py)
+    ov_files = [json.loads(pack_results.read_text(f.parent, f.name))
+                for f in pack_results.find(out, "overhead*.json")]
     if ov_files:
-        ov = {"setup": json.loads(ov_files[0].read_text())["setup"],
-              "settings": [x for f in ov_files for x in json.loads(f.read_text())["settings"]]}
+        ov = {"setup": ov_files[0]["setup"],
+              "settings": [x for f in ov_files for x in f["settings"]]}
         lines += ["", "## Overhead of the measurements", "",
                   f"Each setting trains {ov['setup']['overhead_steps']} steps alone on the "
                   "device, one after the other in one process (compiled steps loaded from "

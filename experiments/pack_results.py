@@ -19,9 +19,22 @@ loose file that differs from the member of the same path is refused). A run dire
 ``metrics.jsonl`` has no ``result.json`` beside it is unfinished: the folder is refused
 unless ``--force``.
 
+``--raw`` packs a folder whole: every file but what a reader checks a claim with (each
+``README.md``, and the ``*.md`` pages and ``*.png`` plots at the folder's top) goes into
+``FOLDER/records.tar.xz``: logs, JSON, PTX and HLO dumps, scripts, runs' ``compare.md``. A
+subfolder with a ``records.tar.xz`` of its own is a campaign packed on its own (pack it
+first); a folder of folders, e.g. a topic (``experiments/results/kernels``), can be packed
+into one archive. Folders left empty are removed.
+
+    python experiments/pack_results.py --raw experiments/results/kernels
+
 Readers: ``read_text(run_dir)`` / ``read_records(run_dir)`` give a run's ``metrics.jsonl``
 from the loose file if there is one, else from the ``records.tar.xz`` of the nearest folder
-above the run that has one.
+above the run that has one; ``read_text(folder, name)`` reads any packed file the same
+way, and ``find(root, pattern)`` lists the files under ``root``, loose or packed, whose
+path matches ``pattern`` (``result.json``, ``seeds*/*/seed*/result.json``). A Markdown link
+to a packed file points at the archive, the member after ``#``:
+``[gpu_check.json](records.tar.xz#gpu_run42_lab/gpu_check.json)``.
 """
 
 from __future__ import annotations
@@ -37,7 +50,7 @@ import re
 import sys
 import tarfile
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 ARCHIVE = "records.tar.xz"
 METRICS = "metrics.jsonl"
@@ -46,6 +59,18 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # per-step records: a run's metrics.jsonl and the copies of it kept under other names
 # (bf16_metrics.jsonl, probe_sync_disk.metrics.jsonl, metrics_on.jsonl, ...), gzipped or not
 RECORD_NAME = re.compile(r"(^|.*[._-])metrics([._-].*)?\.jsonl(\.gz)?$")
+
+
+# what stays loose under --raw: the pages and plots a reader checks a claim with
+KEPT_NAME = re.compile(r".*\.(md|png)$")
+
+
+def is_kept_file(rel: str) -> bool:
+    """Whether ``--raw`` leaves a file loose, by its path relative to the packed folder:
+    every ``README.md``, and the pages and plots (``*.md``, ``*.png``) at the folder's top
+    (a topic's tables, notebook and plots); a run's own ``compare.md`` is packed."""
+    name = rel.rsplit("/", 1)[-1]
+    return name == "README.md" or ("/" not in rel and bool(KEPT_NAME.match(name)))
 
 
 def is_record_file(name: str) -> bool:
@@ -137,6 +162,36 @@ def read_records(run_dir: str | os.PathLike, name: str = METRICS) -> list[dict]:
     return out
 
 
+def find(root: str | os.PathLike, pattern: str) -> list[Path]:
+    """The files under ``root``, loose or packed in a ``records.tar.xz`` (of ``root``, of a
+    folder above it or of one below it), whose path relative to ``root`` matches the glob
+    ``pattern`` part for part (a pattern of one part, e.g. ``result.json``, matches that
+    name at any depth, as ``rglob``). Packed ones are named by the path they had; read
+    them with ``read_text(path.parent, path.name)``. Sorted, each once."""
+    root = Path(root).resolve()
+    want = PurePosixPath(pattern)
+
+    def matches(rel: PurePosixPath) -> bool:
+        if len(want.parts) > 1 and len(rel.parts) != len(want.parts):
+            return False
+        return rel.match(pattern)
+
+    found = {p.resolve() for p in root.rglob("*")
+             if p.is_file() and matches(PurePosixPath(p.relative_to(root).as_posix()))}
+    archives = sorted(root.rglob(ARCHIVE))
+    above = next((f / ARCHIVE for f in root.parents if (f / ARCHIVE).is_file()), None)
+    if above is not None:
+        archives.append(above)
+    for archive in archives:
+        folder = archive.parent
+        for member in archive_members(archive):
+            path = folder / member
+            if path.is_relative_to(root) and matches(
+                    PurePosixPath(path.relative_to(root).as_posix())):
+                found.add(path)
+    return sorted(found)
+
+
 def restore(run_dir: str | os.PathLike, dest: str | os.PathLike) -> list[Path]:
     """Writes the packed record files of the run ``run_dir`` into ``dest`` (a copy of the
     run directory), e.g. before a copied run is resumed; loose files of ``run_dir`` are
@@ -162,18 +217,27 @@ def restore(run_dir: str | os.PathLike, dest: str | os.PathLike) -> list[Path]:
 # ------------------------------------------------------------------------------- packing
 
 
-def _loose(folder: Path) -> dict[str, Path]:
-    """The loose record files under ``folder`` as ``{member name: path}`` (``.gz`` files
-    under the name without ``.gz``); checkpoints and moved-aside attempts included as they
-    are (the caller decides)."""
+def _loose(folder: Path, raw: bool = False) -> dict[str, Path]:
+    """The loose files to pack under ``folder`` as ``{member name: path}``: the record files
+    (``.gz`` ones under the name without ``.gz``), or with ``raw`` every file but the kept
+    ones (``is_kept_file``) and those of a subfolder with an archive of its own; checkpoints
+    and moved-aside attempts included as they are (the caller decides)."""
     out: dict[str, Path] = {}
+    own = [p.parent for p in folder.rglob(ARCHIVE) if p.parent != folder] if raw else []
     for path in sorted(folder.rglob("*")):
-        if path.is_file() and is_record_file(path.name):
-            rel = path.relative_to(folder).as_posix()
-            name = rel[:-3] if rel.endswith(".gz") else rel
-            if name in out:
-                raise ValueError(f"{folder}: both {name} and {name}.gz; keep one")
-            out[name] = path
+        if not path.is_file() or path.name in (ARCHIVE, ARCHIVE + ".tmp"):
+            continue
+        if raw:
+            if (is_kept_file(path.relative_to(folder).as_posix())
+                    or any(path.is_relative_to(o) for o in own)):
+                continue
+        elif not is_record_file(path.name):
+            continue
+        rel = path.relative_to(folder).as_posix()
+        name = rel[:-3] if rel.endswith(".gz") and is_record_file(path.name) else rel
+        if name in out:
+            raise ValueError(f"{folder}: both {name} and {name}.gz; keep one")
+        out[name] = path
     return out
 
 
@@ -202,10 +266,12 @@ def tar_bytes(members: dict[str, bytes]) -> bytes:
                          preset=9 | lzma.PRESET_EXTREME)
 
 
-def pack(folder: str | os.PathLike, force: bool = False, dry_run: bool = False) -> list[str]:
-    """Packs the loose per-step records under ``folder`` into ``folder/records.tar.xz``
-    (merged with what it holds) and removes them; returns the members added (empty when
-    there was nothing loose: a repeat changes nothing).
+def pack(folder: str | os.PathLike, force: bool = False, dry_run: bool = False,
+         raw: bool = False) -> list[str]:
+    """Packs the loose per-step records under ``folder`` (with ``raw``, every file but the
+    pages and plots: ``_loose``) into ``folder/records.tar.xz`` (merged with what it holds)
+    and removes them, and with ``raw`` the folders left empty; returns the members added
+    (empty when there was nothing loose: a repeat changes nothing).
 
     Raises:
       ValueError: a run is unfinished (no ``result.json``; pass ``force=True``), or a loose
@@ -214,7 +280,7 @@ def pack(folder: str | os.PathLike, force: bool = False, dry_run: bool = False) 
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"{folder}: not a folder")
-    loose = _loose(folder)
+    loose = _loose(folder, raw=raw)
     if not loose:
         return []
     todo = unfinished(folder)
@@ -226,7 +292,7 @@ def pack(folder: str | os.PathLike, force: bool = False, dry_run: bool = False) 
     added = []
     for name, path in loose.items():
         data = path.read_bytes()
-        if path.name.endswith(".gz"):
+        if path.name.endswith(".gz") and is_record_file(path.name):
             data = gzip.decompress(data)
         if name in members and members[name] != data:
             raise ValueError(f"{path}: differs from {name} in {archive}; move one aside")
@@ -246,6 +312,11 @@ def pack(folder: str | os.PathLike, force: bool = False, dry_run: bool = False) 
     os.replace(tmp, archive)
     for path in loose.values():
         path.unlink()
+    if raw:  # the folders the packed files leave empty, deepest first
+        for path in sorted({p.parent for p in loose.values()}, key=lambda p: -len(p.parts)):
+            while path != folder and path.is_dir() and not any(path.iterdir()):
+                path.rmdir()
+                path = path.parent
     return added
 
 
@@ -270,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="every campaign under experiments/results with loose records")
     p.add_argument("--force", action="store_true", help="pack unfinished runs too")
     p.add_argument("--dry-run", action="store_true", help="list what would be packed")
+    p.add_argument("--raw", action="store_true",
+                   help="pack every file but the *.md pages and *.png plots (logs, JSON, dumps)")
     p.add_argument("--unpack", action="store_true",
                    help="write the packed records back as loose files (the archive stays)")
     a = p.parse_args(argv)
@@ -282,13 +355,14 @@ def main(argv: list[str] | None = None) -> int:
             if a.unpack:
                 print(f"{folder}: unpacked {len(unpack(folder))} files")
                 continue
-            added = pack(folder, force=a.force, dry_run=a.dry_run)
+            added = pack(folder, force=a.force, dry_run=a.dry_run, raw=a.raw)
         except ValueError as e:
             print(f"pack_results: error: {e}", file=sys.stderr)
             rc = 2
             continue
         verb = "would pack" if a.dry_run else "packed"
-        print(f"{folder}: {verb} {len(added)} record files" if added
+        what = "files" if a.raw else "record files"
+        print(f"{folder}: {verb} {len(added)} {what}" if added
               else f"{folder}: nothing loose to pack")
     return rc
 

@@ -53,7 +53,7 @@ def _stats_records(run: str | Path) -> list[dict]:
     ``metrics.jsonl`` is packed in its campaign's ``records.tar.xz``, the same records read
     from the archive."""
     p = Path(run)
-    if p.is_dir() and not (p / "metrics.jsonl").is_file() and pack_results.has_records(p):
+    if not (p / "metrics.jsonl").is_file() and pack_results.has_records(p):
         return [r for r in pack_results.read_records(p)
                 if r.get("type") == "stats" and "layers" in r]
     return read_stats(run)

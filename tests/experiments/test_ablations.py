@@ -151,8 +151,8 @@ def test_run_seeds_out_from_the_recorded_runs(A, tmp_path):
     partial.mkdir(parents=True)
     (partial / "metrics.jsonl").write_text("{}\n")
     copied = A.seed_from(out)
-    recorded = [*A.CURRENT.glob("seeds*/*/seed*/result.json"),
-                *A.CURRENT.glob(f"{A.LONGER}/steps*/*/seed*/result.json")]
+    recorded = [*A.pack_results.find(A.CURRENT, "seeds*/*/seed*/result.json"),
+                *A.pack_results.find(A.CURRENT, f"{A.LONGER}/steps*/*/seed*/result.json")]
     assert len(copied) == len(recorded) > 40
     assert (partial / "result.json").exists()
     assert [p.name for p in partial.parent.iterdir() if ".old-" in p.name]

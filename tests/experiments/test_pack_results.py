@@ -107,7 +107,49 @@ def test_cli_and_committed_campaigns(P, tmp_path, capsys):
     ap = P.RESULTS / "training" / "2026-11-25_auto_precision_h100" / "quality"
     recs = P.read_records(ap / "nvfp4_switch_at-auto_switch-bwd_grad_noise_every-10_"
                           "switch_window-50" / "seed0")
-    res = json.loads((ap / "nvfp4" / "seed0" / "result.json").read_text())
+    res = json.loads(P.read_text(ap / "nvfp4" / "seed0", "result.json"))
     assert sum(r["type"] == "grad_noise" for r in recs) > 10
     assert [r["step"] for r in P.read_records(ap / "nvfp4" / "seed0")
             if r["type"] == "eval"] == res["history"]["val_step"]
+
+
+def test_raw_pack_keeps_pages_and_plots_and_finds_packed_files(P, tmp_path):
+    """``--raw`` packs a topic folder whole but its READMEs and top-level pages and plots;
+    a subfolder with its own archive is left to it; ``find`` lists loose and packed files
+    alike, ``read_text`` reads either, and a repeat changes nothing."""
+    topic = tmp_path / "topic"
+    want = {f"c/{k}": v for k, v in _campaign(topic / "c").items()}
+    (topic / "NOTES.md").write_text("# notebook\n")
+    (topic / "plot.png").write_bytes(b"\x89PNG")
+    (topic / "old_run").mkdir()
+    (topic / "old_run" / "gpu_check.json").write_text('{"pass": 3}')
+    (topic / "old_run" / "step.log.gz").write_bytes(gzip.compress(b"log", mtime=0))
+    (topic / "c" / "compare.md").write_text("| a |\n")
+    own = topic / "own"
+    _campaign(own)
+    P.pack(own)
+    own_blob = (own / P.ARCHIVE).read_bytes()
+    before = {p.relative_to(topic).as_posix(): p.read_bytes()
+              for p in topic.rglob("*") if p.is_file() and not p.is_relative_to(own)}
+    added = P.pack(topic, raw=True)
+    assert "old_run/gpu_check.json" in added and "c/compare.md" in added
+    assert "old_run/step.log.gz" in added  # not a record file: stored as it is
+    assert not (topic / "old_run").exists() and (topic / "c" / "README.md").is_file()
+    assert (topic / "NOTES.md").is_file() and (topic / "plot.png").is_file()
+    assert (own / P.ARCHIVE).read_bytes() == own_blob  # a campaign with its own archive
+    members = P.archive_members(topic / P.ARCHIVE)
+    assert all(members[k] == v for k, v in want.items())
+    for rel, data in before.items():  # every byte it replaced
+        if rel.endswith("metrics.jsonl.gz"):
+            assert members[rel[:-3]] == gzip.decompress(data)
+        elif not (topic / rel).is_file():
+            assert members[rel] == data
+    blob = (topic / P.ARCHIVE).read_bytes()
+    assert P.pack(topic, raw=True) == [] and (topic / P.ARCHIVE).read_bytes() == blob
+    found = [p.relative_to(topic).as_posix() for p in P.find(topic, "result.json")]
+    assert found == ["c/a/seed0/result.json", "c/a/seed1/result.json",
+                     "c/b/seed0/bf16_warmup/result.json", "own/a/seed0/result.json",
+                     "own/a/seed1/result.json", "own/b/seed0/bf16_warmup/result.json"]
+    assert [p.name for p in P.find(topic / "c", "a/seed*/result.json")] == ["result.json"] * 2
+    assert P.read_text(topic / "old_run", "gpu_check.json") == '{"pass": 3}'
+    assert P.read_records(topic / "c" / "a" / "seed0") == P.read_records(own / "a" / "seed0")
