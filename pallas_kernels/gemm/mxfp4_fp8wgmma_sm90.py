@@ -15,6 +15,7 @@ it by which operand copy the quantizer writes: fprop ``x (T, K) @ W (K, N)`` tak
 and ``W^T`` quantized along K; dgrad ``dy (T, N) @ W^T`` takes ``dy`` and ``W (K, N)``
 (already N-contiguous); wgrad ``x^T (K, T) @ dy (T, N)`` takes ``x^T`` and ``dy^T``,
 both quantized along T (the column-wise copies the recipe quantizes anyway).
+:func:`k_major` turns a contraction-first operand into this layout with an XLA transpose.
 
 Numerics (one rule, :func:`promote`; emulated in XLA by :func:`emulate`):
 * each block's partial sum ``P_kb`` comes from one ``wgmma`` K=32 step into a zeroed
@@ -64,8 +65,8 @@ try:  # JAX 0.11 registers pallas_call's Mosaic GPU lowering only when this is i
 except ImportError:  # pragma: no cover
     pass
 
-__all__ = ["BLOCK", "Config", "DEFAULT", "balanced_scales", "emulate", "mxfp4_gemm", "promote",
-           "scale_f32", "unsupported_reason"]
+__all__ = ["BLOCK", "Config", "DEFAULT", "balanced_scales", "emulate", "k_major", "mxfp4_gemm",
+           "promote", "scale_f32", "unsupported_reason"]
 
 BLOCK = 32
 """MX block size along K (OCP MX v1.0), equal to one FP8 ``wgmma`` K step (PTX ISA:
@@ -214,6 +215,18 @@ def unsupported_reason(m: int, k: int, n: int, *, a_dtype=_F8, b_dtype=_F8,
     if c.tile_n > 128 or c.tile_m > 64:
         return "accumulator and partial must fit the registers: tile_m 64, tile_n <= 128"
     return None
+
+
+def k_major(codes: jax.Array, scales: jax.Array):
+    """An operand stored contraction-first, codes (K, R) with scales (K/32, R) (a weight
+    ``W (K, N)`` for fprop; ``x (T, K)`` or ``dy (T, N)`` as wgrad operands, blocked along
+    T), as the kernel reads it: codes (R, K), scales (R, K/32). FP8 ``wgmma`` reads only
+    K-major operands, so this is an XLA transpose (one pass over the 1-byte codes); a
+    quantizer that writes the K-major copy directly saves it."""
+    if codes.ndim != 2 or scales.shape != (codes.shape[0] // BLOCK, codes.shape[1]):
+        raise ValueError(f"k_major: codes (K, R) and scales (K/32, R) expected, got "
+                         f"{codes.shape} and {scales.shape}")
+    return codes.T, scales.T
 
 
 def _transposed(ref):

@@ -282,6 +282,48 @@ def test_emulate_matches_repo_xla_reference(x_exp, w_exp):
 # --------------------------------------------------------------------------- the kernel
 
 
+@pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
+def test_three_gemms_through_k_major(gemm):
+    """fprop x W, dgrad dy W^T and wgrad x^T dy as ``A @ Bt^T`` of K-major operands
+    (``k_major`` for the contraction-first ones), against the exact product (the
+    emulation stands in for the kernel, which has the same operand contract)."""
+    rng = np.random.default_rng(["fprop", "dgrad", "wgrad"].index(gemm))
+    t, d, f = 64, 96, 128  # tokens, in, out
+
+    def operand(r, c, axis):  # E2M1 values (r, c) blocked along ``axis``, exponents
+        v = SIGNED[rng.integers(0, 16, (r, c))]
+        shape = (r, c // 32) if axis == 1 else (r // 32, c)
+        return v, rng.integers(120, 135, shape).astype(np.uint8)
+
+    def deq(v, e, axis):
+        return v * np.repeat(np.ldexp(1.0, e.astype(np.int64) - 127), 32, axis=axis)
+
+    if gemm == "fprop":  # x (T, D) along D; W (D, F) along D: contraction-first
+        (xa, xe), (wa, we) = operand(t, d, 1), operand(d, f, 0)
+        a, sa = xa, xe
+        b, sb = k_major(wa, we)
+        ref = deq(xa, xe, 1) @ deq(wa, we, 0)
+    elif gemm == "dgrad":  # dy (T, F) along F; W (D, F) along F: already K-major
+        (ga, ge), (wa, we) = operand(t, f, 1), operand(d, f, 1)
+        a, sa, b, sb = ga, ge, wa, we
+        ref = deq(ga, ge, 1) @ deq(wa, we, 1).T
+    else:  # x (T, D) and dy (T, F), both along T: contraction-first
+        (xa, xe), (ga, ge) = operand(t, d, 0), operand(t, f, 0)
+        a, sa = k_major(xa, xe)
+        b, sb = k_major(ga, ge)
+        ref = deq(xa, xe, 0).T @ deq(ga, ge, 0)
+    a, sa, b, sb = (np.asarray(x) for x in (a, sa, b, sb))
+    out = np.asarray(mx.emulate(jnp.asarray(a, F8), jnp.asarray(sa), jnp.asarray(b, F8),
+                                jnp.asarray(sb)), np.float64)
+    absum = np.abs(deq(a, sa, 1)) @ np.abs(deq(b, sb, 1)).T
+    assert out.shape == ref.shape
+    assert np.all(np.abs(out - ref) <= (a.shape[1] // 32) * U * absum)
+
+
+def k_major(codes, scales):
+    return mx.k_major(jnp.asarray(codes), jnp.asarray(scales))
+
+
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 def test_kernel_lowers_for_cuda(out_dtype):
     m, k, n = 256, 512, 256
