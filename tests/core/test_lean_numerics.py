@@ -292,7 +292,7 @@ def test_operands_cast_in_program_keep_their_bf16_rounding():
     quantizers (XLA path), amax and RHT is read through ``numerics.exact_float32``: its
     lowering holds a ``reduce_precision`` to bfloat16's bits, which still rounds where XLA:GPU
     removes the convert pair under ``xla_allow_excess_precision`` (on an H100 90% of such a
-    weight's quantized values differed before; experiments/excess_precision_check.py)."""
+    weight's quantized values differed before; excess_precision_check.py at commit c59dead)."""
     import fp4jax
     from fp4jax import hadamard, quantization
 
