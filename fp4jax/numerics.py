@@ -237,10 +237,10 @@ def exact_float32(x: jax.Array) -> jax.Array:
     Why a rule: XLA's ``--xla_allow_excess_precision`` (true by default) lets it remove a
     ``convert(f32 -> bf16) -> convert(bf16 -> f32)`` pair, so an operand cast to bfloat16
     inside the same jitted program (a float32 master weight that a layer casts to its
-    compute dtype) reached the quantizer unrounded on the GPU: measured on an H100 (JAX
-    0.11.2, ``experiments/excess_precision_check.py``), 90% of the values of a 2D NVFP4
-    weight quantized after an in-program cast differed from the same weight cast on the
-    host, and ``fp4jax.dot``'s outputs and gradients too; on the CPU XLA kept the rounding.
+    compute dtype) reached the quantizer unrounded on the GPU, so its quantized values,
+    and ``fp4jax.dot``'s outputs and gradients, differed from those of the same weight
+    cast on the host (measured on an H100: docs/performance.md); on the CPU XLA kept the
+    rounding.
     bfloat16 gets an explicit ``reduce_precision`` to its 8 exponent and 7 mantissa bits
     after the widening (round to nearest even, as the convert; the same exponent range as
     float32, so no overflow or subnormal differs), which still rounds where the convert
@@ -279,7 +279,7 @@ def where(cond: Any, x: Any, y: Any) -> jax.Array:
     ``select_n``, so the same bits) traced inline: ``jnp.where`` is a ``jax.jit``-wrapped
     function, and each call inside a trace is a nested jit (its own tracing, a private
     function in the lowered module). The quantizers call it about 900 times in a micro
-    NVFP4 train step: inline, the step traces and lowers faster (issue 38's CI time)."""
+    NVFP4 train step: inline, the step traces and lowers faster."""
     if not any(isinstance(a, (jax.Array, np.ndarray, np.generic)) for a in (x, y)):
         return jnp.where(cond, x, y)  # both Python scalars: jnp's weak result type
     dtype = jnp.result_type(x, y)
@@ -333,7 +333,7 @@ def _quantum(a: jax.Array, grid: FloatGrid) -> tuple[jax.Array, jax.Array]:
     if grid.min_exp - grid.man_bits >= -126 and grid.max_exp - grid.man_bits <= 126:
         # both 2**e and 2**-e normal (E2M1, E4M3, every grid but the widest): one bit
         # pattern each, the same values as ``pow2``'s product, with half the operations
-        # (an NVFP4 quantizer lowers to 16 fewer: issue 38's compile time)
+        # (an NVFP4 quantizer lowers to 16 fewer)
         return _pow2_normal(e), _pow2_normal(-e)
     return pow2(e), pow2(-e)
 
@@ -388,9 +388,8 @@ def div_rn_f64(a: jax.Array, b: jax.Array) -> jax.Array:
     innocuous?", SIGNUM Newsletter 30(3), 1995). The integer long division needs ~150
     integer operations per quotient, inlined into every quantization: on an H100 its
     chains were the largest fusions of an NVFP4 layer's compiled step, and XLA's fusion
-    pass spent most of the compile time on them; with this division an 8-layer chain compiled
-    in 15.3 s instead of 52.4 s (issue 17,
-    ``experiments/results/training/2026-11-25_compile_passes_h100``).
+    pass spent most of the compile time on them; this division compiles several times
+    faster (docs/performance.md).
 
     Where ``div_rn_integer`` falls back to the backend's ``a / b`` (an operand zero,
     subnormal, infinite or NaN; a quotient that, rounded to 24 significant bits, is not a
@@ -425,10 +424,9 @@ def div_rn_integer(a: jax.Array, b: jax.Array) -> jax.Array:
     """Correctly rounded float32 ``a / b`` by integer long division (any backend).
 
     Transformer Engine computes its scales with CUDA's ``1.0f / x``, which is the
-    IEEE-exact ``div.rn.f32``. XLA's float32 division on NVIDIA GPUs is not: on an
-    H200 with JAX 0.11.2, 13.5% of random reciprocals came out one ulp off
-    (``experiments/results/kernels/gpu_numpy_diff.json``), which flips E2M1 rounding ties in
-    about 0.02% of blocks. So the quotient is rebuilt here with integer long
+    IEEE-exact ``div.rn.f32``. XLA's float32 division on NVIDIA GPUs is not: it may be
+    one ulp off, which flips E2M1 rounding ties (how often: docs/performance.md). So the
+    quotient is rebuilt here with integer long
     division of the 24-bit significands (25 quotient bits, then round-half-even on
     the guard bit and the sticky remainder), which every backend computes exactly.
 
@@ -585,8 +583,8 @@ def recip_scaled_subnormal_rn(s: jax.Array, dec: jax.Array) -> jax.Array:
         # the normal float32 product RNE(x) in integer arithmetic on x's float64 bits
         # (52 -> 23 fraction bits, a carry moves into the exponent): not
         # ``x.astype(float32).astype(float64)``, a convert pair that XLA:GPU removes
-        # under its default ``xla_allow_excess_precision`` (1 ulp off in 9% of the
-        # encode scales on an H100, experiments/results/kernels/2026-11-27_native_h100)
+        # under its default ``xla_allow_excess_precision`` (then 1 ulp off in some encode
+        # scales on an H100: docs/performance.md)
         xb = jax.lax.bitcast_convert_type(x, jnp.int64)
         half = jnp.int64((1 << 28) - 1) + ((xb >> 29) & 1)
         p_norm = jax.lax.bitcast_convert_type((xb + half) & ~jnp.int64((1 << 29) - 1), f64)
@@ -670,9 +668,9 @@ def recip_scaled_rn(s: jax.Array, dec: jax.Array) -> jax.Array:
     Why: it was written when ``div_rn`` on GPUs was ``div_rn_integer``, ~130 integer
     operations per element. Since ``div_rn`` divides in float64 there,
     ``quantization.element_encode_scale`` calls ``div_rn(1, s * dec)`` per block instead
-    (the same bits, a quarter of the lowered ops: issue 35); this function stays as an
-    independent check of it (``tests/core/test_lean_numerics.py``,
-    ``experiments/native_rounding_check.py``).
+    (the same bits, a quarter of the lowered ops); this function stays as an
+    independent check of it (``tests/core/test_lean_numerics.py`` and the on-device
+    check of docs/numerics.md).
 
     Args:
       s: float32 array (block scales, on a grid with <= 7 mantissa bits).
@@ -740,11 +738,9 @@ def round_to_grid(v: jax.Array, grid: FloatGrid, mode: str = "nearest", *,
     same values as the arithmetic above for every ``v >= 0``, ``+inf`` and NaN, in ~8
     operations instead of ~30 (``tests/core/test_lean_numerics.py`` compares the two on
     every float32 boundary and random bit patterns; XLA:CPU was run over all 2**31
-    non-negative float32 bit patterns; ``experiments/native_rounding_check.py`` runs the
-    same on a GPU). Off by default: XLA:CPU compiles the conversions slower than the
-    arithmetic they replace (one ``quartet2`` ``fp4jax.dot`` fwd+bwd at 256x128x256: 38.4 s
-    of compile CPU time against 27.6 s; the NVFP4 ``micro`` train step: 24.4 s against
-    24.6 s; 2026-11-27, ``experiments/lowering_census.py``). Negative ``v`` (outside the
+    non-negative float32 bit patterns; the on-device check of docs/numerics.md runs the
+    same on a GPU). Off by default: XLA:CPU compiles the conversions no faster than the
+    arithmetic they replace (docs/performance.md). Negative ``v`` (outside the
     contract) may differ: below ``-max_value`` the arithmetic does not saturate.
 
     Args:
@@ -770,8 +766,8 @@ def _native_rne(v: jax.Array, grid: FloatGrid) -> jax.Array:
     """``round_to_grid(v, grid, "nearest")`` for E2M1/E4M3 as XLA's conversion of ``min(v,
     max_value)`` to the ``NATIVE_RNE`` dtype and back (NaN quieted as the arithmetic
     quiets it). Used on the CPU only, where it was checked on all 2**31 non-negative float32
-    bit patterns; on GPUs ``_arithmetic_round`` runs until
-    ``experiments/native_rounding_check.py`` has passed there (XLA's GPU conversions to
+    bit patterns; on GPUs ``_arithmetic_round`` runs until the on-device check of
+    docs/numerics.md has passed there (XLA's GPU conversions to
     these dtypes are other code: PTX ``cvt`` or its own emitter). The check holds for
     XLA:CPU's default (fusion) emitters: with ``--xla_cpu_use_fusion_emitters=false`` (JAX
     0.10.2) the E2M1 conversion rounds twice, so values within a few ulps of a midpoint go
@@ -938,8 +934,8 @@ def _threefry_draws(k1: jax.Array, k2: jax.Array, d: jax.Array
     Python transcription ``threefry2x32`` (JAX lowers the primitive there as a loop over
     its five 4-round groups, whose while-loop computations added 16 fusions to compile to
     one NVFP4 ``fp4jax.dot``; unrolled, XLA fuses it into its consumer). The same 20
-    rounds, hence the same bits either way (``tests/core/test_lean_numerics.py``;
-    ``experiments/native_rounding_check.py`` under both GPU lowerings). The Pallas kernels
+    rounds, hence the same bits either way (``tests/core/test_lean_numerics.py``; on a GPU
+    the on-device check of docs/numerics.md, under both lowerings). The Pallas kernels
     keep calling ``threefry2x32`` on register arrays."""
     def transcription(k1, k2, d):
         return threefry2x32(k1, k2, jnp.zeros_like(d), d)

@@ -143,7 +143,7 @@ def global_encode_scale(amax: jax.Array, fmt: BlockFormat,
     subnormal results of arithmetic to zero), ``element_encode_scale`` and ``dequantize``
     multiply by it without a flush (``numerics.recip_scaled_subnormal_rn``,
     ``numerics.mul_decode_scale``). (Before 2026-12 fp4jax clamped ``enc`` to ``2**126``
-    instead, so such tensors got block scales 1/4 of TE's: issue 38.)
+    instead, so such tensors got block scales 1/4 of TE's.)
     The decode scale stored in ``QuantizedArray.global_scale`` is ``1/enc``.
 
     Row-scaled NVFP4 (``quantize(..., row_scaled=True)``): the same formula applied to each
@@ -268,7 +268,7 @@ def element_encode_scale(s: jax.Array, dec: jax.Array) -> jax.Array:
     underflows to 0 while holding nonzero values (amax below ~2**-10 of the scale that
     maps the tensor amax to 448) therefore gets FLT_MAX, so its nonzero elements saturate
     to +-6 (codes 7/15; zeros stay 0), as in TE; it dequantizes to 0 all the same
-    (``6 * 0``). (Before 2026-12 fp4jax returned 0 there, writing codes +-0: issue 38.)
+    (``6 * 0``). (Before 2026-12 fp4jax returned 0 there, writing codes +-0.)
 
     The correctly rounded reciprocal is ``numerics.div_rn(1, s * dec)`` (on the CPU XLA's
     IEEE float32 division, elsewhere one float64 division rounded to float32), for a
@@ -277,7 +277,7 @@ def element_encode_scale(s: jax.Array, dec: jax.Array) -> jax.Array:
     ``numerics.recip_scaled_subnormal_rn``: IEEE arithmetic without the CPU's flush.
     (Until 2026-12 a normal scalar ``dec`` took ``numerics.recip_scaled_rn``, a table of 128
     reciprocals, which gives the same bits as ``div_rn`` but lowered to about four times
-    the ops: issue 35's compile time.)
+    the ops.)
     """
     s = jnp.asarray(s, jnp.float32)
     dec = jnp.asarray(dec, jnp.float32)
@@ -479,8 +479,8 @@ def ms_eden(groups: jax.Array, amax: jax.Array, u: jax.Array
     correction per block of 16 from truncated bf16 scales and derives the tensor scale from
     the largest corrected scale in a second pass: not implemented. Checked against a CPU
     transcription of their Triton kernel on shared inputs and uniforms: the same bits
-    (``experiments/results/numerics/2026-11-25_ms_eden_vs_quartet2_cpu/``), including the
-    method's small residual shrink (~-0.05% of ``|x|^2`` over random rotations, from ``c``
+    (docs/performance.md lists the comparison), including the method's small residual
+    shrink (~-0.05% of ``|x|^2`` over random rotations, from ``c``
     being computed on block-scaled values).
 
     Args:
@@ -725,7 +725,7 @@ def block_amax(blocks: jax.Array, axis) -> jax.Array:
     16-element block of a (64, 1024) float32 tensor, which would have turned NaN into
     finite FP4 codes), and no second any-reduction is needed. Several block axes (16x16
     and 32x32 tiles) are reduced one at a time, the minor first: exact in any order, and
-    faster on XLA:GPU (``experiments/results/training/2026-11-28_mx_flat_rows``).
+    faster on XLA:GPU.
     """
     m = jax.lax.bitcast_convert_type(jnp.abs(blocks.astype(jnp.float32)), jnp.int32)
     axes = (axis,) if isinstance(axis, int) else tuple(axis)

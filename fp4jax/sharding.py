@@ -28,7 +28,8 @@ token rows over the mesh axes ``axis_name`` (weights replicated), and
   device's (what ``fp4jax.dot`` gives on those rows alone, for round-to-nearest operands);
 * draws shard ``i``'s stochastic-rounding bits at its rows' positions in the whole tensor
   (``numerics.row_shard_draw_offset``; threefry keys);
-* lets the Pallas kernels run (``pallas_kernels.dispatch.kernel_mode``).
+* lets the kernel backends run (``xla_partitions`` is False: each device runs its own
+  program on its rows).
 
 So the forward output, the input gradient and every quantized operand are the
 single-device bits; the weight gradient's contraction over tokens is split: each device
@@ -102,9 +103,8 @@ def one_device(active: bool = True) -> Iterator[None]:
 
     The automatic backend choice (``implementation=None``) keeps the XLA path whenever
     ``jax.device_count() > 1``, because XLA cannot partition a Pallas call of a program
-    sharded over several devices; on a 4-GPU host that left one-GPU NVFP4 training on the
-    XLA path at 0.26x bf16's throughput against 0.60x with the kernels (H100,
-    ``experiments/results/training/2026-11-28_dp_rows_h100x4``). In this block the choice
+    sharded over several devices, which leaves a one-GPU run on a multi-GPU host on the
+    slower XLA path (measured in docs/performance.md). In this block the choice
     is that of a single-device host: the Hopper kernels for large GEMMs (same bits either
     way). Tracing a program that is partitioned over several devices in this block is the
     caller's error: XLA does not partition the kernels' calls.
@@ -122,6 +122,15 @@ def one_device(active: bool = True) -> Iterator[None]:
 def on_one_device() -> bool:
     """Whether a ``one_device`` block is active."""
     return _ONE_DEVICE.get()
+
+
+def xla_partitions() -> bool:
+    """Whether an ``fp4jax.dot`` traced now is part of a program XLA partitions over several
+    devices itself: JAX sees more than one device and neither ``data_parallel`` (each device
+    runs its own ``shard_map`` program on its rows) nor ``one_device`` is active. A Pallas
+    call in such a program is not partitioned, so the automatic backend choice keeps the
+    reference there (``fp4jax.backends.DotCall.partitioned``)."""
+    return jax.device_count() > 1 and data_axis() is None and not on_one_device()
 
 
 # ---------------------------------------------------------------------------

@@ -93,9 +93,8 @@ class LlamaConfig:
         in the backward pass), ``"full"`` (nothing: the whole block is recomputed) or
         ``"none"`` (everything JAX saves by default, stacked over the blocks: the scan's
         dynamic-update-slice copies of every residual). Same function and gradients
-        (recomputation uses the same values and random keys); a speed and memory knob. On
-        an H100 at the ``small`` preset ``"dots"`` ran bf16 with the scan 1.18x and NVFP4
-        1.07x faster than ``"none"`` (experiments/results/training/2026-11-26_scan_remat_h100/).
+        (recomputation uses the same values and random keys); a speed and memory knob
+        (``"dots"`` against ``"none"`` on an H100: docs/performance.md).
       n_experts: 0 (the default): a dense FFN; ``G > 0``: a mixture of ``G`` experts, each an
         FFN of ``ffn``'s kind (``"swiglu"`` or ``"relu2"``) and width ``d_ff``, at the dense
         FFN's paths (``block_{i}/gate``, ``up``, ``down``: weights ``(G, K, N)``, grouped

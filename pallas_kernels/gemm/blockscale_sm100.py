@@ -32,7 +32,7 @@ have at most 6 significant bits), so the result equals the XLA path's up to the 
 the float32 accumulation; the alpha product and the final cast are the same operations in
 the same order. On the CPU both paths run XLA's float32 dot over the same values and agree
 bit for bit (``tests/kernels/test_blackwell.py``); on a Blackwell GPU cuDNN's accumulation order is
-its own: ``experiments/blackwell_check.py`` measures it. Not run on Blackwell hardware.
+its own, measured by the Blackwell check of docs/blackwell.md. Not run on Blackwell hardware.
 """
 
 from __future__ import annotations

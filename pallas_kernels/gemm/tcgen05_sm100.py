@@ -9,8 +9,8 @@ dtypes, shapes, TMEM layouts, the instruction descriptor). Not checked: PTX gene
 and ptxas for sm_100a, execution, numerics, speed. It is therefore chosen only when
 ``FP4JAX_KERNELS=tcgen05`` asks for it on an sm_100+ GPU (``dispatch.native_mode``); by
 default Blackwell runs ``blockscale_sm100`` (``jax.nn.scaled_matmul``).
-``experiments/blackwell_check.py tcgen05`` is the test it must pass on hardware before it
-may be chosen by default.
+The Blackwell check's ``tcgen05`` step (docs/blackwell.md) is the test it must pass on
+hardware before it may be chosen by default.
 
 What it computes: ``out = bf16(alpha * acc)``, ``acc = sum_k (q_a s_a)(q_b s_b)`` in float32
 on the tensor cores (``kind::mxf4nvf4``: E2M1 operands, E4M3 scales, one scale per 16

@@ -133,7 +133,7 @@ def recip_rn(p, y0=None):
     """Correctly rounded float32 ``1 / p`` for normal ``p > 0`` with a normal quotient.
 
     XLA's (and LLVM's default) float32 division on NVIDIA GPUs may be one ulp off
-    (``experiments/results/kernels/gpu_numpy_diff.json``); this rounds like
+    (docs/performance.md); this rounds like
     ``fp4jax.numerics.div_rn(1, p)`` and costs ~30 scalar operations per block.
 
     ``p = m * 2^k`` with ``m`` in [1, 2) (exponent bits replaced); ``y = 1 / m`` from the
@@ -343,9 +343,8 @@ def lane_params(**kw) -> plgpu.CompilerParams:
     """The quantize kernels' compiler parameters: Mosaic GPU's Lane lowering semantics, which
     they are written for (explicit register layouts on every load, elementwise code).
     JAX 0.10 defaults to Lane, JAX 0.11 to Warpgroup, where the same kernels lower through
-    the dialect's layout inference: correct, but 2-4 s per kernel on the GPU machine (its
-    constraint solver sorts variables by a key that prints the whole module), ~30 s of an
-    NVFP4 train step's cold compile (experiments/results/training/2026-11-24_bench_train_h100/)."""
+    the dialect's layout inference: correct, but seconds per kernel (its constraint solver
+    sorts variables by a key that prints the whole module; docs/performance.md)."""
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, **kw)
 
 

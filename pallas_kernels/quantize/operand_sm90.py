@@ -295,11 +295,9 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
 
     ns = nbt // bpt
     chunk = chunk * 8 // nw
-    # Defaults from the H200 sweep of run 40 (experiments/results/kernels/gpu_run40_tune_rows/):
-    # one 256-block tile per step and 4 double-buffered steps per CTA, "auto" reciprocal:
-    # 140.6 us with the amax pass at 8192^2 (86.8% of copy bandwidth) against 159.2 us for
-    # two tiles per step and one step per CTA, where the "auto" branch doubles a body of
-    # two tiles (rn alone: 148.1 us, table alone: 140.9 us but exact only for safe dec).
+    # Defaults from an H200 sweep (docs/performance.md): one 256-block tile per step and 4
+    # double-buffered steps per CTA, "auto" reciprocal; with two tiles per step the "auto"
+    # branch doubles a body of two tiles (the table alone is exact only for safe dec).
     if steps is None:
         steps = _pick_block(ns, (4, 2, 1)) if kt is None else 1
     kt = 1 if kt is None else kt

@@ -183,9 +183,8 @@ def quantize_nvfp4_1x16_scaled(
 
     # TMA boxes are at most 256 along a dimension: view the blocks as (n, 256, ...) slabs.
     ns = nbt // SUB
-    # Defaults from the H200 sweep in experiments/results/kernels/bench_kernels_run1.json:
-    # small steps (2 slabs = 16 KiB of input) and one step per CTA, i.e. many small CTAs per SM,
-    # were fastest (94 us vs 144 us for 4 slabs x up to 8 steps at 8192x8192).
+    # Defaults from an H200 sweep (docs/performance.md): small steps (2 slabs = 16 KiB of
+    # input) and one step per CTA, i.e. many small CTAs per SM, were fastest.
     kt = block or _pick_block(ns, (2, 1))  # slabs per pipeline step
     steps = ns // kt
     spc = steps_per_cta or 1
@@ -254,9 +253,8 @@ def quantize_nvfp4_2d_scaled(
     codes of ``fp4jax.quantize(x, NVFP4, block_2d=True).data`` along the last axis and
     the bits of its ``.scale``. ``recip`` as in ``quantize_nvfp4_1x16_scaled``; the default
     here is ``"rn"`` (exact for every dec, no table branch): one reciprocal per 256
-    elements costs little, and on the H200 it measured faster than ``"auto"`` (8192^2
-    with the amax pass: 112.3 us = 81.6% of copy bandwidth vs 114.8 us = 79.8%;
-    ``experiments/results/kernels/gpu_run6_kernels/bench_kernels.json``).
+    elements costs little, and on the H200 it measured faster than ``"auto"``
+    (docs/performance.md).
 
     Layout: x is viewed as (R/16, 16, C/16, 8) words (a free reshape); each grid step
     moves a strip of ``g`` tiles, (1, 16, g, 8) words, into shared memory with TMA and
