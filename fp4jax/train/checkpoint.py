@@ -605,7 +605,7 @@ class RunCheckpoints:
             ckpt.prune(self.keep, max((c for c in ckpt.all_steps() if c < s), default=None))
             # the training stall of this checkpoint (synchronous: device-to-host copy,
             # finiteness check, checksum, write, prune), kept out of tokens/s. Writing in a
-            # background thread was measured and made training slower (issue 16's note).
+            # background thread was measured and made training slower (docs/performance.md).
             log.write({"type": "checkpoint", "step": s, "seconds": time.perf_counter() - t0})
 
         processes.on_main(write_checkpoint, what=f"writing checkpoint {s}")

@@ -234,9 +234,8 @@ def enable_compile_cache(path: str | None, data_cache: str | None = None) -> str
     anything else is a directory. A directory that cannot be created only warns.
 
     Why: XLA compiles an NVFP4 training step far slower than a BF16 one (every quantized
-    GEMM adds a few hundred elementwise ops): the ``small`` preset's step took ~165 s on
-    the 16-core H200 machine (``experiments/results/training/gpu_run10_compile_ab``) against ~9 s
-    for BF16, so a re-run of the same configuration should not pay it again.
+    GEMM adds a few hundred elementwise ops; docs/performance.md), so a re-run of the
+    same configuration should not pay it again.
     Returns the directory in use, or None.
     """
     from fp4jax.data import cache_dir
@@ -275,11 +274,9 @@ DETERMINISTIC_FLAGS = ("--xla_gpu_deterministic_ops=true", "--xla_gpu_enable_tri
 
 def set_deterministic() -> None:
     """Adds ``DETERMINISTIC_FLAGS`` to ``XLA_FLAGS`` (read when JAX first uses a backend, so
-    call it before that; sweep workers inherit them), each once. Measured on one H100 (JAX
-    0.11.2, mini preset, NVFP4 recipe, 600 steps, two processes at once): two runs with
-    these flags logged identical losses at every step and the same final loss to the last
-    bit, while two runs without them parted at step 120 and ended 0.0018 apart
-    (experiments/results/training/2026-11-24_deterministic_h100)."""
+    call it before that; sweep workers inherit them), each once. With them two runs of the
+    same configuration on one GPU log the same losses bit for bit (measured on an H100:
+    docs/performance.md)."""
     flags = os.environ.get("XLA_FLAGS", "").split()
     flags += [f for f in DETERMINISTIC_FLAGS if f not in flags]
     os.environ["XLA_FLAGS"] = " ".join(flags)
@@ -296,12 +293,9 @@ def set_threefry_lowering(mode: str, this_process: bool = True) -> None:
     ``"xla"`` (JAX's default: 20 unrolled rounds of HLO per call, which XLA's fusion pass
     then works through). The same bits either way (one hash function); CPUs are unaffected.
 
-    Why the kernel is ``fp4jax-train``'s default: the NVFP4 ``small`` step compiled in
-    51.5 s instead of 67.4 s (XLA's ``priority-fusion`` pass 8.1 s instead of 18.4 s) and,
-    in another call, 59.0 s instead of 67.3 s, for 22.75 vs 22.62 ms device time per step
-    (+0.6%) and 1.2% fewer tokens/s: one H100, JAX 0.11.2
-    (``experiments/results/training/2026-11-25_threefry_lowering_h100``). Short runs spend
-    more on compiling than that; long runs with a warm compilation cache gain from "xla".
+    Why the kernel is ``fp4jax-train``'s default: the NVFP4 step compiles markedly faster
+    for about 1% fewer tokens/s (docs/performance.md). Short runs spend more on compiling
+    than that; long runs with a warm compilation cache gain from "xla".
     Sets the environment variable too, so worker processes (``--jobs``) inherit it; with
     ``this_process=False`` only the variable (``fp4jax-train`` off GPUs, where the flag does
     nothing and flipping it would only change jit's cache keys)."""

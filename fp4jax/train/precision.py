@@ -1,4 +1,4 @@
-"""Automatic precision choices of a training run (issue 19): which linear layers stay in
+"""Automatic precision choices of a training run: which linear layers stay in
 BF16 (``--bf16-layers``) and how much of the run's GEMM work ran in high precision.
 
 * ``resolve_bf16_layers``: the BF16 layer set of a run, from ``--bf16-layers``: names as
