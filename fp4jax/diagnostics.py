@@ -1,5 +1,5 @@
-"""Quantization diagnostics of one linear layer (issue 19, first part): how much error each
-of its three quantized GEMMs adds on a given batch, and how its operands use the format.
+"""Quantization diagnostics of one linear layer: how much error each of its three quantized
+GEMMs adds on a given batch, and how its operands use the format.
 
 ``gemm_stats(x, w, dy, recipe=..., key=...)`` returns, for each GEMM of the recipe
 (``fprop`` ``y = x @ w``, ``dgrad`` ``dx = dy @ w.T``, ``wgrad`` ``dw = x.T @ dy``):
