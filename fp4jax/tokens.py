@@ -3,14 +3,15 @@
 Tokenizers (``--tokenizer SPEC``, :func:`load_tokenizer`):
 
 * ``bytes``: raw bytes, vocabulary 256 (fp4jax's default; a text corpus then trains exactly as
-  :class:`fp4jax.data.ByteDataset` does, bit for bit).
-* ``bpe:N``: a byte-level BPE vocabulary of at most ``N`` ids trained with the Hugging Face
-  ``tokenizers`` library on the *training split* of the corpus only (validation text never
-  shapes the vocabulary), with one special token ``<|endoftext|>`` (id 0) that ends every
-  document. It is saved in the cache directory (``$FP4JAX_CACHE/tokenizers/``) under a key
-  that hashes the training text, ``N``, the trainer settings and the library's version, and
-  reused whenever that key matches; the training is deterministic (the same text gives the
-  same ``tokenizer.json``).
+  :class:`fp4jax.data.ByteDataset` does, bit for bit, and ``fp4jax-tokenize --tokenizer
+  bytes`` writes the same raw streams: no UTF-8 decoding, binary files included).
+* ``bpe:N`` (``N`` in ``258..BPE_MAX_VOCAB``): a byte-level BPE vocabulary of at most ``N``
+  ids trained with the Hugging Face ``tokenizers`` library on the *training split* of the
+  corpus only (validation text never shapes the vocabulary), with one special token
+  ``<|endoftext|>`` (id 0) that ends every document. It is saved in the cache directory
+  (``$FP4JAX_CACHE/tokenizers/``) under a key that hashes the training text, ``N``, the
+  trainer settings and the library's version, and reused whenever that key matches; the
+  training is deterministic (the same text gives the same ``tokenizer.json``).
 * ``PATH`` (a ``tokenizer.json`` file, or a directory holding one): a user's tokenizer, loaded
   with ``tokenizers.Tokenizer.from_file``. Documents end with its ``<|endoftext|>``, ``</s>``,
   ``<eos>`` or ``<|end_of_text|>`` token when it has one (the first found), else nothing.
@@ -70,7 +71,7 @@ from typing import Any
 
 import numpy as np
 
-from fp4jax.data import ByteDataset, cache_dir, load_documents
+from fp4jax.data import ByteDataset, cache_dir, load_documents, split_documents
 
 EOT = "<|endoftext|>"
 # end-of-document tokens looked for in a user's tokenizer, in this order
@@ -82,6 +83,12 @@ LLMC_MAGIC = 20240520
 CHUNK_CHARS = 1 << 20  # text encoded in pieces of about this many characters
 BATCH_CHARS = 1 << 24  # documents encoded together (in parallel) up to about this many
 _HASH_CHUNK = 1 << 24  # tokens hashed per read
+# the largest N of bpe:N (4x the largest vocabularies in use, ~256k ids): the trainer
+# allocates per id, so a larger N fails in the library (an abort) instead of training
+BPE_MAX_VOCAB = 1 << 20
+# the largest vocabulary a model is built with (its embedding and logits are vocabulary x
+# width): --vocab-size, and the vocabulary token files declare or hold
+MAX_VOCAB = 1 << 24
 # the trainer settings of bpe:N (part of the reuse key)
 BPE_SETTINGS = {"model": "BPE", "pre_tokenizer": "ByteLevel(add_prefix_space=False)",
                 "decoder": "ByteLevel", "min_frequency": 2, "special_tokens": [EOT],
@@ -225,9 +232,14 @@ def parse_tokenizer_spec(spec: str | None) -> tuple[str, Any]:
         raise ValueError("--tokenizer: empty spec; use bytes, bpe:N or PATH/tokenizer.json")
     if s.startswith("bpe:") or s == "bpe":
         n = s[4:].strip()
-        if not n.isdigit() or int(n) <= 257:
-            raise ValueError(f"--tokenizer {s!r}: bpe:N needs an integer N > 257 (256 byte "
-                             "ids and <|endoftext|> come first), e.g. bpe:8192")
+        # digits only (no sign, no other script's digits), and no longer than the largest
+        # bound before int() reads them
+        ok = re.fullmatch(r"[0-9]+", n) is not None and len(n) <= len(str(BPE_MAX_VOCAB))
+        if not ok or not 258 <= int(n) <= BPE_MAX_VOCAB:
+            raise ValueError(f"--tokenizer {s!r}: bpe:N needs an integer N in 258.."
+                             f"{BPE_MAX_VOCAB} (256 byte ids and <|endoftext|> come first; "
+                             f"the trainer allocates per id, and {BPE_MAX_VOCAB} is past "
+                             "any vocabulary in use), e.g. bpe:8192")
         return "bpe", int(n)
     return "file", Path(s).expanduser()
 
@@ -665,7 +677,10 @@ def read_token_files(path: str | os.PathLike, tokenizer: str | None = None,
             arrays[split].append(arr)
     hi = max(d.max_id for s in opened.values() for _, d in s)
     if meta.get("vocab_size") is not None:
-        vocab, source = int(meta["vocab_size"]), f"{directory / META_FILE}"
+        vocab, source = meta["vocab_size"], f"{directory / META_FILE}"
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or not 1 <= vocab <= MAX_VOCAB:
+            raise ValueError(f"--data: {source}: vocab_size must be an integer in 1.."
+                             f"{MAX_VOCAB}, got {vocab!r}: fix meta.json")
     elif tok is not None:
         vocab, source = tok.vocab_size, f"the tokenizer {tok.spec!r}"
     else:
@@ -673,8 +688,12 @@ def read_token_files(path: str | os.PathLike, tokenizer: str | None = None,
         print(f"fp4jax.tokens: {str(path)!r}: no meta.json vocab_size and no tokenizer: the "
               f"vocabulary is the largest id + 1 = {vocab} (set it in meta.json, "
               '{"vocab_size": N}, or pass --tokenizer PATH/tokenizer.json)', file=sys.stderr)
-    if hi >= vocab:
+    if hi >= vocab or vocab > MAX_VOCAB:
         f, d = next((f, d) for s in opened.values() for f, d in s if d.max_id == hi)
+        if vocab > MAX_VOCAB:
+            raise ValueError(f"--data: {str(f)!r} holds id {hi}, past the largest vocabulary "
+                             f"a model is built with ({MAX_VOCAB} ids): wrong dtype or "
+                             "files?")
         raise ValueError(f"--data: {str(f)!r} holds id {hi}, outside the vocabulary of "
                          f"{vocab} ids of {source}: wrong dtype, tokenizer or meta.json?")
     return TokenFiles(
@@ -780,9 +799,18 @@ def model_vocab_size(dataset: Any, vocab_size: int | None = None) -> int:
     multiple of 128), else the data's (``dataset.vocab_size``, 256 for bytes).
 
     Raises:
-      ValueError: ``vocab_size`` smaller than the data's vocabulary.
+      ValueError: ``vocab_size`` smaller than the data's vocabulary, or either outside
+        ``2..MAX_VOCAB``.
     """
     data_vocab = int(getattr(dataset, "vocab_size", 256))
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(
+            vocab_size, int) or not 2 <= vocab_size <= MAX_VOCAB):
+        raise ValueError(f"--vocab-size must be an integer in 2..{MAX_VOCAB} (the model's "
+                         f"embedding and logits are vocabulary x width), got {vocab_size!r}")
+    if data_vocab > MAX_VOCAB:
+        raise ValueError(f"the data's vocabulary ({data_vocab} ids) is larger than the "
+                         f"largest a model is built with ({MAX_VOCAB}): check --data and "
+                         "--tokenizer")
     if vocab_size is None:
         return data_vocab
     if vocab_size < data_vocab:
@@ -869,20 +897,37 @@ def tokenize_corpus(data: str | os.PathLike | None, tokenizer: str, out: str | o
         raise ValueError(f"--shard-tokens must be an integer >= 1, got {shard_tokens!r}")
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
-    parse_tokenizer_spec(tokenizer)
+    kind, _ = parse_tokenizer_spec(tokenizer)
     out = Path(out).expanduser()
     docs = load_documents(data, cache)
     settings: dict[str, Any] = {"tokenizer": str(tokenizer), "val_fraction": val_fraction,
                                 "shard_tokens": shard_tokens}
     val_docs = None
-    if val_data is None:
-        train_texts, val_texts = split_texts(docs, val_fraction)
-    else:
+    if val_data is not None:
         val_docs = load_documents(val_data, cache)
         settings.update(val_fraction=None, val_data=str(val_data))
-        train_texts, val_texts = ([b.decode("utf-8", errors="replace") for _, b in d]
+    streams: dict[str, Iterable[np.ndarray]]
+    if kind == "bytes":
+        # the raw bytes, split as fp4jax.data.split_documents splits them: the streams that
+        # fp4jax-train --data CORPUS trains on, bit for bit (binary files included; no
+        # UTF-8 decoding, so no replacement characters)
+        settings["bytes"] = "raw"
+        tok: Tokenizer = ByteTokenizer()
+        if val_docs is None:
+            train_ids, val_ids = split_documents(docs, val_fraction)
+        else:
+            train_ids, val_ids = (np.frombuffer(b"".join(b for _, b in d), np.uint8)
                                   for d in (docs, val_docs))
-    tok = load_tokenizer(tokenizer, train_texts, cache)
+        streams = {"train": [train_ids], "val": [val_ids]}
+    else:
+        if val_docs is None:
+            train_texts, val_texts = split_texts(docs, val_fraction)
+        else:
+            train_texts, val_texts = ([b.decode("utf-8", errors="replace") for _, b in d]
+                                      for d in (docs, val_docs))
+        tok = load_tokenizer(tokenizer, train_texts, cache)
+        streams = {"train": encode_documents(tok, train_texts),
+                   "val": encode_documents(tok, val_texts)}
     settings["tokenizer_sha256"] = tok.sha256
     key = _source_key(docs, settings, val_docs)
     old = _read_meta(out) if out.is_dir() else None
@@ -902,9 +947,9 @@ def tokenize_corpus(data: str | os.PathLike | None, tokenizer: str, out: str | o
     tmp.mkdir(parents=True)
     try:
         splits = {}
-        for split, texts in (("train", train_texts), ("val", val_texts)):
+        for split, ids_stream in streams.items():
             w = _ShardWriter(tmp, split, dt, shard_tokens)
-            for ids in encode_documents(tok, texts):
+            for ids in ids_stream:
                 w.add(ids)
             splits[split] = w.close()
         if not splits["train"]:
@@ -948,7 +993,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="text file, directory or tar/zip archive, as fp4jax-train --data "
                         "takes (default: Shakespeare)")
     p.add_argument("--tokenizer", required=True,
-                   help="bytes, bpe:N (trained on the training split) or PATH/tokenizer.json")
+                   help="bytes (the raw bytes, split as fp4jax-train --data splits a corpus: "
+                        "the same training stream, binary files included), bpe:N (trained on "
+                        f"the training split; N in 258..{BPE_MAX_VOCAB}) or PATH/tokenizer."
+                        "json (bpe:N and tokenizer files read the text as UTF-8, invalid bytes "
+                        "as U+FFFD)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--shard-tokens", type=int, default=100_000_000,
                    help="ids per shard (the last shard of a split holds the rest)")

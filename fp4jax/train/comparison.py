@@ -22,10 +22,25 @@ from typing import Any
 
 import numpy as np
 
-from fp4jax.tokens import load_dataset, parse_tokenizer_spec
+from fp4jax.tokens import load_dataset
 from fp4jax.train.checkpoint import config_diff
-from fp4jax.train.config import TrainConfig, split_run_spec, split_specs, validate_config
-from fp4jax.train.loop import TrainingDiverged, train
+from fp4jax.train.config import (
+    MAX_SEED,
+    TrainConfig,
+    split_run_spec,
+    split_specs,
+    validate_config,
+)
+from fp4jax.train.loop import (
+    TrainingDiverged,
+    build_models,
+    check_token_rows,
+    fp4_gather_plans,
+    osci_reset_plan,
+    outcontrol_plan,
+    run_mesh,
+    train,
+)
 from fp4jax.train.rundir import (
     RunExists,
     check_out,
@@ -74,7 +89,8 @@ def parse_seeds(text: str | Sequence[int]) -> list[int]:
     """The seeds of ``--seeds 0,1,2`` (distinct integers, at least one).
 
     Raises:
-      ValueError: not comma-separated integers, none, or one given twice.
+      ValueError: not comma-separated integers, none, one given twice, or one outside
+        ``0..MAX_SEED`` (``TrainConfig.seed``'s range).
     """
     if isinstance(text, str):
         try:
@@ -86,6 +102,9 @@ def parse_seeds(text: str | Sequence[int]) -> list[int]:
         seeds = [int(x) for x in text]
     if not seeds:
         raise ValueError(f"names no seed (got {text!r})")
+    bad = [x for x in seeds if not 0 <= x <= MAX_SEED]
+    if bad:
+        raise ValueError(f"seeds must be integers in 0..{MAX_SEED}, got {bad[0]}")
     twice = sorted({x for x in seeds if seeds.count(x) > 1})
     if twice:
         raise ValueError(f"names seed {', '.join(map(str, twice))} more than once")
@@ -158,7 +177,10 @@ def compare(cfg: TrainConfig, recipes: Sequence[str],
     ``summary_table``, ``plot_sweep``/``plot_losses``), the first spec being the baseline.
     Returns the runs' results, spec by spec, seed by seed.
 
-    Every sub-run is checked before anything trains: with ``resume`` each sub-run resumes
+    Every sub-run is checked before anything trains or is written: each passes the checks
+    its own single run makes before its first step (``TrainConfig`` with its spec's
+    run-level keys, then ``check_runs``), whatever the order of the specs. With ``resume``
+    each sub-run resumes
     (one that never started starts afresh); with ``overwrite`` each is moved aside by
     ``train``. Otherwise a sub-run that holds a run is refused (``RunExists``), except when
     ``OUT`` holds an earlier sweep (``OUT/sweep.json``): then a repeated sweep continues:
@@ -176,7 +198,8 @@ def compare(cfg: TrainConfig, recipes: Sequence[str],
     fast; throughput (tokens/s) of concurrent runs is then not comparable across runs.
 
     Raises:
-      ValueError: a bad spec, seeds or ``jobs``; ``RunExists`` (see above).
+      ValueError: a bad spec, seeds or ``jobs``; a sub-run its own run would refuse
+        (``check_runs``); ``RunExists`` (see above).
       SweepFailed: a worker process failed (after the summary of the other runs is written).
     """
     if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
@@ -222,6 +245,12 @@ def compare(cfg: TrainConfig, recipes: Sequence[str],
             raise RunExists(refusal(subs[first].out, taken[first])
                             + (f" (also: {', '.join(subs[k].out for k in list(taken)[1:])})"
                                if len(taken) > 1 else ""))
+    todo = [k for k in subs if k not in done]
+    ds = None
+    if todo:  # every run to train passes its own run's checks before the first one starts
+        ds = load_dataset(cfg.data, cfg.seq_len, cfg.val_fraction, cfg.cache_dir,
+                          cfg.tokenizer)
+        check_runs([subs[k] for k in todo], ds)
     out.mkdir(parents=True, exist_ok=True)
     lock_out(out)  # one sweep at a time in OUT (released when compare returns)
     (out / SWEEP_FILE).write_text(json.dumps(
@@ -229,18 +258,13 @@ def compare(cfg: TrainConfig, recipes: Sequence[str],
          "config": {k: v for k, v in dataclasses.asdict(cfg).items()
                     if k not in ("recipe", "seed")}},
         indent=1))
-    todo = [k for k in subs if k not in done]
     failed: list[str] = []
-    if jobs > 1 and len(todo) > 1:
-        if parse_tokenizer_spec(cfg.tokenizer)[0] == "bpe":  # trained once, not per worker
-            load_dataset(cfg.data, cfg.seq_len, cfg.val_fraction, cfg.cache_dir, cfg.tokenizer)
+    if jobs > 1 and len(todo) > 1:  # (a bpe:N vocabulary: trained above, once, not per worker)
         before = {k: _stamp(Path(subs[k].out) / "result.json") for k in todo}
         failed = _train_parallel({k: subs[k] for k in todo}, slugs, out, jobs)
         for k in todo:
             done[k] = _result_of(subs[k], before=before[k] or ())
     elif todo:
-        ds = load_dataset(cfg.data, cfg.seq_len, cfg.val_fraction, cfg.cache_dir,
-                          cfg.tokenizer)
         for k in todo:
             try:
                 done[k] = train(subs[k], ds)
@@ -269,6 +293,54 @@ def compare(cfg: TrainConfig, recipes: Sequence[str],
     if failed:
         raise SweepFailed(f"{len(failed)} sweep worker(s) failed; see {', '.join(failed)}")
     return results
+
+
+def check_runs(subs: Sequence[TrainConfig], dataset: Any) -> None:
+    """Runs, for each sub-run of a sweep (one per spec: the seeds share them), the checks
+    its own ``train`` runs before its first step, without compiling or writing anything:
+    the config (``TrainConfig``), the devices (``run_mesh``), the model and its precision
+    (``build_models``), the token rows per device (``check_token_rows``) and, from the
+    parameters' shapes (``jax.eval_shape``), the plans of ``--osci-reset``,
+    ``--outcontrol`` and ``--fp4-param-gather``. A run with ``--bf16-layers auto`` chooses
+    its layers by an FP4 warm-up run of its own: its model is checked when it starts.
+
+    Raises:
+      ValueError: the first sub-run that its own ``train`` would refuse, naming its spec.
+    """
+    import jax
+
+    from fp4jax.train import parallel
+    from fp4jax.train.config import explicit_bf16_layers, make_optimizer, run_recipe
+    from fp4jax.train.steps import make_init_state
+
+    seen: set[str] = set()
+    for sub in subs:
+        if sub.recipe in seen:
+            continue
+        seen.add(sub.recipe)
+        try:
+            validate_config(sub)
+            rsub, recipe = run_recipe(sub)
+            if explicit_bf16_layers(rsub.bf16_layers) is None:  # auto: measured by the run
+                continue
+            mesh = run_mesh(sub, rsub)
+            rm = build_models(sub, rsub, recipe, dataset)
+            check_token_rows(sub, rm, mesh)
+            if (rm.rcfg.osci_reset is None and rm.rcfg.outcontrol is None
+                    and not sub.fp4_param_gather):
+                continue
+            init = make_init_state(rm.models[False], make_optimizer(sub), sub)
+            state = jax.eval_shape(init, jax.random.key(sub.seed))
+            if rm.rcfg.osci_reset is not None:
+                osci_reset_plan(rm, state["params"])
+            if rm.rcfg.outcontrol is not None:
+                outcontrol_plan(sub, rm, mesh, state["params"])
+            if sub.fp4_param_gather and mesh.shape["fsdp"] > 1:
+                specs = parallel.state_specs(state, mesh)
+                fp4_gather_plans(rm, state["params"], specs["params"], mesh)
+        except ValueError as e:
+            raise ValueError(f"the run of recipe spec {sub.recipe!r} would be refused, so "
+                             f"the sweep did not start: {e}") from None
 
 
 def _stamp(path: Path) -> tuple | None:

@@ -24,7 +24,7 @@ import fp4jax.recipes
 from fp4jax.models.llama import ATTENTION, SCAN_REMAT, LlamaConfig, get_preset
 from fp4jax.nn.policy import PrecisionPolicy
 from fp4jax.recipes import GemmSpec, Recipe
-from fp4jax.tokens import parse_tokenizer_spec
+from fp4jax.tokens import MAX_VOCAB, parse_tokenizer_spec
 
 SWITCH_MODES = ("fwd", "bwd", "both")
 SCHEDULES = ("wsd", "cosine")
@@ -309,6 +309,20 @@ _INT_MIN: dict[str, int] = {
     "switch_window": 0, "grad_noise_every": 0, "bf16_warmup": 1, "osci_period": 3,
     "osci_iters": 1, "outcontrol_start": 0, "outcontrol_iters": 1, "outcontrol_multiple": 16,
 }
+INT32_MAX = 2**31 - 1
+MAX_SEED = 2**63 - 1  # jax.random.key takes a signed 64-bit seed
+# integer field -> its highest allowed value (the others: INT32_MAX, the step counter's and
+# XLA's int32 range) and why
+_INT_MAX: dict[str, tuple[int, str]] = {
+    "seq_len": (1 << 20, "tokens per sequence"),
+    "batch_size": (1 << 20, "sequences per step"),
+    "n_experts": (1 << 12, "experts per mixture (the largest models use a few hundred)"),
+    "outcontrol_multiple": (1 << 16, "channels"),
+}
+# the largest number of token ids one batch (batch_size x (seq_len + 1)) or the validation
+# batches (x eval_batches, held in host and device memory for the whole run) may hold: 1 GiB
+# of int32 ids, ~8x a batch of 4096 sequences of 8192 tokens
+MAX_BATCH_IDS = 1 << 28
 # real field -> (low, low included?, high or None, high included?); NaN and infinities are
 # always refused
 _REAL_RANGES: dict[str, tuple[float, bool, float | None, bool]] = {
@@ -342,16 +356,32 @@ def validate_config(cfg: TrainConfig) -> None:
       ConfigError: the first field whose value makes no sense (a ``ValueError`` that names the
         field and its CLI flag).
     """
-    for field, lo in _INT_MIN.items():
+    for field, lo in _INT_MIN.items():  # every size a user types: a range, then the fix
         v = getattr(cfg, field)
+        hi, what = _INT_MAX.get(field, (INT32_MAX, ""))
         if not _is_int(v) or v < lo:
             raise ConfigError(field, f"must be an integer >= {lo}, got {v!r}")
+        if v > hi:
+            raise ConfigError(field, f"must be an integer in {lo}..{hi}"
+                              f"{f' ({what})' if what else ''}, got {v!r}")
+    ids = cfg.batch_size * (cfg.seq_len + 1)
+    if ids > MAX_BATCH_IDS:
+        raise ConfigError("batch_size", f"--batch-size {cfg.batch_size} x (--seq-len "
+                          f"{cfg.seq_len} + 1) = {ids} token ids a batch, more than "
+                          f"{MAX_BATCH_IDS}: lower --batch-size or --seq-len")
+    if ids * cfg.eval_batches > MAX_BATCH_IDS:
+        raise ConfigError("eval_batches", f"--eval-batches {cfg.eval_batches} x {ids} token "
+                          f"ids a batch = {ids * cfg.eval_batches} validation ids held in "
+                          f"memory, more than {MAX_BATCH_IDS}: lower --eval-batches")
     for field, bounds in _REAL_RANGES.items():
         _check_real(field, getattr(cfg, field), *bounds)
-    if not _is_int(cfg.seed):
-        raise ConfigError("seed", f"must be an integer, got {cfg.seed!r}")
-    if cfg.stop_at is not None and (not _is_int(cfg.stop_at) or cfg.stop_at < 0):
-        raise ConfigError("stop_at", f"must be an integer >= 0 (or None), got {cfg.stop_at!r}")
+    if not _is_int(cfg.seed) or not 0 <= cfg.seed <= MAX_SEED:
+        raise ConfigError("seed", f"must be an integer in 0..{MAX_SEED} (the batch order's "
+                          f"numpy generator takes no negative seed), got {cfg.seed!r}")
+    if cfg.stop_at is not None and (not _is_int(cfg.stop_at)
+                                    or not 0 <= cfg.stop_at <= INT32_MAX):
+        raise ConfigError("stop_at", f"must be an integer in 0..{INT32_MAX} (or None), got "
+                          f"{cfg.stop_at!r}")
     if cfg.switch_at is not None and cfg.switch_at != "auto":
         if isinstance(cfg.switch_at, str):
             raise ConfigError("switch_at", f"must be a number in [0, 1] or 'auto', got "
@@ -372,6 +402,10 @@ def validate_config(cfg: TrainConfig) -> None:
         if cfg.model is not None:
             raise ConfigError("osci_reset", "works with the built-in Llama only (its weights' "
                               "quantizers are known); drop --osci-reset")
+        if cfg.switch_at is not None:
+            raise ConfigError("osci_reset", "with --switch-at: the forward weights' quantizer "
+                              "changes at the switch, which OsciReset does not follow; drop "
+                              "one")
     if cfg.outcontrol is None:
         defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
         for field in ("outcontrol_start", "outcontrol_iters", "outcontrol_multiple"):
@@ -438,8 +472,11 @@ def validate_config(cfg: TrainConfig) -> None:
             raise ConfigError("attn_recipe", str(e)) from None
     for field, lo in (("n_experts", 0), ("top_k", 1)):
         v = getattr(cfg, field)
+        hi = _INT_MAX["n_experts"][0]
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ConfigError(field, f"must be an integer >= {lo}, got {v!r}")
+        if v > hi:
+            raise ConfigError(field, f"must be an integer in {lo}..{hi}, got {v!r}")
     if cfg.n_experts and cfg.top_k > cfg.n_experts:
         raise ConfigError("top_k", f"must be at most n_experts={cfg.n_experts}, got "
                           f"{cfg.top_k}")
@@ -473,8 +510,10 @@ def validate_config(cfg: TrainConfig) -> None:
             parse_tokenizer_spec(cfg.tokenizer)
         except ValueError as e:
             raise ConfigError("tokenizer", str(e)) from None
-    if cfg.vocab_size is not None and (not _is_int(cfg.vocab_size) or cfg.vocab_size < 2):
-        raise ConfigError("vocab_size", f"must be an integer >= 2 (or None: the data's "
+    if cfg.vocab_size is not None and (not _is_int(cfg.vocab_size)
+                                       or not 2 <= cfg.vocab_size <= MAX_VOCAB):
+        raise ConfigError("vocab_size", f"must be an integer in 2..{MAX_VOCAB} (the model's "
+                          f"embedding and logits are vocabulary x width; or None: the data's "
                           f"vocabulary), got {cfg.vocab_size!r}")
     for field in ("data", "cache_dir"):
         v = getattr(cfg, field)
@@ -514,6 +553,57 @@ def validate_config(cfg: TrainConfig) -> None:
         raise ConfigError("overwrite", "--overwrite starts afresh and --resume continues: "
                           "give one of them")
     validate_precision(cfg)
+    validate_runs(cfg)
+
+
+def validate_runs(cfg: TrainConfig) -> None:
+    """Validates each run ``cfg`` describes as that run alone would be: one run, or every
+    run of a ``compare`` sweep (whatever the order of its specs), each with the run-level
+    keys of its spec applied (``split_run_spec``: ``nvfp4(switch_at=0.5)`` sets
+    ``switch_at``), and the checks that need the run's recipe (``validate_run_recipe``).
+
+    Raises:
+      ConfigError: naming the field, why, the fix and, when a spec's run-level keys or a
+        sweep take part, the spec.
+    """
+    specs = compare_names(cfg.compare) if cfg.compare else [cfg.recipe]
+    for spec in specs:
+        rest, run = split_run_spec(spec)
+        if not run and cfg.compare is None:  # the run is cfg itself (checked above)
+            validate_run_recipe(cfg, fp4jax.recipes.parse(rest))
+            continue
+        try:  # TrainConfig validates the run (rest has no run-level keys: no recursion)
+            cfg.replace(recipe=rest, compare=None, **run)
+        except ConfigError as e:
+            where = "of --compare" if cfg.compare else "of --recipe"
+            raise ConfigError(e.field, f"{e.reason} (the run of recipe spec {spec!r} "
+                              f"{where})") from None
+
+
+def validate_run_recipe(cfg: TrainConfig, recipe: Recipe) -> None:
+    """The checks of one run's flags against its recipe (run-level keys applied) that need
+    no model, data or devices: ``--osci-reset`` needs a weight quantized (round-to-nearest
+    or stochastically) in the forward GEMM, ``--fp4-param-gather`` a recipe whose weights
+    gather as FP4 (``fp4jax.sharding.param_gather_unsupported_reason``). The run itself
+    checks the rest (the layers' shapes).
+
+    Raises:
+      ConfigError: naming the flag, the recipe and the fix.
+    """
+    import fp4jax.sharding
+
+    if cfg.osci_reset is not None and cfg.model is None:
+        q = recipe.fprop.rhs
+        if not q.quantized or q.rounding not in ("nearest", "stochastic"):
+            raise ConfigError("osci_reset", f"recipe {recipe.name!r} does not quantize the "
+                              "weights of its forward GEMM to nearest or stochastically: "
+                              "OsciReset has no weight to track; drop --osci-reset, or set it "
+                              "per spec (nvfp4(osci_reset=0.64))")
+    if cfg.fp4_param_gather and cfg.model is None:
+        why = fp4jax.sharding.param_gather_unsupported_reason(recipe)
+        if why is not None:
+            raise ConfigError("fp4_param_gather", f"{why}: no weight of the run would be "
+                              "gathered in FP4; drop --fp4-param-gather")
 
 
 # flags of the built-in Llama that a --model run refuses (their non-default values)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -232,7 +233,7 @@ def test_parallel_sweep_equals_sequential(tmp_path):
                     "nvfp4_sr-False_rht-0_last_bf16-0.log"], logs
 
 
-def test_parallel_sweep_failed_workers(tmp_path, capsys):
+def test_parallel_sweep_failed_workers(tmp_path, capsys, monkeypatch):
     """A worker that fails is reported (SweepFailed, exit 2, its log named) with the summary
     written, and an older result.json in a failed sub-run's directory is not taken as its
     result; a one-seed --overwrite keeps each worker's log beside the runs."""
@@ -241,8 +242,12 @@ def test_parallel_sweep_failed_workers(tmp_path, capsys):
     args = [*CLI, "--data", str(corpus), "--out", str(out), "--compare", "bf16,bf16(name=b)",
             "--jobs", "2"]
     assert T.main(args) == 0
-    with pytest.raises(SystemExit) as e:  # 99 devices: both workers fail at the mesh
-        T.main([*args, "--overwrite", "--devices", "99"])
+    # the workers see one CPU device, this process (which checks every run before the sweep
+    # starts) four: --devices 2 passes here, and both workers fail at the mesh
+    monkeypatch.setenv("XLA_FLAGS", re.sub(r"device_count=\d+", "device_count=1",
+                                           os.environ["XLA_FLAGS"]))
+    with pytest.raises(SystemExit) as e:
+        T.main([*args, "--overwrite", "--devices", "2"])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "sweep worker(s) failed" in err and "workers/bf16.log" in err
