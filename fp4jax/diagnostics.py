@@ -60,7 +60,7 @@ import os
 import re
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -603,10 +603,26 @@ def _noise_entry(g_sq: jax.Array, e_sq: jax.Array, q_sq: jax.Array, d: int
             "d": jnp.asarray(d, jnp.int32 if d < 2**31 else jnp.float32)}
 
 
+def _owned(owners: Mapping[str, set[int] | None], keys: tuple[str, ...],
+           shape: tuple[int, ...], scan_axes: Any) -> bool:
+    """Whether the parameter at ``keys`` (not a ``"kernel"``) is a weight of one of the
+    linear layers ``owners`` (``gradient_noise``'s ``layers``): directly under a layer's
+    path, not a ``"bias"``, and (where the layer's weight shapes are known) as many
+    elements, past the scanned axes, as one of them."""
+    path = "/".join(keys[:-1])
+    if path not in owners or keys[-1] == "bias":
+        return False
+    sizes = owners[path]
+    if sizes is None:
+        return True
+    lead = len(shape) - 2 if scan_axes is None else int(scan_axes(keys[:-1], tuple(shape)))
+    return int(np.prod(shape[lead:])) in sizes
+
+
 def gradient_noise(grads: Any, grads_q: Any, *,
                    name_fn: Callable[[tuple[str, ...], tuple[int, ...]], str] | None = None,
-                   scan_axes: Callable[[tuple[str, ...], tuple[int, ...]], int] | None = None
-                   ) -> dict[str, Any]:
+                   scan_axes: Callable[[tuple[str, ...], tuple[int, ...]], int] | None = None,
+                   layers: Iterable[str] | None = None) -> dict[str, Any]:
     """The gradient-to-noise ratio of FP4-all-the-way (Chmiel et al. 2025, Section 4.1 and
     Appendix B.1), globally and per layer. Traceable: call it inside ``jax.jit``.
 
@@ -647,6 +663,13 @@ def gradient_noise(grads: Any, grads_q: Any, *,
         the last two (fp4jax's Llama, whose kernels are 2-D); for a model with
         multi-axis kernels (``DenseGeneral``) pass ``fp4jax.nn.report(...).scan_axes``,
         which splits only the stacks of actual scans.
+      layers: the module paths of the model's linear layers (``fp4jax.nn.report(...)
+        .layers``, whose weight shapes are then checked): every parameter of 2 or more
+        dimensions directly under one of them (not a ``"bias"``) is a layer's weight too,
+        whatever its name (``self.param("w")`` multiplied in the
+        module's own code, an einsum's weight, the second weight of a shared scope, a tied
+        embedding), named ``name_fn(path, index) + ":" + leaf`` (``"h_0/ffn:w_down"``),
+        its leading axes split as a kernel's. None: ``"kernel"`` leaves only.
 
     Returns:
       ``{"global": entry, "layers": {name: entry}}``, each entry ``{"ratio", "grad_norm"
@@ -654,12 +677,18 @@ def gradient_noise(grads: Any, grads_q: Any, *,
       (float32 scalars, ``d`` an int32), ``ratio`` infinite
       where the noise is 0 (a layer kept in high precision whose gradient no quantized
       GEMM reaches) and NaN where both are 0. ``"layers"`` holds every ``"kernel"`` leaf
-      (2D or more).
+      (2D or more), and the weights under ``layers``.
 
     Raises:
       ValueError: the two pytrees differ in structure or shapes.
     """
     name_fn = name_fn or _default_name
+    # the weights' sizes of each layer path (a report's "weights" shapes; None: any size)
+    owners: dict[str, set[int] | None] = {}
+    for p in layers if layers is not None else ():
+        info = layers[p] if isinstance(layers, Mapping) else None
+        ws = info.get("weights") if isinstance(info, Mapping) else None
+        owners[str(p)] = ({int(np.prod(w)) for w in ws} if ws else None)
     # the gradients of a whole variables dict ({"params": ...}) name their layers as those
     # of its parameters (the names of layer_stats, report and the rules)
     variables = isinstance(grads, Mapping) and "params" in grads
@@ -671,7 +700,7 @@ def gradient_noise(grads: Any, grads_q: Any, *,
                          "shapes (the same model's parameters)")
     g_tot = e_tot = q_tot = jnp.zeros((), jnp.float32)
     d_tot = 0
-    layers: dict[str, dict] = {}
+    out: dict[str, dict] = {}
     for (path, g), gq in zip(leaves, leaves_q, strict=True):
         g32, q32 = jnp.asarray(g, jnp.float32), jnp.asarray(gq, jnp.float32)
         e32 = q32 - g32
@@ -681,7 +710,8 @@ def gradient_noise(grads: Any, grads_q: Any, *,
             keys = keys[:-1]
         if variables and keys[:1] == ("params",):  # a variables dict: named as its params
             keys = keys[1:]
-        if keys and keys[-1] == "kernel" and g32.ndim >= 2:
+        kernel = bool(keys) and keys[-1] == "kernel"
+        if g32.ndim >= 2 and keys and (kernel or _owned(owners, keys, g32.shape, scan_axes)):
             lead = (g32.ndim - 2 if scan_axes is None
                     else int(scan_axes(keys[:-1], tuple(g32.shape))))
             if not 0 <= lead <= g32.ndim - 1:
@@ -691,13 +721,14 @@ def gradient_noise(grads: Any, grads_q: Any, *,
             gs, es, qs = (jnp.sum(jnp.square(a), axis=inner) for a in (g32, e32, q32))
             n = int(np.prod(g32.shape[lead:]))
             for index in np.ndindex(*g32.shape[:lead]):
-                layers[name_fn(keys[:-1], tuple(int(i) for i in index))] = _noise_entry(
+                name = name_fn(keys[:-1], tuple(int(i) for i in index))
+                out[name if kernel else f"{name}:{keys[-1]}"] = _noise_entry(
                     gs[index], es[index], qs[index], n)
         g_tot = g_tot + jnp.sum(jnp.square(g32))
         e_tot = e_tot + jnp.sum(jnp.square(e32))
         q_tot = q_tot + jnp.sum(jnp.square(q32))
         d_tot += int(np.prod(g32.shape))
-    return {"global": _noise_entry(g_tot, e_tot, q_tot, max(d_tot, 1)), "layers": layers}
+    return {"global": _noise_entry(g_tot, e_tot, q_tot, max(d_tot, 1)), "layers": out}
 
 
 def flatten_noise(result: Mapping[str, Any]) -> dict[str, Any]:

@@ -21,9 +21,10 @@ from fp4jax.train.runlog import RunLog
 
 
 def _layer_of(name: str) -> str:
-    """A measurement's layer path: its name without the scan index (``"[3]"``) and the call
-    suffix (``"#2"``)."""
-    return re.sub(r"(\[\d+\])+$", "", name.split("#", 1)[0])
+    """A measurement's layer path: its name without the scan index (``"[3]"``), the call
+    suffix (``"#2"``) and the weight's name (``":w_down"``, a weight not called
+    ``kernel``: ``diagnostics.gradient_noise``)."""
+    return re.sub(r"(\[\d+\])+$", "", name.split("#", 1)[0].split(":", 1)[0])
 
 
 class Evaluation:

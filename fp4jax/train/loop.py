@@ -410,7 +410,8 @@ def measurement_steps(fns: dict, rm: RunModels, mesh: Mesh) -> tuple[dict | None
                                       for k, m in rm.models.items()})
              if rcfg.stats_every else None)
     noise = (fns.setdefault("noise", {k: make_grad_noise_step(
-        m, rm.hp_backward(k), mesh, rm.name_fn, rm.flat_kernels, rm.scan_axes)
+        m, rm.hp_backward(k), mesh, rm.name_fn, rm.flat_kernels, rm.scan_axes,
+        None if rm.layers is None else tuple(rm.layers))
         for k, m in rm.models.items()})
         if rcfg.grad_noise_every else None)
     return stats, noise

@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -261,7 +262,26 @@ FACTORY_PROTOCOL = """\
 ``flax.linen.Module`` (unbound), or, when the factory takes a ``rngs`` keyword, a
 ``flax.nnx.Module`` built with ``rngs`` (``nnx.Rngs`` with the ``params`` stream seeded
 from ``--seed``). Called on int32 token ids ``(batch, seq_len)``, the model returns logits
-``(batch, seq_len, vocab_size)`` of any float dtype (the loss takes them in float32)."""
+``(batch, seq_len, vocab_size)`` of any float dtype (the loss takes them in float32).
+A linen model that returns a structure (a dataclass, a tuple) or needs other inputs
+(positions, a mask): the factory returns ``(model, call)`` with ``call(model, tokens) ->
+logits``, run inside the model (``CalledModel``: the same parameters and layer paths)."""
+
+
+class CalledModel(nn.Module):
+    """A linen ``model`` run by ``call(model, tokens) -> logits (B, T, vocab)`` (the
+    factory's ``(model, call)``: make positions or a mask, take the logits out of a returned
+    dataclass or tuple). The model shares this module's scope (``nn.share_scope``), so its
+    parameter tree and module paths, which the rules match, are its own."""
+
+    model: nn.Module
+    call: Callable[[Any, jax.Array], jax.Array]
+
+    def setup(self) -> None:
+        nn.share_scope(self, self.model)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.call(self.model, tokens)
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -589,21 +609,55 @@ def quantized_model(model: Any, rules: Rules, rngs: dict | None = None) -> Any:
     return fp4jax.nn.quantize_model(model, [fp4jax.nn.Rule(p, r) for p, r in rules], **kw)
 
 
+def listing_model(model: Any, build: Callable[[Any], Any] | None = None) -> Any:
+    """``model`` under ``fp4jax.nn.quantize_model`` with one rule keeping every layer in
+    high precision, for ``fp4jax.nn.report`` to list its linear layers (every product of a
+    weight, whatever its name); NNX (``build``, the factory's ``build(rngs)``): an
+    ``NnxModel`` doing so."""
+    import fp4jax.nn
+
+    listing = [fp4jax.nn.Rule(".*", None)]
+    if build is None:
+        return fp4jax.nn.quantize_model(model, listing)
+    from flax import nnx
+
+    return NnxModel(build, lambda m, rngs: fp4jax.nn.quantize_model(
+        m, listing, rngs=nnx.Rngs(**rngs)))
+
+
+def reported_recipes(rep: Any, rules: Rules, layers: list[str]
+                     ) -> dict[str, Recipe | None]:
+    """``{layer: its recipe}``: the rule ``fp4jax.nn.report`` ``rep`` says took the layer
+    (the model was quantized with ``rules``, or rules with the same patterns), else the
+    first rule matching its path (``layer_recipes``)."""
+    out = layer_recipes(rules, layers)
+    for n in layers:
+        d = rep.layers.get(n) if rep is not None else None
+        if d is not None:
+            out[n] = None if d["rule"] is None else rules[d["rule"]][1]
+    return out
+
+
 def layer_recipes(rules: Rules, layers: list[str]) -> dict[str, Recipe | None]:
     """``{layer: its recipe under rules}`` (None: high precision)."""
     return {n: first_match(rules, n)[1] for n in layers}
 
 
-def describe_rules(recipes: dict[str, Recipe | None], recipe: Recipe) -> str:
+def describe_rules(recipes: dict[str, Recipe | None], recipe: Recipe,
+                   weights: dict[str, int] | None = None) -> str:
     """One line: ``"10 of 14 linear layers in NVFP4 (71%); high precision: embed,
-    lm_head"`` (the layers not quantized, or how many)."""
+    lm_head"`` (the layers not quantized, or how many). ``weights``: how many weights each
+    layer path multiplies (``fp4jax.nn.report``: a module that multiplies two of its
+    parameters, an FFN sharing one scope, is two linear layers; default 1 each)."""
+    weights = weights or {}
     q = [n for n, r in recipes.items() if r is not None and r.quantized]
-    total = len(recipes)
+    total = sum(weights.get(n, 1) for n in recipes)
+    n_q = sum(weights.get(n, 1) for n in q)
     if not q:
         return f"0 of {total} linear layers quantized (all high precision)"
     names = sorted({r.name for n, r in recipes.items() if n in q})
-    line = (f"{len(q)} of {total} linear layers in {'/'.join(x.upper() for x in names)} "
-            f"({100.0 * len(q) / total:.0f}%)")
+    line = (f"{n_q} of {total} linear layers in {'/'.join(x.upper() for x in names)} "
+            f"({100.0 * n_q / total:.0f}%)")
     hp = [n for n in recipes if n not in q]
     if hp:
         line += "; high precision: " + (", ".join(hp) if len(hp) <= 6 else
@@ -699,14 +753,19 @@ def check_logits(name: str, model: Any, x0: jax.Array, vocab_size: int) -> Any:
         raise
     except Exception as e:  # noqa: BLE001 (the user's model: one line naming --model)
         raise ValueError(f"--model {name}: the model does not run on token ids of shape "
-                         f"{(b, t)} int32: {type(e).__name__}: {e}") from e
+                         f"{(b, t)} int32: {type(e).__name__}: {e} (a linen model needing "
+                         "other inputs: return (model, call) from the factory, "
+                         "call(model, tokens) -> logits; docs/byom.md)") from e
     shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
     if shape != (b, t, vocab_size) or not jnp.issubdtype(dtype, jnp.floating):
         got = (f"{type(out).__name__}" if shape is None
                else f"{dtype} {tuple(shape)}")
         raise ValueError(f"--model {name}: the model must return float logits of shape "
                          f"(batch, seq_len, vocab_size) = {(b, t, vocab_size)} for token ids "
-                         f"{(b, t)}, got {got} (vocab_size is the factory's first argument)")
+                         f"{(b, t)}, got {got} (vocab_size is the factory's first argument). "
+                         "A linen model returning a dataclass or tuple, or needing "
+                         "positions or a mask: return (model, call) from the factory, "
+                         "call(model, tokens) -> logits (docs/byom.md)")
     return variables["params"]
 
 
@@ -752,16 +811,35 @@ def foreign_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
         kind = "nnx"
     else:
         plain = call_factory()
+        if isinstance(plain, tuple) and len(plain) == 2 and isinstance(plain[0], nn.Module):
+            if not callable(plain[1]):
+                raise ValueError(f"--model {cfg.model}: the factory returned (model, "
+                                 f"{type(plain[1]).__name__}): the second item must be "
+                                 "call(model, tokens) -> logits")
+            plain = CalledModel(*plain)
         if isinstance(plain, nnx.Module):
             raise ValueError(f"--model {cfg.model}: an NNX model's factory must take a rngs "
                              "keyword (nnx.Rngs): factory(vocab_size, seq_len, *, rngs)")
         if not isinstance(plain, nn.Module):
             raise ValueError(f"--model {cfg.model}: the factory must return a "
-                             "flax.linen.Module or (taking rngs) a flax.nnx.Module, got "
+                             "flax.linen.Module (or a tuple (module, call) with "
+                             "call(model, tokens) -> logits), or (taking rngs) a "
+                             "flax.nnx.Module, got "
                              f"{type(plain).__name__}")
         kind = "linen"
     shapes_tree = check_logits(cfg.model, plain, x0, vocab_size)
-    shapes = linear_layers(shapes_tree)
+    # the linear layers: what fp4jax.nn.report finds the model multiplying, whatever its
+    # weights are called (the parameters named "kernel" if the report fails)
+    found = _say_report(listing_model(plain, build_plain if nnx_factory else None), x0,
+                        cfg.model, say=False)
+    if found is not None and found.layers:
+        # each layer's weight elements, every weight it multiplies (the GEMM work's share)
+        shapes = {n: (sum(math.prod(w) for w in d.get("weights") or [d["weight"]]),)
+                  for n, d in found.layers.items()}
+        n_weights = {n: max(len(d.get("weights") or [d["weight"]]), 1)
+                     for n, d in found.layers.items()}
+    else:
+        shapes, n_weights = linear_layers(shapes_tree), {}
     layers = list(shapes)
     n_params = sum(int(math.prod(x.shape)) for x in jax.tree.leaves(shapes_tree))
     rules = read_rules(cfg.rules) if cfg.rules else []
@@ -792,8 +870,9 @@ def foreign_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
     models = {False: make(rules), True: make(sw_rules)}
     rep = _say_report(models[False], x0, cfg.model) if quantizes(rules) else None
     hp_rules = {k: switched_rules(r, "bwd") for k, r in ((False, rules), (True, sw_rules))}
-    recipes = {False: layer_recipes(rules, layers), True: layer_recipes(sw_rules, layers)}
-    summary = describe_rules(recipes[False], recipe)
+    recipes = {False: reported_recipes(rep, rules, layers),
+               True: reported_recipes(rep, sw_rules, layers)}
+    summary = describe_rules(recipes[False], recipe, n_weights)
     if notes:
         summary += "; " + "; ".join(notes)
     return RunModels(
@@ -803,7 +882,8 @@ def foreign_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
         hp_backward=lambda k: make(hp_rules[k]),
         fp4_names=[n for n, r in recipes[False].items() if r is not None and r.quantized],
         name_fn=path_name, order=str,
-        gemm_fraction=rules_gemm_fraction(shapes, recipes), flat_kernels=rep is None,
+        gemm_fraction=rules_gemm_fraction(shapes, recipes),
+        flat_kernels=(rep or found) is None,
         layers={n: None if r is None else fp4jax.recipes.spec(r)
                 for n, r in recipes[False].items()},
-        scan_axes=rep.scan_axes if rep is not None else None)
+        scan_axes=(rep or found).scan_axes if (rep or found) is not None else None)

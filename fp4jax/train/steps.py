@@ -272,7 +272,7 @@ def flat_kernels(tree: Any) -> Any:
 def make_grad_noise_step(model: Any, model_hp: Any, mesh: Mesh,
                          name_fn: NameFn = layer_name, flat: bool = False,
                          scan_axes: Callable[[tuple[str, ...], tuple[int, ...]], int] | None
-                         = None) -> Callable:
+                         = None, layers: tuple[str, ...] | None = None) -> Callable:
     """A jit-compiled ``noise(params, batch, base_key, step) ->
     fp4jax.diagnostics.gradient_noise(g, g_q)``: the gradient-to-noise ratio of train step
     ``step`` (FP4-all-the-way Section 4), globally and per layer (named by ``name_fn``,
@@ -284,7 +284,9 @@ def make_grad_noise_step(model: Any, model_hp: Any, mesh: Mesh,
     the train step, which it leaves unchanged. ``flat``: every kernel is one layer
     (``flat_kernels``; a foreign model whose scans are not known); ``scan_axes``: how many
     leading axes of each kernel stack scanned layers (``gradient_noise``'s; a foreign
-    model's ``fp4jax.nn.report(...).scan_axes``)."""
+    model's ``fp4jax.nn.report(...).scan_axes``); ``layers``: the linear layers' paths,
+    whose weights under any name are layers too (``gradient_noise``'s; a foreign model's
+    reported layers)."""
 
     grads = noise_gradients(model, model_hp)
 
@@ -293,7 +295,8 @@ def make_grad_noise_step(model: Any, model_hp: Any, mesh: Mesh,
         g, g_q = grads(params, batch, key_arg, step)
         if flat:
             g, g_q = flat_kernels(g), flat_kernels(g_q)
-        return diagnostics.gradient_noise(g, g_q, name_fn=name_fn, scan_axes=scan_axes)
+        return diagnostics.gradient_noise(g, g_q, name_fn=name_fn, scan_axes=scan_axes,
+                                          layers=layers)
 
     return _jit_on(mesh, noise, out_shardings=NamedSharding(mesh, P()))
 
