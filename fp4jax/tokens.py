@@ -899,6 +899,12 @@ def tokenize_corpus(data: str | os.PathLike | None, tokenizer: str, out: str | o
         raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     kind, _ = parse_tokenizer_spec(tokenizer)
     out = Path(out).expanduser()
+    if (not overwrite and out.exists() and not (out.is_dir() and not any(out.iterdir()))
+            and (not out.is_dir() or _read_meta(out) is None)):
+        # refused before a corpus is read or a vocabulary trained (an out of tokens is
+        # compared with this corpus below: it may be up to date)
+        raise FileExistsError(f"--out {str(out)!r} holds other files: choose another --out, "
+                              "or pass --overwrite to move it aside (to OUT.old-<time>)")
     docs = load_documents(data, cache)
     settings: dict[str, Any] = {"tokenizer": str(tokenizer), "val_fraction": val_fraction,
                                 "shard_tokens": shard_tokens}

@@ -65,7 +65,7 @@ from fp4jax.train.models import (
 )
 from fp4jax.train.oscillation import OsciReset, tracked_weights
 from fp4jax.train.parallel import make_mesh
-from fp4jax.train.rundir import check_out, claim_out, releases_locks
+from fp4jax.train.rundir import check_out, check_resumable, claim_out, releases_locks
 from fp4jax.train.runlog import Progress, RunLog, TrainingDiverged, empty_history
 from fp4jax.train.steps import (
     LAYER_KEY_INDEX,
@@ -484,6 +484,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     out = Path(cfg.out)
     if not cfg.resume:  # refuse before loading data and compiling
         processes.on_main(lambda: claim_out(cfg, dry_run=True), what="checking --out")
+    else:  # nothing to resume: refused before anything is compiled or written
+        processes.on_main(lambda: check_resumable(cfg.out), what="checking --out")
     # run-level keys of the spec (nvfp4(last_bf16=0, switch_at=0.8)) applied: rcfg builds
     # the model; cfg (the spec as given) is what results and checkpoints record
     rcfg, recipe = run_recipe(cfg)

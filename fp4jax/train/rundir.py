@@ -213,6 +213,21 @@ def refusal(out: str | os.PathLike, found: list[str]) -> str:
             f"(overwrite=True) to move it aside to {str(out)}.old-<time> and start afresh")
 
 
+def check_resumable(out: str | os.PathLike) -> None:
+    """``--resume``: refuses an ``out`` with no checkpoint to resume from (no step directory
+    in ``OUT/checkpoints``) before anything is compiled or written; whether the newest one
+    restores is checked when the run restores it.
+
+    Raises:
+      ValueError: naming ``OUT/checkpoints`` and the fix.
+    """
+    ck = Path(out).expanduser() / "checkpoints"
+    if not ck.is_dir() or not any(p.name.isdigit() for p in ck.iterdir()):
+        raise ValueError(f"--resume: no checkpoint in {ck}: nothing to resume; start a fresh "
+                         "run without --resume (with --overwrite if --out holds an earlier "
+                         "run, which moves it aside)")
+
+
 def claim_out(cfg: TrainConfig, dry_run: bool = False) -> Path | None:
     """Makes ``cfg.out`` ready for a fresh run (``cfg.resume`` false).
 
