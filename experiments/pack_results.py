@@ -1,5 +1,6 @@
-"""A finished campaign's per-step records in one compressed archive, and the reader that the
-rebuild scripts use whether a run's records are loose (a fresh run) or packed.
+"""A finished campaign's per-step records (or, ``--raw``, a whole topic's raw files) in one
+compressed archive, and the reader that the rebuild scripts use whether a file is loose (a
+fresh run) or packed.
 
     python experiments/pack_results.py experiments/results/training/2026-11-25_auto_precision_h100
     python experiments/pack_results.py --all               # every campaign with loose records
@@ -335,7 +336,7 @@ def campaigns(root: Path = RESULTS) -> Iterator[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("folders", nargs="*", type=Path, help="campaign folders")
     p.add_argument("--all", action="store_true",
                    help="every campaign under experiments/results with loose records")
