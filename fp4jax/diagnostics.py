@@ -284,11 +284,14 @@ def observe_product(layer: Any, name: str | None, lhs: jax.Array, rhs: jax.Array
     if p.mode == "shapes":
         if _trace_state() != p.trace:
             p.unmeasured.setdefault(full, "runs inside a transform of the model (scan, "
-                                    "vmap, jit or remat): its operands cannot leave it")
+                                    "vmap, jit or remat): its operands cannot leave it; "
+                                    "measure it on the model built without that transform "
+                                    "(the same parameters)")
         elif not is_dense_product(lhs, rhs, dimension_numbers):
             p.unmeasured.setdefault(full, f"not an x (..., K) @ w (K, N) product "
                                     f"({_shape_str(lhs, rhs)}, dimension numbers "
-                                    f"{dimension_numbers})")
+                                    f"{dimension_numbers}; a batch axis on the weight: "
+                                    "gemm_stats on one block's x and w measures it)")
         else:
             p.shapes[full] = jax.ShapeDtypeStruct(jnp.shape(y), jnp.result_type(y))
         return y
@@ -380,6 +383,17 @@ def layer_stats(model: Any, variables: Mapping[str, Any] | None, *args: Any,
     import flax.linen as nn
     from flax import nnx
 
+    if getattr(model, "fp4jax_fn", None) is not None:
+        raise ValueError("layer_stats: model is a function from fp4jax.nn.quantize_function, "
+                         "whose products run inside its re-evaluated program: not measured "
+                         "here. fp4jax.nn.function_report(qfn, *args) lists its layers; "
+                         "measure one with fp4jax.diagnostics.gemm_stats(x, w, dy, recipe=...)"
+                         " on its operands, or use quantize_model for a Flax model")
+    if not isinstance(model, nn.Module | nnx.Module) and not hasattr(model, "apply"):
+        raise TypeError(f"layer_stats: model must be a flax.linen.Module, an nnx.Module or "
+                        f"have linen's apply(variables, *args, rngs=...), got "
+                        f"{type(model).__name__}")
+
     if isinstance(model, nnx.Module):
         if variables is not None or rngs is not None:
             raise ValueError("layer_stats: an NNX model holds its parameters and RNG streams: "
@@ -464,7 +478,13 @@ def layer_stats(model: Any, variables: Mapping[str, Any] | None, *args: Any,
     walk(dict(state.get(STATS_COLLECTION, {})), ())
     for full, st in p.stats.items():
         base, _, n = full.partition("#")
-        out[name_fn(tuple(base.split("/")), ()) + (f"#{n}" if n else "")] = st
+        name = name_fn(tuple(base.split("/")), ()) + (f"#{n}" if n else "")
+        if name in out:  # the path of a product measured above (two layers sharing one
+            stem, k = name.partition("#")[0], 2  # scope, nn.share_scope): the next call
+            while f"{stem}#{k}" in out:
+                k += 1
+            name = f"{stem}#{k}"
+        out[name] = st
     return out
 
 

@@ -58,6 +58,7 @@ def test_bf16_recipe_counts_the_same_layers(tmp_path):
     assert rm.summary.startswith("0 of 13 linear layers quantized")
 
 
+@pytest.mark.slow
 def test_factory_returning_model_and_call(tmp_path):
     """BlockDiagLM returns an Output dataclass and needs positions: its factory returns
     (model, call). Its layers (the block-diagonal gate einsums, a weight named "gates" with
@@ -112,3 +113,51 @@ def test_gradient_noise_measures_every_reported_weight():
     assert float(got["h_0/ffn:w_down"]["d"]) == 64 * 32
     kernels_only = D.gradient_noise(g, gq, scan_axes=rep.scan_axes)["layers"]
     assert set(kernels_only) == {n for n in names if ":" not in n}
+
+
+def _stats_names(qmodel, tokens, **kw):
+    """The layers ``layer_stats`` measures (shapes only) and its warnings."""
+    import warnings
+
+    k = jax.random.key(1)
+    v = jax.eval_shape(qmodel.init, {"params": jax.random.key(0)}, tokens)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        st = jax.eval_shape(lambda v: D.layer_stats(
+            qmodel, v, tokens, loss=lambda y: jnp.mean(jnp.square(y)),
+            rngs={"fp4": k, "fp4_layer": k}, **kw), v)
+    return set(st), [str(x.message) for x in w]
+
+
+@pytest.mark.slow
+def test_layer_stats_measures_both_weights_of_a_shared_scope():
+    """The shared scope's up (a linen Dense) and down (its own einsum) products are two
+    measurements, ``h_i/ffn`` and ``h_i/ffn#2``; every reported product is measured."""
+    tokens = jnp.zeros((2, SEQ), jnp.int32)
+    q = fp4jax.nn.quantize_model(fm.shared_scope_lm(VOCAB, SEQ), [(".*", "nvfp4")])
+    names, warned = _stats_names(q, tokens)
+    rep = fp4jax.nn.report(q, tokens)
+    products = sum(len(d["weights"]) for d in rep.layers.values())
+    assert len(names) == products == 13 and warned == []
+    assert {"h_0/ffn", "h_0/ffn#2", "h_1/ffn", "h_1/ffn#2", "wte"} <= names
+
+
+@pytest.mark.slow
+def test_layer_stats_names_what_it_cannot_measure_and_why():
+    """Under nn.remat the setup-style block-diagonal gates cannot be measured: each is
+    named with its reason and the way around it; a quantize_function model is refused
+    with a ValueError naming function_report and gemm_stats."""
+    tokens = jnp.zeros((2, SEQ), jnp.int32)
+    q = fp4jax.nn.quantize_model(models.CalledModel(*fm.block_diag_lm(VOCAB, SEQ)),
+                                 [(".*", "nvfp4")])
+    names, warned = _stats_names(q, tokens)
+    assert names == {"cell_0/proj", "cell_1/proj", "lm_head"}
+    assert len(warned) == 1
+    for cell in ("cell_0", "cell_1"):
+        assert f"{cell}: runs inside a transform of the model" in warned[0]
+    assert "without that transform" in warned[0]
+
+    qfn = fp4jax.nn.quantize_function(fm.scanned_mlp, [(".*", "nvfp4")])
+    params = fm.scanned_mlp_params(jax.random.key(0))
+    with pytest.raises(ValueError, match="quantize_function.*function_report.*gemm_stats"):
+        D.layer_stats(qfn, {"params": params}, tokens, loss=jnp.sum)
