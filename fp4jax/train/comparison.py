@@ -44,6 +44,7 @@ from fp4jax.train.loop import (
 from fp4jax.train.rundir import (
     RunExists,
     check_out,
+    check_resumable,
     check_unlocked,
     lock_out,
     refusal,
@@ -163,7 +164,8 @@ def _plan(sub: TrainConfig) -> tuple[str, TrainConfig, dict | None]:
         res = None
     if res is not None and res.get("status") in ("finished", "diverged"):
         return "skip", sub, res
-    if any(f.startswith("checkpoints") for f in found):
+    ck = out / "checkpoints"
+    if ck.is_dir() and any(p.name.isdigit() for p in ck.iterdir()):  # a step to resume from
         return "resume", sub.replace(resume=True, resume_override=None), None
     return "restart", sub.replace(overwrite=True), None
 
@@ -298,7 +300,8 @@ def compare(cfg: TrainConfig, recipes: Sequence[str],
 def check_runs(subs: Sequence[TrainConfig], dataset: Any) -> None:
     """Runs, for each sub-run of a sweep (one per spec: the seeds share them), the checks
     its own ``train`` runs before its first step, without compiling or writing anything:
-    the config (``TrainConfig``), the devices (``run_mesh``), the model and its precision
+    a checkpoint to resume from (``check_resumable``, each sub-run that resumes), the config
+    (``TrainConfig``), the devices (``run_mesh``), the model and its precision
     (``build_models``), the token rows per device (``check_token_rows``) and, from the
     parameters' shapes (``jax.eval_shape``), the plans of ``--osci-reset``,
     ``--outcontrol`` and ``--fp4-param-gather``. A run with ``--bf16-layers auto`` chooses
@@ -313,6 +316,9 @@ def check_runs(subs: Sequence[TrainConfig], dataset: Any) -> None:
     from fp4jax.train.config import explicit_bf16_layers, make_optimizer, run_recipe
     from fp4jax.train.steps import make_init_state
 
+    for sub in subs:  # each seed's: its directory holds a checkpoint to resume from
+        if sub.resume:
+            check_resumable(sub.out)
     seen: set[str] = set()
     for sub in subs:
         if sub.recipe in seen:

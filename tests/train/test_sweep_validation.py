@@ -100,3 +100,20 @@ def test_compare_function_checks_every_run(tmp_path):
     with pytest.raises(ValueError, match="recipe spec 'mxfp4' would be refused"):
         compare(cfg, ["nvfp4", "mxfp4"])
     assert not (tmp_path / "s").exists()
+
+
+def test_repeated_sweep_restarts_a_run_with_no_checkpoint_step(tmp_path, capsys):
+    """A sub-run killed after creating its checkpoint folder but before its first checkpoint
+    has nothing to resume: the repeated sweep moves it aside and restarts it (a sub-run told
+    to resume would be refused)."""
+    corpus = write_text(tmp_path / "c.txt", 20_000)
+    out = tmp_path / "sweep"
+    dead = out / "bf16"
+    (dead / "checkpoints").mkdir(parents=True)
+    (dead / "metrics.jsonl").write_text("")
+    (out / "sweep.json").write_text("{}")
+    assert T.main([*CLI, "--data", str(corpus), "--out", str(out), "--compare", "bf16"]) == 0
+    err = capsys.readouterr().err
+    assert f"{dead}: no checkpoint: moving it aside, restarting" in err, err
+    assert len(list(out.glob("bf16.old-*"))) == 1
+    assert (dead / "result.json").is_file()
