@@ -95,3 +95,48 @@ def test_refused_linen_call_changes_nothing():
     assert type(m) is cls and (m.features, m.use_bias) == fields
     q = fp4jax.nn.quantize_model(m, [(".*", SR)])
     assert type(m) is cls and type(q) is not cls
+
+
+class Blk(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.up = nnx.Linear(32, 32, use_bias=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.up(x)
+
+
+class Act(nnx.Module):
+    """A parameter-free module (run under the hooks once quantized)."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.nn.relu(x)
+
+
+class Stacked(nnx.Module):
+    """A parameter-free root over a parameter-free activation, three ``nnx.vmap``-stacked
+    blocks and a head."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.act = Act()
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return Blk(rngs)
+        self.blocks = make(rngs)
+        self.head = nnx.Linear(32, 8, use_bias=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.head(self.act(x))
+
+
+def test_refused_stack_rules_change_nothing():
+    """Rules that split one stacked layer's blocks between recipes are refused while the
+    rules are resolved, before any module (the root included) is changed."""
+    m = Stacked(nnx.Rngs(0))
+    before = snapshot(m)
+    with pytest.raises(ValueError, match="scanned stack of 3 blocks"):
+        fp4jax.nn.quantize_model(m, [fp4jax.nn.Rule(r"blocks/(0|2)/up", None),
+                                     fp4jax.nn.Rule(".*", SR)], rngs=nnx.Rngs(fp4=0))
+    assert same(snapshot(m), before)
+    q = fp4jax.nn.quantize_model(m, [fp4jax.nn.Rule(r"head", SR)], rngs=nnx.Rngs(fp4=0))
+    assert q is m and type(m) is not Stacked  # quantized now (the root runs under the hooks)
