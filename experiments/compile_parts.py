@@ -112,10 +112,10 @@ def measure(preset: str, spec: str, batch_size: int, seq_len: int, log_path: str
     from profile_step import build_step
 
     if cuda_on_cpu:
-        import pallas_kernels.dispatch as dispatch
+        import pallas_kernels.dot_sm90 as dot_sm90
 
         os.environ["FP4JAX_KERNELS"] = "on"
-        dispatch.on_sm90 = lambda: True  # lower the kernel path for CUDA without a GPU
+        dot_sm90.on_sm90 = lambda: True  # lower the kernel path for CUDA without a GPU
     from jax.experimental.mosaic.gpu import core as mgpu_core
 
     mgpu_core.KNOWN_KERNELS.clear()

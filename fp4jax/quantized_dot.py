@@ -33,14 +33,28 @@ import numpy as np
 
 from fp4jax import numerics, sharding
 from fp4jax import quantization as qz
-from fp4jax.hadamard import random_hadamard_transform, resolve_signs
-from fp4jax.recipes import GemmSpec, QuantSpec, Recipe, nvfp4
-from pallas_kernels import dispatch
+from fp4jax.backends import (
+    SUBSCRIPTS,
+    WHOLE,
+    XLA,
+    Backend,
+    DotCall,
+    Operand,
+    OperandRequest,
+    RowShard,
+    gemm_dtype,
+    reference_quantize,
+    rotate,
+    run_gemm,
+    run_operands,
+    select,
+)
+from fp4jax.hadamard import resolve_signs
+from fp4jax.recipes import GemmSpec, Recipe, nvfp4
 
-__all__ = ["OPERAND_AXES", "call_key", "dot", "dot_general", "gemm_inputs", "gemm_rht_signs",
-           "operand_key", "reference_gemms", "reference_operand", "token_row_multiple"]
-
-Operand = Any  # QuantizedArray | jax.Array
+__all__ = ["OPERAND_AXES", "call_key", "dot", "dot_general", "gemm_dtypes", "gemm_inputs",
+           "gemm_rht_signs", "operand_key", "operand_request", "reference_gemms",
+           "reference_operand", "token_row_multiple"]
 
 # fold_in indices of the per-call key: one per quantization point, one per RHT.
 _KEY_IDX = {
@@ -88,47 +102,6 @@ def gemm_rht_signs(recipe: Recipe, gemm: str, key: jax.Array) -> jax.Array:
     return _rht_signs(getattr(recipe, gemm), key, gemm)
 
 
-def _scoped(name: str):
-    """Runs the function under ``jax.named_scope(name)``: HLO metadata only (the op names
-    that ``experiments/profile_step.py`` reads to attribute kernel time), same program."""
-    def deco(f):
-        @functools.wraps(f)
-        def wrapped(*args, **kwargs):
-            with jax.named_scope(name):
-                return f(*args, **kwargs)
-        return wrapped
-    return deco
-
-
-@_scoped("fp4_quantize")
-def _quant(x: jax.Array, spec: QuantSpec, axis: int, key: jax.Array,
-           packed_kernels: bool = False, shard: Any = None, group: int = 0,
-           local_amax: bool = False) -> Operand:
-    """Quantize one operand per its spec (or pass it through when unquantized).
-
-    With ``packed_kernels`` (``DotBackend.packed_quantize``) the dispatcher's packed NVFP4
-    quantize kernels take the round-to-nearest operands they cover
-    (``dispatch.quantize_unsupported_reason``); everything else runs the XLA reference.
-    ``shard``: ``x`` is a row block of a data-parallel tensor (``fp4jax.sharding``).
-    ``group``: MS-EDEN's group, the GEMM's RHT size. ``local_amax``: with ``shard``, the
-    shard's own tensor amax (``Recipe.amax_scope="local"``).
-    """
-    if not spec.quantized:
-        return x
-    if (packed_kernels and shard is None and spec.rounding == "nearest"
-            and dispatch.is_supported("quantize", x.shape, x.dtype, fmt=spec.fmt, axis=axis,
-                                      block_2d=spec.block_2d,
-                                      block_scale_rule=spec.block_scale_rule,
-                                      row_scaled=spec.row_scaled)):
-        return dispatch.quantize(x, spec.fmt, axis=-1, block_2d=spec.block_2d,
-                                 backend="pallas")
-    return qz.quantize_unchecked(x, key if spec.random else None, spec.fmt, axis % x.ndim,
-                                 spec.block_2d, spec.rounding, spec.block_scale_rule, shard,
-                                 row_scaled=spec.row_scaled,
-                                 eden_group=group if spec.rounding == "ms_eden" else 0,
-                                 local_amax=local_amax)
-
-
 def _rht_signs(g: GemmSpec, key: jax.Array, gemm: str) -> jax.Array:
     """The GEMM's RHT sign vector (float32 +-1 of length ``g.hadamard``)."""
     signs = g.hadamard_signs
@@ -141,144 +114,39 @@ def _rht_signs(g: GemmSpec, key: jax.Array, gemm: str) -> jax.Array:
     return resolve_signs(signs, g.hadamard)
 
 
-@_scoped("fp4_rht")
-def _rht(x: jax.Array, g: GemmSpec, axis: int, key: jax.Array, gemm: str) -> jax.Array:
-    """Zero-pad ``axis`` to the Hadamard size and rotate (no-op when the GEMM has no RHT)."""
-    if not g.hadamard:
-        return x
-    pad = (-x.shape[axis]) % g.hadamard
-    if pad:
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, pad)
-        x = jnp.pad(x, widths)
-    return random_hadamard_transform(x, axis=axis, size=g.hadamard,
-                                     signs=_rht_signs(g, key, gemm))
-
-
-def _bf16_exact(op: Operand) -> bool:
-    """Whether ``op`` (its ``data * scale`` for a quantized one) is exact in bfloat16: 8
-    significant bits at most (``BlockFormat.scaled_bits``)."""
+def _as_operand(op: Any) -> Operand:
+    """A ``QuantizedArray`` or an unquantized array as an ``Operand``."""
+    if isinstance(op, Operand):
+        return op
     if isinstance(op, qz.QuantizedArray):
-        return op.fmt.scaled_bits <= 8
-    return op.dtype == jnp.bfloat16
+        return Operand.from_codes(op)
+    return Operand.from_tensor(op)
 
 
-def gemm_inputs(a: Operand, b: Operand, precision: Any
+def gemm_inputs(a: Any, b: Any, precision: Any
                 ) -> tuple[jax.Array, jax.Array, Any, Any, Any]:
-    """How the XLA path feeds a GEMM its two operands (each a ``QuantizedArray`` or an
-    unquantized array): ``(a_value, b_value, a_scale, b_scale, precision)``. The values are
-    ``scaled_data`` (``data * scale``, no tensor scale) of a quantized operand or the array
-    itself, both in bfloat16 when both are exact in it (``_bf16_exact``), else float32; the
-    scales are the tensor decode scales (None when unquantized); the precision is
-    ``Precision.HIGHEST`` when an operand is quantized, else ``precision``. Also the
-    per-expert GEMMs of ``fp4jax.ragged_dot``."""
-    compute = jnp.bfloat16 if (_bf16_exact(a) and _bf16_exact(b)) else jnp.float32
-    quantized = isinstance(a, qz.QuantizedArray) or isinstance(b, qz.QuantizedArray)
-    if quantized:
+    """How the reference feeds a GEMM its two operands (each an ``Operand``, a
+    ``QuantizedArray`` or an unquantized array): ``(a_value, b_value, a_scale, b_scale,
+    precision)``. The values are ``data * scale`` (no tensor scale) of a quantized operand
+    or the array itself, both in ``backends.gemm_dtype`` (bfloat16 when both are exact in
+    it, else float32); the scales are the tensor decode scales (None when unquantized);
+    the precision is ``Precision.HIGHEST`` when an operand is quantized, else
+    ``precision``. Also the per-expert GEMMs of ``fp4jax.ragged_dot``."""
+    oa, ob = _as_operand(a), _as_operand(b)
+    compute = gemm_dtype(oa, ob)
+    if oa.quantized or ob.quantized:
         precision = jax.lax.Precision.HIGHEST
-
-    def unpack(op):
-        if isinstance(op, qz.QuantizedArray):
-            with jax.named_scope("fp4_decode"):
-                return qz.scaled_data(op, compute), op.global_scale
-        return op.astype(compute), None
-
-    av, sa = unpack(a)
-    bv, sb = unpack(b)
-    return av, bv, sa, sb, precision
+    return oa.scaled(compute), ob.scaled(compute), oa.decode_scale, ob.decode_scale, precision
 
 
-def _gemm(subscripts: str, a: Operand, b: Operand, precision: Any) -> jax.Array:
-    """``einsum(subscripts)`` of two operands, f32 accumulation, global scales last."""
-    av, bv, sa, sb, precision = gemm_inputs(a, b, precision)
-    return _einsum_scaled(subscripts, av, bv, sa, sb, precision)
-
-
-def _gemm_out(subscripts: str, a: Operand, b: Operand, precision: Any, out_dtype: Any,
-              native: str = "off") -> jax.Array:
-    """``_gemm(...).astype(out_dtype)``, or the same GEMM on the dispatcher's Blackwell
-    backend (``native``: ``dispatch.native_mode()``) when it takes these operands (NVFP4
-    quantized along the contracted axis); equal up to float32 accumulation order."""
-    if native != "off":
-        y = dispatch.native_gemm(subscripts, a, b, out_dtype=out_dtype, mode=native)
-        if y is not None:
-            return y
-    return _gemm(subscripts, a, b, precision).astype(out_dtype)
-
-
-def _einsum_scaled(subscripts: str, av: jax.Array, bv: jax.Array, sa: Any, sb: Any,
-                   precision: Any) -> jax.Array:
-    """``einsum(av, bv)`` accumulated in f32, times the tensor decode scales present.
-
-    A row-scaled operand's decode scales (one per row: its shape with the contracted axis
-    of length 1, ``fp4jax.quantization.global_encode_scale``) are indexed by its free and batch
-    axes only, so they factor out of the sum over the contracted axis exactly: they are laid
-    out along the output's axes (``_scale_to_output``) and multiplied in with the other
-    operand's scale as one factor per output element, ``y * (dec_a[m] * dec_b[n])``, as a
-    scalar pair is (Transformer Engine's row-scaled GEMM, ``pytorch/cpp_extensions/
-    gemm.py`` l. 341-353, folds the two into one factor likewise when one side is a scalar;
-    with row scales on both sides it multiplies twice)."""
-    y = jnp.einsum(subscripts, av, bv, preferred_element_type=jnp.float32, precision=precision)
-    # cuBLAS-style alpha = dec_a * dec_b (NVFP4 paper Eq. 5). Applying the two scales one
-    # at a time would avoid the underflow of alpha for two tiny tensors
-    # (amax_a * amax_b < ~1e-31), but XLA may re-associate it differently per call site,
-    # which breaks bit-reproducibility between equivalent programs.
-    ins, out = subscripts.split("->")
-    scales = [_scale_to_output(s, sub, out) for s, sub in zip((sa, sb), ins.split(","),
-                                                              strict=True) if s is not None]
-    if scales:
-        y = y * functools.reduce(jnp.multiply, scales)
-    return y
-
-
-def _scale_to_output(s: jax.Array, sub: str, out: str) -> jax.Array:
-    """An operand's decode scale(s) broadcastable against the einsum output ``out``: a
-    scalar as is; per-row scales (the operand's shape, ``sub``, with its contracted axes of
-    length 1) with those axes dropped and the rest moved to their output positions."""
-    if jnp.ndim(s) == 0:
-        return s
-    letters = [c for c in sub if c in out]
-    s = s.reshape([d for d, c in zip(s.shape, sub, strict=True) if c in out])
-    order = [c for c in out if c in letters]
-    s = jnp.transpose(s, [letters.index(c) for c in order])
-    return s.reshape([s.shape[order.index(c)] if c in order else 1 for c in out])
-
-
-# ---------------------------------------------------------------------------
-# The kernel path: each quantized operand as its ``data * scale`` (Pallas kernels on sm_90),
-# each unquantized one as the XLA path feeds it.
-# ---------------------------------------------------------------------------
-
-
-def _kernel_spec_reason(q: QuantSpec) -> str | None:
-    """None when the Hopper operand kernels implement the quantized operand spec ``q``,
-    else why not (``dispatch.spec_unsupported_reason``, the one statement of their
-    coverage)."""
-    return dispatch.spec_unsupported_reason(q.fmt, block_scale_rule=q.block_scale_rule,
-                                            row_scaled=q.row_scaled, rounding=q.rounding)
-
-
-def _scaled_path_applies(recipe: Recipe) -> bool:
-    """Whether the kernel path (``DotBackend`` ``"pallas"``) takes the recipe: some operand
-    is quantized with a spec the kernels implement (``dispatch.spec_unsupported_reason``:
-    NVFP4 with one tensor scale or MX FP4, the ``"max"`` block scale rule, round-to-nearest
-    or stochastic rounding). The other operands ride along, each as the XLA path makes it:
-    a quantized one with another spec (FP6/FP8, 4over6, row-scaled, MS-EDEN) from the XLA
-    quantizer, an unquantized one (a high-precision GEMM: ``nvfp4_fwd_only``, a precision
-    switch) as the tensor itself, its GEMM on XLA as the XLA path runs it
-    (``_gemm_kernel_path``), so the bits are the XLA path's. A recipe with no such operand
-    (``bf16``, ``mxfp8``, ``quartet2``) runs wholly on the XLA path."""
-    return any(q.quantized and _kernel_spec_reason(q) is None
-               for g in (recipe.fprop, recipe.dgrad, recipe.wgrad) for q in (g.lhs, g.rhs))
-
-
-def _gemm_dtypes(recipe: Recipe, x_dtype: Any, w_dtype: Any, g_dtype: Any) -> dict[str, Any]:
-    """Per GEMM (``"fprop"``, ``"dgrad"``, ``"wgrad"``), the dtype ``_gemm`` computes it in
-    on the XLA path, known before any operand is made: bfloat16 when both operands are exact
-    in it (``_bf16_exact``: a quantized one when its format's ``scaled_bits`` <= 8, an
-    unquantized one when it enters as bfloat16, i.e. its tensor is bfloat16 and the GEMM has
-    no RHT: the RHT returns float32), else float32. ``x_dtype``, ``w_dtype``, ``g_dtype``:
-    the dtypes of x, w and the cotangent dy as ``_make_dot3`` quantizes them."""
+def gemm_dtypes(recipe: Recipe, x_dtype: Any, w_dtype: Any, g_dtype: Any) -> dict[str, Any]:
+    """Per GEMM (``"fprop"``, ``"dgrad"``, ``"wgrad"``), the dtype it computes in
+    (``backends.gemm_dtype``), known from the recipe before any operand is made: bfloat16
+    when both operands are exact in it (a quantized one when its format's ``scaled_bits``
+    <= 8, an unquantized one when it enters as bfloat16, i.e. its tensor is bfloat16 and
+    the GEMM has no RHT: the RHT returns float32), else float32. ``x_dtype``, ``w_dtype``,
+    ``g_dtype``: the dtypes of x, w and the cotangent dy as ``_make_dot3`` quantizes
+    them."""
     tensors = {"fprop": (x_dtype, w_dtype), "dgrad": (g_dtype, w_dtype),
                "wgrad": (x_dtype, g_dtype)}
     out = {}
@@ -290,141 +158,33 @@ def _gemm_dtypes(recipe: Recipe, x_dtype: Any, w_dtype: Any, g_dtype: Any) -> di
     return out
 
 
-def _kernel_for(x: jax.Array, g: GemmSpec, spec: QuantSpec, axis: int, key: jax.Array):
-    """The dispatcher's fused kernel for this operand (``"rows"``, ``"cols"``, ``"2d"``) or
-    None (the XLA path). ``x`` is canonical (B, R, C); ``axis`` 1 or 2 is the blocked axis."""
-    return dispatch.operand_kernel(x, block_2d=spec.block_2d, axis=axis,
-                                   stochastic=spec.stochastic, rht=g.hadamard,
-                                   key=_step_key(key),
-                                   block_scale_rule=spec.block_scale_rule, fmt=spec.fmt,
-                                   row_scaled=spec.row_scaled, rounding=spec.rounding)
-
-
-@_scoped("fp4_operands")
-def _scaled_operands(x: jax.Array, ops: tuple, key: jax.Array, kmode: str, shard: Any = None,
-                     local_amax: bool = False, dtypes: dict[str, Any] | None = None
-                     ) -> list[tuple[jax.Array, Any]]:
-    """Operands made from one tensor ``x`` as the kernel path's GEMMs take them; ``ops``:
-    ``(gemm_spec, quant_spec, axis, gemm, which)`` per operand; ``dtypes``: per GEMM name
-    the dtype it computes in (``_gemm_dtypes``; default bfloat16 for all).
-
-    A quantized operand is ``(scaled_data(Q(x)) in its GEMM's dtype, tensor decode scale)``:
-    from a fused kernel when one covers it (its spec, shape and dtype; the kernels write
-    bfloat16, so an operand of a float32 GEMM is never theirs), else from the XLA path (the
-    same bits either way). An unquantized operand is ``(x, None)``: ``x`` itself (rotated
-    when its GEMM has an RHT), exactly the XLA path's operand. A rows operand and an RHT'd
-    cols operand of the same tensor take both tensor amaxes from one read
-    (``cols_amaxes``). ``shard``: as ``_quant``'s."""
-    def dtype(op):
-        return jnp.dtype(jnp.bfloat16) if dtypes is None else dtypes[op[3]]
-
-    def xla(x, key, op):
-        g, spec, axis, gemm, which = op
-        q = _quant(_rht(x, g, axis, key, gemm), spec, axis, _subkey(key, gemm, which),
-                   shard=shard, group=g.hadamard, local_amax=local_amax)
-        if not spec.quantized:
-            return q, None
-        return qz.scaled_data(q, dtype(op)), q.global_scale
-
-    kinds = [_kernel_for(x, op[0], op[1], op[2], key)
-             if op[1].quantized and dtype(op) == jnp.bfloat16 else None for op in ops]
-    out: list = [None] * len(ops)
-    for i, (op, kind) in enumerate(zip(ops, kinds, strict=True)):
-        if kind is None:
-            out[i] = xla(x, key, op)
-    todo = [i for i, kind in enumerate(kinds) if kind is not None]
-    if not todo:
-        return out
-
-    def xla_all(x, key):
-        return [xla(x, key, ops[i]) for i in todo]
-
-    # Pallas calls have no correct batching rule here: under jax.vmap these operands take
-    # the XLA path (vmapped), which is what the unbatched kernels compute per example.
-    f = jax.custom_batching.custom_vmap(
-        lambda x, key: _kernel_operands(x, [ops[i] for i in todo], [kinds[i] for i in todo],
-                                        key, kmode, shard, local_amax))
-
-    @f.def_vmap
-    def _(axis_size, in_batched, x, key):
-        del axis_size
-        res = jax.vmap(xla_all, in_axes=[0 if b else None for b in in_batched])(x, key)
-        return res, [(True, True)] * len(todo)
-
-    for i, r in zip(todo, f(x, key), strict=True):
-        out[i] = tuple(r)
-    return out
-
-
-def _kernel_operands(x, ops, kinds, key, kmode, shard=None, local_amax=False):
-    sr_keys = [_subkey(key, gemm, which) if spec.stochastic else None
-               for (_, spec, _, gemm, which) in ops]
-    signs = [_rht_signs(op[0], key, op[3]) if kind == "cols" and op[0].hadamard else None
-             for op, kind in zip(ops, kinds, strict=True)]
-    return dispatch.make_operands(x, kinds, sr_keys, signs, kmode, shard=shard,
-                                  local_amax=local_amax, fmts=[op[1].fmt for op in ops])
-
-
-# each GEMM of one dot call on the canonical tensors x (B, M, K), w (B, K, N), dy (B, M, N)
-_GEMM_SUBSCRIPTS = {"fprop": "bmk,bkn->bmn",  # x @ w
-                    "dgrad": "bmn,bkn->bmk",  # dy @ w^T (w stored (K, N))
-                    "wgrad": "bmk,bmn->bkn"}  # x^T @ dy (x stored (M, K))
-# whether the kernel path transposes (lhs, rhs) for each
-_GEMM_LAYOUTS = {_GEMM_SUBSCRIPTS["fprop"]: (False, False),
-                 _GEMM_SUBSCRIPTS["dgrad"]: (False, True),
-                 _GEMM_SUBSCRIPTS["wgrad"]: (True, False)}
-
-
-def _gemm_kernel_path(subscripts: str, av: jax.Array, bv: jax.Array, sa: Any, sb: Any,
-                      out_dtype: Any, kmode: str, gemm: str, precision: Any = None
-                      ) -> jax.Array:
-    """One GEMM of the kernel path on ``_scaled_operands``' operands, ``(value, decode
-    scale)`` each (scale None: unquantized), computing what ``_gemm(...).astype(out_dtype)``
-    computes on the XLA path's operands.
-
-    Both operands bfloat16 ``data * scale`` with one tensor scale each: the dispatcher's
-    scaled GEMM kernel where it takes it (``dispatch.scaled_gemm``: unbatched, ``alpha =
-    sa * sb`` in its epilogue; equal up to float32 accumulation order). Otherwise (an
-    unquantized operand, a float32 GEMM, per-row scales, or a shape the kernel does not
-    tile) the XLA path's own GEMM: both values in bfloat16 when both are bfloat16, else
-    float32 (the casts ``_gemm`` makes: a quantized value is already in its GEMM's dtype,
-    ``_gemm_dtypes``), ``Precision.HIGHEST`` when an operand is quantized and ``precision``
-    otherwise, then ``_einsum_scaled``: the XLA path's bits."""
-    trans_a, trans_b = _GEMM_LAYOUTS[subscripts]
-    bf16 = av.dtype == jnp.bfloat16 and bv.dtype == jnp.bfloat16
-    if (av.shape[0] == 1 and bf16 and sa is not None and sb is not None
-            and jnp.ndim(sa) == 0 and jnp.ndim(sb) == 0):
-        y = dispatch.scaled_gemm(av[0], bv[0], sa * sb, trans_a=trans_a, trans_b=trans_b,
-                                 out_dtype=out_dtype, mode=kmode, gemm=gemm)
-        if y is not None:
-            return y[None]
-    compute = jnp.bfloat16 if bf16 else jnp.float32
-    if sa is not None or sb is not None:
-        precision = jax.lax.Precision.HIGHEST
-    return _einsum_scaled(subscripts, av.astype(compute), bv.astype(compute), sa, sb,
-                          precision).astype(out_dtype)
-
-
 OPERAND_AXES = {("fprop", "lhs"): 2, ("fprop", "rhs"): 1, ("dgrad", "lhs"): 2,
                 ("dgrad", "rhs"): 2, ("wgrad", "lhs"): 1, ("wgrad", "rhs"): 1}
 """The blocked (quantized) axis of each canonical operand ``(gemm, which)``: x (1, M, K) and
 dy (1, M, N) along their last axis for fprop/dgrad and along the tokens for wgrad; w (1, K,
 N) along K for fprop, along N for dgrad (module docstring)."""
 
+# the six operands of one call by the tensor they are made from
+_OPERANDS = {"x_fprop": ("fprop", "lhs"), "w_fprop": ("fprop", "rhs"),
+             "g_dgrad": ("dgrad", "lhs"), "w_dgrad": ("dgrad", "rhs"),
+             "x_wgrad": ("wgrad", "lhs"), "g_wgrad": ("wgrad", "rhs")}
 
-def _operand_specs(recipe: Recipe) -> dict[str, tuple]:
-    """The six operands as ``(gemm spec, quant spec, blocked axis, gemm, which)``."""
-    def op(gemm, which):
-        g = getattr(recipe, gemm)
-        return (g, getattr(g, which), OPERAND_AXES[(gemm, which)], gemm, which)
 
-    return {"x_fprop": op("fprop", "lhs"), "w_fprop": op("fprop", "rhs"),
-            "g_dgrad": op("dgrad", "lhs"), "w_dgrad": op("dgrad", "rhs"),
-            "x_wgrad": op("wgrad", "lhs"), "g_wgrad": op("wgrad", "rhs")}
+def operand_request(recipe: Recipe, gemm: str, which: str, key: jax.Array,
+                    dtype: Any = jnp.float32) -> OperandRequest:
+    """The ``backends.OperandRequest`` of operand ``which`` of ``gemm`` in a call of
+    ``recipe`` with ``key`` (``call_key``'s): its spec, blocked axis (``OPERAND_AXES``),
+    the GEMM's RHT size and sign vector, its stochastic-rounding key (``operand_key``) and
+    ``dtype``, its GEMM's compute dtype (``gemm_dtypes``)."""
+    g = getattr(recipe, gemm)
+    return OperandRequest(gemm=gemm, which=which, spec=getattr(g, which),
+                          axis=OPERAND_AXES[(gemm, which)], hadamard=g.hadamard,
+                          signs=_rht_signs(g, key, gemm) if g.hadamard else None,
+                          key=_subkey(key, gemm, which), dtype=jnp.dtype(dtype))
 
 
 def reference_operand(t: jax.Array, recipe: Recipe, gemm: str, which: str, key: jax.Array
-                      ) -> tuple[jax.Array, Operand]:
+                      ) -> tuple[jax.Array, Any]:
     """One GEMM operand as ``fp4jax.dot``'s XLA reference makes it.
 
     Args:
@@ -439,10 +199,10 @@ def reference_operand(t: jax.Array, recipe: Recipe, gemm: str, which: str, key: 
       axis (``OPERAND_AXES``; ``t`` itself without RHT), the quantizer's input; ``q`` its
       ``QuantizedArray`` (``r`` itself when the operand is unquantized).
     """
-    g = getattr(recipe, gemm)
-    axis = OPERAND_AXES[(gemm, which)]
-    r = _rht(t, g, axis, key, gemm)
-    return r, _quant(r, getattr(g, which), axis, _subkey(key, gemm, which), group=g.hadamard)
+    req = operand_request(recipe, gemm, which, key)
+    r = rotate(t, req.hadamard, req.axis, req.signs)
+    op = reference_quantize(r, req)
+    return r, (op.codes if op.quantized else op.values)
 
 
 def reference_gemms(x: jax.Array, w: jax.Array, dy: jax.Array, recipe: Recipe, key: jax.Array,
@@ -486,65 +246,44 @@ def reference_gemms(x: jax.Array, w: jax.Array, dy: jax.Array, recipe: Recipe, k
     for gemm, (a, b) in tensors.items():
         lhs = reference_operand(a, recipe, gemm, "lhs", key)
         rhs = reference_operand(b, recipe, gemm, "rhs", key)
-        out = _gemm_out(_GEMM_SUBSCRIPTS[gemm], lhs[1], rhs[1], None, dtypes[gemm])
+        out = XLA.gemm(SUBSCRIPTS[gemm], _as_operand(lhs[1]), _as_operand(rhs[1]),
+                       out_dtype=dtypes[gemm])
         res[gemm] = (out, lhs, rhs)
     return res
 
 
-def _operands(t: jax.Array, ops: tuple, key: jax.Array, backend: dispatch.DotBackend,
-              shard: Any = None, local_amax: bool = False,
-              dtypes: dict[str, Any] | None = None) -> list:
-    """The GEMM operands ``ops`` made from one tensor ``t``, as ``backend`` consumes them:
-    on the kernel path ``(scaled_data, tensor decode scale)`` pairs, ``(t, None)`` where the
-    spec is unquantized (``_scaled_operands``; ``dtypes``: each GEMM's dtype,
-    ``_gemm_dtypes``), otherwise the reference's ``QuantizedArray`` (or ``t`` itself where
-    the spec is unquantized). ``shard``: ``t`` is a token-row shard (x and dy);
-    ``local_amax``: its operands take the shard's own amax (``Recipe.amax_scope``)."""
-    if backend.kmode != "off":
-        return _scaled_operands(t, ops, key, backend.kmode, shard, local_amax, dtypes)
-    return [_quant(_rht(t, g, axis, key, gemm), spec, axis, _subkey(key, gemm, which),
-                   backend.packed_quantize, shard, g.hadamard, local_amax)
-            for g, spec, axis, gemm, which in ops]
-
-
-def _run_gemm(subscripts: str, a: Any, b: Any, out_dtype: Any, precision: Any,
-              backend: dispatch.DotBackend) -> jax.Array:
-    """One of the three GEMMs on ``backend``'s operands (``_operands``)."""
-    if backend.kmode != "off":
-        (av, sa), (bv, sb) = a, b
-        return _gemm_kernel_path(subscripts, av, bv, sa, sb, out_dtype, backend.kmode,
-                                 backend.gemm, precision)
-    return _gemm_out(subscripts, a, b, precision, out_dtype, backend.native)
-
-
 @functools.cache
 def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, precision: Any,
-               backend: dispatch.DotBackend, shard: Any = None):
+               chain: tuple[Backend, ...], shard: Any = None):
     """The one custom_vjp of canonical ``(B, M, K) @ (B, K, N)`` (the module docstring's
-    three GEMMs), specialized on static args (all part of the cache key): ``backend``
-    (``dispatch.dot_backend``: how operands and GEMMs run, the same bits on each);
-    ``shard``: the ``fp4jax.sharding.data_parallel`` axes, x and dy being row shards.
+    three GEMMs), specialized on static args (all part of the cache key): ``chain``
+    (``backends.select``: who makes each operand and runs each GEMM, the same bits on
+    each); ``shard``: the ``fp4jax.sharding.data_parallel`` axes, x and dy being row
+    shards.
 
     Residuals: the dgrad-ready weight (the fprop one itself when the two specs are equal
-    and 2D-scaled, or both unquantized, with no RHT) and the wgrad-ready activation, in the
-    backend's operand form (the XLA path: FP4 ``QuantizedArray``; the kernel path: bf16
-    ``data * scale``, as many bytes as the bf16 baseline's ``x`` and ``w``; an unquantized
-    operand is the tensor itself on both)."""
+    and 2D-scaled, or both unquantized, with no RHT) and the wgrad-ready activation, as the
+    backend made them (``backends.Operand``: codes on the reference, ``data * scale`` from
+    fused kernels; an unquantized operand is the tensor itself)."""
     fp, dg = recipe.fprop, recipe.dgrad
-    ops = _operand_specs(recipe)
     g_dtype = jnp.dtype(jnp.bfloat16 if jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.float32)
-    dtypes = _gemm_dtypes(recipe, lhs_dtype, rhs_dtype, g_dtype)  # the kernel path's
+    dtypes = gemm_dtypes(recipe, lhs_dtype, rhs_dtype, g_dtype)
     reuse_w = dg.rhs == fp.rhs and (not fp.rhs.quantized or fp.rhs.block_2d) and not (
-        fp.hadamard or dg.hadamard) and (backend.kmode == "off"
-                                         or dtypes["fprop"] == dtypes["dgrad"])
-    local = recipe.amax_scope == "local"
+        fp.hadamard or dg.hadamard)
+    rows = RowShard(shard, recipe.amax_scope == "local")
+
+    def operands(t, names, key, where=WHOLE):
+        reqs = [operand_request(recipe, *_OPERANDS[n], key, dtypes[_OPERANDS[n][0]])
+                for n in names]
+        return run_operands(chain, t, reqs, where)
+
+    def gemm(name, a, b, dtype):
+        return run_gemm(chain, SUBSCRIPTS[name], a, b, dtype, precision)
 
     def forward(x, w, key, with_res=False):
-        xo = _operands(x, (ops["x_fprop"], ops["x_wgrad"]) if with_res else (ops["x_fprop"],),
-                       key, backend, shard, local, dtypes)
-        wq, = _operands(w, (ops["w_fprop"],), key, backend, dtypes=dtypes)
-        y = _run_gemm(_GEMM_SUBSCRIPTS["fprop"], xo[0], wq, out_dtype, precision, backend)
-        return y, wq, xo[1:]
+        xo = operands(x, ("x_fprop", "x_wgrad") if with_res else ("x_fprop",), key, rows)
+        wq, = operands(w, ("w_fprop",), key)
+        return gemm("fprop", xo[0], wq, out_dtype), wq, xo[1:]
 
     @jax.custom_vjp
     def dot3(x, w, key):
@@ -552,17 +291,15 @@ def _make_dot3(recipe: Recipe, out_dtype: Any, lhs_dtype: Any, rhs_dtype: Any, p
 
     def fwd(x, w, key):
         y, wq, (xq_w,) = forward(x, w, key, with_res=True)
-        wq_d = wq if reuse_w else _operands(w, (ops["w_dgrad"],), key, backend,
-                                            dtypes=dtypes)[0]
+        wq_d = wq if reuse_w else operands(w, ("w_dgrad",), key)[0]
         return y, (wq_d, xq_w, key)
 
     def bwd(res, g):
         wq_d, xq_w, key = res
         g = g.astype(jnp.float32) if g.dtype != jnp.bfloat16 else g
-        gq_d, gq_w = _operands(g, (ops["g_dgrad"], ops["g_wgrad"]), key, backend, shard,
-                               local, dtypes)
-        dx = _run_gemm(_GEMM_SUBSCRIPTS["dgrad"], gq_d, wq_d, lhs_dtype, precision, backend)
-        dw = _run_gemm(_GEMM_SUBSCRIPTS["wgrad"], xq_w, gq_w, rhs_dtype, precision, backend)
+        gq_d, gq_w = operands(g, ("g_dgrad", "g_wgrad"), key, rows)
+        dx = gemm("dgrad", gq_d, wq_d, lhs_dtype)
+        dw = gemm("wgrad", xq_w, gq_w, rhs_dtype)
         return dx, dw, None
 
     dot3.defvjp(fwd, bwd)
@@ -622,21 +359,19 @@ def dot_general(
         ``hadamard_signs`` is ``"layer"`` (required then, ignored otherwise): one key per
         layer, the same at every step (the Flax layers draw it from the ``"fp4_layer"``
         stream).
-      implementation: which backend runs the operands and GEMMs; every one computes the
-        XLA reference's bits (GEMMs up to float32 accumulation order off XLA's einsum).
-        ``None`` (default): automatic, the Hopper kernels on an sm_90 GPU for large
-        unbatched calls of recipes with NVFP4 or MXFP4 operands, Blackwell's native FP4
-        GEMMs on sm_100+, else ``"xla"``; the ``FP4JAX_KERNELS`` environment variable sets
-        this choice only (``off``: always XLA, ``on``: kernels at every size, ``native``).
-        ``"xla"``: the reference. ``"pallas"``: the Hopper kernel path; raises a ValueError
-        where it cannot run the call (no sm_90 GPU, a batched call, a recipe with no operand
-        the kernels implement: all FP6/FP8, row-scaled, MS-EDEN, 4over6 or unquantized);
-        inside it the operands the kernels do not implement (those specs, or shapes they do
-        not tile) and the unquantized ones (a high-precision GEMM, e.g. a precision switch)
-        enter their GEMMs as on the reference, and a GEMM with an unquantized operand runs
-        as on the reference. ``"native"``:
-        ``jax.nn.scaled_matmul`` for the NVFP4 GEMMs (raises where this JAX does not lower
-        it), the reference for the other GEMMs. See ``pallas_kernels.dispatch.dot_backend``.
+      implementation: which backend makes the operands and runs the GEMMs
+        (``fp4jax.backends.select``); every one computes the XLA reference's bits (GEMMs up
+        to float32 accumulation order off XLA's einsum), and each operand or GEMM a backend
+        does not take runs on the reference. ``None`` (default): automatic, the first
+        registered backend that takes the call (the Hopper kernels of ``pallas_kernels`` on
+        an sm_90 GPU for large unbatched calls of recipes with NVFP4 or MXFP4 operands,
+        Blackwell's native FP4 GEMMs on sm_100+), else ``"xla"``; the ``FP4JAX_KERNELS``
+        environment variable sets this choice only (``off``: always XLA, ``on``: kernels at
+        every size, ``native``). ``"xla"``: the reference. ``"pallas"``: the Hopper kernels;
+        raises a ValueError where they cannot run the call (no sm_90 GPU, a batched call, a
+        recipe with no operand the kernels implement: all FP6/FP8, row-scaled, MS-EDEN,
+        4over6 or unquantized). ``"native"``: ``jax.nn.scaled_matmul`` for the NVFP4 GEMMs
+        (raises where this JAX does not lower it).
 
     Returns:
       ``lax.dot_general``'s output shape: batch dims, lhs free dims, rhs free dims.
@@ -691,11 +426,9 @@ def dot_general(
     w3 = jnp.transpose(rhs, list(rb) + list(rc) + rfree).reshape(B, K, N)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
     shard = _data_parallel_axis(B, M, recipe) if recipe.quantized else None
-    backend = dispatch.dot_backend(implementation,
-                                   mkn=M * K * N if B == 1 else 0,  # kernels need B == 1
-                                   kernel_recipe=_scaled_path_applies(recipe))
+    chain = select(implementation, DotCall(recipe, B, M, K, N, sharding.xla_partitions()))
     fn = _make_dot3(recipe, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype),
-                    _hashable_precision(precision), backend, shard)
+                    _hashable_precision(precision), chain, shard)
     y3 = fn(x3, w3, key)
     return y3.reshape(*bshape, *lfshape, *rfshape)
 

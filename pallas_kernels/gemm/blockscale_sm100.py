@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp4jax.quantization import QuantizedArray
+
 __all__ = ["BLOCK", "K_ALIGN", "SUBSCRIPTS", "emulate", "gemm", "jax_lowers_on",
            "kmajor_operand", "operand_reason", "scaled_matmul", "swizzle_scales_128x4"]
 
@@ -66,8 +68,6 @@ def operand_reason(q, contract_axis: int) -> str | None:
     contracted over ``contract_axis`` (1 or 2), else why not: it must be NVFP4-shaped
     (E2M1 elements, E4M3 block scales, block 16, a float32 tensor scale) and blocked along
     the contracted axis (1x16 along it, or 16x16 tiles)."""
-    from fp4jax.quantization import QuantizedArray
-
     if not isinstance(q, QuantizedArray):
         return "operand is not quantized (high precision)"
     f = q.fmt

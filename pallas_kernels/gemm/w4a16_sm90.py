@@ -43,6 +43,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from fp4jax.quantization import e2m1_codes
+
 TILE_N = 64  # rows of W^T per warpgroup (wgmma M)
 SCALE_SHIFT = 117  # block scales are stored times 2^117; codes decode to value * 2^-126
 MASK = 0x81C081C0  # bf16x2 bits 15, 8..6 of both halves
@@ -121,8 +123,6 @@ def prepare_weight(q):
     Accepts 1x16 blocks along axis 0 (scale (K/16, N)) or 16x16 tiles (scale (K/16,
     N/16)). Returns ``(wp, ws, dec)``: (N, K/8) uint32, (K/16, N) bfloat16, f32 scalar.
     """
-    from fp4jax.quantization import e2m1_codes
-
     if q.fmt.block_size != 16 or not q.fmt.tensor_scale or q.data.ndim != 2:
         raise ValueError("prepare_weight expects a 2-D NVFP4 QuantizedArray (K, N)")
     if not q.block_2d and q.axis % q.ndim != 0:

@@ -45,6 +45,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from fp4jax.quantization import e2m1_codes
+
 # Lane semantics, what the decode kernel is written for (JAX 0.11 defaults to Warpgroup,
 # whose layout inference makes lowering slow: quantize/common_sm90.lane_params)
 _LANE = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
@@ -105,8 +107,6 @@ def operand_unsupported_reason(q, contract_axis: int) -> str | None:
 
 
 def _prepare(q, contract_axis: int):
-    from fp4jax.quantization import e2m1_codes
-
     reason = operand_unsupported_reason(q, contract_axis)
     if reason is not None:
         raise ValueError(reason)

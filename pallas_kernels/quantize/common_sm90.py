@@ -6,12 +6,12 @@ and ``operand_sm90`` (the bf16 ``data * scale`` GEMM operands ``fp4jax.dot`` use
 Hopper). It owns the in-register numerics they share, each a transcription of one rule
 of the core (cited where defined): the tensor scales (``global_scales``, from
 ``fp4jax.quantization.global_encode_scale``), E4M3 block-scale rounding (``e4m3_round``,
-``_block_scale``), the correctly rounded reciprocal of the element encode scale
+``block_scale_bits``), the correctly rounded reciprocal of the element encode scale
 (``recip_rn``, ``recip_table``; ``fp4jax.numerics.div_rn``), E2M1 element rounding to the
-nearest or stochastically (``e2m1_code``, ``_e2m1_value``; ``fp4jax.numerics``), the
-stochastic-rounding bits (``key_words``, ``_sr_uniform``; ``numerics.uniform_from_key``),
+nearest or stochastically (``e2m1_code``, ``e2m1_value``; ``fp4jax.numerics``), the
+stochastic-rounding bits (``key_words``, ``sr_uniform``; ``numerics.uniform_from_key``),
 the kernels' scalar input (``kernel_scalars``, ``scalars``) and the word layout of bf16
-pairs in the WGMMA register layout (``_load_words``). Tiling defaults shared by both
+pairs in the WGMMA register layout (``load_words``). Tiling defaults shared by both
 (``SUB``, ``G2D``, ``GR``, ``QUAD_BLOCKS``) live here too.
 
 Numerics (Transformer Engine, ``core_nvfp4.cuh``; evaluated in float32 exactly as
@@ -42,6 +42,11 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from fp4jax import quantization
+from fp4jax.formats import NVFP4
+from fp4jax.numerics import div_rn, floor_log2, pow2, reciprocal_rn, subnormal_hi
+from fp4jax.quantization import block_decode_scale, global_encode_scale
+
 try:  # JAX 0.11 registers pallas_call's Mosaic GPU lowering only when this is imported.
     from jax._src.pallas.mosaic_gpu import pallas_call_registration as _  # noqa: F401
 except ImportError:  # pragma: no cover
@@ -53,8 +58,6 @@ FLT_MAX = float(np.finfo(np.float32).max)
 def finite_amax(x: jax.Array) -> jax.Array:
     """``max |x|`` over the finite values of ``x`` (float32 scalar; an XLA reduction): the
     core's tensor amax rule itself (``fp4jax.quantization.finite_amax``)."""
-    from fp4jax import quantization
-
     return quantization.finite_amax(x)  # reads x through numerics.exact_float32
 
 
@@ -67,10 +70,6 @@ def global_scales(x: jax.Array | None, amax: jax.Array | None = None
     numerics.reciprocal_rn(enc)`` (correctly rounded, also on the GPU; subnormal for a
     tiny tensor, as TE's).
     """
-    from fp4jax.formats import NVFP4
-    from fp4jax.numerics import reciprocal_rn
-    from fp4jax.quantization import global_encode_scale
-
     if amax is None:
         amax = finite_amax(x)
     enc = global_encode_scale(amax, NVFP4)
@@ -78,11 +77,11 @@ def global_scales(x: jax.Array | None, amax: jax.Array | None = None
     return enc, dec
 
 
-def _i32(v):
+def bits_to_i32(v):
     return lax.bitcast_convert_type(v, jnp.int32)
 
 
-def _f32(v):
+def bits_to_f32(v):
     return lax.bitcast_convert_type(v, jnp.float32)
 
 
@@ -91,7 +90,7 @@ def e4m3_round(s_f):
 
     Returns (value as float32, E4M3 bit pattern as int32).
     """
-    bits = _i32(s_f)
+    bits = bits_to_i32(s_f)
     lsb = lax.shift_right_logical(bits, 20) & 1
     rn = (bits + 0x7FFFF + lsb) & -0x100000  # clear the 20 mantissa bits E4M3 lacks
     byte_norm = ((lax.shift_right_logical(rn, 23) - 120) << 3) | (
@@ -101,7 +100,7 @@ def e4m3_round(s_f):
     # from folding (v + 2^23) - 2^23 into v.
     sub = lax.optimization_barrier(s_f * 512.0 + 8388608.0) - 8388608.0
     is_sub = s_f < 0.015625  # 2^-6, smallest normal E4M3
-    val = jnp.where(is_sub, sub * (1.0 / 512.0), _f32(rn))
+    val = jnp.where(is_sub, sub * (1.0 / 512.0), bits_to_f32(rn))
     byte = jnp.where(is_sub, sub.astype(jnp.int32), byte_norm)
     return val, byte
 
@@ -115,13 +114,13 @@ def e2m1_code(v):
     ``2|v| + 2^23``. Sign: bit 31 -> code bit 3 (so -0 and small negatives give 8, as
     a float4 cast does).
     """
-    bits = _i32(v)
+    bits = bits_to_i32(v)
     ab = bits & 0x7FFFFFFF
     r = ab + 0x1FFFFF + (lax.shift_right_logical(ab, 22) & 1)
     c_hi = jnp.minimum(lax.shift_right_logical(r, 22) - 252, 7)
-    a = _f32(ab)
+    a = bits_to_f32(ab)
     # the barrier stops XLA (interpret mode) from simplifying the magic-number add
-    c_lo = _i32(lax.optimization_barrier(a * 2.0 + 8388608.0)) & 3
+    c_lo = bits_to_i32(lax.optimization_barrier(a * 2.0 + 8388608.0)) & 3
     code = jnp.where(a < 1.0, c_lo, c_hi)
     return code | (lax.shift_right_logical(bits, 28) & 8)
 
@@ -148,23 +147,23 @@ def recip_rn(p, y0=None):
     zero, subnormal, Inf/NaN ``p`` or a quotient outside the normal range (the caller
     falls back to ``1 / p`` there, as ``div_rn`` does).
     """
-    bits = _i32(p)
+    bits = bits_to_i32(p)
     ep = lax.shift_right_logical(bits, 23) & 0xFF
-    m = _f32((bits & 0x7FFFFF) | 0x3F800000)
+    m = bits_to_f32((bits & 0x7FFFFF) | 0x3F800000)
     y = 1.0 / m if y0 is None else y0
-    yb = _i32(y)
-    mh = _f32(_i32(m) & _HI12)
+    yb = bits_to_i32(y)
+    mh = bits_to_f32(bits_to_i32(m) & _HI12)
     ml = m - mh
-    yh = _f32(yb & _HI12)
+    yh = bits_to_f32(yb & _HI12)
     yl = y - yh
     r = (((1.0 - mh * yh) - mh * yl) - ml * yh) - ml * yl
-    y_up = _f32(yb + 1)
-    y_dn = _f32(yb - 1)
+    y_up = bits_to_f32(yb + 1)
+    y_dn = bits_to_f32(yb - 1)
     up = r > m * ((y_up - y) * 0.5)
     dn = r < -(m * ((y - y_dn) * 0.5))
     yb = jnp.where(up, yb + 1, jnp.where(dn, yb - 1, yb))
     e_out = (lax.shift_right_logical(yb, 23) & 0xFF) - (ep - 127)
-    res = _f32(yb - ((ep - 127) << 23))
+    res = bits_to_f32(yb - ((ep - 127) << 23))
     ok = (ep > 0) & (ep < 255) & (e_out > 0) & (e_out < 255)
     return res, ok
 
@@ -210,8 +209,6 @@ def recip_table(dec: jax.Array) -> tuple[jax.Array, jax.Array]:
     ``tests/kernels/test_quantize_fast.py`` (all E4M3 scales x thousands of ``dec``,
     including both range ends).
     """
-    from fp4jax.numerics import div_rn
-
     dec = jnp.asarray(dec, jnp.float32)
     mant = jnp.asarray(np.arange(8, dtype=np.float32) / 8 + 1)  # 1 + m/8, exact
     sub = jnp.asarray(np.arange(8, dtype=np.float32))  # m
@@ -242,7 +239,7 @@ def table_recip(s_byte, table):
     lvl = [jnp.where(b2, lvl[i + 1], lvl[i]) for i in range(0, 4, 2)]
     v = jnp.where(is_sub, lvl[1], lvl[0])
     shift = jnp.where(is_sub, 0, 7 - ef)
-    return _f32(_i32(v) + (shift << 23))
+    return bits_to_f32(bits_to_i32(v) + (shift << 23))
 
 
 def kernel_scalars(enc: jax.Array, dec: jax.Array) -> jax.Array:
@@ -255,11 +252,9 @@ def kernel_scalars(enc: jax.Array, dec: jax.Array) -> jax.Array:
     with ``enc[i]``, ``dec[i]`` (one XLA fusion for all of them)."""
     enc = jnp.asarray(enc, jnp.float32)
     dec = jnp.asarray(dec, jnp.float32)
-    from fp4jax.numerics import subnormal_hi
-
     safe, table = recip_table(dec)
     tiny = dec < jnp.float32(2.0**-126)
-    dec_m = (_i32(dec) & 0x7FFFFF).astype(jnp.float32)  # exact: < 2^23
+    dec_m = (bits_to_i32(dec) & 0x7FFFFF).astype(jnp.float32)  # exact: < 2^23
     sc = jnp.concatenate([
         jnp.stack([enc * jnp.float32(1.0 / 6.0), dec, safe.astype(jnp.float32)], axis=-1),
         table,
@@ -271,7 +266,7 @@ def kernel_scalars(enc: jax.Array, dec: jax.Array) -> jax.Array:
 RECIP_MODES = ("auto", "table", "rn", "hw")
 
 
-def _elem_scale(sc_ref, s_val, s_byte, mode: str):
+def elem_scale(sc_ref, s_val, s_byte, mode: str):
     """Element encode scale ``min(1/(f32(s)*dec), FLT_MAX)`` (FLT_MAX when s == 0) of a
     vector of block scales, by ``mode``: ``"table"`` (``table_recip``; exact only for a
     safe dec), ``"rn"`` (``recip_rn``, exact for every dec: a subnormal dec takes
@@ -320,7 +315,7 @@ def _elem_scale_tiny(sc_ref, s_val, s_byte):
     return r * jnp.float32(2.0**64)
 
 
-def _by_mode(sc_ref, mode: str, body):
+def by_mode(sc_ref, mode: str, body):
     """Run ``body(mode)`` with a concrete reciprocal mode: ``"auto"`` branches (uniformly,
     on the scalar table flag) between ``"table"`` and ``"rn"``."""
     if mode != "auto":
@@ -348,7 +343,7 @@ def lane_params(**kw) -> plgpu.CompilerParams:
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, **kw)
 
 
-def _load_words(x_ref, rows, plain: bool, layout=None):
+def load_words(x_ref, rows, plain: bool, layout=None):
     """A (rows, 8) tile of uint32 words (bf16 pairs) as int32, in the WGMMA register
     layout (a block = a row spread over a quad of lanes) or ``layout`` (``strip_layout``)
     unless ``plain`` (interpret)."""
@@ -374,43 +369,43 @@ def strip_layout(g: int):
     return plgpu.Layout.WG_STRIDED((g, 8), vec_size=vec)
 
 
-def _block_amax_bits(w):
+def block_amax_bits(w):
     """Per-row (block) max of |x| as float32 bits (int32; integer order == float order
     for >= 0, NaN/Inf compare above every finite value). Rule: the block amax of
     ``fp4jax.quantization.quantize_unchecked`` (``max |x|`` over the block, NaN/Inf poison it)."""
     return jnp.max(jnp.maximum((w << 16) & 0x7FFFFFFF, w & 0x7FFF0000), axis=1)
 
 
-def _block_scale(amax_bits, enc6):
+def block_scale_bits(amax_bits, enc6):
     """Block decode scale from the block amax bits: ``(s_val, s_byte, finite)``.
 
     Rule (``fp4jax.quantization.block_decode_scale``, TE ``core_nvfp4.cuh``):
     ``s = e4m3_rne_satfinite(amax_block * (enc * f32(1/6)))``; a NaN/Inf block gets the
     NaN byte 0x7F (``s_val``/``s_byte`` are meaningless there: the caller masks them)."""
     finite = amax_bits < 0x7F800000
-    s_f = _f32(amax_bits) * enc6
+    s_f = bits_to_f32(amax_bits) * enc6
     s_f = jnp.where(s_f > 448.0, 448.0, s_f)
     s_val, s_byte = e4m3_round(s_f)
     return s_val, s_byte, finite
 
 
-def _word_scales(sc_ref, w, mode: str):
+def word_scales(sc_ref, w, mode: str):
     """Block scales of a (n, 8) word tile (a block = a row): ``(s_val, s_byte, e, finite)``
-    with ``e`` the element encode scale (``_block_scale``, ``_elem_scale``)."""
-    s_val, s_byte, finite = _block_scale(_block_amax_bits(w), sc_ref[0])
-    return s_val, s_byte, _elem_scale(sc_ref, s_val, s_byte, mode), finite
+    with ``e`` the element encode scale (``block_scale_bits``, ``elem_scale``)."""
+    s_val, s_byte, finite = block_scale_bits(block_amax_bits(w), sc_ref[0])
+    return s_val, s_byte, elem_scale(sc_ref, s_val, s_byte, mode), finite
 
 
-def _strip_2d_scales(sc_ref, x_ref, plain: bool, mode: str):
+def strip_2d_scales(sc_ref, x_ref, plain: bool, mode: str):
     """Tile scales of a strip of 16x16 tiles, x_ref (16, g, 8) words: the tile amax is the
     elementwise max of the 16 rows' block amaxes. Returns ``(s_val, s_byte, e, finite)``,
     one per tile. Rule: ``fp4jax.quantization.quantize_unchecked`` with ``block_2d=True``."""
     amax = None
     for k in range(16):
-        a = _block_amax_bits(_load_words(x_ref.at[k], slice(None), plain))
+        a = block_amax_bits(load_words(x_ref.at[k], slice(None), plain))
         amax = a if amax is None else jnp.maximum(amax, a)
-    s_val, s_byte, finite = _block_scale(amax, sc_ref[0])
-    return s_val, s_byte, _elem_scale(sc_ref, s_val, s_byte, mode), finite
+    s_val, s_byte, finite = block_scale_bits(amax, sc_ref[0])
+    return s_val, s_byte, elem_scale(sc_ref, s_val, s_byte, mode), finite
 
 
 BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)  # the satfinite bound of bf16 operands
@@ -428,7 +423,7 @@ def is_mx(fmt) -> bool:
 
 
 def mx_block_scales(amax_bits, fmt):
-    """MX block scales from the block amax bits (int32, ``_block_amax_bits``: NaN/Inf above
+    """MX block scales from the block amax bits (int32, ``block_amax_bits``: NaN/Inf above
     every finite value): ``(s_val, e, finite)``.
 
     ``s_val`` is the core's own rule, ``fp4jax.quantization.block_decode_scale(amax, 1,
@@ -438,16 +433,13 @@ def mx_block_scales(amax_bits, fmt):
     (s, 1) = 1/s``, exact for a power of two ``s`` in ``[2^-126, 2^126]`` (every finite
     block's: ``amax * f32(1/6) <= FLT_MAX / 6 < 2^126``), as ``numerics.pow2(-floor_log2
     s)``. A NaN/Inf block (``finite`` False) gets s = 1 here: the caller writes NaN."""
-    from fp4jax.numerics import floor_log2, pow2
-    from fp4jax.quantization import block_decode_scale
-
     finite = amax_bits < 0x7F800000
-    s = block_decode_scale(_f32(amax_bits), np.float32(1.0), fmt)
+    s = block_decode_scale(bits_to_f32(amax_bits), np.float32(1.0), fmt)
     s = jnp.where(finite, s, 1.0)
     return s, pow2(-floor_log2(s)), finite
 
 
-def _pick_block(n: int, candidates) -> int | None:
+def pick_block(n: int, candidates) -> int | None:
     for c in candidates:
         if n % c == 0:
             return c
@@ -457,7 +449,7 @@ def _pick_block(n: int, candidates) -> int | None:
 G2D = (64,)  # tiles per 2D strip (default): (16, 64, 8) words = 32 KiB; g=128 also works
 
 
-def _mode(recip: str, exact_recip: bool | None) -> str:
+def recip_mode(recip: str, exact_recip: bool | None) -> str:
     if exact_recip is False:  # the old flag: hardware quotient
         return "hw"
     if recip not in RECIP_MODES:
@@ -465,9 +457,9 @@ def _mode(recip: str, exact_recip: bool | None) -> str:
     return recip
 
 
-_SC_SIGNS = 32  # f32 scalars: kernel_scalars (32 words) then the 16 RHT signs
+SC_SIGNS = 32  # f32 scalars: kernel_scalars (32 words) then the 16 RHT signs
 
-SC_WIDTH = _SC_SIGNS + 32  # float32 words of one operand's scalar input (``scalars``):
+SC_WIDTH = SC_SIGNS + 32  # float32 words of one operand's scalar input (``scalars``):
 # room for the 32 signs of the MX formats' RHT-32 (NVFP4's 16 use the first 16)
 
 
@@ -484,7 +476,7 @@ class _ScalarRow:
 
 def scalar_row(sc_ref, row: int | None):
     """The kernel's view of its scalars: ``sc_ref`` itself (``row`` None: one operand's
-    vector) or row ``row`` of the flat batch ``sc_ref`` (``dispatch.make_operands``)."""
+    vector) or row ``row`` of the flat batch ``sc_ref`` (``dot_sm90.make_operands``)."""
     return sc_ref if row is None else _ScalarRow(sc_ref, row * SC_WIDTH)
 
 
@@ -493,7 +485,7 @@ def scalars(enc: jax.Array, dec: jax.Array, signs: jax.Array | None = None) -> j
     slots (16 or 32 signs, padded with ones). Batched as ``kernel_scalars``: ``enc``,
     ``dec`` (k,) and ``signs`` (k, 16 or 32) (or None) give (k, SC_WIDTH)."""
     ks = kernel_scalars(enc, dec)
-    n = SC_WIDTH - _SC_SIGNS
+    n = SC_WIDTH - SC_SIGNS
     if signs is None:
         s = jnp.ones(ks.shape[:-1] + (n,), jnp.float32)
     else:
@@ -520,12 +512,12 @@ def _barrier(v, plain: bool):
     return lax.optimization_barrier(v) if plain else v
 
 
-def _e2m1_value(v, u, plain: bool):
+def e2m1_value(v, u, plain: bool):
     """E2M1 value (float32, sign of ``v`` kept) of a scaled element ``v`` (finite).
 
     Rule: ``fp4jax.quantization._round_elements``: ``numerics.round_to_grid(|v|, E2M1,
     "nearest")`` (``u`` None) or ``numerics.stochastic_round_to_grid(|v|, E2M1, u)``
-    (``u`` float32 from ``_sr_uniform``), then the sign; the same values, computed with
+    (``u`` float32 from ``sr_uniform``), then the sign; the same values, computed with
     full-rate operations only (no int <-> float conversions, which run at a quarter of
     the integer rate and bounded the stochastic-rounding kernels):
 
@@ -537,32 +529,32 @@ def _e2m1_value(v, u, plain: bool):
       ``floor(t)`` as ``RNE(t)`` (the 2^23 trick) minus one where that exceeds ``t``,
       round up where ``u < t - floor(t)``, then ``min(r * q, 6)``.
     """
-    bits = _i32(v)
+    bits = bits_to_i32(v)
     ab = bits & 0x7FFFFFFF
     if u is None:
-        small = _barrier(_f32(ab) + 6291456.0, plain) - 6291456.0
-        big = _f32((ab + 0x1FFFFF + (lax.shift_right_logical(ab, 22) & 1)) & -0x400000)
+        small = _barrier(bits_to_f32(ab) + 6291456.0, plain) - 6291456.0
+        big = bits_to_f32((ab + 0x1FFFFF + (lax.shift_right_logical(ab, 22) & 1)) & -0x400000)
         out = jnp.minimum(jnp.where(ab < 0x3F800000, small, big), 6.0)
     else:
         ex = jnp.minimum(jnp.maximum(lax.shift_right_logical(ab, 23) - 127, 0), 2) - 1
-        t = _f32(ab) * _f32((127 - ex) << 23)
+        t = bits_to_f32(ab) * bits_to_f32((127 - ex) << 23)
         r0 = _barrier(t + 8388608.0, plain) - 8388608.0
         lo = jnp.where(r0 > t, r0 - 1.0, r0)
         r = jnp.where(u < t - lo, lo + 1.0, lo)
-        out = jnp.minimum(r * _f32((127 + ex) << 23), 6.0)
-    return _f32(_i32(out) | (bits & -0x80000000))
+        out = jnp.minimum(r * bits_to_f32((127 + ex) << 23), 6.0)
+    return bits_to_f32(bits_to_i32(out) | (bits & -0x80000000))
 
 
-def _sr_uniform(bits, i: int):
+def sr_uniform(bits, i: int):
     """``u = (b + 1/2) / 256`` (float32, exact) for byte ``i`` (0 = bits 0..7) ``b`` of
     int32 ``bits`` (``numerics.uniform_from_key``): the float ``1 + u`` is built from its
     bits (``b`` as mantissa bits 22..15, the half as bit 14), then 1 is subtracted."""
     sh = 15 - 8 * i
     b = (bits << sh) if sh >= 0 else lax.shift_right_logical(bits, -sh)
-    return _f32((b & 0x7F8000) | 0x3F804000) - 1.0
+    return bits_to_f32((b & 0x7F8000) | 0x3F804000) - 1.0
 
 
-def _iota(shape, dim, plain: bool, layout=None):
+def iota(shape, dim, plain: bool, layout=None):
     if plain:
         return lax.broadcasted_iota(jnp.int32, shape, dim)
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=layout or plgpu.Layout.WGMMA)

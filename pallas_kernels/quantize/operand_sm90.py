@@ -34,7 +34,7 @@ quads. Kernels and XLA path produce the same bits with no random array in memory
 
 Numerics (each rule is the core's, cited where it is used): block amax, E4M3 block
 scale and element encode scale from ``common_sm90`` (TE ``core_nvfp4.cuh``);
-element rounding ``_e2m1_value`` (``fp4jax.numerics.round_to_grid`` /
+element rounding ``e2m1_value`` (``fp4jax.numerics.round_to_grid`` /
 ``stochastic_round_to_grid`` on E2M1). A block holding NaN/Inf gives NaN for all 16
 (or 256) outputs, as ``scaled_data`` of its NaN scale does.
 
@@ -58,37 +58,38 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from fp4jax.formats import NVFP4
 from fp4jax.numerics import threefry2x32
 from pallas_kernels.quantize.common_sm90 import (
-    _SC_SIGNS,
     BF16_MAX,
     G2D,
     GR,
     QUAD_BLOCKS,
+    SC_SIGNS,
     SUB,
-    _block_amax_bits,
-    _block_scale,
-    _by_mode,
-    _e2m1_value,
-    _elem_scale,
-    _f32,
-    _i32,
-    _iota,
-    _load_words,
-    _mode,
-    _pick_block,
-    _sr_uniform,
-    _strip_2d_scales,
-    _word_scales,
+    bits_to_f32,
+    bits_to_i32,
+    block_amax_bits,
+    block_scale_bits,
+    by_mode,
+    e2m1_value,
+    elem_scale,
     global_scales,
+    iota,
     is_mx,
     key_words,
     lane_params,
+    load_words,
     mx_block_scales,
+    pick_block,
+    recip_mode,
     scalar_row,
     scalars,
+    sr_uniform,
+    strip_2d_scales,
     strip_layout,
     supported_rows,
+    word_scales,
 )
 
 __all__ = ["fq_rows", "fq_cols", "fq_2d", "rht_cols_amax", "cols_amaxes", "flat_quads",
@@ -98,7 +99,7 @@ _NAN2 = 0x7FC07FC0  # two bf16 quiet NaNs
 
 def _bf16_hi(v):
     """bf16 bits of an exactly representable float32, in the high half of an int32."""
-    return _i32(v) & -0x10000
+    return bits_to_i32(v) & -0x10000
 
 
 def _satfinite_bf16(v, mx: bool):
@@ -119,27 +120,25 @@ def _scaled_words(w, e, s_val, finite, n: int, plain: bool, u_lo=None, u_hi=None
     eb = lax.broadcast_in_dim(e, (n, nw), (0,))
     sb = lax.broadcast_in_dim(s_val, (n, nw), (0,))
     fin = lax.broadcast_in_dim(finite.astype(jnp.int32), (n, nw), (0,))
-    lo = _satfinite_bf16(_e2m1_value(_f32(w << 16) * eb, u_lo, plain) * sb, mx)
-    hi = _satfinite_bf16(_e2m1_value(_f32(w & -0x10000) * eb, u_hi, plain) * sb, mx)
-    word = lax.shift_right_logical(_i32(lo), 16) | _bf16_hi(hi)
+    lo = _satfinite_bf16(e2m1_value(bits_to_f32(w << 16) * eb, u_lo, plain) * sb, mx)
+    hi = _satfinite_bf16(e2m1_value(bits_to_f32(w & -0x10000) * eb, u_hi, plain) * sb, mx)
+    word = lax.shift_right_logical(bits_to_i32(lo), 16) | _bf16_hi(hi)
     return jnp.where(fin != 0, word, _NAN2)
 
 
 def _row_scales(sc_ref, w, mode: str, fmt):
     """Block scales of a word tile whose rows are blocks: ``(s_val, e, finite)``, NVFP4
-    (``fmt`` None: ``_word_scales``, E4M3 with the tensor scale) or MX (``fmt``: the
+    (``fmt`` None: ``word_scales``, E4M3 with the tensor scale) or MX (``fmt``: the
     core's ``block_decode_scale`` through ``mx_block_scales``)."""
     if fmt is not None:
-        return mx_block_scales(_block_amax_bits(w), fmt)
-    s_val, _, e, finite = _word_scales(sc_ref, w, mode)
+        return mx_block_scales(block_amax_bits(w), fmt)
+    s_val, _, e, finite = word_scales(sc_ref, w, mode)
     return s_val, e, finite
 
 
 def _check_fmt(fmt):
     """The kernels' format argument: None (or NVFP4 itself) for NVFP4, an MX FP4 format
     (``is_mx``: blocks of 32, E8M0 scales) as is; anything else is a ValueError."""
-    from fp4jax.formats import NVFP4
-
     if fmt is None or fmt == NVFP4:
         return None
     if not is_mx(fmt):
@@ -168,7 +167,7 @@ def _fq_tile(sc_ref, kw_ref, x_ref, o_ref, *, nb: int, plain: bool, mode: str,
     for a in range(0, nb, chunk):
         rows = pl.ds(a, chunk) if nb > chunk else slice(None)
         n = min(nb, chunk)
-        w = _load_words(x_ref, rows, plain)
+        w = load_words(x_ref, rows, plain)
         s_val, e, finite = _row_scales(sc_ref, w, mode, fmt)
         word = _scaled_words(w, e, s_val, finite, n, plain, mx=fmt is not None)
         o_ref[rows, :] = lax.bitcast_convert_type(word, jnp.uint32)
@@ -190,28 +189,28 @@ def _fq_quad_tile(sc_ref, kw_ref, x_rows, o_rows, *, g: int, draw0, plain: bool,
     ``fmt``: an MX format (blocks of 32: (g, 16) words, word (i, j) draw ``draw0 + 16 i +
     j``, ``draw0`` counting 16 words a block) or None (NVFP4)."""
     nw = _bw(fmt)
-    d = (draw0 + kw_ref[2] + (_iota((g, nw), 0, plain) << (nw.bit_length() - 1))
-         + _iota((g, nw), 1, plain))
+    d = (draw0 + kw_ref[2] + (iota((g, nw), 0, plain) << (nw.bit_length() - 1))
+         + iota((g, nw), 1, plain))
     words = threefry2x32(kw_ref[0], kw_ref[1], d - d, d)
     if dyn:
         @pl.loop(0, 4)
         def _(r):
-            w = _load_words(x_rows.at[r], slice(None), plain)
+            w = load_words(x_rows.at[r], slice(None), plain)
             s_val, e, finite = _row_scales(sc_ref, w, mode, fmt)
             m = -(lax.shift_right_logical(r, 1) & 1)  # rows 0, 1: word y0; rows 2, 3: y1
             bits = words[0] ^ ((words[0] ^ words[1]) & m)
             bits = lax.shift_right_logical(bits, (r & 1) << 4)  # odd rows: bytes 2, 3
-            word = _scaled_words(w, e, s_val, finite, g, plain, _sr_uniform(bits, 0),
-                                 _sr_uniform(bits, 1), mx=fmt is not None)
+            word = _scaled_words(w, e, s_val, finite, g, plain, sr_uniform(bits, 0),
+                                 sr_uniform(bits, 1), mx=fmt is not None)
             o_rows.at[r][...] = lax.bitcast_convert_type(word, jnp.uint32)
 
         return
     for r in range(4):
-        w = _load_words(x_rows[r], slice(None), plain)
+        w = load_words(x_rows[r], slice(None), plain)
         s_val, e, finite = _row_scales(sc_ref, w, mode, fmt)
         bits = words[r // 2]
-        word = _scaled_words(w, e, s_val, finite, g, plain, _sr_uniform(bits, 2 * (r % 2)),
-                             _sr_uniform(bits, 2 * (r % 2) + 1), mx=fmt is not None)
+        word = _scaled_words(w, e, s_val, finite, g, plain, sr_uniform(bits, 2 * (r % 2)),
+                             sr_uniform(bits, 2 * (r % 2) + 1), mx=fmt is not None)
         o_rows[r][...] = lax.bitcast_convert_type(word, jnp.uint32)
 
 
@@ -261,7 +260,7 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
     # "auto" (table, branching to recip_rn for extreme dec) emits the body twice; with
     # SR's Threefry that doubles an already long kernel, so SR takes "rn" alone. MX
     # formats take no reciprocal (a power-of-two scale): one body, "rn" unread.
-    mode = _mode(recip or ("rn" if sr or fmt is not None else "auto"), None)
+    mode = recip_mode(recip or ("rn" if sr or fmt is not None else "auto"), None)
     r, c = x.shape
     nw = _bw(fmt)
     if sr:
@@ -285,7 +284,7 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
     if interpret:
         def interp_body(sc_ref, kw_ref, x_ref, o_ref):
             sc_ref = scalar_row(sc_ref, sc_row)
-            _by_mode(sc_ref, mode, lambda md: _fq_tile(
+            by_mode(sc_ref, mode, lambda md: _fq_tile(
                 sc_ref, kw_ref, x_ref, o_ref, nb=nbt, plain=True, mode=md, fmt=fmt))
 
         o = pl.pallas_call(
@@ -299,7 +298,7 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
     # double-buffered steps per CTA, "auto" reciprocal; with two tiles per step the "auto"
     # branch doubles a body of two tiles (the table alone is exact only for safe dec).
     if steps is None:
-        steps = _pick_block(ns, (4, 2, 1)) if kt is None else 1
+        steps = pick_block(ns, (4, 2, 1)) if kt is None else 1
     kt = 1 if kt is None else kt
     if ns % (kt * steps) or chunk not in (64, 128, 256):
         raise ValueError(f"fq_rows tiling: kt={kt} x steps={steps} must divide {ns} tiles "
@@ -316,7 +315,7 @@ def fq_rows_scaled(x, sc, kw, *, interpret: bool = False, recip: str | None = No
                     _fq_tile(sc_gmem, kw_gmem, x_smem.at[i], o_smem.at[i], nb=bpt,
                              plain=False, mode=md, chunk=chunk, fmt=fmt)
 
-            _by_mode(sc_gmem, mode, tiles)
+            by_mode(sc_gmem, mode, tiles)
 
         plgpu.emit_pipeline(
             step, grid=(steps,),
@@ -357,7 +356,7 @@ def _fq_rows_quads(x, sc, kw, *, interpret: bool, mode: str, g: int | None = Non
         g = g or nbr
         rq = rq or 1
     else:
-        g = g or _pick_block(nbr, GR if nw == 8 else GR[-1:]) or GR[-1]  # MX: (64, 16)
+        g = g or pick_block(nbr, GR if nw == 8 else GR[-1:]) or GR[-1]  # MX: (64, 16)
         rq = rq or max(1, QUAD_BLOCKS * 8 // nw // (4 * g))
         while (r // 4) % rq:
             rq //= 2
@@ -552,20 +551,20 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: 
     enc6 = sc_ref[0]
     nk = x_ref.shape[0]  # 16 (NVFP4) or 32 (MX): the block, and the RHT size
     lay = None if plain else strip_layout(g)
-    words = [_load_words(x_ref.at[k], slice(None), plain, lay) for k in range(nk)]
+    words = [load_words(x_ref.at[k], slice(None), plain, lay) for k in range(nk)]
     scales = []
     for half, stash in ((0, o_ref), (1, x_ref)):
-        v = [_f32(w << 16) if half == 0 else _f32(w & -0x10000) for w in words]
+        v = [bits_to_f32(w << 16) if half == 0 else bits_to_f32(w & -0x10000) for w in words]
         if rht:
-            v = _fwht16([v[k] * sc_ref[_SC_SIGNS + k] for k in range(nk)])
+            v = _fwht16([v[k] * sc_ref[SC_SIGNS + k] for k in range(nk)])
         amax = jnp.abs(v[0])  # float max: NaN propagates, Inf stays above every finite
         for k in range(1, nk):
             amax = jnp.maximum(amax, jnp.abs(v[k]))
         if fmt is None:
-            s_val, s_byte, finite = _block_scale(_i32(amax), enc6)
-            scales.append((s_val, _elem_scale(sc_ref, s_val, s_byte, mode), finite))
+            s_val, s_byte, finite = block_scale_bits(bits_to_i32(amax), enc6)
+            scales.append((s_val, elem_scale(sc_ref, s_val, s_byte, mode), finite))
         else:
-            s_val, e, finite = mx_block_scales(_i32(amax), fmt)
+            s_val, e, finite = mx_block_scales(bits_to_i32(amax), fmt)
             scales.append((s_val, e, finite))
         for k in range(nk):
             stash[k] = lax.bitcast_convert_type(v[k], jnp.uint32)
@@ -573,8 +572,8 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: 
     per = 4 if sr else 2  # rows per loop iteration
     if sr:  # draw of (rows row0 .. row0 + 3; the word's column pair); row0 % 16 == 0
         draw0 = (kw_ref[2] + lax.shift_right_logical(row0, 2) * (n_cols // 2)
-                 + lax.shift_right_logical(col0, 1) + (_iota((g, 8), 0, plain, lay) << 3)
-                 + _iota((g, 8), 1, plain, lay))
+                 + lax.shift_right_logical(col0, 1) + (iota((g, 8), 0, plain, lay) << 3)
+                 + iota((g, 8), 1, plain, lay))
 
     @pl.loop(0, nk // per)
     def _(p):
@@ -586,12 +585,12 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: 
             out = []
             for half, stash in ((0, o_ref), (1, x_ref)):
                 s_val, e, finite = scales[half]
-                v = _f32(_load_words(stash.at[k], slice(None), plain, lay))
-                u = _sr_uniform(draws[r // 2], 2 * (r % 2) + half) if sr else None
-                out.append((_satfinite_bf16(_e2m1_value(v * e, u, plain) * s_val,
+                v = bits_to_f32(load_words(stash.at[k], slice(None), plain, lay))
+                u = sr_uniform(draws[r // 2], 2 * (r % 2) + half) if sr else None
+                out.append((_satfinite_bf16(e2m1_value(v * e, u, plain) * s_val,
                                             fmt is not None), finite))
             (lo, flo), (hi, fhi) = out
-            bits = (jnp.where(flo, lax.shift_right_logical(_i32(lo), 16), _NAN2 & 0xFFFF)
+            bits = (jnp.where(flo, lax.shift_right_logical(bits_to_i32(lo), 16), _NAN2 & 0xFFFF)
                     | jnp.where(fhi, _bf16_hi(hi), _NAN2 & -0x10000))
             o_ref[k] = lax.bitcast_convert_type(bits, jnp.uint32)
 
@@ -600,9 +599,9 @@ def _fq_strip_2d(sc_ref, x_ref, o_ref, *, g: int, plain: bool, mode: str):
     """One strip of ``g`` 16x16 tiles: x_ref/o_ref (16, g, 8) words; one scale per tile
     (amax over its 16 rows' blocks). Rule: ``fp4jax.quantization.quantize_unchecked`` with
     ``block_2d=True``, round-to-nearest."""
-    s_val, _, e, finite = _strip_2d_scales(sc_ref, x_ref, plain, mode)
+    s_val, _, e, finite = strip_2d_scales(sc_ref, x_ref, plain, mode)
     for k in range(16):
-        w = _load_words(x_ref.at[k], slice(None), plain)
+        w = load_words(x_ref.at[k], slice(None), plain)
         o_ref[k] = lax.bitcast_convert_type(_scaled_words(w, e, s_val, finite, g, plain),
                                             jnp.uint32)
 
@@ -613,19 +612,19 @@ def _fq_strip_2d_f32(sc_ref, x_ref, o_ref, *, g: int, plain: bool, mode: str):
     rules on the element's float32 value (``fp4jax.quantization.quantize_unchecked`` with
     ``block_2d=True`` computes in float32 whatever the input): the tile amax is the max of
     ``|x|`` bits over its 256 elements (NaN/Inf above every finite value), then
-    ``_block_scale``, ``_elem_scale``, ``_e2m1_value``; a NaN/Inf tile gives NaN."""
-    words = [_load_words(x_ref.at[k], slice(None), plain) for k in range(16)]
+    ``block_scale_bits``, ``elem_scale``, ``e2m1_value``; a NaN/Inf tile gives NaN."""
+    words = [load_words(x_ref.at[k], slice(None), plain) for k in range(16)]
     amax = None
     for w in words:
         a = jnp.max(w & 0x7FFFFFFF, axis=1)
         amax = a if amax is None else jnp.maximum(amax, a)
-    s_val, s_byte, finite = _block_scale(amax, sc_ref[0])
-    e = _elem_scale(sc_ref, s_val, s_byte, mode)
+    s_val, s_byte, finite = block_scale_bits(amax, sc_ref[0])
+    e = elem_scale(sc_ref, s_val, s_byte, mode)
     eb = lax.broadcast_in_dim(e, (g, 16), (0,))
     sb = lax.broadcast_in_dim(s_val, (g, 16), (0,))
     fin = lax.broadcast_in_dim(finite.astype(jnp.int32), (g, 16), (0,))
     for k, w in enumerate(words):
-        v = _e2m1_value(_f32(w) * eb, None, plain) * sb
+        v = e2m1_value(bits_to_f32(w) * eb, None, plain) * sb
         o_ref[k] = jnp.where(fin != 0, v, jnp.nan).astype(jnp.bfloat16)
 
 
@@ -636,7 +635,7 @@ COLS_MULTIPLE = 16 * GC[-1]  # fq_cols and the rotated amaxes: C a multiple of t
 def _cols_g(nc: int) -> int:
     """Column groups per strip of the column kernels for C/16 = ``nc`` (``GC``: 64, the
     WGMMA layout, when it divides; else the largest strided-layout width that does)."""
-    g = _pick_block(nc, GC)
+    g = pick_block(nc, GC)
     if g is None:
         raise ValueError(f"C/16={nc} is not a multiple of {GC[-1]}")
     return g
@@ -749,12 +748,12 @@ def fq_cols_scaled(x, sc, kw, *, interpret: bool = False, recip: str = "rn",
     if not supported_cols(x.shape, x.dtype, b):
         raise ValueError(f"fq_cols needs bf16 (R, C), R % {b} == 0, C % {COLS_MULTIPLE} == 0, "
                          f"got {x.dtype} {x.shape}")
-    mode = _mode(recip, None)
+    mode = recip_mode(recip, None)
     n_cols = x.shape[1]
     if fmt is None:
         g = g or (x.shape[1] // 16 if interpret else _cols_g(x.shape[1] // 16))
     else:
-        g = g or (x.shape[1] // 16 if interpret else _pick_block(x.shape[1] // 16, GC_MX))
+        g = g or (x.shape[1] // 16 if interpret else pick_block(x.shape[1] // 16, GC_MX))
 
     def strip(sc_ref, kw_ref, x_ref, o_ref, g_, row0, col0, plain):
         sc_ref = scalar_row(sc_ref, sc_row)
@@ -764,7 +763,7 @@ def fq_cols_scaled(x, sc, kw, *, interpret: bool = False, recip: str = "rn",
         if fmt is not None:  # no reciprocal: one body
             body(mode=mode)
             return
-        _by_mode(sc_ref, mode, lambda md: body(mode=md))
+        by_mode(sc_ref, mode, lambda md: body(mode=md))
 
     return _strip_call(x, sc, kw, strip, g=g, interpret=interpret, name="fq_cols",
                        steps=steps, rows=b)
@@ -781,14 +780,14 @@ def fq_2d_scaled(x, sc, *, interpret: bool = False, recip: str = "rn", g: int | 
     if not supported_2d(x.shape, x.dtype):
         raise ValueError(f"fq_2d needs bf16 or float32 (R, C), R % 16 == 0, "
                          f"C % {16 * G2D[-1]} == 0, got {x.dtype} {x.shape}")
-    mode = _mode(recip, None)
-    g = g or (x.shape[1] // 16 if interpret else _pick_block(x.shape[1] // 16, G2D))
+    mode = recip_mode(recip, None)
+    g = g or (x.shape[1] // 16 if interpret else pick_block(x.shape[1] // 16, G2D))
 
     def strip(sc_ref, kw_ref, x_ref, o_ref, g_, row0, col0, plain):
         del kw_ref, row0, col0
         sc_ref = scalar_row(sc_ref, sc_row)
         fn = _fq_strip_2d_f32 if x.dtype == jnp.float32 else _fq_strip_2d
-        _by_mode(sc_ref, mode, lambda md: fn(sc_ref, x_ref, o_ref, g=g_, plain=plain, mode=md))
+        by_mode(sc_ref, mode, lambda md: fn(sc_ref, x_ref, o_ref, g=g_, plain=plain, mode=md))
 
     return _strip_call(x, sc, key_words(None), strip, g=g, interpret=interpret, name="fq_2d")
 
@@ -807,7 +806,7 @@ def _finite_max_bits(v):
         a = jnp.abs(t)
         a = jnp.where(a < jnp.inf, a, 0.0)
         m = a if m is None else jnp.maximum(m, a)
-    return _i32(m)
+    return bits_to_i32(m)
 
 
 def _rht_cols_strip_amax(sc_ref, x_ref, a_ref, *, plain: bool, plain_amax: bool = False):
@@ -817,12 +816,12 @@ def _rht_cols_strip_amax(sc_ref, x_ref, a_ref, *, plain: bool, plain_amax: bool 
     ``plain_amax`` a_ref is (4, g, 8) and rows 2, 3 get the amax of the unrotated
     blocks (the same read serves ``fq_rows``' tensor scale)."""
     lay = None if plain else strip_layout(x_ref.shape[1])
-    words = [_load_words(x_ref.at[k], slice(None), plain, lay) for k in range(16)]
+    words = [load_words(x_ref.at[k], slice(None), plain, lay) for k in range(16)]
     for half in (0, 1):
-        v = [_f32(w << 16) if half == 0 else _f32(w & -0x10000) for w in words]
+        v = [bits_to_f32(w << 16) if half == 0 else bits_to_f32(w & -0x10000) for w in words]
         if plain_amax:
             a_ref[2 + half] = lax.bitcast_convert_type(_finite_max_bits(v), jnp.uint32)
-        v = _fwht16([v[k] * sc_ref[_SC_SIGNS + k] for k in range(16)])
+        v = _fwht16([v[k] * sc_ref[SC_SIGNS + k] for k in range(16)])
         a_ref[half] = lax.bitcast_convert_type(_finite_max_bits(v), jnp.uint32)
 
 
@@ -839,7 +838,7 @@ def rht_cols_amax(x, signs, *, interpret: bool = False, g: int | None = None):
 
 def _max_f32(a):
     """The float32 whose (non-negative) int32 bits are the largest in uint32 array ``a``."""
-    return _f32(lax.bitcast_convert_type(jnp.max(a), jnp.int32))
+    return bits_to_f32(lax.bitcast_convert_type(jnp.max(a), jnp.int32))
 
 
 def _rht_strip_amaxes(x, signs, interpret, g, *, plain_amax: bool):
@@ -848,7 +847,7 @@ def _rht_strip_amaxes(x, signs, interpret, g, *, plain_amax: bool):
         raise ValueError(f"{name} needs bf16 (R, C), R % 16 == 0, C % {COLS_MULTIPLE} "
                          f"== 0, got {x.dtype} {x.shape}")
     g = g or (x.shape[1] // 16 if interpret else _cols_g(x.shape[1] // 16))
-    sc = jnp.concatenate([jnp.zeros((_SC_SIGNS,), jnp.float32), signs.astype(jnp.float32)])
+    sc = jnp.concatenate([jnp.zeros((SC_SIGNS,), jnp.float32), signs.astype(jnp.float32)])
 
     def strip(sc_ref, kw_ref, x_ref, a_ref, g_, row0, col0, plain):
         del kw_ref, row0, col0, g_
@@ -867,7 +866,7 @@ def cols_amaxes(x, signs, *, interpret: bool = False, g: int | None = None):
     a = _rht_strip_amaxes(x, signs, interpret, g, plain_amax=True)  # (R/16, 4, C/16, 8)
     # one reduction for both (rows 0-1 rotated, 2-3 plain): max is exact in any order
     m = jnp.max(a.reshape(a.shape[0], 2, 2, *a.shape[2:]), axis=(0, 2, 3, 4))
-    m = _f32(lax.bitcast_convert_type(m, jnp.int32))
+    m = bits_to_f32(lax.bitcast_convert_type(m, jnp.int32))
     return m[1], m[0]
 
 

@@ -45,23 +45,23 @@ from pallas_kernels.quantize.common_sm90 import (
     GR,
     QUAD_BLOCKS,
     SUB,
-    _by_mode,
-    _e2m1_value,
-    _f32,
-    _i32,
-    _iota,
-    _load_words,
-    _mode,
-    _pick_block,
-    _sr_uniform,
-    _strip_2d_scales,
-    _word_scales,
+    bits_to_f32,
+    bits_to_i32,
+    by_mode,
     e2m1_code,
+    e2m1_value,
     global_scales,
+    iota,
     kernel_scalars,
     key_words,
     lane_params,
+    load_words,
+    pick_block,
+    recip_mode,
+    sr_uniform,
+    strip_2d_scales,
     supported_rows,
+    word_scales,
 )
 
 
@@ -69,8 +69,8 @@ def _encode_words(w, e, finite, n: int):
     """Packed E2M1 bytes (int32, (n, 8)) of a (n, 8) word tile, per-row scale ``e``;
     NaN/Inf blocks get codes -0 (0x88) as a float4 cast of NaN gives.
     Rule: ``q = e2m1_rne_satfinite(x * e)`` (``fp4jax.quantization._round_elements``)."""
-    lo = _f32(w << 16)  # element 2k
-    hi = _f32(w & -0x10000)  # element 2k+1
+    lo = bits_to_f32(w << 16)  # element 2k
+    hi = bits_to_f32(w & -0x10000)  # element 2k+1
     eb = lax.broadcast_in_dim(e, (n, 8), (0,))
     fin = lax.broadcast_in_dim(finite.astype(jnp.int32), (n, 8), (0,))
     byte = e2m1_code(lo * eb) | (e2m1_code(hi * eb) << 4)
@@ -92,8 +92,8 @@ def _quant_tile(sc_ref, x_ref, q_ref, s_ref, *, nb: int, plain: bool = False,
     for a in range(0, nb, SUB):
         rows = pl.ds(a, SUB) if nb > SUB else slice(None)
         n = min(nb, SUB)
-        w = _load_words(x_ref, rows, plain)
-        _, s_byte, e, finite = _word_scales(sc_ref, w, mode)
+        w = load_words(x_ref, rows, plain)
+        _, s_byte, e, finite = word_scales(sc_ref, w, mode)
         s_ref[rows] = jnp.where(finite, s_byte, 0x7F).astype(jnp.uint8)
         q_ref[rows, :] = _encode_words(w, e, finite, n).astype(jnp.uint8)
 
@@ -107,10 +107,10 @@ def _quant_strip_2d(sc_ref, x_ref, q_ref, s_ref, *, g: int, plain: bool = False,
     across rows), then every row is encoded with its tile's scale.
     Rule: ``fp4jax.quantization.quantize_unchecked`` with ``block_2d=True`` (one scale per
     16x16 tile, amax over the tile)."""
-    _, s_byte, e, finite = _strip_2d_scales(sc_ref, x_ref, plain, mode)
+    _, s_byte, e, finite = strip_2d_scales(sc_ref, x_ref, plain, mode)
     s_ref[...] = jnp.where(finite, s_byte, 0x7F).astype(jnp.uint8)
     for k in range(16):
-        w = _load_words(x_ref.at[k], slice(None), plain)
+        w = load_words(x_ref.at[k], slice(None), plain)
         q_ref[k] = _encode_words(w, e, finite, g).astype(jnp.uint8)
 
 
@@ -158,7 +158,7 @@ def quantize_nvfp4_1x16_scaled(
             f"quantize kernel needs bfloat16 (R, C) with C % 16 == 0 and R*C % {16 * SUB} == 0,"
             f" got {x.dtype} {x.shape}"
         )
-    mode = _mode(recip, exact_recip)
+    mode = recip_mode(recip, exact_recip)
     r, c = x.shape
     nbt = r * c // 16  # total blocks
     xw = lax.bitcast_convert_type(x.reshape(nbt, 8, 2), jnp.uint32)  # (blocks, 8 words)
@@ -167,7 +167,7 @@ def quantize_nvfp4_1x16_scaled(
         # Mosaic GPU interpret mode (CPU tests) supports only trivial windows: run the
         # tile body once over all blocks (the TMA pipeline is not exercised).
         def interp_body(sc_ref, x_ref, q_ref, s_ref):
-            _by_mode(sc_ref, mode, lambda md: _quant_tile(
+            by_mode(sc_ref, mode, lambda md: _quant_tile(
                 sc_ref, x_ref, q_ref, s_ref, nb=nbt, plain=True, mode=md))
 
         q, s = pl.pallas_call(
@@ -185,7 +185,7 @@ def quantize_nvfp4_1x16_scaled(
     ns = nbt // SUB
     # Defaults from an H200 sweep (docs/performance.md): small steps (2 slabs = 16 KiB of
     # input) and one step per CTA, i.e. many small CTAs per SM, were fastest.
-    kt = block or _pick_block(ns, (2, 1))  # slabs per pipeline step
+    kt = block or pick_block(ns, (2, 1))  # slabs per pipeline step
     steps = ns // kt
     spc = steps_per_cta or 1
     if steps % spc:
@@ -204,7 +204,7 @@ def quantize_nvfp4_1x16_scaled(
                         nb=SUB, mode=md,
                     )
 
-            _by_mode(sc_gmem, mode, tiles)
+            by_mode(sc_gmem, mode, tiles)
 
         plgpu.emit_pipeline(
             step,
@@ -264,7 +264,7 @@ def quantize_nvfp4_2d_scaled(
         raise ValueError(
             f"16x16 quantize kernel needs bfloat16 (R, C) with R % 16 == 0 and"
             f" C % {16 * G2D[-1]} == 0, got {x.dtype} {x.shape}")
-    mode = _mode(recip, None)
+    mode = recip_mode(recip, None)
     r, c = x.shape
     nr, nc = r // 16, c // 16
     xw = lax.bitcast_convert_type(x.reshape(nr, 16, nc, 8, 2), jnp.uint32)
@@ -278,7 +278,7 @@ def quantize_nvfp4_2d_scaled(
                     _quant_strip_2d(sc_ref, x_ref.at[i], q_ref.at[i], s_ref.at[i], g=nc,
                                     plain=True, mode=md)
 
-            _by_mode(sc_ref, mode, strips)
+            by_mode(sc_ref, mode, strips)
 
         q, s = pl.pallas_call(
             interp_body,
@@ -291,7 +291,7 @@ def quantize_nvfp4_2d_scaled(
         )(sc, xw)
         return q.reshape(r, c // 2), s
 
-    g = g or _pick_block(nc, G2D)
+    g = g or pick_block(nc, G2D)
     if g is None or nc % g:
         raise ValueError(f"g={g} must divide C/16={nc}")
 
@@ -300,7 +300,7 @@ def quantize_nvfp4_2d_scaled(
         j = lax.axis_index("cols")
 
         def step(_, x_smem, q_smem, s_smem):
-            _by_mode(sc_gmem, mode, lambda md: _quant_strip_2d(
+            by_mode(sc_gmem, mode, lambda md: _quant_strip_2d(
                 sc_gmem, x_smem.at[0], q_smem.at[0].reshape(16, g, 8), s_smem.at[0], g=g,
                 mode=md))
 
@@ -342,11 +342,11 @@ def quantize_nvfp4_2d(x: jax.Array, *, interpret: bool = False, **kw):
 
 def e2m1_code_of_value(v):
     """E2M1 code (int32, 0..15, bits ``s e1 e0 m``) of a float32 ``v`` that is exactly an
-    E2M1 value (what ``common_sm90._e2m1_value`` returns), integer ops only:
+    E2M1 value (what ``common_sm90.e2m1_value`` returns), integer ops only:
     ``|v| >= 1`` has one mantissa bit, so ``(bits >> 22) - 252`` is the code (1.0 -> 2 ..
     6.0 -> 7); below 1 the values are 0 and 0.5 (code 0, 1: bit 24 of the bits). The
     sign bit moves to code bit 3 (-0 -> 8, as ``fp4jax.quantization.e2m1_codes``)."""
-    bits = _i32(v)
+    bits = bits_to_i32(v)
     ab = bits & 0x7FFFFFFF
     mag = jnp.where(ab >= 0x3F800000, lax.shift_right_logical(ab, 22) - 252,
                     lax.shift_right_logical(ab, 24) & 1)
@@ -361,26 +361,26 @@ def _sr_packed_quad_tile(sc_ref, kw_ref, x_ref, q_ref, s_ref, *, g: int, draw0,
     bits out.
 
     The same steps as ``operand_sm90._fq_quad_tile`` (whose bf16 words these
-    codes times their scales are): block scales ``_word_scales`` (TE ``core_nvfp4.cuh``),
+    codes times their scales are): block scales ``word_scales`` (TE ``core_nvfp4.cuh``),
     the 64-bit draw ``draw0 + 8 i + j`` for word (i, j) of the four rows
     (``numerics.uniform_from_key`` on x's stored (R, C) order: rows 4m, 4m+1 take word
     y0, rows 4m+2, 4m+3 word y1; the even row bytes 0 (low element) and 1 (high), the odd
-    row bytes 2 and 3), ``u = _sr_uniform(byte)``, the element rounding ``_e2m1_value``
+    row bytes 2 and 3), ``u = sr_uniform(byte)``, the element rounding ``e2m1_value``
     (``numerics.stochastic_round_to_grid`` on E2M1), then the code of that value
     (``e2m1_code_of_value``). NaN/Inf blocks: scale byte 0x7F (NaN) and codes 0 (+0), the
     codes ``fp4jax.quantize`` gives there (its elements become NaN times the NaN encode
     scale, which round to +0 for a positive NaN; the round-to-nearest packed kernel
     writes 0x88 instead)."""
-    d = draw0 + (_iota((g, 8), 0, plain) << 3) + _iota((g, 8), 1, plain)
+    d = draw0 + (iota((g, 8), 0, plain) << 3) + iota((g, 8), 1, plain)
     words = threefry2x32(kw_ref[0], kw_ref[1], d - d, d)
     for r in range(4):
-        w = _load_words(x_ref.at[r], slice(None), plain)
-        _, s_byte, e, finite = _word_scales(sc_ref, w, mode)
+        w = load_words(x_ref.at[r], slice(None), plain)
+        _, s_byte, e, finite = word_scales(sc_ref, w, mode)
         bits = words[r // 2]
         eb = lax.broadcast_in_dim(e, (g, 8), (0,))
         fin = lax.broadcast_in_dim(finite.astype(jnp.int32), (g, 8), (0,))
-        lo = _e2m1_value(_f32(w << 16) * eb, _sr_uniform(bits, 2 * (r % 2)), plain)
-        hi = _e2m1_value(_f32(w & -0x10000) * eb, _sr_uniform(bits, 2 * (r % 2) + 1),
+        lo = e2m1_value(bits_to_f32(w << 16) * eb, sr_uniform(bits, 2 * (r % 2)), plain)
+        hi = e2m1_value(bits_to_f32(w & -0x10000) * eb, sr_uniform(bits, 2 * (r % 2) + 1),
                             plain)
         byte = e2m1_code_of_value(lo) | (e2m1_code_of_value(hi) << 4)
         q_ref[r] = jnp.where(fin != 0, byte, 0).astype(jnp.uint8)
@@ -434,7 +434,7 @@ def quantize_nvfp4_1x16_sr_scaled(x: jax.Array, enc: jax.Array, dec: jax.Array,
         g = g or nbr
         rq = rq or 1
     else:
-        g = g or _pick_block(nbr, GR)
+        g = g or pick_block(nbr, GR)
         rq = rq or max(1, QUAD_BLOCKS // (4 * g))
         while (r // 4) % rq:
             rq //= 2

@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 
 import fp4jax
+from fp4jax import backends as B
 from fp4jax import formats as F
 from fp4jax import numerics
 
 # the modules (``fp4jax.quantize`` and ``fp4jax.dot`` are the package's functions)
 from fp4jax import quantization as qz
-from fp4jax import quantized_dot as dot_mod
 from fp4jax import recipes as R
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, dot_sm90
 from tests import reference as ref
 from tests.checks import bits_equal, dequantized, recipe_grads
 
@@ -396,7 +396,7 @@ def test_gemm_emulation_is_exact(fmt, bf16):
     qa = fp4jax.quantize(jnp.asarray(x), fmt)
     bits_equal(qa.data.astype(jnp.float32), qx)
     bits_equal(qz.scaled_data(qa), a)
-    assert (fmt.scaled_bits <= 8) == bf16 == dot_mod._bf16_exact(qa)
+    assert (fmt.scaled_bits <= 8) == bf16 == B.Operand.from_codes(qa).exact_in_bf16()
     recipe = R.bf16().replace(**{"fprop.lhs.fmt": fmt, "fprop.rhs.fmt": fmt})
     y = fp4jax.dot(jnp.asarray(x), jnp.asarray(w), recipe=recipe)
     np.testing.assert_array_equal(np.asarray(y, np.float64), a @ b)
@@ -425,7 +425,7 @@ def test_new_recipes_contents():
     hybrid = R.parse("mxfp8(dgrad.lhs.fmt=mxfp8_e5m2_up, wgrad.rhs.fmt=mxfp8_e5m2_up)")
     assert hybrid.dgrad.lhs.fmt == F.MXFP8_E5M2_UP and hybrid.fprop == m.fprop
     # the hybrid's NVFP4 backward takes the kernels, its MXFP8 forward the XLA quantizer
-    assert not dot_mod._scaled_path_applies(m) and dot_mod._scaled_path_applies(h)
+    assert dot_sm90.recipe_reason(m) is not None and dot_sm90.recipe_reason(h) is None
 
 
 @pytest.mark.parametrize("name", ["mxfp8", "mxfp8_fwd_nvfp4_bwd"])
@@ -481,7 +481,7 @@ def test_dispatcher_sends_non_e2m1_formats_to_xla(fmt):
                                   np.asarray(want.data.astype(jnp.float32)))
     kw = dict(block_2d=False, axis=2, stochastic=False, rht=0, key=jax.random.key(0))
     xc = jnp.zeros((1, 256, 1024), jnp.bfloat16)
-    assert dispatch.operand_kernel(xc, **kw, fmt=fmt) is None
+    assert dot_sm90.operand_kernel(xc, **kw, fmt=fmt) is None
     q = fp4jax.quantize(jnp.zeros((64, 256)), fmt, axis=-1)
     qb = fp4jax.quantize(jnp.zeros((256, 64)), fmt, axis=0)
     reason = dispatch.w4a4_unsupported_reason(64, 256, 64, q, qb)
@@ -493,8 +493,8 @@ def test_dispatcher_controls_still_take_e2m1():
     fail only for want of a GPU here)."""
     kw = dict(block_2d=False, axis=2, stochastic=False, rht=0, key=jax.random.key(0))
     xc = jnp.zeros((1, 256, 1024), jnp.bfloat16)
-    assert dispatch.operand_kernel(xc, **kw, fmt=fp4jax.NVFP4) == "rows"
-    assert dispatch.operand_kernel(xc, **kw) == "rows"
+    assert dot_sm90.operand_kernel(xc, **kw, fmt=fp4jax.NVFP4) == "rows"
+    assert dot_sm90.operand_kernel(xc, **kw) == "rows"
     q = fp4jax.quantize(jnp.zeros((64, 256)), fp4jax.MXFP4, axis=-1)
     qb = fp4jax.quantize(jnp.zeros((256, 64)), fp4jax.MXFP4, axis=0)
     reason = dispatch.w4a4_unsupported_reason(64, 256, 64, q, qb)

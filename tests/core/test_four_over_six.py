@@ -365,7 +365,7 @@ def test_dot_forward_matches_quantized_operands_and_runs_under_jit_and_grad():
 def test_dot_kernel_mode_takes_the_xla_path_for_4over6(monkeypatch):
     """Under FP4JAX_KERNELS=interpret (the kernel path of ``fp4jax.dot``, on CPU) a recipe
     whose six operands are 4over6 lowers to no Pallas call: the dispatcher declines every
-    operand, which then runs the XLA quantizer (``_quant``, the same call as the XLA path).
+    operand, which then runs the reference quantizer (``fp4jax.backends.reference_quantize``).
     The control: the same recipe with the "max" rule lowers to kernels at these sizes."""
     x = jnp.zeros((16, 1024), jnp.bfloat16)  # the rows and cols kernels take this size
     w = jnp.zeros((1024, 16), jnp.bfloat16)

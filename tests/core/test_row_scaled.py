@@ -153,8 +153,8 @@ def test_dispatcher_declines_row_scaled():
                                    key=jax.random.key(0), row_scaled=True) is None
     reason = dispatch.quantize_unsupported_reason((256, 256), jnp.bfloat16, row_scaled=True)
     assert reason is not None and "row_scaled" in reason
-    from fp4jax.quantized_dot import _scaled_path_applies
-    assert not _scaled_path_applies(R.parse(ALL_ROWS))
+    from pallas_kernels.dot_sm90 import recipe_reason
+    assert recipe_reason(R.parse(ALL_ROWS))
     # one row-scaled operand rides along on the kernel path (from the XLA quantizer)
-    assert _scaled_path_applies(R.nvfp4()) and _scaled_path_applies(
-        R.nvfp4().replace(row_scaled=True))
+    assert recipe_reason(R.nvfp4()) is None and recipe_reason(
+        R.nvfp4().replace(row_scaled=True)) is None

@@ -146,8 +146,8 @@ def test_data_parallel_errors(mesh):
 @needs_interpret
 @pytest.mark.parametrize("kind", ["rows", "cols", "cols_rht"])
 def test_kernels_quantize_a_row_shard_as_the_whole_tensor(kind):
-    # What data-parallel dot asks of the fused operand kernels (dispatch.make_operands with
-    # shard=): each device's rows, given the whole tensor's amax and the first draw of its
+    # What data-parallel dot asks of the fused operand kernels (dot_sm90.make_operands with
+    # a RowShard): each device's rows, given the whole tensor's amax and the first draw of its
     # rows, are the whole tensor's operand rows, bit for bit, with stochastic rounding.
     # (The kernels inside jax.shard_map itself ran on two GPUs: experiments/gpu_check.py
     # sharded; Mosaic GPU's interpret mode does not run under a multi-device shard_map.)

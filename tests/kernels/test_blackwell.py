@@ -1,6 +1,6 @@
 """The Blackwell (sm_100+) backend of ``fp4jax.dot`` on the CPU: ``jax.nn.scaled_matmul`` on
 the library's own quantized operands (``pallas_kernels/gemm/blockscale_sm100``), chosen by
-``pallas_kernels.dispatch.native_mode``.
+``pallas_kernels.dot_sm100.native_mode``.
 
 What is checked here, without Blackwell hardware:
 * the scale swizzle (``swizzle_scales_128x4``) against a NumPy loop over the documented
@@ -26,9 +26,9 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 import fp4jax  # noqa: E402
+from fp4jax import backends as B  # noqa: E402
 from fp4jax import quantization as qz  # noqa: E402
-from fp4jax import quantized_dot as dot_mod  # noqa: E402
-from pallas_kernels import dispatch  # noqa: E402
+from pallas_kernels import dot_sm90, dot_sm100, support  # noqa: E402
 from pallas_kernels.gemm import blockscale_sm100 as bs  # noqa: E402
 from tests.checks import export_cuda  # noqa: E402
 
@@ -106,17 +106,17 @@ def test_operand_reasons_and_errors():
     assert "axis 2" in bs.operand_reason(_q((1, 32, 64)), 1)
     assert "E2M1" in bs.operand_reason(_q((1, 32, 64), fmt="mxfp8_e4m3"), 2)
     mx = _q((1, 32, 64), fmt=fp4jax.MXFP4)  # E8M0 scales, block 32: the XLA path's GEMM
-    assert dispatch.native_gemm("bmk,bkn->bmn", mx, _q((1, 64, 32), axis=1),
+    assert dot_sm100.native_gemm("bmk,bkn->bmn", mx, _q((1, 64, 32), axis=1),
                                 mode="scaled_matmul", out_dtype=jnp.float32) is None
-    assert dispatch.native_gemm("bmk,bkn->bmn", mx, mx, out_dtype=jnp.float32,
+    assert dot_sm100.native_gemm("bmk,bkn->bmn", mx, mx, out_dtype=jnp.float32,
                                 mode="off") is None
     with pytest.raises(ValueError, match="kmajor_operand: blocks run along axis 2"):
         bs.kmajor_operand(_q((1, 32, 64)), 1)
     with pytest.raises(ValueError, match="unknown GEMM layout"):
-        dispatch.native_gemm("bmk,bnk->bmn", None, None, out_dtype=jnp.float32,
+        dot_sm100.native_gemm("bmk,bnk->bmn", None, None, out_dtype=jnp.float32,
                              mode="scaled_matmul")
     with pytest.raises(ValueError, match="mode must be one of"):
-        dispatch.native_gemm("bmk,bkn->bmn", None, None, out_dtype=jnp.float32, mode="on")
+        dot_sm100.native_gemm("bmk,bkn->bmn", None, None, out_dtype=jnp.float32, mode="on")
 
 
 # ---------------------------------------------------------------------------
@@ -126,26 +126,30 @@ def test_operand_reasons_and_errors():
 def test_native_mode_setting(monkeypatch):
     monkeypatch.delenv("FP4JAX_KERNELS", raising=False)
     if jax.devices()[0].platform == "cpu":  # the default on this machine: no change
-        assert not dispatch.on_sm100() and dispatch.native_mode() == "off"
+        assert not support.on_sm100() and dot_sm100.native_mode() == "off"
     for cc, sm90, sm100 in (((9, 0), True, False), ((10, 0), False, True),
                             ((10, 3), False, True), ((12, 0), False, True),
                             ((8, 0), False, False), (None, False, False)):
-        monkeypatch.setattr(dispatch, "_compute_capability", lambda v=cc: v)
-        assert (dispatch.on_sm90(), dispatch.on_sm100()) == (sm90, sm100), cc
+        monkeypatch.setattr(support, "_compute_capability", lambda v=cc: v)
+        assert (support.on_sm90(), support.on_sm100()) == (sm90, sm100), cc
+    monkeypatch.undo()
+    monkeypatch.delenv("FP4JAX_KERNELS", raising=False)
     for sm100 in (False, True):
-        monkeypatch.setattr(dispatch, "on_sm100", lambda v=sm100: v)
+        monkeypatch.setattr(dot_sm100, "on_sm100", lambda v=sm100: v)
         hw = "scaled_matmul" if sm100 else "off"
         for env, want in (("", hw), ("auto", hw), ("on", hw), ("1", hw), ("off", "off"),
                           ("xla", "off"), ("interpret", "off"), ("native", "scaled_matmul"),
                           ("tcgen05", "tcgen05")):
             monkeypatch.setenv("FP4JAX_KERNELS", env)
-            assert dispatch.native_mode() == want, (env, sm100)
+            assert dot_sm100.native_mode() == want, (env, sm100)
+    monkeypatch.setattr(dot_sm90, "on_sm90", lambda: True)
+    call = B.DotCall(fp4jax.recipes.nvfp4(), 1, 2**30, 1, 1)
     for env in ("native", "tcgen05"):  # the Hopper kernels stay off
         monkeypatch.setenv("FP4JAX_KERNELS", env)
-        assert dispatch.kernel_mode() == "off"
+        assert B.select(None, call)[0].name == "native"
     monkeypatch.setenv("FP4JAX_KERNELS", "blackwell")
     with pytest.raises(ValueError, match="FP4JAX_KERNELS='blackwell'"):
-        dispatch.native_mode()
+        dot_sm100.native_mode()
 
 
 # ---------------------------------------------------------------------------
@@ -236,15 +240,16 @@ def test_native_gemm_sees_every_scale(scaled_matmul_on_cpu):
     outputs it feeds (a layout mistake would change others, or none)."""
     xq = _q((1, 32, 64), axis=-1, seed=4)
     wq = _q((1, 64, 48), block_2d=True, seed=5)
-    base = np.asarray(dispatch.native_gemm("bmk,bkn->bmn", xq, wq, out_dtype=jnp.float32,
+    base = np.asarray(dot_sm100.native_gemm("bmk,bkn->bmn", xq, wq, out_dtype=jnp.float32,
                                            mode="scaled_matmul"))
     s = wq.scale.astype(jnp.float32).at[0, 1, 2].multiply(2.0).astype(wq.scale.dtype)
     wq2 = qz.QuantizedArray(wq.data, s, wq.global_scale, wq.fmt, None, True)
-    got = np.asarray(dispatch.native_gemm("bmk,bkn->bmn", xq, wq2, out_dtype=jnp.float32,
+    got = np.asarray(dot_sm100.native_gemm("bmk,bkn->bmn", xq, wq2, out_dtype=jnp.float32,
                                           mode="scaled_matmul"))
     changed = np.argwhere(got != base)
     assert changed.size and set(changed[:, 2]) <= set(range(32, 48))  # tile column 2
-    ref = dot_mod._gemm("bmk,bkn->bmn", xq, wq2, None)
+    ref = B.XLA.gemm("bmk,bkn->bmn", B.Operand.from_codes(xq), B.Operand.from_codes(wq2),
+                     out_dtype=jnp.float32)
     np.testing.assert_array_equal(got, np.asarray(ref))
 
 
@@ -254,7 +259,7 @@ def test_native_gemm_lowers_to_xlas_block_scaled_dot_for_cuda():
     xq, wq = _q((1, 32, 80)), _q((1, 80, 48), block_2d=True)
 
     def f(a, b):
-        return dispatch.native_gemm("bmk,bkn->bmn", a, b, out_dtype=jnp.bfloat16,
+        return dot_sm100.native_gemm("bmk,bkn->bmn", a, b, out_dtype=jnp.bfloat16,
                                     mode="scaled_matmul")
 
     text = jax.jit(f).trace(xq, wq).lower(lowering_platforms=("cuda",)).as_text()
@@ -334,6 +339,6 @@ def test_tcgen05_kernel_input_checks_and_routing(monkeypatch):
     xq, wq = _q((1, 128, 256)), _q((1, 256, 128), block_2d=True)
     for sm100, out, n_calls in ((False, jnp.bfloat16, 0), (True, jnp.float32, 0),
                                 (True, jnp.bfloat16, 1)):
-        monkeypatch.setattr(dispatch, "on_sm100", lambda v=sm100: v)
-        y = dispatch.native_gemm("bmk,bkn->bmn", xq, wq, out_dtype=out, mode="tcgen05")
+        monkeypatch.setattr(dot_sm100, "on_sm100", lambda v=sm100: v)
+        y = dot_sm100.native_gemm("bmk,bkn->bmn", xq, wq, out_dtype=out, mode="tcgen05")
         assert y.dtype == out and len(seen) == n_calls  # else: the scaled_matmul backend

@@ -10,15 +10,14 @@ outputs equal to XLA's f32 dot times alpha at 4 shapes x 3 layouts, run 27).
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
-from fp4jax import quantized_dot as dot_mod  # noqa: E402
+from fp4jax import backends as B  # noqa: E402
+from pallas_kernels import dot_sm90  # noqa: E402
 from pallas_kernels.gemm import alpha_sm90 as ga  # noqa: E402
 from tests.checks import export_cuda  # noqa: E402
 
@@ -72,15 +71,20 @@ def test_kernel_path_gemm_routing(monkeypatch):
     x = jnp.asarray(rng.standard_normal((1, 256, 128)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((1, 128, 256)), jnp.bfloat16)
     sx, sw = jnp.float32(0.5), jnp.float32(3.0)
-    want = dot_mod._einsum_scaled("bmk,bkn->bmn", x, w, sx, sw,
-                                  jax.lax.Precision.HIGHEST).astype(jnp.bfloat16)
-    for kmode, gemm in (("interpret", "pallas"), ("off", "pallas"), ("on", "xla")):
-        got = dot_mod._gemm_kernel_path("bmk,bkn->bmn", x, w, sx, sw, jnp.bfloat16, kmode, gemm)
+    want = B.einsum_scaled("bmk,bkn->bmn", x, w, sx, sw,
+                           jax.lax.Precision.HIGHEST).astype(jnp.bfloat16)
+
+    def gemm(sub, a, b, out_dtype, mode, impl):
+        chain = (dot_sm90.HopperBackend(mode, impl), B.XLA)
+        return B.run_gemm(chain, sub, B.Operand.from_scaled(a, sx),
+                          B.Operand.from_scaled(b, sw), out_dtype)
+
+    for kmode, impl in (("interpret", "pallas"), ("on", "xla")):
+        got = gemm("bmk,bkn->bmn", x, w, jnp.bfloat16, kmode, impl)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
     def lowered(sub, a, b, out_dtype=jnp.bfloat16):
-        return _export(lambda a, b: dot_mod._gemm_kernel_path(sub, a, b, sx, sw, out_dtype,
-                                                              "on", "pallas"), a, b)
+        return _export(lambda a, b: gemm(sub, a, b, out_dtype, "on", "pallas"), a, b)
 
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
@@ -96,4 +100,4 @@ def test_kernel_path_gemm_routing(monkeypatch):
                                        sd((1, 128, 256), bf))
     monkeypatch.setenv("FP4JAX_KERNEL_GEMM", "cublas")
     with pytest.raises(ValueError, match="FP4JAX_KERNEL_GEMM"):
-        importlib.import_module("pallas_kernels.dispatch").gemm_backend()
+        dot_sm90.gemm_backend()

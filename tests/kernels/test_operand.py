@@ -17,7 +17,6 @@ GPU exactness and speed: ``experiments/gpu_check.py rows cols 2d amax dot``,
 from __future__ import annotations
 
 import functools
-import importlib
 
 import ml_dtypes
 import numpy as np
@@ -75,13 +74,13 @@ def _rounding_inputs():
 def test_kernel_element_rounding_is_the_core_rule():
     """The kernels' full-rate E2M1 rounding (bit tricks, no int<->float conversion) gives
     the core rule's bits: numerics.round_to_grid (nearest) and stochastic_round_to_grid
-    with u = (b + 1/2)/256 for every byte b (via _sr_uniform on each byte position)."""
+    with u = (b + 1/2)/256 for every byte b (via sr_uniform on each byte position)."""
     from fp4jax import numerics as nm
 
     v = jnp.asarray(_rounding_inputs())
     finite = np.isfinite(np.asarray(v))
     want = jnp.sign(v) * nm.round_to_grid(jnp.abs(v), nm.E2M1, "nearest")
-    got = jax.jit(lambda a: cm._e2m1_value(a, None, True))(v)
+    got = jax.jit(lambda a: cm.e2m1_value(a, None, True))(v)
     np.testing.assert_array_equal(np.abs(np.asarray(got))[finite],
                                   np.abs(np.asarray(want))[finite])
     np.testing.assert_array_equal(np.signbit(np.asarray(got)), np.signbit(np.asarray(v)))
@@ -92,10 +91,10 @@ def test_kernel_element_rounding_is_the_core_rule():
         word = (b << (8 * i)) | jnp.asarray(rng.integers(0, 2**31, v.shape) & ~(
             0xFF << (8 * i)), jnp.int32) if i < 3 else (b << 24) | jnp.asarray(
             rng.integers(0, 2**24, v.shape), jnp.int32)
-        u = jax.jit(lambda w, i=i: cm._sr_uniform(w, i))(word)
+        u = jax.jit(lambda w, i=i: cm.sr_uniform(w, i))(word)
         np.testing.assert_array_equal(np.asarray(u), (np.asarray(b) + 0.5) / 256)
         want = jnp.sign(v) * nm.stochastic_round_to_grid(jnp.abs(v), nm.E2M1, u)
-        got = jax.jit(lambda a, uu: cm._e2m1_value(a, uu, True))(v, u)
+        got = jax.jit(lambda a, uu: cm.e2m1_value(a, uu, True))(v, u)
         np.testing.assert_array_equal(np.asarray(got)[finite], np.asarray(want)[finite])
 
 
@@ -432,52 +431,67 @@ def test_dot_kernel_path_under_vmap_equals_xla_path(monkeypatch):
         assert (a.view(np.uint32) == b.view(np.uint32)).all()
 
 
+def _auto_mode(mkn: int, batch: int = 1) -> str:
+    """``"on"`` when the automatic choice takes the Hopper kernels for an ``M*K*N == mkn``
+    call traced here (``fp4jax.sharding.xla_partitions`` as ``fp4jax.dot`` asks it), else
+    ``"off"``."""
+    from fp4jax import backends as B
+
+    call = B.DotCall(fp4jax.recipes.nvfp4(), batch, mkn, 1, 1,
+                     fp4jax.sharding.xla_partitions())
+    return "on" if B.select(None, call)[0].name == "pallas" else "off"
+
+
 def test_auto_mode_size_threshold_and_devices(monkeypatch):
-    dot = importlib.import_module("pallas_kernels.dispatch")
+    from pallas_kernels import dot_sm90
+
     monkeypatch.setenv("FP4JAX_KERNELS", "auto")
-    monkeypatch.setattr(dot, "on_sm90", lambda: True)
-    big = dot.KERNEL_AUTO_MIN_MKN
+    monkeypatch.setattr(dot_sm90, "on_sm90", lambda: True)
+    big = dot_sm90.KERNEL_AUTO_MIN_MKN
     want = "on" if jax.device_count() == 1 else "off"
-    assert dot.kernel_mode(big) == want
-    assert dot.kernel_mode(big - 1) == "off"
+    assert _auto_mode(big) == want
+    assert _auto_mode(big - 1) == "off"
     # the small preset's k/v projections with 8,192 tokens a device (two-GPU data parallel),
     # where XLA's path cost 3x the kernels' (2026-11-26)
-    assert dot.kernel_mode(8192 * 512 * 256) == want
-    assert dot.kernel_mode(0) == "off"  # batched dot_general
+    assert _auto_mode(8192 * 512 * 256) == want
+    assert _auto_mode(big, batch=2) == "off"  # batched dot_general
     # a program on one device of a multi-device host (fp4jax.sharding.one_device): the
     # kernels as on a one-device host; nested off again, and never for small or batched GEMMs
     with fp4jax.sharding.one_device():
-        assert dot.kernel_mode(big) == "on" and dot.kernel_mode(big - 1) == "off"
-        assert dot.kernel_mode(0) == "off"
+        assert _auto_mode(big) == "on" and _auto_mode(big - 1) == "off"
+        assert _auto_mode(big, batch=2) == "off"
         with fp4jax.sharding.one_device(False):
-            assert dot.kernel_mode(big) == want
-    assert dot.kernel_mode(big) == want
+            assert _auto_mode(big) == want
+    assert _auto_mode(big) == want
     with pytest.raises(TypeError, match="active must be a bool"):
         with fp4jax.sharding.one_device("yes"):
             pass
     monkeypatch.setenv("FP4JAX_KERNELS", "on")
-    assert dot.kernel_mode(1) == "on"
-    monkeypatch.setattr(dot, "on_sm90", lambda: False)
-    assert dot.kernel_mode(big) == "off"
+    assert _auto_mode(1) == "on"
+    monkeypatch.setattr(dot_sm90, "on_sm90", lambda: False)
+    assert _auto_mode(big) == "off"
     with fp4jax.sharding.one_device():
-        assert dot.kernel_mode(big) == "off"  # no sm_90 GPU
+        assert _auto_mode(big) == "off"  # no sm_90 GPU
 
 
 def test_kernel_mode_setting(monkeypatch):
-    dot = importlib.import_module("pallas_kernels.dispatch")
-    for v, want in (("off", "off"), ("0", "off"), ("interpret", "interpret"), ("", "off"),
-                    ("auto", "off"), ("on", "off")):  # "on"/"auto" need an sm_90 GPU
-        monkeypatch.setenv("FP4JAX_KERNELS", v)
+    from fp4jax import backends as B
+
+    for v, setting, want in (("off", "off", "off"), ("0", "off", "off"),
+                             ("interpret", "interpret", "on"), ("", "auto", "off"),
+                             ("auto", "auto", "off"), ("on", "on", "off")):
+        monkeypatch.setenv("FP4JAX_KERNELS", v)  # "on"/"auto" need an sm_90 GPU
+        assert B.kernels_setting() == setting
         if jax.devices()[0].platform == "cpu":
-            assert dot.kernel_mode() == want
+            assert _auto_mode(2**40) == want, v
     monkeypatch.setenv("FP4JAX_KERNELS", "fast")
     with pytest.raises(ValueError, match="FP4JAX_KERNELS"):
-        dot.kernel_mode()
+        B.kernels_setting()
 
 
 @pytest.mark.parametrize("kind", ["rows", "rows_sr", "cols_rht_sr", "2d"])
 def test_operand_kernels_lower_for_cuda_with_a_scalar_row(kind):
-    """``dispatch.make_operands`` passes every kernel the flat scalars of all operands of a
+    """``dot_sm90.make_operands`` passes every kernel the flat scalars of all operands of a
     tensor and the operand's row (``sc_row``): the kernels still lower for CUDA (Mosaic GPU),
     at the presets' widths (768 columns: overhanging SR tiles, strided column strips)."""
     sc = jax.ShapeDtypeStruct((3 * cm.SC_WIDTH,), jnp.float32)

@@ -181,7 +181,7 @@ def test_mx_kernels_lower_for_cuda(variant):
     """The real kernels (GPU tiling: WGMMA rows tiles, 64-block SR quads overhanging a
     736-column row, the flat SR layout of a 768-column one, strided 32-row column strips)
     lower for CUDA, with the flat scalars of
-    several operands, as ``dispatch.make_operands`` calls them."""
+    several operands, as ``dot_sm90.make_operands`` calls them."""
     sc = jax.ShapeDtypeStruct((3 * cm.SC_WIDTH,), jnp.float32)
     kw = jax.ShapeDtypeStruct((3,), jnp.int32)
     x = jax.ShapeDtypeStruct((16384, 768), jnp.bfloat16)
@@ -204,9 +204,9 @@ def test_dispatch_routes_mxfp4():
     assert dispatch.spec_unsupported_reason(MXFP4) is None
     assert dispatch.spec_unsupported_reason("mxfp4_ocp", rounding="stochastic") is None
     assert "E4M3 elements" in dispatch.spec_unsupported_reason(MXFP8_E4M3_UP)
-    from fp4jax.quantized_dot import _scaled_path_applies
+    from pallas_kernels.dot_sm90 import recipe_reason
 
-    assert _scaled_path_applies(fp4jax.recipes.mxfp4())
+    assert recipe_reason(fp4jax.recipes.mxfp4()) is None
     key = jax.random.key(0)
     x = jnp.zeros((1, 64, 512), jnp.bfloat16)
     kind = dispatch.operand_kernel

@@ -89,7 +89,7 @@ def test_recip_table_safe_for_all_but_tiny_tensors():
 
 
 def test_batched_scalars_equal_one_operand_at_a_time():
-    """``dispatch.make_operands`` computes every operand's tensor scales and kernel scalar
+    """``dot_sm90.make_operands`` computes every operand's tensor scales and kernel scalar
     vector as one batch (``global_scales`` and ``scalars`` on vectors): each row must be the
     bits of the scalar call, over amaxes from 0 and tiny (unsafe table) to FLT_MAX, NaN-free
     and with and without RHT signs."""

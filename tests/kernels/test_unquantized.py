@@ -6,7 +6,7 @@
   recipe with none, saying why;
 * the forward + backward lowers for CUDA on this machine (``jax.export``) with the
   kernels making exactly the quantized operands the kernels cover (spied on
-  ``dispatch.make_operands``), the unquantized ones entering as the tensors themselves;
+  ``dot_sm90.make_operands``), the unquantized ones entering as the tensors themselves;
 * in Mosaic GPU interpret mode the kernel path's y, loss, dx and dw equal the XLA path's
   bit for bit, for a switched forward and a switched backward (``nvfp4_fwd_only``);
 * with the operand kernels declined, the kernel path's own plumbing equals the XLA path's
@@ -24,14 +24,15 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 import fp4jax  # noqa: E402
+from fp4jax import backends as B  # noqa: E402
 from fp4jax import quantized_dot as dot_mod  # noqa: E402
 from fp4jax import recipes as R  # noqa: E402
 from fp4jax.train import switched_recipe  # noqa: E402
-from pallas_kernels import dispatch  # noqa: E402
+from pallas_kernels import dot_sm90  # noqa: E402
 from tests.interpret import needs_interpret  # noqa: E402
 from tests.kernel_inputs import mismatches  # noqa: E402
 
-BIG = dispatch.KERNEL_AUTO_MIN_MKN
+BIG = dot_sm90.KERNEL_AUTO_MIN_MKN
 SWITCH_FWD = switched_recipe(R.nvfp4(), "fwd")
 SWITCH_BWD = switched_recipe(R.nvfp4(), "bwd")
 # operands the kernels do not implement inside the kernel path (the XLA quantizer): x
@@ -49,7 +50,7 @@ def _why(recipe) -> dict[str, str | None]:
     """Per operand ``gemm.side``: None (the kernels' spec), "unquantized", or the
     dispatcher's reason."""
     return {f"{n}.{side}": ("unquantized" if not q.quantized else
-                            dispatch.spec_unsupported_reason(
+                            dot_sm90.spec_unsupported_reason(
                                 q.fmt, block_scale_rule=q.block_scale_rule,
                                 row_scaled=q.row_scaled, rounding=q.rounding))
             for n, g in recipe.gemms.items() for side, q in (("lhs", g.lhs), ("rhs", g.rhs))}
@@ -57,14 +58,13 @@ def _why(recipe) -> dict[str, str | None]:
 
 def test_dispatch_takes_recipes_with_unquantized_operands(monkeypatch):
     monkeypatch.delenv("FP4JAX_KERNELS", raising=False)
-    monkeypatch.setattr(dispatch, "on_sm90", lambda: True)
-    monkeypatch.setattr(jax, "device_count", lambda: 1)
-    on = dispatch.DotBackend("pallas", "on", dispatch.gemm_backend())
+    monkeypatch.setattr(dot_sm90, "on_sm90", lambda: True)
+    on = (dot_sm90.HopperBackend("on", dot_sm90.gemm_backend()), B.XLA)
     for name, r in TAKEN.items():
         why = _why(r)
-        assert dot_mod._scaled_path_applies(r), (name, why)
+        assert dot_sm90.recipe_reason(r) is None, (name, why)
         assert None in why.values(), (name, why)  # some operand is the kernels'
-        assert dispatch.dot_backend(None, mkn=BIG, kernel_recipe=True) == on
+        assert B.select(None, B.DotCall(r, 1, BIG // 64, 8, 8)) == on
     # what rides along, and why: the switch's high-precision GEMMs, MXFP8, row scales
     assert set(_why(SWITCH_FWD).values()) == {None, "unquantized"}
     assert [k for k, v in _why(SWITCH_FWD).items() if v] == ["fprop.lhs", "fprop.rhs"]
@@ -74,7 +74,8 @@ def test_dispatch_takes_recipes_with_unquantized_operands(monkeypatch):
     assert "E4M3 elements" in hyb["fprop.lhs"] and "E4M3 elements" in hyb["fprop.rhs"]
     assert "row_scaled" in _why(TAKEN["row_scaled"])["fprop.lhs"]
     for name, r in REFUSED.items():
-        assert not dot_mod._scaled_path_applies(r), (name, _why(r))
+        assert dot_sm90.recipe_reason(r) is not None, (name, _why(r))
+        assert B.select(None, B.DotCall(r, 1, BIG // 64, 8, 8)) == (B.XLA,)
         assert None not in _why(r).values(), name
     with pytest.raises(ValueError, match="no operand the kernels implement"):
         fp4jax.dot(jnp.ones((16, 256), jnp.bfloat16), jnp.ones((256, 256), jnp.bfloat16),
@@ -82,15 +83,15 @@ def test_dispatch_takes_recipes_with_unquantized_operands(monkeypatch):
 
 
 def _spy_operands(monkeypatch) -> list:
-    """Records the kernel kinds of every ``dispatch.make_operands`` call."""
+    """Records the kernel kinds of every ``dot_sm90.make_operands`` call."""
     seen = []
-    real = dispatch.make_operands
+    real = dot_sm90.make_operands
 
     def spy(x, kinds, *a, **k):
         seen.append((tuple(x.shape), tuple(kinds)))
         return real(x, kinds, *a, **k)
 
-    monkeypatch.setattr(dispatch, "make_operands", spy)
+    monkeypatch.setattr(dot_sm90, "make_operands", spy)
     return seen
 
 
@@ -118,7 +119,7 @@ def test_kernel_path_lowers_for_cuda(monkeypatch, name):
     """Forward + backward lowered for CUDA (the real Mosaic GPU kernels): the operands the
     kernels cover come from them, the unquantized ones and the float32 GEMM's quantized x
     (``mixed``'s wgrad) do not."""
-    monkeypatch.setattr(dispatch, "on_sm90", lambda: True)
+    monkeypatch.setattr(dot_sm90, "on_sm90", lambda: True)
     seen = _spy_operands(monkeypatch)
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
@@ -165,7 +166,7 @@ def test_kernel_path_equals_xla_path(monkeypatch, name, kinds):
 
 @pytest.mark.parametrize("name,wdtype", [("mixed", jnp.bfloat16), ("switch_fwd", jnp.float32)])
 def test_kernel_path_plumbing_equals_xla_path(monkeypatch, name, wdtype):
-    """The kernel path with every operand kernel declined (``dispatch.operand_kernel`` None,
+    """The kernel path with every operand kernel declined (``dot_sm90.operand_kernel`` None,
     as for shapes the kernels do not tile), so no interpret mode is needed: the operands
     from the XLA quantizer (MXFP8, row-scaled: per-row scales), the unquantized ones, the
     GEMM of a quantized and an unquantized operand (``mixed``'s wgrad, in float32 after the
@@ -174,7 +175,7 @@ def test_kernel_path_plumbing_equals_xla_path(monkeypatch, name, wdtype):
     x, w, ct = _problem(wdtype)
     want = _fwd_bwd(TAKEN[name], "xla")(x, w, ct)
     monkeypatch.setenv("FP4JAX_KERNELS", "interpret")
-    monkeypatch.setattr(dispatch, "operand_kernel", lambda *a, **k: None)
+    monkeypatch.setattr(dot_sm90, "operand_kernel", lambda *a, **k: None)
     seen = _spy_operands(monkeypatch)
     f = _fwd_bwd(TAKEN[name], "pallas")
     assert "pallas" not in f.lower(x, w, ct).as_text()
@@ -186,10 +187,10 @@ def test_gemm_dtypes_follow_the_xla_path():
     """The dtype each GEMM computes in, known before its operands exist: bf16 only where
     both operands are exact in bf16 (an unquantized one: a bf16 tensor without RHT)."""
     bf, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
-    d = dot_mod._gemm_dtypes(SWITCH_FWD, bf, bf, bf)
+    d = dot_mod.gemm_dtypes(SWITCH_FWD, bf, bf, bf)
     assert d == {"fprop": bf, "dgrad": bf, "wgrad": bf}
-    assert dot_mod._gemm_dtypes(SWITCH_FWD, bf, f32, bf)["fprop"] == f32
-    assert dot_mod._gemm_dtypes(SWITCH_FWD, bf, f32, bf)["dgrad"] == bf  # w quantized
-    assert dot_mod._gemm_dtypes(MIXED, bf, bf, bf) == {"fprop": bf, "dgrad": bf,
+    assert dot_mod.gemm_dtypes(SWITCH_FWD, bf, f32, bf)["fprop"] == f32
+    assert dot_mod.gemm_dtypes(SWITCH_FWD, bf, f32, bf)["dgrad"] == bf  # w quantized
+    assert dot_mod.gemm_dtypes(MIXED, bf, bf, bf) == {"fprop": bf, "dgrad": bf,
                                                       "wgrad": f32}  # RHT'd dy: float32
-    np.testing.assert_equal(dot_mod._gemm_dtypes(R.bf16(), bf, bf, bf)["wgrad"], bf)
+    np.testing.assert_equal(dot_mod.gemm_dtypes(R.bf16(), bf, bf, bf)["wgrad"], bf)

@@ -209,8 +209,8 @@ def test_dispatcher_declines_ms_eden():
                                    key=jax.random.key(0), rounding="ms_eden") is None
     assert "ms_eden" in dispatch.quantize_unsupported_reason((256, 256), jnp.bfloat16,
                                                              rounding="ms_eden")
-    from fp4jax.quantized_dot import _scaled_path_applies
-    assert not _scaled_path_applies(R.quartet2())  # 4over6 forward, MS-EDEN backward
+    from pallas_kernels.dot_sm90 import recipe_reason
+    assert recipe_reason(R.quartet2())  # 4over6 forward, MS-EDEN backward
     # a "max" forward takes the kernels, the MS-EDEN backward the XLA quantizer
-    assert _scaled_path_applies(R.quartet2().replace(
-        **{"fprop.lhs.block_scale_rule": "max", "fprop.rhs.block_scale_rule": "max"}))
+    assert recipe_reason(R.quartet2().replace(
+        **{"fprop.lhs.block_scale_rule": "max", "fprop.rhs.block_scale_rule": "max"})) is None

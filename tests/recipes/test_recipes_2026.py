@@ -10,7 +10,7 @@ import pytest
 
 import fp4jax
 from fp4jax.hadamard import random_hadamard_transform, unsigned_signs
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, dot_sm90
 from tests.reference import ref_fwht_f32, ref_hadamard
 
 # --------------------------------------------------------------------------------------
@@ -70,7 +70,7 @@ def test_bad_sign_policy_names_the_argument():
 
 
 def test_kernel_path_gets_the_unsigned_vector(monkeypatch):
-    """The sm_90 operand kernels take the sign vector as data (``dispatch.make_operands``'s
+    """The sm_90 operand kernels take the sign vector as data (``dot_sm90.make_operands``'s
     ``signs``), so "ones" needs no refusal: the kernel path receives the all-ones vector
     (recorded at run time; the kernels themselves are stood in for by zeros, so nothing is
     interpreted)."""
@@ -83,7 +83,7 @@ def test_kernel_path_gets_the_unsigned_vector(monkeypatch):
                 jax.debug.callback(lambda v: seen.append(np.asarray(v)), s)
         return [(jnp.zeros(x.shape, jnp.bfloat16), jnp.float32(1)) for _ in kinds]
 
-    monkeypatch.setattr(dispatch, "make_operands", spy)
+    monkeypatch.setattr(dot_sm90, "make_operands", spy)
     x = jax.random.normal(jax.random.key(1), (32, 256)).astype(jnp.bfloat16)
     w = (0.05 * jax.random.normal(jax.random.key(2), (256, 256))).astype(jnp.bfloat16)
     r = fp4jax.recipes.parse("mxfp4(sr=False, wgrad.hadamard_signs=ones)")
