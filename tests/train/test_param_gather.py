@@ -286,10 +286,12 @@ def test_bad_configurations_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="True or False"):
         T.TrainConfig(fp4_param_gather="yes", fsdp=2)
     assert "no 2D tiles" in sharding.fp4_gather_shard_reason((64,), 0, 2, 16)
-    # a run none of whose weights the FP4 gather can take: refused before compiling
+    # a run none of whose weights the FP4 gather can take (its recipe's): refused by the
+    # config, before data, devices or compiling
     text = write_text(tmp_path / "corpus.txt", 20_000)
-    cfg = T.TrainConfig(preset="micro", recipe="bf16", steps=1, batch_size=8, seq_len=64,
-                        eval_every=0, devices=4, fsdp=2, fp4_param_gather=True,
-                        data=str(text), out=str(tmp_path / "run"), progress=False)
-    with pytest.raises(ValueError, match="no weight of this run can be gathered in FP4"):
-        T.train(cfg)
+    with pytest.raises(ConfigError, match=r"keeps the forward weight in high precision: no "
+                       r"weight of the run would be gathered in FP4; drop --fp4-param-gather"):
+        T.TrainConfig(preset="micro", recipe="bf16", steps=1, batch_size=8, seq_len=64,
+                      eval_every=0, devices=4, fsdp=2, fp4_param_gather=True,
+                      data=str(text), out=str(tmp_path / "run"), progress=False)
+    assert not (tmp_path / "run").exists()
