@@ -38,6 +38,9 @@ class ProcessFailed(RuntimeError):
     """Raised on processes other than 0 when process 0 failed in a step they share."""
 
 
+MAX_PROCESSES = 1 << 16  # --num-processes' bound (JAX takes it as a 32-bit integer)
+
+
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
                process_id: int | None = None) -> None:
     """``jax.distributed.initialize`` with a clear error, before any JAX computation.
@@ -47,14 +50,15 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     ``num_processes`` and ``process_id`` likewise (``None``: detected). On CPU devices the
     processes talk through gloo (JAX's CPU collectives), so a run on one machine with
     several processes works without GPUs (tests, rehearsals)."""
-    if num_processes is not None and num_processes < 1:
-        raise ValueError(f"--num-processes must be >= 1, got {num_processes}")
-    if process_id is not None and num_processes is not None and not (
-            0 <= process_id < num_processes):
-        raise ValueError(f"--process-id must be in 0..{num_processes - 1} "
-                         f"(--num-processes {num_processes}), got {process_id}")
-    if coordinator is not None and (":" not in coordinator
-                                    or not coordinator.rsplit(":", 1)[1].isdigit()):
+    if num_processes is not None and not 1 <= num_processes <= MAX_PROCESSES:
+        raise ValueError(f"--num-processes must be in 1..{MAX_PROCESSES}, got {num_processes}")
+    if process_id is not None and not 0 <= process_id < (num_processes or MAX_PROCESSES):
+        raise ValueError(f"--process-id must be in 0..{(num_processes or MAX_PROCESSES) - 1}"
+                         + (f" (--num-processes {num_processes})" if num_processes else "")
+                         + f", got {process_id}")
+    port = coordinator.rsplit(":", 1)[1] if coordinator and ":" in coordinator else ""
+    if coordinator is not None and (not port.isascii() or not port.isdigit()
+                                    or not 0 < int(port) < 65536):
         raise ValueError(f"--coordinator must be HOST:PORT (process 0's address and a free "
                          f"port, e.g. 10.0.0.1:1234), got {coordinator!r}")
     try:

@@ -152,3 +152,14 @@ def test_tokenize_bytes_is_what_train_reads(val_data, tmp_path):
                                           direct.train_batch(step, 4, seed=1))
     np.testing.assert_array_equal(np.asarray(tok.train[0:len(tok.train)]), want_train)
     np.testing.assert_array_equal(np.asarray(tok.val[0:len(tok.val)]), want_val)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-processes", BIG, "--process-id", "0"], "--num-processes must be in 1..65536"),
+    (["--process-id", "-1"], "--process-id must be in 0..65535"),
+    (["--coordinator", "localhost:" + BIG], "--coordinator must be HOST:PORT"),
+    (["--coordinator", "localhost:0"], "--coordinator must be HOST:PORT"),
+])
+def test_process_flags_bounded(argv, message, tmp_path, capsys):
+    err = _refused(argv, tmp_path, capsys)
+    assert message in err, err
