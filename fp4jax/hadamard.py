@@ -17,8 +17,8 @@ import numpy as np
 
 from fp4jax import numerics
 
-__all__ = ["TE_SIGN_VECTOR", "SIGN_POLICIES", "default_signs", "unsigned_signs", "fwht_tiles",
-           "hadamard_matrix", "random_hadamard_transform", "resolve_signs"]
+__all__ = ["TE_SIGN_VECTOR", "SIGN_POLICIES", "check_size", "default_signs", "unsigned_signs",
+           "fwht_tiles", "hadamard_matrix", "random_hadamard_transform", "resolve_signs"]
 
 TE_SIGN_VECTOR = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 """Transformer Engine's fixed Wgrad sign vector (``get_wgrad_sign_vector`` in
@@ -28,14 +28,15 @@ one vector for all layers and steps."""
 
 def hadamard_matrix(size: int) -> np.ndarray:
     """Normalized Sylvester Hadamard matrix ``H_size / sqrt(size)`` (float64, symmetric)."""
-    _check_size(size)
+    check_size(size)
     h = np.array([[1.0]])
     while h.shape[0] < size:
         h = np.block([[h, h], [h, -h]])
     return h / np.sqrt(size)
 
 
-def _check_size(size: int) -> None:
+def check_size(size: int) -> None:
+    """Refuses a Hadamard tile size that is not a power of two in 2..256 (ValueError)."""
     if not isinstance(size, int) or size < 2 or size > 256 or size & (size - 1):
         raise ValueError(f"Hadamard size must be a power of two in 2..256, got {size!r}")
 
@@ -47,7 +48,7 @@ def default_signs(size: int) -> np.ndarray:
     first ``size`` entries; larger sizes extend it with Rademacher signs from
     ``numpy.random.default_rng(size)`` (fixed, documented, reproducible).
     """
-    _check_size(size)
+    check_size(size)
     te = np.asarray(TE_SIGN_VECTOR, np.float32)
     if size <= 16:
         return te[:size].copy()
@@ -70,7 +71,7 @@ def unsigned_signs(size: int) -> np.ndarray:
     (Transformer Engine's fixed vector, the same every step and layer) is a deterministic
     rotation too, and ``"random"`` the randomized one they compare against.
     """
-    _check_size(size)
+    check_size(size)
     return np.ones((size,), np.float32)
 
 
@@ -140,7 +141,7 @@ def random_hadamard_transform(
     """
     if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
         raise TypeError(f"x must have a floating dtype, got {jnp.asarray(x).dtype}")
-    _check_size(size)
+    check_size(size)
     x = numerics.exact_float32(x)
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis={axis} is out of range for x of shape {x.shape}")

@@ -48,6 +48,8 @@ __all__ = [
     "get",
     "names",
     "parse",
+    "split_list",
+    "split_spec",
     "spec",
     "HIGH_PRECISION",
     "AttentionRecipe",
@@ -184,9 +186,9 @@ class GemmSpec:
             raise ValueError(f"GemmSpec.hadamard must be 0 (off) or a power of two in 2..256, "
                              f"got {_clip(str(self.hadamard), 40)}")
         if self.hadamard:
-            from fp4jax.hadamard import _check_size
+            from fp4jax.hadamard import check_size
 
-            _check_size(self.hadamard)
+            check_size(self.hadamard)
         s = self.hadamard_signs
         if isinstance(s, (list, np.ndarray)):
             s = tuple(np.asarray(s).tolist())
@@ -689,6 +691,36 @@ def _split_top(text: str, spec: str) -> list[str]:
         raise ValueError(f"recipe spec {spec!r}: unclosed quote or parenthesis")
     parts.append("".join(cur))
     return [p.strip() for p in parts]
+
+
+def split_spec(spec: str) -> tuple[str, list[str]]:
+    """The grammar of a recipe spec, ``NAME`` or ``NAME(item, item, ...)``: the name and the
+    items (``key=value`` strings, split at commas outside parentheses, brackets and quotes;
+    no items for a bare name). ``parse`` gives the items their meaning; callers that carry
+    their own keys beside a recipe's (the harness's run-level keys) split them out here.
+
+    Raises:
+      ValueError: not of that form, or unbalanced parentheses or quotes.
+    """
+    text = spec.strip()
+    m = _SPEC_RE.fullmatch(text)
+    if not m:
+        raise ValueError(f"recipe spec {spec!r}: use NAME or NAME(key=value, ...), e.g. "
+                         "'nvfp4(sr=False, rht=0)'")
+    if m[2] is None or not m[2].strip():
+        return m[1], []
+    return m[1], _split_top(m[2], spec)
+
+
+def split_list(text: str) -> list[str]:
+    """A comma-separated list of specs split at its top-level commas (outside parentheses,
+    brackets and quotes), blanks dropped: ``"nvfp4,nvfp4(sr=False, rht=0),bf16"`` gives
+    three specs.
+
+    Raises:
+      ValueError: unbalanced parentheses or quotes.
+    """
+    return [x for x in _split_top(text, text) if x]
 
 
 def _block_format(node: ast.Call, spec: str) -> BlockFormat:

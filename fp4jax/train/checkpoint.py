@@ -362,8 +362,8 @@ def read_metrics(path: Path, note: Callable[[str], None] = _note) -> list[tuple[
     return out
 
 
-def _truncate_metrics(path: Path, ckpt_step: int,
-                      note: Callable[[str], None] = _note) -> None:
+def truncate_metrics(path: Path, ckpt_step: int,
+                     note: Callable[[str], None] = _note) -> None:
     """Drops records newer than the checkpoint being resumed from (and a torn final record);
     rewrites the file atomically."""
     if not path.exists():
@@ -378,7 +378,7 @@ def _truncate_metrics(path: Path, ckpt_step: int,
     os.replace(tmp, path)
 
 
-def _history_from_metrics(path: Path) -> dict[str, list]:
+def history_from_metrics(path: Path) -> dict[str, list]:
     """The loss curves recorded in ``metrics.jsonl`` (train losses at ``--log-every``
     resolution), to seed a resumed run's history."""
     history: dict[str, list] = {"step": [], "loss": [], "val_step": [], "val_loss": []}

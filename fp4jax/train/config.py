@@ -145,8 +145,7 @@ def split_specs(text: str | None) -> list[str]:
     Raises:
       ValueError: unbalanced parentheses.
     """
-    text = text or ""
-    return [x.strip() for x in fp4jax.recipes._split_top(text, text) if x.strip()]
+    return fp4jax.recipes.split_list(text or "")
 
 
 # run-level keys a spec may carry beside the recipe's (``nvfp4(last_bf16=0)``,
@@ -247,12 +246,12 @@ def split_run_spec(spec: str) -> tuple[str, dict[str, Any]]:
     if not isinstance(spec, str):
         raise TypeError(f"recipe spec must be a string, got {type(spec).__name__}")
     text = spec.strip()
-    m = fp4jax.recipes._SPEC_RE.fullmatch(text)
-    if not m or m[2] is None or not m[2].strip():
+    name, items = fp4jax.recipes.split_spec(text)
+    if not items:
         fp4jax.recipes.parse(text)  # raises for a malformed spec
         return text, {}
     keep, run = [], {}
-    for item in fp4jax.recipes._split_top(m[2], spec):
+    for item in items:
         key, eq, val = item.partition("=")
         key = key.strip()
         if eq and key in RUN_KEYS:
@@ -261,7 +260,7 @@ def split_run_spec(spec: str) -> tuple[str, dict[str, Any]]:
             run[key] = _run_value(spec, key, val.strip())
         else:
             keep.append(item)
-    rest = m[1] + (f"({', '.join(keep)})" if keep else "")
+    rest = name + (f"({', '.join(keep)})" if keep else "")
     try:
         fp4jax.recipes.parse(rest)
     except ValueError as e:

@@ -42,9 +42,9 @@ from fp4jax.tokens import load_dataset, model_vocab_size
 from fp4jax.train import channel_split, parallel, processes
 from fp4jax.train.checkpoint import (
     RunCheckpoints,
-    _history_from_metrics,
-    _truncate_metrics,
+    history_from_metrics,
     read_metrics,
+    truncate_metrics,
 )
 from fp4jax.train.config import (
     TrainConfig,
@@ -523,7 +523,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         state, start = resumed.state, resumed.step
         overridden, damaged = resumed.overridden, resumed.damaged
         if main:
-            _truncate_metrics(metrics_path, start)
+            truncate_metrics(metrics_path, start)
     end = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
 
     # evaluation and measurements
@@ -555,7 +555,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     pbar = Progress(end, start, cfg.progress and main, recipe.name, quiet=not main)
     pbar.write(header)
     # resumed runs continue the recorded curves (truncated to the checkpoint above)
-    history = _history_from_metrics(metrics_path) if cfg.resume and main else empty_history()
+    history = history_from_metrics(metrics_path) if cfg.resume and main else empty_history()
     log = RunLog(metrics_path if main else None, pbar, recipe.name, cfg.batch_size * cfg.seq_len,
                  cfg.log_every, end, schedule, lambda s: rm.recipes[switch(s)].name,
                  ckpts.drop_bad, history)
