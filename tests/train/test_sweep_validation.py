@@ -102,6 +102,7 @@ def test_compare_function_checks_every_run(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.slow  # trains one micro run
 def test_repeated_sweep_restarts_a_run_with_no_checkpoint_step(tmp_path, capsys):
     """A sub-run killed after creating its checkpoint folder but before its first checkpoint
     has nothing to resume: the repeated sweep moves it aside and restarts it (a sub-run told
