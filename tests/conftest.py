@@ -126,13 +126,35 @@ SLOW_FILES = frozenset({
 })
 
 
-def is_slow(relpath: str, marks: set[str]) -> bool:
-    """Whether a test is slow: marked ``slow`` or ``heavy(seconds)``, or in one of
-    ``SLOW_FILES`` (a file, or a folder, relative to ``tests/``)."""
+# Tests elsewhere that compile for long (each over ~40 s at -n 0 on the shared 2-core
+# machine, JAX 0.12, 2026-12-07): "file::test" relative to tests/, every parametrization.
+SLOW_TESTS = frozenset({
+    "nn/test_outcontrol.py::test_llama_layers_carry_the_collections",
+    "nn/test_outcontrol.py::test_scanned_blocks_take_each_blocks_own_split",
+    "nn/test_model.py::test_scan_layers_is_the_same_function",
+    "nn/test_rules.py::test_linen_bit_identical_to_hand_wired",
+    "nn/test_rules.py::test_quantize_model_under_data_parallel_equals_one_device",
+    "nn/test_rules.py::test_nnx_bit_identical_to_hand_wired",
+    "nn/test_rules.py::test_weight_as_lhs_and_setup_style_modules",
+    "nn/test_functional.py::test_loss_and_gradients_equal_the_hand_wired_model",
+    "nn/test_functional.py::test_weight_on_the_left_takes_the_weight_role",
+    "nn/test_moe.py::test_rules_put_linen_experts_on_ragged_dot",
+    "nn/test_moe.py::test_moe_llama_trains_with_the_aux_loss",
+    "nn/test_rules_operands.py::"
+    "test_a_layer_whose_input_has_its_transposed_kernels_shape_is_quantized",
+})
+
+
+def is_slow(relpath: str, marks: set[str], name: str = "") -> bool:
+    """Whether the test ``name`` (without its parameters) of file ``relpath`` (relative to
+    ``tests/``) is slow: marked ``slow`` or ``heavy(seconds)``, in one of ``SLOW_FILES``
+    (a file, or a folder) or one of ``SLOW_TESTS``."""
     if marks & {"slow", "heavy"}:
         return True
-    parts = relpath.replace(os.sep, "/").split("/")
-    return any("/".join(parts[:i]) in SLOW_FILES for i in range(1, len(parts) + 1))
+    relpath = relpath.replace(os.sep, "/")
+    parts = relpath.split("/")
+    return (any("/".join(parts[:i]) in SLOW_FILES for i in range(1, len(parts) + 1))
+            or f"{relpath}::{name}" in SLOW_TESTS)
 
 
 def pytest_itemcollected(item):
@@ -140,7 +162,8 @@ def pytest_itemcollected(item):
     tier."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     rel = os.path.relpath(str(item.path), tests_dir)
-    if is_slow(rel, {m.name for m in item.iter_markers()}):
+    name = getattr(item, "originalname", None) or item.name.split("[", 1)[0]
+    if is_slow(rel, {m.name for m in item.iter_markers()}, name):
         item.add_marker(pytest.mark.slow)
 
 
