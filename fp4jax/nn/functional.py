@@ -68,7 +68,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax.nn.rules import (
+from fp4jax.rules import (
     Rule,
     as_rules,
     layer_key,
@@ -271,7 +271,8 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
     ``is_param`` gives the parameter path of each invar that is a parameter (else None)."""
     env: dict[Any, Any] = {}
     param: dict[Any, str] = {}
-    derived: dict[Any, str] = {}  # var -> "param path (op)": computed from a parameter
+    derived: dict[Any, str] = {}  # var -> "param path (op)": computed from parameters only
+    act: set[Any] = set()  # vars computed from an activation (a non-parameter input)
 
     def read(v: Any) -> Any:
         return v.val if _is_literal(v) else env[v]
@@ -285,11 +286,16 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
         env[v] = a
         if isp is not None:
             param[v] = isp
+        else:
+            act.add(v)
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         invals = [read(v) for v in eqn.invars]
         roles = [pr(v) for v in eqn.invars]
         path = _scope_path(outer, eqn)
+        from_act = any(not _is_literal(v) and v in act for v in eqn.invars)
+        if from_act:
+            act.update(eqn.outvars)
         if name == "dot_general":
             outs = [_product(ctx, eqn, path, invals, roles,
                              [None if _is_literal(v) else derived.get(v) for v in eqn.invars])]
@@ -314,7 +320,8 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
             if first is not None and (name in _LAYOUT or (
                     name in _PIECES and all(r is None for r in roles[1:]))):
                 param.update({o: first for o in eqn.outvars})
-            else:  # computed from a parameter by another op: not a weight any more
+                act.difference_update(eqn.outvars)  # a weight's piece (at an index)
+            elif not from_act:  # computed from parameters by another op: not a weight
                 src = next((r for r in roles if r is not None), None)
                 src = src or next((derived[v] for v in eqn.invars
                                    if not _is_literal(v) and v in derived), None)

@@ -71,3 +71,32 @@ def test_scanned_pure_function_under_quantize_function():
         for i in range(a.shape[0]):
             rel = float(jnp.linalg.norm(a[i] - b[i]) / jnp.linalg.norm(b[i]))
             assert 0 < rel < 0.5, (name, i, rel)
+
+
+def test_attention_scores_of_biased_projections_are_activation_products():
+    """q.k and p.v, whose operands are projections with a bias added (computed from an
+    activation and a parameter), are products of two activations, left alone, not "not
+    covered"; a weight scaled by a constant still is named as not covered."""
+    def attn(p, x):
+        with jax.named_scope("attn"):
+            with jax.named_scope("query_proj"):
+                q = x @ p["wq"] + p["bq"]
+            with jax.named_scope("key_proj"):
+                k = x @ p["wk"] + p["bk"]
+            with jax.named_scope("scores"):
+                s = jax.nn.softmax(q @ k.T)
+            with jax.named_scope("pv"):
+                o = s @ k
+            with jax.named_scope("scaled"):
+                return o + x @ (p["wq"] * 0.5)
+
+    ks = jax.random.split(jax.random.key(0), 4)
+    p = {"wq": jax.random.normal(ks[0], (32, 32)), "bq": jax.random.normal(ks[1], (32,)),
+         "wk": jax.random.normal(ks[2], (32, 32)), "bk": jax.random.normal(ks[3], (32,))}
+    rep = function_report(quantize_function(attn, [(".*", "nvfp4")]), p,
+                          jnp.ones((16, 32)))
+    assert set(rep.layers) == {"attn/query_proj", "attn/key_proj"}
+    assert sorted(a.split(":")[0] for a in rep.activation_products) == ["attn/pv",
+                                                                        "attn/scores"]
+    assert len(rep.uncovered) == 1 and rep.uncovered[0].startswith("attn/scaled")
+    assert "computed from the parameter wq (mul)" in rep.uncovered[0]
