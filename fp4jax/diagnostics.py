@@ -72,6 +72,7 @@ from fp4jax import numerics
 from fp4jax import quantization as qz
 from fp4jax.quantized_dot import call_key, reference_gemms
 from fp4jax.recipes import Recipe, get, nvfp4
+from fp4jax.rules import Rule
 
 # the variable collections through which fp4jax's linen layers hand their operands to
 # ``layer_stats`` (defined here, used by ``fp4jax.nn.linen.DotGeneral``; see its module
@@ -575,8 +576,6 @@ def recommend_high_precision_layers(stats: dict[str, dict], budget: float = 0.15
     names = sorted(stats, key=lambda name: (rank(name), name))[:n]
     if not rules:
         return names
-    from fp4jax.nn.rules import Rule
-
     out: list[Any] = []
     for name in names:
         path = re.sub(r"(\[\d+\])+$", "", name.split("#", 1)[0])

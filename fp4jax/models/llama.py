@@ -42,9 +42,9 @@ from fp4jax.nn.linen import (
 )
 from fp4jax.nn.model import quantize_model
 from fp4jax.nn.policy import PrecisionPolicy
-from fp4jax.nn.rules import Rule, as_rules, match_rule
 from fp4jax.quantized_attention import attention as quantized_attention
 from fp4jax.recipes import AttentionRecipe, get_attention
+from fp4jax.rules import Rule, as_rules, match_rule
 
 ATTENTION = ("auto", "xla", "cudnn")
 """``LlamaConfig.attention`` values (``causal_attention``'s implementations)."""

@@ -14,7 +14,7 @@ from fp4jax.nn import linen, nnx
 from fp4jax.nn.functional import FunctionReport, function_report, quantize_function
 from fp4jax.nn.model import Report, quantize_model, report
 from fp4jax.nn.policy import PrecisionPolicy, recipe_quantizes
-from fp4jax.nn.rules import Rule, einsum_dimension_numbers, layer_key, load_rules, match_rule
+from fp4jax.rules import Rule, einsum_dimension_numbers, layer_key, load_rules, match_rule
 
 __all__ = ["FunctionReport", "PrecisionPolicy", "Report", "Rule", "einsum_dimension_numbers",
            "function_report", "layer_key", "linen", "load_rules", "match_rule", "nnx",

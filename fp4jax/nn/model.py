@@ -37,7 +37,7 @@ in high precision with a rule (``Rule(".*router", None)``; the Llama's ``policy_
 **Paths.** linen: ``Module.path`` joined by ``/`` (``"decoder/layers_0/attn/query"``).
 Under ``nn.scan`` the scanned body's modules keep the scan's own path for every iteration
 (``"decoder/blocks/attn/query"``), and block ``i`` also answers to its block path, the index
-after the scan's path (``"decoder/blocks/3/attn/query"``, ``fp4jax.nn.rules.block_paths``);
+after the scan's path (``"decoder/blocks/3/attn/query"``, ``fp4jax.rules.block_paths``);
 the body is traced once, so rules that give the blocks of one scan different recipes raise
 a ``ValueError`` when it is traced (``match_rule_in_stack``) rather than one recipe applying
 to all. NNX: the attribute path from the root, list and dict keys included
@@ -107,7 +107,8 @@ from jax.extend import core as jex_core
 from fp4jax.diagnostics import observe_product
 from fp4jax.nn import linen as fnn
 from fp4jax.nn import nnx as fnnx
-from fp4jax.nn.rules import (
+from fp4jax.recipes import Recipe
+from fp4jax.rules import (
     Rule,
     as_rules,
     einsum_dimension_numbers,
@@ -117,7 +118,6 @@ from fp4jax.nn.rules import (
     sub_jaxprs,
     weight_dot_general,
 )
-from fp4jax.recipes import Recipe
 
 __all__ = ["Report", "quantize_model", "report"]
 

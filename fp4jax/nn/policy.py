@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from fp4jax.nn.rules import Rule
+from fp4jax.rules import Rule
 
 if TYPE_CHECKING:  # pragma: no cover
     from fp4jax import Recipe
