@@ -115,6 +115,9 @@ def probe_configs():
             row["max_abs_diff"] = float(np.max(np.abs(out - emu)))
             if good is None and row["bitwise_mismatches"] == 0:
                 good = cfg
+                print("probe", json.dumps(row), flush=True)
+                rows.append(row)
+                break  # the first good configuration is the one used
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {str(e)[-3000:]}"
             traceback.print_exc()
@@ -262,7 +265,9 @@ def main():
     result["exactness"] = check_exactness(args.quick, cfg)
     t = 16384  # tokens: 64 sequences of 256
     shapes = [("8192^3", 8192, 8192, 8192, "nn")]
-    if not args.quick:
+    if args.quick:
+        shapes += [("small up fprop", t, 512, 2048, "nn"), ("1b up fprop", t, 2048, 6144, "nn")]
+    else:
         for preset, d, ff in (("small", 512, 2048), ("100m", 768, 4096), ("1b", 2048, 6144)):
             shapes += [(f"{preset} up fprop", t, d, ff, "nn"),
                        (f"{preset} up dgrad", t, ff, d, "nt"),
