@@ -417,6 +417,56 @@ def measurement_steps(fns: dict, rm: RunModels, mesh: Mesh) -> tuple[dict | None
     return stats, noise
 
 
+# Train steps whose metrics stay unread after each dispatch: the host waits for step
+# s - IN_FLIGHT, so IN_FLIGHT steps stay queued on the device while it logs and dispatches.
+IN_FLIGHT = 2
+# Training batches built and put on the devices ahead of the step that takes them.
+PREFETCH = 2
+
+
+class BatchPrefetcher:
+    """The training batches of steps ``start .. end - 1``, each built on the host
+    (``rows(step, slice)``: the rows of that slice of batch ``step``, a pure function of
+    its arguments) and laid out by ``sharding`` (``processes.global_array``: each process
+    builds the rows its devices hold) in a background thread, up to ``depth`` steps ahead
+    of the one the loop asks for (``get``), so neither the host's work nor the copy to the
+    devices is in the step's path. The arrays are those the loop would build itself, step
+    by step. ``close`` stops the thread (a batch being built is finished and dropped)."""
+
+    def __init__(self, rows: Callable[[int, slice], Any], shape: tuple[int, ...],
+                 sharding: Any, start: int, end: int, depth: int = PREFETCH) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.rows, self.shape, self.sharding = rows, shape, sharding
+        self.end, self.depth = end, depth
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="fp4jax-batches")
+        self.futures: dict[int, Any] = {}
+        self.next = start  # the first step not submitted yet
+        self._fill(start)
+
+    def _build(self, s: int) -> jax.Array:
+        return processes.global_array(self.shape, self.sharding,
+                                      lambda r: self.rows(s, r))
+
+    def _fill(self, s: int) -> None:
+        self.next = max(self.next, s)
+        while self.next < min(self.end, s + 1 + self.depth):
+            self.futures[self.next] = self.pool.submit(self._build, self.next)
+            self.next += 1
+
+    def get(self, s: int) -> jax.Array:
+        """Batch ``s`` (an error raised while building it is raised here)."""
+        fut = self.futures.pop(s, None)
+        self._fill(s)  # the next ones start while this one is taken
+        return fut.result() if fut is not None else self._build(s)
+
+    def close(self) -> None:
+        for f in self.futures.values():
+            f.cancel()
+        self.futures.clear()
+        self.pool.shutdown(wait=True)
+
+
 def _threefry_lowering() -> str:
     return "kernel" if jax.config.jax_threefry_gpu_kernel_lowering else "xla"
 
@@ -618,6 +668,9 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
                           wall=time.perf_counter() - t_start, out=out if main else None,
                           segments=segments)
 
+    batches = BatchPrefetcher(  # each process builds the rows its devices hold
+        lambda s, r: ds.train_batch(s, cfg.batch_size, cfg.seed, r),
+        (cfg.batch_size, cfg.seq_len + 1), data_sharding, start, end)
     t_start = time.perf_counter()
     try:
         if start == 0 and cfg.eval_every:
@@ -627,9 +680,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
             # its record was lost (a torn metrics.jsonl): the same value again
             ev.val_loss(start, state["params"], switch(start))
         for s in range(start, end):
-            batch = processes.global_array(  # each process reads the rows it holds
-                (cfg.batch_size, cfg.seq_len + 1), data_sharding,
-                lambda r, s=s: ds.train_batch(s, cfg.batch_size, cfg.seed, r))
+            batch = batches.get(s)  # built and put on the devices while earlier steps ran
             if (noise_fn is not None and s % rcfg.grad_noise_every == 0
                     and quantized_backward(rm.recipes[switch(s)])):
                 log.flush()
@@ -655,8 +706,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
                 if s >= plan.split_step:
                     step_fn = oc["train"]
             state, m = step_fn(state, batch, sr_key)
-            log.flush()  # metrics of step s-1 while step s runs
             log.dispatched(s, m)
+            log.flush(keep=IN_FLIGHT)  # the metrics of step s - IN_FLIGHT while s runs
             done = s + 1
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
                 log.flush()
@@ -670,6 +721,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         result("diverged", e.step)
         raise
     finally:
+        batches.close()
         log.close()
         ckpts.close()
     return result("finished" if end == cfg.steps else "stopped")

@@ -2,7 +2,8 @@
 curves kept for ``result.json``, the throughput clocks, and the divergence error.
 
 * ``RunLog``: writes one JSON object per line to ``OUT/metrics.jsonl`` (process 0 only),
-  reads each step's metrics one step behind the device (``dispatched`` then ``flush``:
+  reads each step's metrics behind the device (``dispatched`` then ``flush``, which may
+  leave the steps still in flight unread:
   a divergence check, the loss curve, a ``"train"`` record every ``log_every`` steps), and
   keeps the tokens/s clocks from which the time of evaluations, measurements and
   checkpoints is taken out (``pause``).
@@ -19,6 +20,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import jax
 
 from fp4jax.train import processes
 
@@ -135,8 +138,19 @@ class RunLog:
                                 step if at is None else at)
 
     def dispatched(self, step: int, metrics: Any) -> None:
-        """Queues the (device) metrics of ``step``, read by the next ``flush``."""
-        self.pending.append((step, metrics))
+        """Queues the (device) metrics of ``step``, read by a later ``flush``. Nothing here
+        waits for the device: the metrics' copies to the host start now (they complete when
+        the step does), and a step that gets a ``"train"`` record has its learning rate
+        (``lr(step)``, a device computation) dispatched now too, so that ``flush`` reads
+        finished values instead of queueing work behind the steps in flight."""
+        for x in jax.tree.leaves(metrics):
+            if isinstance(x, jax.Array) and x.is_fully_addressable:
+                x.copy_to_host_async()
+        lr = self.lr(step) if self._recorded(step) else None
+        self.pending.append((step, metrics, lr))
+
+    def _recorded(self, step: int) -> bool:
+        return step % self.log_every == 0 or step == self.end - 1
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -144,15 +158,17 @@ class RunLog:
         c = self.clock
         return c["train_tokens"] / c["train_s"] if c["train_s"] > 0 else None
 
-    def flush(self) -> None:
-        """Reads the metrics of dispatched steps (one step behind the device).
+    def flush(self, keep: int = 0) -> None:
+        """Reads the metrics of dispatched steps, oldest first, all but the newest ``keep``
+        (the training loop keeps the steps still in flight unread, so it never waits for
+        the device's queue to drain; evaluations, measurements and checkpoints flush all).
 
         Raises:
           TrainingDiverged: a non-finite loss or gradient norm.
         """
         c, w = self.clock, self.window
-        while self.pending:
-            s, m = self.pending.pop(0)
+        while len(self.pending) > keep:
+            s, m, lr = self.pending.pop(0)
             m = processes.host_value(m)
             loss, gnorm = float(m["loss"]), float(m["grad_norm"])
             now = time.perf_counter()
@@ -173,10 +189,11 @@ class RunLog:
             w["tokens"] += self.tokens_per_step
             self.progress.update({"loss": f"{loss:.3f}",
                                   "tok/s": f"{self.tokens_per_s or 0.0:,.0f}"})
-            if s % self.log_every == 0 or s == self.end - 1:
+            if self._recorded(s):
                 wdt = now - w["t"]
                 self.write({"type": "train", "step": s, "loss": loss, "grad_norm": gnorm,
-                            "lr": float(self.lr(s)), "tokens_per_s": w["tokens"] / wdt,
+                            "lr": float(self.lr(s) if lr is None else lr),
+                            "tokens_per_s": w["tokens"] / wdt,
                             "recipe": self.recipe_name(s)})
                 w["t"], w["tokens"] = now, 0
 
