@@ -111,6 +111,12 @@ def test_linen_keys_differ_per_layer_and_stay_per_step(monkeypatch):
         m.apply(params, X, rngs={"fp4": KEY})
 
 
+# the spy records keys with jax.debug.callback, an effect: from JAX 0.12 DCE keeps it in
+# flax nn.scan's broadcast pass, which then refuses the scan ("broadcasted variable has a
+# data dependency on the scan body"); the model itself runs there (tests/nn/test_model.py)
+@pytest.mark.skipif(tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12),
+                    reason="the key spy's debug callback cannot run inside nn.scan on JAX "
+                           ">= 0.12; covered on the oldest supported JAX")
 def test_scanned_llama_gives_each_layer_its_own_key(monkeypatch):
     cfg = get_preset("micro").replace(n_layers=3, scan_layers=True)
     model = quantized_llama(cfg, fp4jax.nn.PrecisionPolicy(recipe=LAYER))
