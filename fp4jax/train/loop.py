@@ -14,6 +14,12 @@
 7. logging: ``fp4jax.train.runlog`` (``metrics.jsonl``, progress, throughput,
    ``TrainingDiverged``) and ``run_result`` (``result.json``).
 
+Nothing on the host waits for a step while it runs: batches are built and put on the
+devices ahead of their step (``BatchPrefetcher``, ``PREFETCH`` steps ahead), and a step's
+metrics are read ``IN_FLIGHT`` steps after its dispatch (``RunLog.flush``); evaluations,
+measurements and checkpoints read every step before them first, so what a run records
+(losses, divergence, checkpoints) is that of a loop that waits for every step.
+
 ``TrainingDiverged`` is raised when a training or validation loss, the gradient norm or the
 state becomes non-finite. The step builders are re-exported here (``make_train_step``, ...):
 ``train`` looks them up in this module when it compiles.

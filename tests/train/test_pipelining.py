@@ -89,10 +89,13 @@ def test_prefetcher_gives_each_steps_batch_built_ahead():
             assert got.sharding == sharding
             np.testing.assert_array_equal(np.asarray(got),
                                           np.arange(4)[:, None] * 100 + s + np.zeros((1, 3)))
-            # each step is built once, never past the end, at most depth steps ahead
-            assert sorted(built) == list(range(5, min(9, s + 3)))
+            # each step built once, at most depth steps ahead (those may still be running)
+            b = list(built)
+            assert len(set(b)) == len(b) and set(range(5, s + 1)) <= set(b)
+            assert max(b) <= min(8, s + 2)
     finally:
         pf.close()
+    assert sorted(built) == [5, 6, 7, 8]  # never past the end
     assert threads == {t for t in threads if t.startswith("fp4jax-batches")}
 
 
