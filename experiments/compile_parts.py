@@ -116,6 +116,7 @@ def measure(preset: str, spec: str, batch_size: int, seq_len: int, log_path: str
 
         os.environ["FP4JAX_KERNELS"] = "on"
         dot_sm90.on_sm90 = lambda: True  # lower the kernel path for CUDA without a GPU
+        dot_sm90.mosaic_api_reason = lambda: None
     from jax.experimental.mosaic.gpu import core as mgpu_core
 
     mgpu_core.KNOWN_KERNELS.clear()

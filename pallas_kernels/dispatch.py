@@ -52,6 +52,7 @@ from pallas_kernels.support import (  # noqa: F401
     e2m1_reason,
     is_mx_fp4,
     is_nvfp4,
+    mosaic_api_reason,
     on_sm90,
     on_sm100,
     spec_unsupported_reason,
@@ -127,7 +128,7 @@ def quantize_unsupported_reason(shape, dtype, *, fmt=None, axis=-1, block_2d=Fal
         if shape[-2] % 16 or not qk.supported_2d((_rows(shape), shape[-1]), dtype):
             return (f"16x16 kernel needs bfloat16, rows % 16 == 0 and last axis %"
                     f" {16 * qk.G2D[-1]} == 0; got {name} {tuple(shape)}")
-        return None if on_sm90() else "no sm_90 GPU"
+        return mosaic_api_reason() if on_sm90() else "no sm_90 GPU"
     if len(shape) < 1 or not -len(shape) <= axis < len(shape):
         return f"axis={axis} out of range for shape {tuple(shape)}"
     if axis % len(shape) != len(shape) - 1:
@@ -143,7 +144,7 @@ def quantize_unsupported_reason(shape, dtype, *, fmt=None, axis=-1, block_2d=Fal
                 f" got {name} {tuple(shape)}")
     if not on_sm90():
         return "no sm_90 GPU"
-    return None
+    return mosaic_api_reason()
 
 
 def is_supported(op: str, *args, **kwargs) -> bool:
@@ -259,7 +260,7 @@ def w4a16_unsupported_reason(m: int, k: int, n: int, q=None) -> str | None:
         return f"K % 64 == 0 and N % 64 == 0 needed, got K={k}, N={n}"
     if not on_sm90():
         return "no sm_90 GPU"
-    return None
+    return mosaic_api_reason()
 
 
 def prepare_weight(q):
@@ -321,7 +322,7 @@ def w4a4_unsupported_reason(m: int, k: int, n: int, qa=None, qb=None) -> str | N
         return f"M % 64 == 0, N % 64 == 0 and K % 256 == 0 needed, got M={m}, K={k}, N={n}"
     if not on_sm90():
         return "no sm_90 GPU"
-    return None
+    return mosaic_api_reason()
 
 
 def prepare_w4a4(qa, qb):

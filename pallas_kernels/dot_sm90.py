@@ -15,7 +15,8 @@ Not supported, because ... (each falls back to the reference, operand by operand
   kernel's register layout takes, outgrows shared memory), operands of a float32 GEMM
   (the kernels write bfloat16), batched calls (the kernels take one matrix), non-threefry
   keys for stochastic rounding (the kernels compute Threefry draws), shapes the kernels do
-  not tile (``operand_kernel``);
+  not tile (``operand_kernel``); a JAX whose Mosaic GPU API the kernels are not written
+  for (``support.mosaic_api_reason``: JAX 0.12 changed it), on the GPU (interpret mode runs);
 * GEMMs with an unquantized operand, a float32 GEMM, per-row decode scales, a batched call,
   a float32 output or sizes below ``alpha_sm90.MIN_MKN`` / not tile-aligned (XLA's GEMM was
   as fast or faster there);
@@ -48,6 +49,7 @@ from pallas_kernels.support import (
     interpret_params,
     is_mx_fp4,
     is_threefry,
+    mosaic_api_reason,
     on_sm90,
     spec_unsupported_reason,
 )
@@ -354,6 +356,8 @@ class HopperProvider:
                 raise NotSupported("no sm_90 (Hopper) GPU is the default device (set "
                                    "FP4JAX_KERNELS=interpret to run the kernels in interpret "
                                    "mode on CPU)")
+            if (why := mosaic_api_reason()) is not None:
+                raise NotSupported(why)
             return HopperBackend("on", gemm_backend())
         if reason is not None:
             raise NotSupported(reason)
@@ -362,6 +366,8 @@ class HopperProvider:
         if mode not in ("on", "auto") or not on_sm90():
             raise NotSupported(f"no sm_90 GPU, or FP4JAX_KERNELS={mode!r} asks for another "
                                "backend")
+        if (why := mosaic_api_reason()) is not None:
+            raise NotSupported(why)
         if mode == "auto":
             if call.batch != 1 or call.m * call.k * call.n < KERNEL_AUTO_MIN_MKN:
                 raise NotSupported("batched, or M*K*N below KERNEL_AUTO_MIN_MKN")

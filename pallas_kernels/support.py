@@ -10,8 +10,8 @@ import jax
 
 from fp4jax.formats import NVFP4, get_format
 
-__all__ = ["e2m1_reason", "interpret_params", "is_mx_fp4", "is_nvfp4", "is_threefry",
-           "on_sm90", "on_sm100", "spec_unsupported_reason"]
+__all__ = ["MOSAIC_API", "e2m1_reason", "interpret_params", "is_mx_fp4", "is_nvfp4",
+           "is_threefry", "mosaic_api_reason", "on_sm90", "on_sm100", "spec_unsupported_reason"]
 
 
 def _compute_capability() -> tuple[int, int] | None:
@@ -41,6 +41,27 @@ def on_sm100() -> bool:
     (Blackwell: B200/GB200 10.0, GB300 10.3, RTX Pro 12.0): block-scaled FP4 tensor cores."""
     cc = _compute_capability()
     return cc is not None and cc[0] >= 10
+
+
+MOSAIC_API = ((0, 10), (0, 11))
+"""The JAX releases (major, minor) whose Mosaic GPU API the Hopper kernels are written for:
+JAX 0.12 changed it (``plgpu.load`` takes one indexed ref, ``plgpu.transpose_ref`` was
+removed, ``plgpu.emit_pipeline`` hands its body a Python int step), so their CUDA
+lowering fails there; Mosaic GPU's interpret mode (``plain`` code paths) still runs."""
+
+
+def mosaic_api_reason() -> str | None:
+    """None when this JAX's Mosaic GPU API is one the Hopper kernels are written for
+    (``MOSAIC_API``), else why they cannot be lowered for the GPU (the reference runs)."""
+    try:
+        version = tuple(int(p) for p in jax.__version__.split(".")[:2])
+    except ValueError:
+        return f"unrecognised JAX version {jax.__version__!r}"
+    if version in MOSAIC_API:
+        return None
+    return (f"the Hopper kernels are written for the Mosaic GPU API of JAX "
+            f"{', '.join(f'{a}.{b}' for a, b in MOSAIC_API)}; this is JAX {jax.__version__} "
+            "(its plgpu.load, transpose_ref and emit_pipeline changed): the reference runs")
 
 
 def is_nvfp4(fmt: Any) -> bool:

@@ -74,6 +74,7 @@ def test_backend_choice(monkeypatch):
     # kernel recipes that XLA does not partition, and falls back to XLA otherwise; "pallas"
     # at any size
     monkeypatch.setattr(dot_sm90, "on_sm90", lambda: True)
+    monkeypatch.setattr(dot_sm90, "mosaic_api_reason", lambda: None)  # any JAX
     on = (dot_sm90.HopperBackend("on", dot_sm90.gemm_backend()), B.XLA)
     assert pick(None, _call()) == on
     assert pick(None, _call(mkn=BIG - 64)) == xla
@@ -185,3 +186,25 @@ def test_argument_overrides_the_environment(monkeypatch):
     text = f.lower(x, w).as_text()
     assert "pallas" in text or "callback" in text
     np.testing.assert_array_equal(np.asarray(f(x, w), np.float32), want)
+
+
+def test_kernels_decline_a_jax_whose_mosaic_api_they_do_not_know(monkeypatch):
+    """On the GPU the Hopper backend is chosen only on the JAX releases whose Mosaic GPU API
+    its kernels are written for (``support.MOSAIC_API``); elsewhere the automatic choice
+    keeps the reference and ``implementation="pallas"`` says why. Interpret mode runs."""
+    from pallas_kernels import support
+
+    monkeypatch.delenv("FP4JAX_KERNELS", raising=False)
+    monkeypatch.setattr(dot_sm90, "on_sm90", lambda: True)
+    monkeypatch.setattr(support.jax, "__version__", "0.12.1")
+    assert "JAX 0.12.1" in support.mosaic_api_reason()
+    assert B.select(None, _call()) == (B.XLA,)
+    with pytest.raises(ValueError, match="Mosaic GPU API"):
+        B.select("pallas", _call())
+    monkeypatch.setenv("FP4JAX_KERNELS", "interpret")
+    assert B.select("pallas", _call())[0].mode == "interpret"
+    for version in ("0.10.2", "0.11.2"):
+        monkeypatch.setattr(support.jax, "__version__", version)
+        assert support.mosaic_api_reason() is None
+        monkeypatch.delenv("FP4JAX_KERNELS", raising=False)
+        assert B.select(None, _call())[0] == dot_sm90.HopperBackend("on", "pallas")

@@ -447,6 +447,7 @@ def test_auto_mode_size_threshold_and_devices(monkeypatch):
 
     monkeypatch.setenv("FP4JAX_KERNELS", "auto")
     monkeypatch.setattr(dot_sm90, "on_sm90", lambda: True)
+    monkeypatch.setattr(dot_sm90, "mosaic_api_reason", lambda: None)  # any JAX
     big = dot_sm90.KERNEL_AUTO_MIN_MKN
     want = "on" if jax.device_count() == 1 else "off"
     assert _auto_mode(big) == want

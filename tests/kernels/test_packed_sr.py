@@ -119,6 +119,7 @@ def test_dispatch_kernel_path_wiring(monkeypatch):
     results and QuantizedArrays equal fp4jax.quantize's (SR rows of a stacked tensor; 16x1
     along axis 0 falls back to XLA)."""
     monkeypatch.setattr(dispatch, "on_sm90", lambda: True)
+    monkeypatch.setattr(dispatch, "mosaic_api_reason", lambda: None)  # any JAX
     monkeypatch.setattr(qk, "quantize_nvfp4_1x16_sr", functools.partial(
         qk.quantize_nvfp4_1x16_sr, interpret=IP))
     key = jax.random.key(6)

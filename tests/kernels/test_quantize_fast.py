@@ -244,6 +244,7 @@ def test_dispatch_kernel_path_wiring(monkeypatch, block_2d):
     # pretend to be on an sm_90 GPU and run the kernels in interpret mode: the
     # QuantizedArray from dispatch.quantize must equal fp4jax.quantize's (stacked weights)
     monkeypatch.setattr(dispatch, "on_sm90", lambda: True)
+    monkeypatch.setattr(dispatch, "mosaic_api_reason", lambda: None)  # any JAX
     for name in ("quantize_nvfp4_2d", "quantize_nvfp4_1x16"):
         monkeypatch.setattr(qk, name, functools.partial(getattr(qk, name),
                                                         interpret=InterpretGPUParams()))

@@ -59,6 +59,7 @@ def _why(recipe) -> dict[str, str | None]:
 def test_dispatch_takes_recipes_with_unquantized_operands(monkeypatch):
     monkeypatch.delenv("FP4JAX_KERNELS", raising=False)
     monkeypatch.setattr(dot_sm90, "on_sm90", lambda: True)
+    monkeypatch.setattr(dot_sm90, "mosaic_api_reason", lambda: None)  # any JAX
     on = (dot_sm90.HopperBackend("on", dot_sm90.gemm_backend()), B.XLA)
     for name, r in TAKEN.items():
         why = _why(r)
@@ -120,6 +121,7 @@ def test_kernel_path_lowers_for_cuda(monkeypatch, name):
     kernels cover come from them, the unquantized ones and the float32 GEMM's quantized x
     (``mixed``'s wgrad) do not."""
     monkeypatch.setattr(dot_sm90, "on_sm90", lambda: True)
+    monkeypatch.setattr(dot_sm90, "mosaic_api_reason", lambda: None)  # any JAX
     seen = _spy_operands(monkeypatch)
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
