@@ -47,7 +47,7 @@ from fp4jax import quantization as qz
 from fp4jax.hadamard import random_hadamard_transform
 
 __all__ = ["GROUP", "SUBSCRIPTS", "WHOLE", "XLA", "Backend", "DotCall", "NotSupported",
-           "Operand", "OperandRequest", "Provider", "RowShard", "XlaBackend", "describe",
+           "Operand", "OperandRequest", "Provider", "RowShard", "XlaBackend",
            "einsum_scaled", "gemm_dtype", "kernels_setting", "providers", "reference_quantize",
            "register_provider", "rotate", "run_gemm", "run_operands", "select"]
 
@@ -521,9 +521,4 @@ def run_gemm(backends: Sequence[Backend], subscripts: str, a: Operand, b: Operan
         if backend.gemm_reason(subscripts, a, b, out_dtype) is None:
             return backend.gemm(subscripts, a, b, out_dtype=out_dtype, precision=precision)
     raise NotSupported(f"no backend of {[b.name for b in backends]} runs {subscripts}")
-
-
-def describe(backends: Sequence[Backend]) -> str:
-    """``"pallas > xla"``: the order of a call's backends."""
-    return " > ".join(b.name for b in backends)
 
