@@ -3,8 +3,9 @@
     python experiments/ladder/analyze.py            # TABLES.md, plots, experiments/README.md
     python experiments/ladder/analyze.py --check    # CI: the committed tables are current
 
-Reads every ``result.json`` under ``experiments/results/ladder/runs/``
-(``sweep/<size>/lr<lr>`` and ``ladder/<size>/<slug>/seed<s>``; the loss curves are in each
+Reads every ``result.json`` under ``experiments/results/ladder/runs/``, loose (a fresh
+run) or packed in ``runs/records.tar.xz`` (``experiments/pack_results.py --raw``), both
+alike (``sweep/<size>/lr<lr>`` and ``ladder/<size>/<slug>/seed<s>``; the loss curves are in each
 ``result.json``'s ``history``; a superseded rung, ``spec.ARCHIVED``, under ``ladder/<its
 key>/``, is tabled and plotted as a rung of its own) and writes
 ``experiments/results/ladder/TABLES.md`` (setup; the LR sweep; per size, every row's final
@@ -30,10 +31,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-for p in (str(ROOT), str(HERE)):
+for p in (str(ROOT), str(HERE), str(HERE.parent)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+import pack_results  # noqa: E402
 import spec as S  # noqa: E402
 
 from fp4jax.train.comparison import paired_cells, paired_difference, summarize  # noqa: E402
@@ -44,12 +46,14 @@ BEGIN, END = "<!-- ladder:begin (experiments/ladder/analyze.py) -->", "<!-- ladd
 
 
 def load(results: Path) -> dict[str, dict]:
-    """``{name: result}`` of every finished or diverged run under ``results/runs``."""
+    """``{name: result}`` of every finished or diverged run under ``results/runs``, its
+    ``result.json`` loose or packed (``pack_results.find``: a loose file and the packed one
+    of the same run are one, the loose one read)."""
     out = {}
-    root = results / "runs"
-    for f in sorted(root.rglob("result.json")) if root.is_dir() else []:
+    root = (results / "runs").resolve()
+    for f in pack_results.find(root, "result.json") if root.is_dir() else []:
         try:
-            r = json.loads(f.read_text())
+            r = json.loads(pack_results.read_text(f.parent, f.name))
         except ValueError:
             continue
         if r.get("status") in ("finished", "diverged"):

@@ -18,7 +18,8 @@ Each call:
    it, ``meta.json``, the manifest and the file list go to ``OUT/corpus/`` to be committed;
    an up-to-date ``WORK/tokens`` is reused;
 3. **runs**: the phases' runs (``spec.py``) not yet finished, here or in the committed
-   results (``experiments/results/ladder/runs/<name>/result.json``), one ``fp4jax-train``
+   results (``experiments/results/ladder/runs/<name>/result.json``, loose or packed in
+   ``runs/records.tar.xz``: ``experiments/pack_results.py``), one ``fp4jax-train``
    process per GPU (``CUDA_VISIBLE_DEVICES``), into ``WORK/runs/<name>``; each run is
    started only if its estimate (measured tokens/s and overheads of finished runs, else
    ``spec.RATES`` and ``spec.COMPILE_S``) fits before the time limit (sweeps first, then
@@ -36,7 +37,10 @@ run's GPU, start, end, process seconds, tokens/s and exit status, the prep times
 the first call, ``corpus.tar.gz`` (``corpus/``: manifest, file list, tokenizer, token
 meta); ``gpu.sh`` adds ``driver.log`` and ``env.log``. Unpack both archives into
 ``experiments/results/ladder/``, put ``driver.json``, ``driver.log`` and ``env.log`` in
-``experiments/results/ladder/calls/<n>/``, and run ``analyze.py``.
+``experiments/results/ladder/calls/<n>/``, run ``analyze.py``, then pack the new files
+(``python experiments/pack_results.py --raw experiments/results/ladder/runs
+experiments/results/ladder/calls``); this script and ``analyze.py`` read the committed
+``result.json`` and ``driver.json`` files loose or packed alike.
 """
 
 from __future__ import annotations
@@ -54,11 +58,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-for p in (str(ROOT), str(HERE)):
+for p in (str(ROOT), str(HERE), str(HERE.parent)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
 import build_corpus  # noqa: E402
+import pack_results  # noqa: E402
 import spec as S  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results" / "ladder"
@@ -170,9 +175,10 @@ def train_tokenizer(train_tar: Path, dest: Path) -> tuple[str, dict]:
 
 
 def finished(run_dir: Path) -> dict | None:
-    """A run's ``result.json`` when it finished (or diverged), else None."""
+    """A run's ``result.json`` (loose, or packed in a ``records.tar.xz`` above it) when it
+    finished (or diverged), else None."""
     try:
-        r = json.loads((run_dir / "result.json").read_text())
+        r = json.loads(pack_results.read_text(run_dir, "result.json"))
     except (OSError, ValueError):
         return None
     return r if r.get("status") in ("finished", "diverged") else None
@@ -180,11 +186,12 @@ def finished(run_dir: Path) -> dict | None:
 
 def known_results(*bases: Path) -> dict[str, dict]:
     """``{name: result}`` of every finished run under ``BASE/runs`` (the first base that
-    has a run wins), ``name`` its path below ``runs`` (``ladder/small/nvfp4/seed0``)."""
+    has a run wins), ``name`` its path below ``runs`` (``ladder/small/nvfp4/seed0``);
+    ``result.json`` loose or packed (``pack_results.find``)."""
     out: dict[str, dict] = {}
     for base in bases:
-        root = base / "runs"
-        for res in sorted(root.rglob("result.json")) if root.is_dir() else []:
+        root = (base / "runs").resolve()
+        for res in pack_results.find(root, "result.json") if root.is_dir() else []:
             name = res.parent.relative_to(root).as_posix()
             r = finished(res.parent)
             if r is not None:
@@ -235,7 +242,7 @@ def metrics_rate(run_dir: Path) -> float | None:
     """Tokens/s of a run from its ``metrics.jsonl`` (the median of the second half of its
     ``train`` records; None with fewer than 8): also for a run stopped at the limit."""
     try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        lines = pack_results.read_text(run_dir).splitlines()
     except OSError:
         return None
     tps = []
@@ -290,13 +297,14 @@ def measured_overheads(records: list[dict], results: dict[str, dict]
 
 
 def driver_records(*bases: Path) -> list[dict]:
-    """The run records of every ``driver.json`` under ``BASE/calls`` (committed calls)."""
+    """The run records of every ``driver.json`` under ``BASE/calls`` (committed calls),
+    loose or packed in ``calls/records.tar.xz`` (``pack_results.find``)."""
     recs = []
     for base in bases:
-        for f in sorted((base / "calls").rglob("driver.json")) if (base / "calls").is_dir() \
-                else []:
+        calls = (base / "calls").resolve()
+        for f in pack_results.find(calls, "driver.json") if calls.is_dir() else []:
             try:
-                d = json.loads(f.read_text())
+                d = json.loads(pack_results.read_text(f.parent, f.name))
             except ValueError:
                 continue
             if not d.get("toy"):
