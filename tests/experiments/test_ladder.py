@@ -226,6 +226,49 @@ def test_analyze_matches_numpy_and_notices_stale_tables(L, tmp_path):
     assert A.main([*args, "--check"]) == 1
 
 
+def test_analyze_and_driver_read_packed_and_loose_runs_alike(L, tmp_path):
+    """Packed run folders (``pack_results.py --raw runs calls``) and loose ones beside them
+    (a new call's runs) give the same tables, results and driver records; packing the new
+    ones merges them, and a repeat packs nothing."""
+    import shutil
+
+    A, R = L["analyze"], L["run"]
+    P = A.pack_results
+    _tree(L, tmp_path)
+    (tmp_path / "calls" / "01").mkdir(parents=True)
+    (tmp_path / "calls" / "01" / "driver.json").write_text(json.dumps(
+        {"runs": [{"name": "ladder/mini/bf16/seed0", "tokens_per_s": 900.0}]}))
+    (tmp_path / "calls" / "01" / "driver.log").write_text("log\n")
+    for name in ("metrics.jsonl", "train.log"):
+        (tmp_path / "runs" / "ladder" / "mini" / "bf16" / "seed0" / name).write_text("{}\n")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{A.BEGIN}\n{A.END}\n")
+    args = ["--results", str(tmp_path), "--readme", str(readme), "--no-plots"]
+    assert A.main(args) == 0
+    md = (tmp_path / "TABLES.md").read_text()
+    res, recs = R.known_results(tmp_path), R.driver_records(tmp_path)
+    new = tmp_path / "runs" / "ladder" / "mini" / "mxfp4" / "seed0"
+    shutil.move(new, tmp_path / "aside")  # the run a later call brings
+    assert len(P.pack(tmp_path / "runs", raw=True)) == len(res) - 1 + 2  # + log, metrics
+    assert len(P.pack(tmp_path / "calls", raw=True)) == 2
+    assert [p.name for p in (tmp_path / "runs").rglob("*") if p.is_file()] == [P.ARCHIVE]
+    assert not (tmp_path / "calls" / "01").exists()
+    shutil.move(tmp_path / "aside", new)  # loose, beside the packed runs
+    assert A.load(tmp_path) == res and R.known_results(tmp_path) == res
+    assert R.driver_records(tmp_path) == recs
+    assert A.main([*args, "--check"]) == 0 and (tmp_path / "TABLES.md").read_text() == md
+    assert P.pack(tmp_path / "runs", raw=True) == ["ladder/mini/mxfp4/seed0/result.json"]
+    assert A.main([*args, "--check"]) == 0 and A.load(tmp_path) == res
+    assert P.pack(tmp_path / "runs", raw=True) == []
+    assert R.finished(new)["spec"] == "mxfp4"
+    # a loose result that differs from its packed copy is refused, not merged
+    new.mkdir(parents=True)
+    (new / "result.json").write_text(json.dumps({**res["ladder/mini/mxfp4/seed0"],
+                                                 "final_val_loss": 9.0}))
+    with pytest.raises(ValueError, match="differs"):
+        P.pack(tmp_path / "runs", raw=True)
+
+
 def test_committed_ladder_tables_are_current(L):
     """``analyze.py --check`` on the committed results (pending rows while none ran)."""
     A = L["analyze"]
