@@ -54,7 +54,8 @@ from pallas_kernels.support import (
     spec_unsupported_reason,
 )
 
-__all__ = ["KERNEL_AUTO_MIN_MKN", "LAYOUTS", "PROVIDER", "HopperBackend", "HopperProvider",
+__all__ = ["FP8_ALIGN", "FP8_PROVIDER", "GEMM_IMPLS", "KERNEL_AUTO_MIN_MKN", "LAYOUTS",
+           "PROVIDER", "HopperBackend", "HopperProvider", "fp8_gemms", "fp8_operand_reason",
            "gemm_backend", "make_operands", "operand_kernel", "recipe_reason", "scaled_gemm"]
 
 KERNEL_AUTO_MIN_MKN = 2**30
@@ -68,13 +69,82 @@ LAYOUTS = {"bmk,bkn->bmn": (False, False),  # fprop x @ w
 """Whether the alpha GEMM transposes (lhs, rhs) for each of ``fp4jax.dot``'s GEMMs."""
 
 
+GEMM_IMPLS = ("pallas", "fp8", "xla")
+"""The GEMM choices of the Hopper backend: ``pallas`` (every GEMM of two quantized
+operands on the alpha GEMM, bfloat16 tensor cores), ``fp8`` (GEMMs of two MX FP4
+operands on FP8 tensor cores, ``gemm/mxfp4_fp8wgmma_sm90``, the others as ``pallas``),
+``xla`` (the reference's GEMM: bit-identical to it)."""
+
+
 def gemm_backend() -> str:
-    """``FP4JAX_KERNEL_GEMM``: this backend's GEMMs on the Pallas ``gemm_alpha`` kernel
-    (``pallas``, the default) or on the reference's (``xla``: bit-identical to it)."""
+    """``FP4JAX_KERNEL_GEMM``: the default of the Hopper backend's GEMM choice
+    (``GEMM_IMPLS``; unset: ``pallas``)."""
     env = os.environ.get("FP4JAX_KERNEL_GEMM", "pallas").lower()
-    if env not in ("pallas", "xla"):
-        raise ValueError(f"FP4JAX_KERNEL_GEMM={env!r}: use pallas or xla")
+    if env not in GEMM_IMPLS:
+        raise ValueError(f"FP4JAX_KERNEL_GEMM={env!r}: use one of {', '.join(GEMM_IMPLS)}")
     return env
+
+
+FP8_ALIGN = 128
+"""Every dimension of an operand the FP8 MXFP4 GEMM takes is a multiple of this (its tiles:
+two warpgroups of 64 rows, 128 columns, 128 of K per stage)."""
+
+
+def fp8_gemms(recipe: Any) -> frozenset[str]:
+    """The GEMMs of ``recipe`` (``"fprop"``, ``"dgrad"``, ``"wgrad"``) whose two operands
+    are both MX FP4 operands the FP8 GEMM reads as codes: E2M1 elements, E8M0 scales, no
+    tensor scale (``support.is_mx_fp4``), the ``max`` block-scale rule, not row-scaled,
+    rounded to nearest or stochastically (1x32 blocks, or 32x32 tiles: a tile's scale is
+    each of its 32 rows' block scale)."""
+    out = set()
+    for name in ("fprop", "dgrad", "wgrad"):
+        g = getattr(recipe, name)
+        if all(q.quantized and is_mx_fp4(q.fmt) and spec_unsupported_reason(
+                q.fmt, block_scale_rule=q.block_scale_rule, row_scaled=q.row_scaled,
+                rounding=q.rounding) is None for q in (g.lhs, g.rhs)):
+            out.add(name)
+    return frozenset(out)
+
+
+def _contracted(subscripts: str) -> tuple[int, int]:
+    """The contracted axis of each operand of a ``LAYOUTS`` GEMM (1 or 2)."""
+    ins = subscripts.split("->")[0].split(",")
+    c = (set(ins[0]) & set(ins[1])) - {"b"}
+    (letter,) = c
+    return ins[0].index(letter), ins[1].index(letter)
+
+
+def _k_major(q: Any, axis: int) -> tuple[jax.Array, jax.Array]:
+    """One MX FP4 operand's codes (``QuantizedArray`` of a canonical (1, R, C) tensor,
+    contracted along ``axis``) as the FP8 GEMM reads it: E2M1 values in float8_e4m3fn
+    (exact: every E2M1 value is an E4M3 value) and E8M0 exponent bits (uint8), both
+    (rows, contraction), the codes transposed by XLA where the contraction is not the last
+    axis. A 32x32 tile's scale is repeated over its 32 rows."""
+    codes = q.data[0].astype(jnp.bfloat16).astype(jnp.float8_e4m3fn)
+    scale = q.scale[0]
+    if q.block_2d:  # (R/32, C/32): one 1x32 scale per row along the contraction
+        scale = jnp.repeat(scale, q.fmt.block_size, axis=1 if axis == 1 else 0)
+    exps = jax.lax.bitcast_convert_type(scale.astype(jnp.float8_e8m0fnu), jnp.uint8)
+    if axis == 1:
+        return codes.T, exps.T
+    return codes, exps
+
+
+def fp8_operand_reason(q: Any, axis: int) -> str | None:
+    """None when the codes ``q`` (an ``Operand``'s ``QuantizedArray``) of a canonical
+    (1, R, C) tensor contracted along ``axis`` are an operand of the FP8 MXFP4 GEMM, else
+    why not."""
+    if q is None:
+        return "the operand is materialized values, not codes"
+    if not is_mx_fp4(q.fmt) or jnp.dtype(q.data.dtype) != jnp.float4_e2m1fn:
+        return "the operand is not MX FP4 codes"
+    if q.data.ndim != 3 or q.data.shape[0] != 1:
+        return "the FP8 GEMM takes one matrix (B == 1)"
+    if not q.block_2d and q.axis is not None and q.axis % 3 != axis:
+        return "the operand is blocked along another axis than its contraction"
+    if jnp.ndim(q.global_scale):
+        return "per-row decode scales are applied on the reference"
+    return None
 
 
 def recipe_reason(recipe: Any) -> str | None:
@@ -243,8 +313,13 @@ class HopperBackend(Backend):
     name: ClassVar[str] = "pallas"
     mode: str = "on"
     gemm_impl: str = "pallas"
+    fp8: frozenset[str] = frozenset()
 
     def operand_reason(self, t, request):
+        if request.gemm in self.fp8 and t.shape[0] == 1 and all(
+                d % FP8_ALIGN == 0 for d in t.shape[1:]):
+            return ("an operand of an FP8 MXFP4 GEMM is made as codes and scales (the "
+                    "reference's quantizer), not as bfloat16 values")
         if not request.spec.quantized:
             return "an unquantized operand enters its GEMM as the tensor itself (reference)"
         if jnp.dtype(request.dtype) != jnp.bfloat16:
@@ -289,8 +364,29 @@ class HopperBackend(Backend):
         with jax.named_scope("fp4_operands"):
             return f(t, sr_keys, signs)
 
+    def fp8_reason(self, subscripts, a, b, out_dtype):
+        """None when the FP8 MXFP4 GEMM runs this GEMM, else why not."""
+        if self.gemm_impl != "fp8":
+            return f"FP4JAX_KERNEL_GEMM is {self.gemm_impl!r}"
+        if subscripts not in LAYOUTS:
+            return f"unknown GEMM layout {subscripts!r}"
+        if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+            return "the FP8 GEMM writes bfloat16 or float32"
+        ax = _contracted(subscripts)
+        for op, axis in zip((a, b), ax, strict=True):
+            if (why := fp8_operand_reason(op.codes, axis)) is not None:
+                return why
+        from pallas_kernels.gemm import mxfp4_fp8wgmma_sm90 as mx
+
+        (_, ra, ca), (_, rb, cb) = a.shape, b.shape
+        m, k = (ra, ca) if ax[0] == 2 else (ca, ra)
+        n = rb if ax[1] == 2 else cb
+        return mx.unsupported_reason(m, k, n)
+
     def gemm_reason(self, subscripts, a, b, out_dtype):
-        if self.mode != "on" or self.gemm_impl != "pallas":
+        if self.fp8_reason(subscripts, a, b, out_dtype) is None:
+            return None
+        if self.mode != "on" or self.gemm_impl == "xla":
             return (f"the alpha GEMM runs on the GPU only (mode {self.mode!r}, "
                     f"FP4JAX_KERNEL_GEMM {self.gemm_impl!r})")
         if subscripts not in LAYOUTS:
@@ -317,6 +413,16 @@ class HopperBackend(Backend):
         return None
 
     def gemm(self, subscripts, a, b, *, out_dtype, precision=None):
+        if self.fp8_reason(subscripts, a, b, out_dtype) is None:
+            from pallas_kernels.gemm import mxfp4_fp8wgmma_sm90 as mx
+
+            ax = _contracted(subscripts)
+            ac, ae = _k_major(a.codes, ax[0])
+            bc, be = _k_major(b.codes, ax[1])
+            # MX formats have no tensor scale: the decode scales are 1.0 (fp8_operand_reason)
+            run = mx.mxfp4_gemm if self.mode == "on" else mx.emulate
+            with jax.named_scope("fp4_fp8_gemm"):
+                return run(ac, ae, bc, be, out_dtype=out_dtype)[None]
         from pallas_kernels.gemm import alpha_sm90 as ga
 
         trans_a, trans_b = LAYOUTS[subscripts]
@@ -341,6 +447,7 @@ class HopperProvider:
     name: str = "pallas"
     priority: int = 10
     env_modes: tuple[str, ...] = ("interpret",)
+    gemm: str | None = None
 
     def backend(self, call: DotCall, mode: str, explicit: bool) -> Backend:
         reason = recipe_reason(call.recipe)
@@ -351,18 +458,18 @@ class HopperProvider:
                 raise NotSupported("the call is batched (dot_general batch dimensions): "
                                    "kernels take B == 1")
             if mode == "interpret":
-                return HopperBackend("interpret", gemm_backend())
+                return self.make("interpret", call)
             if not on_sm90():
                 raise NotSupported("no sm_90 (Hopper) GPU is the default device (set "
                                    "FP4JAX_KERNELS=interpret to run the kernels in interpret "
                                    "mode on CPU)")
             if (why := mosaic_api_reason()) is not None:
                 raise NotSupported(why)
-            return HopperBackend("on", gemm_backend())
+            return self.make("on", call)
         if reason is not None:
             raise NotSupported(reason)
         if mode == "interpret":
-            return HopperBackend("interpret", gemm_backend())
+            return self.make("interpret", call)
         if mode not in ("on", "auto") or not on_sm90():
             raise NotSupported(f"no sm_90 GPU, or FP4JAX_KERNELS={mode!r} asks for another "
                                "backend")
@@ -373,8 +480,20 @@ class HopperProvider:
                 raise NotSupported("batched, or M*K*N below KERNEL_AUTO_MIN_MKN")
             if call.partitioned:
                 raise NotSupported("XLA partitions this call over several devices")
-        return HopperBackend("on", gemm_backend())
+        return self.make("on", call)
+
+    def make(self, mode: str, call: DotCall) -> HopperBackend:
+        """The backend of ``call`` in ``mode``: the GEMM choice is ``self.gemm``, else
+        ``gemm_backend()``; under ``fp8`` the recipe's all-MX-FP4 GEMMs (``fp8_gemms``)
+        get their operands as codes."""
+        impl = self.gemm or gemm_backend()
+        return HopperBackend(mode, impl, fp8_gemms(call.recipe) if impl == "fp8"
+                             else frozenset())
 
 
 PROVIDER = HopperProvider()
 """The entry point ``fp4jax.backends`` loads (``pyproject.toml``)."""
+
+FP8_PROVIDER = HopperProvider(name="pallas_fp8", priority=11, gemm="fp8")
+"""``implementation="pallas_fp8"``: the Hopper backend with the FP8 MXFP4 GEMM whatever
+``FP4JAX_KERNEL_GEMM`` says (``pyproject.toml``'s entry point ``pallas_fp8``)."""

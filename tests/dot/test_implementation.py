@@ -36,9 +36,11 @@ def _call(recipe=None, batch=1, mkn=BIG, partitioned=False):
 
 def test_providers_come_from_the_entry_points():
     names = [p.name for p in B.providers()]
-    assert names == ["pallas", "native"]  # priority order: Hopper, then Blackwell
+    # priority order: Hopper, Hopper with the FP8 MXFP4 GEMM, then Blackwell
+    assert names == ["pallas", "pallas_fp8", "native"]
     assert isinstance(B.providers()[0], dot_sm90.HopperProvider)
-    assert isinstance(B.providers()[1], dot_sm100.BlackwellProvider)
+    assert B.providers()[1] is dot_sm90.FP8_PROVIDER
+    assert isinstance(B.providers()[2], dot_sm100.BlackwellProvider)
     # the entry points are declared, not imported by name, in the core
     import pathlib
 

@@ -347,3 +347,102 @@ def test_unsupported_reason():
     with pytest.raises(ValueError, match="K="):
         mx.mxfp4_gemm(jnp.zeros((128, 96), F8), jnp.zeros((128, 3), jnp.uint8),
                       jnp.zeros((128, 96), F8), jnp.zeros((128, 3), jnp.uint8))
+
+
+# --------------------------------------------------------------------------- fp4jax.dot
+
+
+def test_fp8_gemms_of_recipes():
+    """The GEMMs whose two operands are MX FP4 codes the FP8 GEMM reads."""
+    from pallas_kernels import dot_sm90
+
+    R = fp4jax.recipes
+    assert dot_sm90.fp8_gemms(R.get("mxfp4")) == {"fprop", "dgrad", "wgrad"}
+    assert dot_sm90.fp8_gemms(R.get("nvfp4")) == set()
+    assert dot_sm90.fp8_gemms(R.get("bf16")) == set()
+    assert dot_sm90.fp8_gemms(R.parse("mxfp4(fprop.lhs.fmt=nvfp4)")) == {"dgrad", "wgrad"}
+
+
+def _dot_grads(recipe, impl, x, w, ct, key):
+    def f(x, w):
+        y = fp4jax.dot(x, w, recipe=recipe, key=key, implementation=impl)
+        return jnp.sum(y.astype(jnp.float32) * ct), y
+    (_, y), (dx, dw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(x, w)
+    return [np.asarray(v, np.float64) for v in (y, dx, dw)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_dot_on_the_fp8_path_matches_the_reference(monkeypatch, dtype):
+    """``fp4jax.dot(recipe="mxfp4", implementation="pallas_fp8")`` in interpret mode (the
+    GEMMs by ``emulate``, the kernel's arithmetic): the three GEMMs take the FP8 path
+    (operands as codes, the 32x32 weight tiles' scales per row, the wgrad operands
+    K-major after the RHT and stochastic rounding) and y, dx, dw agree with the XLA
+    reference to float32 summation order: within (K/32) 2^-24 sum |a b| of each output,
+    with the rows' blocks spanning 2^40."""
+    from pallas_kernels import dot_sm90
+
+    monkeypatch.setenv("FP4JAX_KERNELS", "interpret")
+    calls = []
+    real = mx.emulate
+    monkeypatch.setattr(mx, "emulate", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    m, k, n = 256, 512, 384
+    kx, kw, kc, kk = jax.random.split(jax.random.key(3), 4)
+    span = jnp.exp2(jnp.linspace(-20, 20, m))[:, None]  # row magnitudes over 40 binades
+    x = (jax.random.normal(kx, (m, k)) * span).astype(dtype)
+    w = (0.05 * jax.random.normal(kw, (k, n))).astype(dtype)
+    ct = jax.random.normal(kc, (m, n)).astype(dtype)
+    ref = _dot_grads("mxfp4", "xla", x, w, ct, kk)
+    got = _dot_grads("mxfp4", "pallas_fp8", x, w, ct, kk)
+    assert set(calls) == {(m, k), (m, n), (k, m)}  # fprop, dgrad, wgrad A
+    assert dot_sm90.FP8_PROVIDER.gemm == "fp8"
+    # bound: the float32 sum of |terms| of each output, from the reference's operands
+    eps = 2.0**-24 * (max(m, k, n) // 32 + 1)
+    out_ulp = 2.0**-8 if dtype == jnp.bfloat16 else 2.0**-24
+    for name, r, g in zip(("y", "dx", "dw"), ref, got, strict=True):
+        scale = np.abs(r).max()
+        assert np.all(np.abs(g - r) <= eps * 40 * scale + 2 * out_ulp * np.abs(r)), name
+
+
+def test_fp8_path_declines_what_it_cannot_read(monkeypatch):
+    """Unaligned shapes keep the bfloat16 operand kernels and GEMM; NVFP4 never takes the
+    FP8 path; a fp8 choice from the environment is the default of ``pallas``."""
+    from fp4jax import backends as B
+    from pallas_kernels import dot_sm90
+
+    monkeypatch.setenv("FP4JAX_KERNELS", "interpret")
+    monkeypatch.setenv("FP4JAX_KERNEL_GEMM", "fp8")
+    mxr = fp4jax.recipes.get("mxfp4")
+    be = B.select("pallas", B.DotCall(mxr, 1, 256, 256, 256, False))[0]
+    assert be.gemm_impl == "fp8" and be.fp8 == {"fprop", "dgrad", "wgrad"}
+    nv = B.select("pallas", B.DotCall(fp4jax.recipes.get("nvfp4"), 1, 256, 256, 256, False))[0]
+    assert nv.fp8 == frozenset()
+    q = fp4jax.quantize(jnp.ones((1, 96, 128)), "mxfp4")
+    assert "blocked along another axis" in dot_sm90.fp8_operand_reason(q, 1)
+    assert dot_sm90.fp8_operand_reason(q, 2) is None
+    assert "codes" in dot_sm90.fp8_operand_reason(None, 2)
+    monkeypatch.setenv("FP4JAX_KERNEL_GEMM", "fp9")
+    with pytest.raises(ValueError, match="FP4JAX_KERNEL_GEMM='fp9'"):
+        dot_sm90.gemm_backend()
+
+
+def test_dot_on_the_fp8_path_lowers_for_cuda(monkeypatch):
+    """Forward and backward of ``fp4jax.dot(recipe="mxfp4")`` on the GPU's FP8 path,
+    lowered for CUDA: three Mosaic GPU GEMM kernels, no bfloat16 operand kernel."""
+    from pallas_kernels import dot_sm90
+
+    monkeypatch.delenv("FP4JAX_KERNELS", raising=False)
+    monkeypatch.setattr(dot_sm90, "on_sm90", lambda: True)
+    monkeypatch.setattr(dot_sm90, "mosaic_api_reason", lambda: None)
+    kk = jax.random.key(0)
+
+    def f(x, w, ct):
+        def loss(x, w):
+            y = fp4jax.dot(x, w, recipe="mxfp4", key=kk, implementation="pallas_fp8")
+            return jnp.sum(y.astype(jnp.float32) * ct)
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    sd = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    text = export_cuda(f, sd((256, 512), bf), sd((512, 384), bf), sd((256, 384), bf)
+                       ).mlir_module()
+    assert text.count("mosaic_gpu") >= 3
