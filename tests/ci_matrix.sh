@@ -51,11 +51,6 @@ newest_known_failing=(
   # the same kernels lowered for CUDA by experiments/gpu_lab's dry run: plgpu.load takes
   # its index inside the ref on JAX 0.12.1 ('load() takes 1 positional argument')
   tests/experiments/test_gpu_lab.py::test_benchmark_help_list_and_dry_run
-  # first seen in CI's newest run at fa23ec1 (JAX 0.12.1; green on 0.10.2): the stats
-  # step's quantized gradient norm differs from the train step's by 6.4e-4 relative (the
-  # test allows 1e-4) and the noise step's gradients by 0.30x eps (allowed 0.05x): the
-  # scanned NVFP4 step compiles to other float32 rounding on 0.12, not yet located
-  tests/train/test_auto_precision.py
   # the killed two-process FSDP run times out on JAX 0.12.1 (Gloo connects; the resumed
   # run does not finish in the test's limit); not yet located
   tests/train/test_multiprocess.py

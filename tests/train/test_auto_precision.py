@@ -121,11 +121,12 @@ def _check_grad_noise_uses_the_train_steps_own_gradients(runs):
     train = {r["step"]: r for r in recs if r["type"] == "train"}
     noise = {r["step"]: r for r in recs if r["type"] == "grad_noise"}
     assert sorted(noise) == [0, 2]  # none after the switch: the backward is BF16
-    # compiled apart, the bf16 roundings may differ (measured 3e-5); SR draws with another
-    # key would move the norm by ~2 ||eps|| / sqrt(d) relative (7e-4): the test below
-    # compares the gradients themselves
-    np.testing.assert_allclose(noise[0]["grad_q_norm"], train[0]["grad_norm"], rtol=1e-4)
-    np.testing.assert_allclose(noise[2]["grad_norm"], train[2]["grad_norm"], rtol=1e-4)
+    # compiled apart, the roundings may differ (measured 3e-5 relative on JAX 0.10.2, 6.4e-4
+    # on 0.12.1, where stochastic rounding amplifies them: see the test below); SR draws
+    # with another key move the norm by ~2 ||eps|| / sqrt(d) relative (7e-4): the norms are
+    # a sanity check, the test below compares the gradients themselves, layer by layer
+    np.testing.assert_allclose(noise[0]["grad_q_norm"], train[0]["grad_norm"], rtol=2e-3)
+    np.testing.assert_allclose(noise[2]["grad_norm"], train[2]["grad_norm"], rtol=2e-3)
     for r in noise.values():
         assert r["ratio"] == pytest.approx(r["grad_norm"] / r["noise_norm"], rel=1e-6)
         assert r["sigma_q"] == pytest.approx(r["noise_norm"] / np.sqrt(r["d"]), rel=1e-6)
@@ -139,6 +140,12 @@ def _check_grad_noise_uses_the_train_steps_own_gradients(runs):
         assert r["fp4_layers"]["ratio"] == pytest.approx(
             np.sqrt(sum(v["grad_norm"] ** 2 for v in fp4))
             / np.sqrt(sum(v["noise_norm"] ** 2 for v in fp4)), rel=1e-9)
+
+
+def scanned_key(tree) -> str:
+    """The one scanned-blocks entry of a micro scan model's tree (``blocks_0_1``)."""
+    (key,) = [k for k in tree if k.startswith("blocks_")]
+    return key
 
 
 @pytest.mark.xdist_group("micro_scan_nvfp4")  # test_stats.py's compiled train step
@@ -184,8 +191,21 @@ def test_grad_noise_is_the_train_steps_sr_noise_and_matches_numpy():
                            for a in jax.tree.leaves(t)))
 
     eps = norm(jax.tree.map(np.subtract, g_q, g))
-    assert norm(jax.tree.map(np.subtract, g_step, g_q)) < 0.05 * eps
-    assert norm(jax.tree.map(np.subtract, g_step, g_q1)) > 0.5 * eps
+    # Same draws, computed by two programs compiled apart: their unquantized parts may round
+    # differently (the final norm's gradient differs by ~1e-5 relative on JAX 0.12.1, ~1e-9
+    # on 0.10.2), and a stochastically rounded element near a code boundary then takes the
+    # other code, so the difference grows layer by layer down the backward. Measured,
+    # ||g_step - g_q|| / ||eps||: 0.013 (0.10.2) and 0.30 (0.12.1) over all parameters,
+    # 0.014 / 0.074 for the last block's down projection (the first quantized wgrad of the
+    # backward); another step's draws: 1.09 and 1.16 on both. The bounds sit between.
+    assert norm(jax.tree.map(np.subtract, g_step, g_q)) < 0.5 * eps
+    assert norm(jax.tree.map(np.subtract, g_step, g_q1)) > 0.9 * eps
+    for name in ("down", "up"):  # the last block's MLP, where the backward starts
+        w_, wq, ws, wq1 = (t[scanned_key(g)]["block"][name]["kernel"][1]
+                           for t in (g, g_q, g_step, g_q1))
+        e = np.linalg.norm(wq - w_)
+        assert np.linalg.norm(ws - wq) < 0.2 * e, name
+        assert np.linalg.norm(ws - wq1) > 0.9 * e, name
     got = D.flatten_noise(jax.device_get(jax.jit(
         lambda a, b: D.gradient_noise(a, b, name_fn=layer_name))(g, g_q)))
     flat = [np.ravel(a) for a in jax.tree.leaves(g)]
