@@ -37,7 +37,6 @@ from fp4jax.formats import (
     BlockFormat,
     get_format,
 )
-from fp4jax.grouped_dot import ragged_dot
 from fp4jax.hadamard import TE_SIGN_VECTOR, random_hadamard_transform
 from fp4jax.quantization import (
     QuantizedArray,
@@ -48,6 +47,7 @@ from fp4jax.quantization import (
 )
 from fp4jax.quantized_attention import attention
 from fp4jax.quantized_dot import dot, dot_general
+from fp4jax.quantized_ragged_dot import ragged_dot
 from fp4jax.recipes import GemmSpec, QuantSpec, Recipe
 
 __version__ = "0.1.0"
