@@ -139,9 +139,9 @@ def overhead(out: Path, setup: dict, data: str | None, deadline: float | None,
     ``{"settings": [...]}``: per setting its wall seconds (without checkpoint time),
     the measurement calls' seconds (the first, which compiles or loads, apart) and the
     measurements' share of the training time."""
-    from fp4jax.data import ByteDataset
     from fp4jax.train import TrainConfig, train
     from fp4jax.train.cli import enable_compile_cache
+    from fp4jax.train.data import ByteDataset
 
     enable_compile_cache(str(out / "xla"))
     keys = {k: setup[k] for k in ("preset", "seq_len", "batch_size", "steps", "lr",

@@ -374,7 +374,7 @@ def harness_dataset(batch_size: int, seq_len: int, steps: int, eval_batches: int
     ``eval_batches`` validation batches fit."""
     import numpy as np
 
-    from fp4jax.data import ByteDataset
+    from fp4jax.train.data import ByteDataset
 
     rng = np.random.default_rng(seed)
     n_train = (steps + 1) * batch_size * seq_len + seq_len + 1

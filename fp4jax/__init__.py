@@ -15,11 +15,12 @@ Public API (see ``README.md``):
   RHT       ``random_hadamard_transform``
   channels  ``outcontrol`` (TetraJet-v2's OutControl: outlier input channels in MXFP8,
             ``outcontrol.split_dot``)
-  Flax      ``fp4jax.nn`` (linen/NNX layers, ``PrecisionPolicy``), ``fp4jax.models`` (Llama),
-            ``fp4jax.data`` (byte-level corpora): imported on first use, so the core
-            does not load Flax.
+  Flax      ``fp4jax.nn`` (linen/NNX layers, ``PrecisionPolicy``), ``fp4jax.models`` (Llama):
+            imported on first use, so the core does not load Flax.
   Training  ``fp4jax.train`` (the ``fp4jax-train`` harness: ``TrainConfig``, ``train``,
-            ``compare``), also imported on first use.
+            ``compare``; its corpora and tokenizers ``fp4jax.train.data`` and
+            ``fp4jax.train.tokens``), also imported on first use. (``fp4jax.data`` and
+            ``fp4jax.tokens`` are deprecated aliases of those two for one release.)
 """
 
 import importlib
@@ -36,7 +37,6 @@ from fp4jax.formats import (
     BlockFormat,
     get_format,
 )
-from fp4jax.grouped_dot import ragged_dot
 from fp4jax.hadamard import TE_SIGN_VECTOR, random_hadamard_transform
 from fp4jax.quantization import (
     QuantizedArray,
@@ -47,10 +47,12 @@ from fp4jax.quantization import (
 )
 from fp4jax.quantized_attention import attention
 from fp4jax.quantized_dot import dot, dot_general
+from fp4jax.quantized_ragged_dot import ragged_dot
 from fp4jax.recipes import GemmSpec, QuantSpec, Recipe
 
 __version__ = "0.1.0"
 
+# "data": the deprecated alias of fp4jax.train.data, for one release
 _LAZY_SUBMODULES = ("nn", "models", "data", "train")
 
 
@@ -76,7 +78,6 @@ __all__ = [
     "attention",
     "dequantize",
     "dot",
-    "data",
     "dot_general",
     "get_format",
     "models",

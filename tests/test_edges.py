@@ -120,7 +120,7 @@ def test_dot_with_zero_tokens_under_quartet2_like_nvfp4():
 # ---------------------------------------------------------------------------
 
 def test_damaged_gzip_corpus_is_one_line_naming_the_file(tmp_path):
-    from fp4jax import data
+    from fp4jax.train import data
 
     raw = gzip.compress(("To be, or not to be, that is the question. " * 200).encode())
     hit = 0

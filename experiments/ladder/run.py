@@ -85,7 +85,7 @@ def prepare(work: Path, out: Path, roots: list[Path] | None, committed: Path,
             max_file_bytes: int | None = None, tokenizer: str | None = None,
             val_per_10k: int | None = None) -> dict:
     """Steps 1 and 2 of the module docstring; returns ``{"tokens": DIR, "seconds": ...}``."""
-    from fp4jax import tokens as T
+    from fp4jax.train import tokens as T
 
     t0 = time.perf_counter()
     cdir = work / "corpus"
@@ -155,10 +155,10 @@ def bpe_sampled(body: bytes) -> bool:
 
 
 def train_tokenizer(train_tar: Path, dest: Path) -> tuple[str, dict]:
-    """Trains ``bpe:VOCAB`` (``fp4jax.tokens.train_bpe``: deterministic) on the sampled
+    """Trains ``bpe:VOCAB`` (``fp4jax.train.tokens.train_bpe``: deterministic) on the sampled
     training files of ``train_tar``; saves it to ``dest``; returns its path and a record."""
-    from fp4jax import tokens as T
-    from fp4jax.data import load_documents
+    from fp4jax.train import tokens as T
+    from fp4jax.train.data import load_documents
 
     t0 = time.perf_counter()
     texts = [b.decode("utf-8") for _, b in load_documents(train_tar) if bpe_sampled(b)]

@@ -72,7 +72,7 @@ from fp4jax.diagnostics import (  # noqa: F401 (re-exported: the statistics coll
     note_unmeasured,
     probing,
 )
-from fp4jax.grouped_dot import ragged_dot
+from fp4jax.quantized_ragged_dot import ragged_dot
 
 if TYPE_CHECKING:  # pragma: no cover
     from fp4jax import Recipe

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fp4jax.diagnostics import observe_product
-from fp4jax.grouped_dot import ragged_dot
 from fp4jax.nn.linen import DEFAULT_RNG_STREAM, fp4_dot_general, needs_key, needs_layer_key
+from fp4jax.quantized_ragged_dot import ragged_dot
 
 if TYPE_CHECKING:  # pragma: no cover
     from fp4jax import Recipe

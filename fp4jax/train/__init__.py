@@ -53,7 +53,8 @@ use of them), ``models`` (the run's model and rules: the built-in Llama or ``--m
 the precision switch), ``steps`` (the jitted init/train/eval/measurement functions),
 ``evaluation`` (validation loss, per-layer statistics, gradient noise), ``runlog``
 (``metrics.jsonl``, progress, throughput), ``loop`` (``train``: the parts in order),
-``comparison`` (``compare``, the table and the plot) and ``cli`` (``main``). Every
+``comparison`` (``compare``, the table and the plot), ``cli`` (``main``), ``data`` (byte-level
+corpora, ``ByteDataset``) and ``tokens`` (tokenizers and token files, ``fp4jax-tokenize``). Every
 public name is re-exported here: ``from fp4jax import train as T; T.train(T.TrainConfig(...))``.
 """
 

@@ -63,10 +63,10 @@ def main(argv: list[str]) -> int:
     if os.environ.get(PARENT_ENV, "").isdigit():
         watch_parent(int(os.environ[PARENT_ENV]))
     plan = json.loads(open(argv[0]).read())
-    from fp4jax.tokens import load_dataset
     from fp4jax.train.cli import enable_compile_cache
     from fp4jax.train.config import TrainConfig
     from fp4jax.train.loop import TrainingDiverged, train
+    from fp4jax.train.tokens import load_dataset
 
     enable_compile_cache(plan.get("compile_cache") or "off")
     cfgs = [TrainConfig(**c) for c in plan["configs"]]

@@ -241,7 +241,7 @@ def enable_compile_cache(path: str | None, data_cache: str | None = None) -> str
     same configuration should not pay it again.
     Returns the directory in use, or None.
     """
-    from fp4jax.data import cache_dir
+    from fp4jax.train.data import cache_dir
 
     mode = (path or "off").strip()
     if mode.lower() in ("off", "none", ""):

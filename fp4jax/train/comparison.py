@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from fp4jax.tokens import load_dataset
 from fp4jax.train.checkpoint import config_diff
 from fp4jax.train.config import (
     MAX_SEED,
@@ -51,6 +50,7 @@ from fp4jax.train.rundir import (
     releases_locks,
     run_contents,
 )
+from fp4jax.train.tokens import load_dataset
 
 __all__ = ["SweepFailed", "compare", "comparison_table", "paired_cells", "paired_difference",
            "parse_seeds", "plot_losses", "plot_sweep", "slug", "spec_slugs", "split_specs",

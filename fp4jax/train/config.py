@@ -24,7 +24,7 @@ import fp4jax.recipes
 from fp4jax.models.llama import ATTENTION, SCAN_REMAT, LlamaConfig, get_preset
 from fp4jax.nn.policy import PrecisionPolicy
 from fp4jax.recipes import GemmSpec, Recipe
-from fp4jax.tokens import MAX_VOCAB, parse_tokenizer_spec
+from fp4jax.train.tokens import MAX_VOCAB, parse_tokenizer_spec
 
 SWITCH_MODES = ("fwd", "bwd", "both")
 SCHEDULES = ("wsd", "cosine")

@@ -41,10 +41,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 import fp4jax.recipes
-from fp4jax.data import ByteDataset
 from fp4jax.quantized_dot import token_row_multiple
 from fp4jax.recipes import Recipe
-from fp4jax.tokens import load_dataset, model_vocab_size
 from fp4jax.train import channel_split, parallel, processes
 from fp4jax.train.checkpoint import (
     RunCheckpoints,
@@ -61,6 +59,7 @@ from fp4jax.train.config import (
     run_recipe,
     validate_config,
 )
+from fp4jax.train.data import ByteDataset
 from fp4jax.train.evaluation import Evaluation
 from fp4jax.train.models import (
     PrecisionSwitch,
@@ -86,6 +85,7 @@ from fp4jax.train.steps import (
     make_train_step,
     noise_gradients,
 )
+from fp4jax.train.tokens import load_dataset, model_vocab_size
 
 __all__ = ["LAYER_KEY_INDEX", "TRACE_COUNTS", "TrainingDiverged", "check_token_rows",
            "compiled_steps",
@@ -171,7 +171,7 @@ def run_mesh(cfg: TrainConfig, rcfg: TrainConfig) -> Mesh:
 
 def load_data(cfg: TrainConfig, dataset: Any = None) -> ByteDataset:
     """The run's dataset: ``dataset`` if given (a sweep loads it once), else ``cfg.data``
-    with ``cfg.tokenizer`` (``fp4jax.tokens.load_dataset``: a text corpus split into
+    with ``cfg.tokenizer`` (``fp4jax.train.tokens.load_dataset``: a text corpus split into
     training and validation tokens, or token files).
 
     Raises:
@@ -188,7 +188,7 @@ def build_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe, ds: Any) -
     """The run's model and its precision: the built-in Llama (``llama_models``: the preset,
     the precision policy, ``--bf16-layers`` resolved), or ``--model``'s
     (``foreign_models``: the factory's model under ``--rules`` and the default rules), its
-    vocabulary ``--vocab-size`` or the dataset's (``fp4jax.tokens.model_vocab_size``: 256
+    vocabulary ``--vocab-size`` or the dataset's (``fp4jax.train.tokens.model_vocab_size``: 256
     for bytes), also set in ``rcfg`` (in the compiled steps' cache key)."""
     vocab = model_vocab_size(ds, cfg.vocab_size)
     rcfg = rcfg.replace(vocab_size=vocab)

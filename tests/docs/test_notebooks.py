@@ -2,7 +2,7 @@
 
 Each notebook runs in its own fresh kernel with an empty temporary directory (not notebooks/) as
 the working directory: they import only the installed library and find their data through it
-(e.g. ``fp4jax.data.sonnets_path()``), so they run from anywhere. The kernel does not inherit
+(e.g. ``fp4jax.train.data.sonnets_path()``), so they run from anywhere. The kernel does not inherit
 the test session's forced 4 CPU devices (conftest.py), so the notebooks see the same single CPU
 device a user has; it gets ``FP4JAX_NOTEBOOK_SMOKE=1``, which a notebook that trains reads
 for a shorter run (its text says so).

@@ -10,9 +10,9 @@ import pytest
 
 import fp4jax
 from fp4jax import recipes
-from fp4jax.grouped_dot import ragged_row_multiple
 from fp4jax.numerics import uniform_rows
 from fp4jax.quantized_dot import operand_key
+from fp4jax.quantized_ragged_dot import ragged_row_multiple
 from tests import reference as ref
 from tests.checks import bits_equal
 

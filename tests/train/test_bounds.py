@@ -11,10 +11,10 @@ import json
 import numpy as np
 import pytest
 
-from fp4jax import tokens as TK
 from fp4jax import train as T
-from fp4jax.data import ByteDataset
+from fp4jax.train import tokens as TK
 from fp4jax.train.config import INT32_MAX, MAX_BATCH_IDS, MAX_SEED
+from fp4jax.train.data import ByteDataset
 
 BIG = str(10**30)
 

@@ -1,4 +1,4 @@
-"""Tests of fp4jax.data: loading, validation split, deterministic batches, errors."""
+"""Tests of fp4jax.train.data: loading, validation split, deterministic batches, errors."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from fp4jax import data
+from fp4jax.train import data
 from tests.textdata import make_text, write_text
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from fp4jax import tokens as TK
 from fp4jax import train as T
 from fp4jax.train import loop
+from fp4jax.train import tokens as TK
 from tests.textdata import write_text
 
 

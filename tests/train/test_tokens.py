@@ -1,4 +1,4 @@
-"""Tokenizers and tokenized corpora (``fp4jax.tokens``): BPE training and reuse by hash, a
+"""Tokenizers and tokenized corpora (``fp4jax.train.tokens``): BPE training and reuse by hash, a
 user's tokenizer.json, .bin/.npy token files memory-mapped, batches a pure function of
 (seed, step) and of the rows a process reads, fingerprints, bad input, ``fp4jax-tokenize``,
 and a few CPU steps of ``fp4jax-train`` on a tokenized corpus with an exact resume."""
@@ -11,8 +11,8 @@ import os
 import numpy as np
 import pytest
 
-from fp4jax import tokens as T
-from fp4jax.data import ByteDataset
+from fp4jax.train import tokens as T
+from fp4jax.train.data import ByteDataset
 from tests.textdata import make_text, write_text
 
 try:
