@@ -44,13 +44,6 @@ find_python() {
 # reason: on the newest they run first, apart, and their failures are printed but do not
 # fail the run; the rest of the suite gates as usual. Empty it as soon as they pass.
 newest_known_failing=(
-  # pallas_kernels on JAX 0.12.1: plgpu.transpose_ref was removed (ref.transpose instead),
-  # and plgpu.emit_pipeline hands a Python int step to its loop body ('int' object has no
-  # attribute 'dtype'); green on JAX 0.10.2
-  tests/kernels
-  # the same kernels lowered for CUDA by experiments/gpu_lab's dry run: plgpu.load takes
-  # its index inside the ref on JAX 0.12.1 ('load() takes 1 positional argument')
-  tests/experiments/test_gpu_lab.py::test_benchmark_help_list_and_dry_run
   # first seen in CI's newest run at fa23ec1 (JAX 0.12.1; green on 0.10.2): the stats
   # step's quantized gradient norm differs from the train step's by 6.4e-4 relative (the
   # test allows 1e-4) and the noise step's gradients by 0.30x eps (allowed 0.05x): the
