@@ -158,9 +158,9 @@ class Ctx:
         self.res = results
         self.kw = {}
         if interpret:
-            from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+            from pallas_kernels.support import interpret_params
 
-            self.kw = {"interpret": InterpretGPUParams()}
+            self.kw = interpret_params("interpret")
         self.key = jax.random.key(seed + 1)
         self.signs = jnp.asarray(default_signs(16), F32)
         self._inputs: dict = {}

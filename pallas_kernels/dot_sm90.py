@@ -15,8 +15,8 @@ Not supported, because ... (each falls back to the reference, operand by operand
   kernel's register layout takes, outgrows shared memory), operands of a float32 GEMM
   (the kernels write bfloat16), batched calls (the kernels take one matrix), non-threefry
   keys for stochastic rounding (the kernels compute Threefry draws), shapes the kernels do
-  not tile (``operand_kernel``); a JAX whose Mosaic GPU API the kernels are not written
-  for (``support.mosaic_api_reason``: JAX 0.12 changed it), on the GPU;
+  not tile (``operand_kernel``); a JAX on whose Mosaic GPU the kernels have not been run
+  (``support.mosaic_api_reason``: JAX 0.12's CUDA run is unverified), on the GPU;
 * GEMMs with an unquantized operand, a float32 GEMM, per-row decode scales, a batched call,
   a float32 output or sizes below ``alpha_sm90.MIN_MKN`` / not tile-aligned (XLA's GEMM was
   as fast or faster there);

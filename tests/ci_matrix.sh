@@ -44,13 +44,6 @@ find_python() {
 # reason: on the newest they run first, apart, and their failures are printed but do not
 # fail the run; the rest of the suite gates as usual. Empty it as soon as they pass.
 newest_known_failing=(
-  # pallas_kernels on JAX 0.12.1: plgpu.transpose_ref was removed (ref.transpose instead),
-  # and plgpu.emit_pipeline hands a Python int step to its loop body ('int' object has no
-  # attribute 'dtype'); green on JAX 0.10.2
-  tests/kernels
-  # the same kernels lowered for CUDA by experiments/gpu_lab's dry run: plgpu.load takes
-  # its index inside the ref on JAX 0.12.1 ('load() takes 1 positional argument')
-  tests/experiments/test_gpu_lab.py::test_benchmark_help_list_and_dry_run
   # the killed two-process FSDP run times out on JAX 0.12.1 (Gloo connects; the resumed
   # run does not finish in the test's limit); not yet located
   tests/train/test_multiprocess.py

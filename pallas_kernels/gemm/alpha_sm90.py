@@ -39,10 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-try:  # JAX 0.11 registers pallas_call's Mosaic GPU lowering only when this is imported.
-    from jax._src.pallas.mosaic_gpu import pallas_call_registration as _  # noqa: F401
-except ImportError:  # pragma: no cover
-    pass
+from pallas_kernels import mosaic_compat as mc
 
 __all__ = ["GemmConfig", "MIN_MKN", "gemm_alpha", "preferred", "reference", "supported"]
 
@@ -176,9 +173,9 @@ def gemm_alpha(a: jax.Array, b: jax.Array, alpha: jax.Array, *, trans_a: bool = 
                 my_cols = pl.ds(wg * tn, tn)
 
                 def mma(_, a_smem, b_smem, acc_ref):
-                    lhs = plgpu.transpose_ref(a_smem, (1, 0)) if trans_a else a_smem
+                    lhs = mc.transpose(a_smem, (1, 0)) if trans_a else a_smem
                     if trans_b:
-                        rhs = plgpu.transpose_ref(b_smem.at[my_cols, :], (1, 0))
+                        rhs = mc.transpose(b_smem.at[my_cols, :], (1, 0))
                     else:
                         rhs = b_smem.at[:, my_cols]
                     plgpu.wgmma(acc_ref, lhs, rhs)

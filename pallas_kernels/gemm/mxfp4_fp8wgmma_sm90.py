@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -60,10 +59,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-try:  # JAX 0.11 registers pallas_call's Mosaic GPU lowering only when this is imported.
-    from jax._src.pallas.mosaic_gpu import pallas_call_registration as _  # noqa: F401
-except ImportError:  # pragma: no cover
-    pass
+from pallas_kernels import mosaic_compat as mc
 
 __all__ = ["BLOCK", "Config", "DEFAULT", "balanced_scales", "emulate", "k_major", "mxfp4_gemm",
            "promote", "scale_f32", "unsupported_reason"]
@@ -229,21 +225,6 @@ def k_major(codes: jax.Array, scales: jax.Array):
     return codes.T, scales.T
 
 
-def _transposed(ref):
-    """``ref`` viewed transposed (JAX >= 0.11.2: ``ref.transpose``; before: ``transpose_ref``)."""
-    if hasattr(ref, "transpose"):
-        return ref.transpose((1, 0))
-    return plgpu.transpose_ref(ref, (1, 0))
-
-
-def _load(ref, layout):
-    """``ref`` loaded whole in ``layout`` (JAX 0.10 takes the index separately)."""
-    if "idx" in inspect.signature(plgpu.load).parameters and (
-            inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty):
-        return plgpu.load(ref, (), layout=layout)
-    return plgpu.load(ref, layout=layout)
-
-
 def _num_sms() -> int:
     try:
         return int(jax.devices()[0].core_count)
@@ -332,12 +313,12 @@ def mxfp4_gemm(a_codes: jax.Array, a_scales: jax.Array, bt_codes: jax.Array,
 
                         def block(part_ref, ks=ks):
                             plgpu.wgmma(part_ref, a_smem.at[my_rows, ks],
-                                        _transposed(b_smem.at[:, ks]))
+                                        mc.transpose(b_smem.at[:, ks], (1, 0)))
                             return part_ref[...]
 
                         part = pl.run_scoped(block, plgpu.ACC((tm, tn), jnp.float32))
-                        ra = _load(sa_smem.at[j, my_rows], plgpu.Layout.WGMMA.reduce(1))
-                        rb = _load(sb_smem.at[j], plgpu.Layout.WGMMA.reduce(0))
+                        ra = mc.load(sa_smem.at[j, my_rows], layout=plgpu.Layout.WGMMA.reduce(1))
+                        rb = mc.load(sb_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(0))
                         acc = acc + ((part * lax.broadcast_in_dim(ra, (tm, tn), [0]))
                                      * lax.broadcast_in_dim(rb, (tm, tn), [1]))
                     return acc

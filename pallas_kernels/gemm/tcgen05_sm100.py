@@ -49,12 +49,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mosaic_compat as mc
 from pallas_kernels.gemm import blockscale_sm100 as bs
-
-try:  # JAX 0.11 registers pallas_call's Mosaic GPU lowering only when this is imported.
-    from jax._src.pallas.mosaic_gpu import pallas_call_registration as _  # noqa: F401
-except ImportError:  # pragma: no cover
-    pass
 
 __all__ = ["TILE_K", "TILE_M", "TILE_N", "available", "gemm", "gemm_alpha_nvfp4",
            "supported"]
@@ -129,7 +125,7 @@ def gemm_alpha_nvfp4(a: jax.Array, b: jax.Array, sa: jax.Array, sb: jax.Array,
             plgpu.barrier_wait(tma_bar)
             plgpu.async_copy_scales_to_tmem(sa_smem, sa_tmem)
             plgpu.async_copy_scales_to_tmem(sb_smem, sb_tmem)
-            plgpu.tcgen05_mma(acc_tmem, a_smem, plgpu.transpose_ref(b_smem, (1, 0)),
+            plgpu.tcgen05_mma(acc_tmem, a_smem, mc.transpose(b_smem, (1, 0)),
                               a_scale=sa_tmem, b_scale=sb_tmem, accumulate=ks > 0)
             plgpu.tcgen05_commit_arrive(mma_bar)
             plgpu.barrier_wait(mma_bar)  # the next step overwrites the shared tiles

@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fp4jax.quantization import e2m1_codes
+from pallas_kernels import mosaic_compat as mc
 
 TILE_N = 64  # rows of W^T per warpgroup (wgmma M)
 SCALE_SHIFT = 117  # block scales are stored times 2^117; codes decode to value * 2^-126
@@ -143,9 +144,9 @@ def _as_bf16_fragment(words):
     Register ``v`` (0, 1) of a thread's vector<2 x i32> becomes its bf16x2 register of
     column group ``v``: element (r, 2q + v) of the words holds A columns 8v + 2q + (0, 1).
     """
-    from jax._src.lib.mlir import ir
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
 
     layout = plgpu.Layout.WGMMA
 
@@ -315,7 +316,7 @@ def w4a16_matmul(
     def mma_step(wp_smem, ws_smem, xt_smem, accs, rows, cols=None):
         """One pipeline step of one warpgroup: decode its 64 rows, 4 wgmma per word column
         (all word columns of the step, or those in ``cols``)."""
-        words = plgpu.load(wp_smem.at[rows], (), layout=plgpu.Layout.WGMMA)
+        words = mc.load(wp_smem.at[rows], layout=plgpu.Layout.WGMMA)
         for c in range(ncols) if cols is None else cols:
             parts = decode_words(words[:, 8 * c: 8 * c + 8])
             for i, part in enumerate(parts):
@@ -326,11 +327,11 @@ def w4a16_matmul(
                     raise ValueError(f"unknown _mode {_mode!r}")
                 a = _as_bf16_fragment(part)
                 if _mode == "full":
-                    s = plgpu.load(ws_smem.at[:, rows], (b, slice(None)),
-                                   layout=plgpu.Layout.WGMMA.reduce(1))
+                    s = mc.load(ws_smem.at[:, rows], (b, slice(None)),
+                                layout=plgpu.Layout.WGMMA.reduce(1))
                     a = a * lax.broadcast_in_dim(s, (TILE_N, 16), (0,))
                 if x_direct:
-                    xb = plgpu.transpose_ref(xt_smem.at[:, pl.ds(16 * b, 16)], (1, 0))
+                    xb = mc.transpose(xt_smem.at[:, pl.ds(16 * b, 16)], (1, 0))
                 else:
                     xb = xt_smem.at[pl.ds(16 * b, 16), :]
                 if _mode == "mma1of4" and i:  # timing only: one wgmma in four
@@ -351,7 +352,7 @@ def w4a16_matmul(
         total = accs[0][...]
         for extra in accs[1:]:
             total = total + extra[...]
-        out_smem[...] = total * (sc_gmem[0] * jnp.float32(2.0**9))
+        mc.store_untiled(out_smem, total * (sc_gmem[0] * jnp.float32(2.0**9)))
         plgpu.commit_smem()
         if k_wgs:  # partial sums of the same rows: one output slice per warpgroup
             dst = out_gmem.at[si * k_wgs + wg, pl.ds(ni * cta_n, TILE_N)]

@@ -46,15 +46,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fp4jax.quantization import e2m1_codes
+from pallas_kernels import mosaic_compat as mc
 
 # Lane semantics, what the decode kernel is written for (JAX 0.11 defaults to Warpgroup,
 # whose layout inference makes lowering slow: quantize/common_sm90.lane_params)
 _LANE = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-
-try:  # JAX 0.11 registers pallas_call's Mosaic GPU lowering only when this is imported.
-    from jax._src.pallas.mosaic_gpu import pallas_call_registration as _  # noqa: F401
-except ImportError:  # pragma: no cover
-    pass
 
 ROWS = 64  # rows of one wgmma register operand / decode tile (WGMMA layout)
 
@@ -270,10 +266,13 @@ def decode_operand(codes, sbits, *, tile_k: int = 256, stages: int = 2, out_swiz
 
         def step(_, q_smem, s_smem, o_smem):
             def load_scale(g):
-                return plgpu.load(s_smem, (g, slice(None)), layout=plgpu.Layout.WGMMA.reduce(1))
+                return mc.load(s_smem, (g, slice(None)), layout=plgpu.Layout.WGMMA.reduce(1))
 
             def emit(g, v):
-                o_smem[:, pl.ds(16 * g, 16)] = v
+                if out_tf:
+                    o_smem[:, pl.ds(16 * g, 16)] = v
+                else:  # plain row-major
+                    mc.store_untiled(o_smem.at[:, pl.ds(16 * g, 16)], v)
 
             _decode_tile(q_smem, nblk, load_scale, emit, scale_fmt)
 

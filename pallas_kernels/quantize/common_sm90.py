@@ -46,11 +46,7 @@ from fp4jax import quantization
 from fp4jax.formats import NVFP4
 from fp4jax.numerics import div_rn, floor_log2, pow2, reciprocal_rn, subnormal_hi
 from fp4jax.quantization import block_decode_scale, global_encode_scale
-
-try:  # JAX 0.11 registers pallas_call's Mosaic GPU lowering only when this is imported.
-    from jax._src.pallas.mosaic_gpu import pallas_call_registration as _  # noqa: F401
-except ImportError:  # pragma: no cover
-    pass
+from pallas_kernels import mosaic_compat as mc
 
 FLT_MAX = float(np.finfo(np.float32).max)
 
@@ -350,7 +346,7 @@ def load_words(x_ref, rows, plain: bool, layout=None):
     if plain:
         w = x_ref[rows, :]
     else:
-        w = plgpu.load(x_ref, (rows, slice(None)), layout=layout or plgpu.Layout.WGMMA)
+        w = mc.load(x_ref, (rows, slice(None)), layout=layout or plgpu.Layout.WGMMA)
     return lax.bitcast_convert_type(w, jnp.int32)
 
 

@@ -34,12 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-try:  # JAX 0.11 registers pallas_call's Mosaic GPU lowering only when this is imported.
-    from jax._src.pallas.mosaic_gpu import pallas_call_registration as _  # noqa: F401
-except ImportError:  # pragma: no cover
-    pass
-
 from fp4jax.numerics import threefry2x32
+from pallas_kernels import mosaic_compat  # noqa: F401  (pallas_call's Mosaic GPU lowering)
 from pallas_kernels.quantize.common_sm90 import (
     G2D,
     GR,

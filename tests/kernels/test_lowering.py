@@ -55,12 +55,16 @@ CASES = {
 def test_kernels_ask_for_lane_semantics(case, monkeypatch):
     warpgroup_default = functools.partial(
         plgpu.CompilerParams, lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+    # the kernels' jitted wrappers would reuse traces made before the patch (and later tests
+    # those made under it): caches cleared on both sides. Not jax.disable_jit(): under it
+    # JAX 0.12's emit_pipeline fails (its fori_loop hands the body a Python int step)
+    jax.clear_caches()
     monkeypatch.setattr(plgpu, "CompilerParams", warpgroup_default)
-    try:  # jit off: the kernels' jitted wrappers would reuse traces made before the patch
-        with jax.disable_jit():
-            jaxpr = jax.make_jaxpr(CASES[case])(jnp.zeros((256, 1024), BF))
+    try:
+        jaxpr = jax.make_jaxpr(CASES[case])(jnp.zeros((256, 1024), BF))
     finally:
         monkeypatch.undo()
+        jax.clear_caches()
     params = _kernel_params(jaxpr.jaxpr)
     assert params, "no kernel call traced"
     assert all(p.lowering_semantics == plgpu.LoweringSemantics.Lane for p in params), params
