@@ -15,18 +15,13 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from fp4jax.recipes import recipe_quantizes
 from fp4jax.rules import Rule
+
+__all__ = ["PrecisionPolicy", "recipe_quantizes"]  # recipe_quantizes: fp4jax.recipes'
 
 if TYPE_CHECKING:  # pragma: no cover
     from fp4jax import Recipe
-
-
-def recipe_quantizes(recipe: Recipe | None) -> bool:
-    """Whether ``recipe`` quantizes anything (``None`` and the ``bf16`` recipe do not)."""
-    if recipe is None:
-        return False
-    quantized = getattr(recipe, "quantized", None)
-    return bool(quantized) if quantized is not None else getattr(recipe, "name", "") != "bf16"
 
 
 @dataclasses.dataclass(frozen=True)
