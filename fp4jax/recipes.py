@@ -59,6 +59,7 @@ __all__ = [
     "attn_bf16",
     "attention_names",
     "get_attention",
+    "recipe_quantizes",
 ]
 
 _ROUNDINGS = ROUNDINGS
@@ -1094,3 +1095,18 @@ def get_attention(name: str | AttentionRecipe | Recipe) -> AttentionRecipe:
         return AttentionRecipe(r.name, qk=r, pv=r)
     raise TypeError(f"attention recipe must be a fp4jax.recipes.AttentionRecipe, a Recipe or "
                     f"a name, got {type(name).__name__} {name!r}")
+
+
+def recipe_quantizes(recipe: Recipe | AttentionRecipe | None) -> bool:
+    """Whether ``recipe`` quantizes anything: the one predicate of fp4jax for "does this
+    layer's recipe quantize?" (precision rules, policies, the training harness's counts).
+
+    ``None`` (a high-precision layer: its own ``dot_general``, untouched) and a recipe
+    whose every GEMM operand is unquantized (``bf16()``, a ``switched`` ``"both"``) do not;
+    a ``Recipe`` or ``AttentionRecipe`` quantizing any operand does (their ``quantized``).
+    An object without ``quantized`` quantizes unless it is named ``"bf16"``.
+    """
+    if recipe is None:
+        return False
+    quantized = getattr(recipe, "quantized", None)
+    return bool(quantized) if quantized is not None else getattr(recipe, "name", "") != "bf16"

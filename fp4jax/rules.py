@@ -23,18 +23,25 @@ import json
 import os
 import re
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax.recipes import AttentionRecipe, Recipe, attention_names, get_attention, parse
+from fp4jax.recipes import (
+    AttentionRecipe,
+    Recipe,
+    attention_names,
+    get_attention,
+    parse,
+    recipe_quantizes,
+)
 
-__all__ = ["Rule", "as_rules", "block_paths", "einsum_dimension_numbers", "layer_key",
-           "sub_jaxprs",
-           "load_rules", "match_rule", "match_rule_in_stack"]
+__all__ = ["Rule", "as_rules", "block_paths", "block_rule", "einsum_dimension_numbers",
+           "high_precision_rules", "layer_key", "sub_jaxprs", "load_rules", "match_rule",
+           "match_rule_in_stack", "replace_quantizing", "rule_recipe", "rules_quantize"]
 
 _NONE_SPECS = ("none", "high", "high_precision")
 
@@ -161,6 +168,47 @@ def match_rule(rules: Sequence[Rule], path: str, attention: bool = False) -> int
         if r.attention == attention and r.matches(path):
             return i
     return None
+
+
+def rule_recipe(rules: Sequence[Rule], path: str) -> Recipe | None:
+    """The recipe that ``rules`` give the linear layer at ``path``: the first linear rule
+    matching it (``match_rule``); None (high precision, the layer unchanged) when none
+    does or that rule's recipe is None."""
+    i = match_rule(rules, path)
+    return None if i is None else rules[i].recipe
+
+
+def rules_quantize(rules: Sequence[Rule]) -> bool:
+    """Whether a rule of ``rules`` has a recipe that quantizes (``recipe_quantizes``):
+    else a model under ``rules`` runs bit for bit as the unquantized one."""
+    return any(recipe_quantizes(r.recipe) for r in rules)
+
+
+def high_precision_rules(paths: Iterable[str]) -> tuple[Rule, ...]:
+    """One high-precision rule per module path of ``paths``, matching that path exactly
+    (``Rule(re.escape(path), None)``): layers named one by one (``--bf16-layers``)."""
+    return tuple(Rule(re.escape(p), None) for p in paths)
+
+
+def block_rule(prefix: str, blocks: Iterable[int], recipe: Any = None) -> Rule | None:
+    """The rule giving ``recipe`` (default None: high precision) to every layer of the
+    blocks ``blocks`` of a stack whose block ``i`` sits at the module path ``prefix + str(i)``
+    (``"layers_"``, ``"layers/"``): ``Rule(re.escape(prefix) + "(0|1|11)/.*", recipe)``, the
+    indices in the order given. None when ``blocks`` is empty."""
+    idx = list(blocks)
+    if not idx:
+        return None
+    return Rule(re.escape(prefix) + "(" + "|".join(map(str, idx)) + ")/.*", recipe)
+
+
+def replace_quantizing(rules: Sequence[Rule], fn: Callable[[Recipe], Recipe | None]
+                       ) -> tuple[Rule, ...]:
+    """``rules`` with the recipe ``r`` of each linear rule that quantizes
+    (``recipe_quantizes``) replaced by ``fn(r)`` (a precision switch, e.g.
+    ``fp4jax.train.config.switched_recipe``); the other rules (high precision, attention
+    rules) unchanged, the same ``Rule`` objects."""
+    return tuple(Rule(r.pattern, fn(r.recipe))
+                 if not r.attention and recipe_quantizes(r.recipe) else r for r in rules)
 
 
 def block_paths(path: str, stack: str, index: int) -> str:

@@ -608,13 +608,13 @@ def layer_paths(cfg: LlamaConfig) -> dict[str, str]:
     return {n: n.split(".")[1] for n in cfg.linear_layers}
 
 
-def policy_rules(cfg: LlamaConfig, policy: PrecisionPolicy) -> list[Rule]:
+def policy_rules(cfg: LlamaConfig, policy: PrecisionPolicy) -> tuple[Rule, ...]:
     """``policy`` as precision rules of a :class:`Llama` of ``cfg``, by block-level path
     (``block_{i}/{layer}``): ``HIGH_PRECISION_RULE`` (embeddings, LM head), then
     ``policy.rules(cfg.n_layers, "block_{i}", layer_paths(cfg))``. Every block layer gets
     ``policy.recipe_for(i, n_layers, name)``."""
     hp = [HIGH_PRECISION_RULE, ROUTER_RULE] if cfg.n_experts else [HIGH_PRECISION_RULE]
-    return [*hp, *policy.rules(cfg.n_layers, "block_{i}", layer_paths(cfg))]
+    return (*hp, *policy.rules(cfg.n_layers, "block_{i}", layer_paths(cfg)))
 
 
 def block_recipes(cfg: LlamaConfig, rules: Any) -> list[tuple[Any, ...]]:

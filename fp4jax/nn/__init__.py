@@ -13,7 +13,8 @@
 from fp4jax.nn import linen, nnx
 from fp4jax.nn.functional import FunctionReport, function_report, quantize_function
 from fp4jax.nn.model import Report, quantize_model, report
-from fp4jax.nn.policy import PrecisionPolicy, recipe_quantizes
+from fp4jax.nn.policy import PrecisionPolicy
+from fp4jax.recipes import recipe_quantizes
 from fp4jax.rules import Rule, einsum_dimension_numbers, layer_key, load_rules, match_rule
 
 __all__ = ["FunctionReport", "PrecisionPolicy", "Report", "Rule", "einsum_dimension_numbers",

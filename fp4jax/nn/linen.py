@@ -73,6 +73,7 @@ from fp4jax.diagnostics import (  # noqa: F401 (re-exported: the statistics coll
     probing,
 )
 from fp4jax.quantized_ragged_dot import ragged_dot
+from fp4jax.recipes import recipe_quantizes
 
 if TYPE_CHECKING:  # pragma: no cover
     from fp4jax import Recipe
@@ -200,7 +201,7 @@ class DotGeneral(nn.Module):
         """
         key, rht_key = self._key(), self._rht_key()
         dense = is_dense_product(lhs, rhs, dimension_numbers)
-        quantized = _recipe(self.recipe).quantized  # OutControl leaves the others alone
+        quantized = recipe_quantizes(_recipe(self.recipe))  # OutControl: those only
         if dense and quantized and self.has_variable(OUTCONTROL_COLLECTION, "hi"):
             y = outcontrol.split_dot(
                 lhs, rhs, self.get_variable(OUTCONTROL_COLLECTION, "hi"),

@@ -15,18 +15,13 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from fp4jax.recipes import recipe_quantizes
 from fp4jax.rules import Rule
+
+__all__ = ["PrecisionPolicy", "recipe_quantizes"]  # recipe_quantizes: fp4jax.recipes'
 
 if TYPE_CHECKING:  # pragma: no cover
     from fp4jax import Recipe
-
-
-def recipe_quantizes(recipe: Recipe | None) -> bool:
-    """Whether ``recipe`` quantizes anything (``None`` and the ``bf16`` recipe do not)."""
-    if recipe is None:
-        return False
-    quantized = getattr(recipe, "quantized", None)
-    return bool(quantized) if quantized is not None else getattr(recipe, "name", "") != "bf16"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +80,9 @@ class PrecisionPolicy:
         return self.recipe
 
     def rules(self, n_blocks: int, block: str = "block_{i}",
-              layers: Mapping[str, str] | None = None) -> list[Rule]:
-        """The policy as precision rules (``fp4jax.nn.quantize_model``) for a model whose
+              layers: Mapping[str, str] | None = None) -> tuple[Rule, ...]:
+        """The policy as precision rules (``fp4jax.rules.Rule``, the currency of
+        ``fp4jax.nn.quantize_model`` and the training harness) for a model whose
         ``n_blocks`` transformer blocks sit at the module paths ``block.format(i=i)``.
 
         In order (the first match wins): the high-precision blocks (``block_0/.*``, ...)
@@ -143,7 +139,7 @@ class PrecisionPolicy:
             out.append(Rule(f"{where}/{inner}", self.high_precision))
         main = self.recipe if self.recipe is not None else self.high_precision
         out.append(Rule(any_block + "/.*", main))
-        return out
+        return tuple(out)
 
     def count(
         self, n_blocks: int, layers: Sequence[str], n_extra_high_precision: int = 1

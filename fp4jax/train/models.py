@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -33,7 +34,18 @@ from fp4jax.models.llama import (
     quantized_llama,
     scan_runs,
 )
-from fp4jax.recipes import Recipe
+from fp4jax.recipes import Recipe, recipe_quantizes
+from fp4jax.rules import (
+    Rule,
+    as_rules,
+    block_rule,
+    high_precision_rules,
+    load_rules,
+    match_rule,
+    replace_quantizing,
+    rule_recipe,
+    rules_quantize,
+)
 from fp4jax.train import precision
 from fp4jax.train.config import (
     TrainConfig,
@@ -105,7 +117,7 @@ class RunModels:
         = None
 
 
-def llama_weight_layers(mc: LlamaConfig, model: Any, rules: list, seq_len: int
+def llama_weight_layers(mc: LlamaConfig, model: Any, rules: Sequence[Rule], seq_len: int
                         ) -> dict[str, tuple[Recipe | None, tuple[int, ...], str | None]]:
     """The linear layers of ``model`` (a Llama of ``mc`` under ``fp4jax.nn.quantize_model``
     with ``rules``), by the path of their kernel (``"block_0/q/kernel"``,
@@ -152,24 +164,27 @@ def llama_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe, mc: LlamaC
         rcfg = rcfg.replace(last_bf16=last_bf16_blocks(rcfg, mc.n_layers),
                             bf16_layers=",".join(bf16["layers"]) or None)
     policy = make_policy(rcfg, mc, recipe)
-    policy2 = policy.replace(recipe=switched_recipe(recipe, rcfg.switch))
-    # the plain Llama under the policy's rules (fp4jax.nn.quantize_model); the three models
-    # share their parameters, so their scanned runs are those of the run's own policy
-    # --attn-recipe: FP4 attention in every block, before and after the switch (which
-    # moves the linear layers only)
+    policies = {False: policy,
+                True: policy.replace(recipe=switched_recipe(recipe, rcfg.switch))}
+    # the run's rules, built once (by block-level path: fp4jax.models.llama.policy_rules),
+    # before and after the switch and with the backward GEMMs in high precision (the
+    # gradient-to-noise reference); the plain Llama runs under them
+    # (fp4jax.nn.quantize_model). The models share their parameters, so their scanned
+    # runs are those of the run's own rules. --attn-recipe: FP4 attention in every block,
+    # before and after the switch (which moves the linear layers only)
+    rules = {k: policy_rules(mc, p) for k, p in policies.items()}
+    hp_rules = {k: policy_rules(mc, p.replace(recipe=switched_recipe(p.recipe, "bwd")))
+                for k, p in policies.items()}
     attn = every_block_attention(rcfg.attn_recipe)
-    runs = scan_runs(mc, policy_rules(mc, policy) + attn)
-    policies = {False: policy, True: policy2}
-    models = {k: quantized_llama(mc, p, runs, attn) for k, p in policies.items()}
+    runs = scan_runs(mc, (*rules[False], *attn))
+    models = {k: quantized_llama(mc, rs, runs, attn) for k, rs in rules.items()}
 
     def hp_backward(switched: bool) -> Any:
-        p = policies[switched]
-        return quantized_llama(mc, p.replace(recipe=switched_recipe(p.recipe, "bwd")), runs,
-                               attn)
+        return quantized_llama(mc, hp_rules[switched], runs, attn)
 
     def weight_layers(switched: bool) -> dict:  # the rules quantized_llama built it with
-        rules = llama_rules(mc, policy_rules(mc, policies[switched]) + attn, runs)
-        return llama_weight_layers(mc, models[switched], rules, rcfg.seq_len)
+        built = llama_rules(mc, (*rules[switched], *attn), runs)
+        return llama_weight_layers(mc, models[switched], built, rcfg.seq_len)
 
     return RunModels(
         models=models, recipes={k: p.recipe for k, p in policies.items()}, rcfg=rcfg,
@@ -177,10 +192,10 @@ def llama_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe, mc: LlamaC
                              f"{mc.dtype})" + (f"; FP4 attention {attn[0].recipe.name}"
                                                if attn else "")),
         summary=policy.summary(mc.n_layers, mc.linear_layers), hp_backward=hp_backward,
-        fp4_names=precision.fp4_layer_names(mc, policy), name_fn=layer_name,
+        fp4_names=precision.fp4_layer_names(mc, rules[False]), name_fn=layer_name,
         order=layer_order,
         gemm_fraction=lambda steps, switch_step: precision.bf16_gemm_fraction(
-            mc, policy, policy2, steps, switch_step), weight_layers=weight_layers)
+            mc, rules[False], rules[True], steps, switch_step), weight_layers=weight_layers)
 
 
 class PrecisionSwitch:
@@ -490,76 +505,70 @@ def find_blocks(layers: list[str]) -> tuple[str, int] | None:
     return best[0], len(best[1])
 
 
-Rules = list[tuple[str, Any]]  # (pattern, Recipe | None): re.fullmatch, first match wins
+Rules = tuple[Rule, ...]
+"""A run's precision rules (``fp4jax.rules.Rule``: ``re.fullmatch`` on the module path, the
+first match wins), the harness's one currency for layer precision."""
 
 
-def first_match(rules: Rules, path: str) -> tuple[int, Any]:
-    """The index and recipe of the first rule whose pattern ``re.fullmatch``es ``path``
-    (``(-1, None)``: none; the layer then runs unchanged, in high precision)."""
-    for i, (pattern, recipe) in enumerate(rules):
-        if re.fullmatch(pattern, path):
-            return i, recipe
-    return -1, None
+def first_match(rules: Any, path: str) -> tuple[int, Any]:
+    """Deprecated (one release): ``fp4jax.rules.match_rule`` / ``fp4jax.rules.rule_recipe``.
+    The index and recipe of the first rule of ``rules`` (``Rule``s or ``(pattern, recipe)``
+    pairs, ``fp4jax.rules.as_rules``) matching ``path`` (``(-1, None)``: none)."""
+    warnings.warn("fp4jax.train.models.first_match is deprecated: use "
+                  "fp4jax.rules.match_rule or fp4jax.rules.rule_recipe",
+                  DeprecationWarning, stacklevel=2)
+    rules = as_rules(rules)
+    i = match_rule(rules, path)
+    return (-1, None) if i is None else (i, rules[i].recipe)
 
 
-def _as_recipe(value: Any) -> Recipe | None:
-    if value is None:
-        return None
-    return fp4jax.recipes.parse(value) if isinstance(value, str) else value
-
-
-def quantizes(rules: Rules) -> bool:
-    """Whether a rule of ``rules`` has a recipe that quantizes."""
-    return any(r is not None and r.quantized for _, r in rules)
+def quantizes(rules: Any) -> bool:
+    """Deprecated (one release): ``fp4jax.rules.rules_quantize``. Whether a rule of
+    ``rules`` (``Rule``s or ``(pattern, recipe)`` pairs) has a recipe that quantizes."""
+    warnings.warn("fp4jax.train.models.quantizes is deprecated: use "
+                  "fp4jax.rules.rules_quantize", DeprecationWarning, stacklevel=2)
+    return rules_quantize(as_rules(rules))
 
 
 def read_rules(path: str) -> Rules:
-    """The rules of a ``--rules`` file as ``(pattern, Recipe | None)`` pairs, read by
-    ``fp4jax.nn.load_rules`` (JSON or TOML: a list of pattern -> recipe spec, null or
-    ``"bf16"``-like specs for high precision).
+    """The rules of a ``--rules`` file, read by ``fp4jax.rules.load_rules`` (JSON or TOML:
+    a list of pattern -> recipe spec, null or ``"bf16"``-like specs for high precision).
 
     Raises:
       ValueError: the file does not exist or does not read (naming it and the format), or
         a rule gives an attention recipe (naming it).
     """
-    import fp4jax.nn
-
-    if not hasattr(fp4jax.nn, "load_rules"):
-        raise ValueError("--rules needs fp4jax.nn.load_rules, which this version of fp4jax "
-                         "does not have")
-    rules = fp4jax.nn.load_rules(path)
+    rules = load_rules(path)
     for i, r in enumerate(rules):
         if r.attention:
             raise ValueError(f"--rules {path}: rule [{i}] {r.pattern!r} -> {r.spec} is an "
                              "attention recipe, which applies to fp4jax's own attention "
                              "(a --model runs its own): give its linear layers' recipe")
-    return [(getattr(r.pattern, "pattern", r.pattern), _as_recipe(r.recipe)) for r in rules]
+    return tuple(rules)
 
 
 def default_rules(recipe: Recipe, layers: list[str], rcfg: TrainConfig,
-                  file_rules: Rules = ()) -> tuple[Rules, list[str]]:
+                  file_rules: Any = ()) -> tuple[Rules, list[str]]:
     """A ``--model`` run's rules: the ``--bf16-layers`` names in high precision (an
     explicit or measured choice of layers wins over a rules file's patterns), then
-    ``file_rules`` (those of ``--rules``), then embeddings and the LM head
-    (``HIGH_PRECISION_NAMES``), then the first ``--first-bf16`` and last ``--last-bf16``
-    blocks where ``find_blocks`` recognizes them, then ``recipe`` for every other layer.
-    Returns ``(rules, notes)``; the notes say what the header reports (blocks not
-    recognized).
+    ``file_rules`` (those of ``--rules``; ``Rule``s or ``(pattern, recipe)`` pairs), then
+    embeddings and the LM head (``HIGH_PRECISION_NAMES``), then the first ``--first-bf16``
+    and last ``--last-bf16`` blocks where ``find_blocks`` recognizes them, then ``recipe``
+    for every other layer. Returns ``(rules, notes)``; the notes say what the header
+    reports (blocks not recognized).
 
     Raises:
       ValueError: ``--bf16-layers`` names a layer the model does not have, or
         ``--first-bf16``/``--last-bf16`` > 0 on a model whose blocks are not recognized.
     """
-    rules: Rules = []
     notes: list[str] = []
     names = explicit_bf16_layers(rcfg.bf16_layers) or []
     unknown = [n for n in names if n not in layers]
     if unknown:
         raise ValueError(f"--bf16-layers: {unknown} are not linear layers of this model; its "
                          f"layers: {', '.join(layers)}")
-    rules += [(re.escape(n), None) for n in names]
-    rules += list(file_rules)
-    rules.append((HIGH_PRECISION_NAMES, None))
+    rules = [*high_precision_rules(names), *as_rules(file_rules, "--rules"),
+             Rule(HIGH_PRECISION_NAMES, None)]
     blocks = find_blocks(layers)
     first = rcfg.first_bf16
     last = last_bf16_blocks(rcfg, blocks[1]) if blocks else max(rcfg.last_bf16, 0)
@@ -574,39 +583,33 @@ def default_rules(recipe: Recipe, layers: list[str], rcfg: TrainConfig,
             notes.append("blocks not recognized: no first/last blocks in BF16")
     else:
         prefix, n = blocks
-        hp = sorted({*range(min(first, n)), *range(max(n - last, 0), n)})
-        if hp:
-            rules.append((re.escape(prefix) + "(" + "|".join(map(str, hp)) + ")/.*", None))
-    rules.append((".*", recipe))
-    return rules, notes
+        hp = block_rule(prefix, sorted({*range(min(first, n)), *range(max(n - last, 0), n)}))
+        if hp is not None:
+            rules.append(hp)
+    rules.append(Rule(".*", recipe))
+    return tuple(rules), notes
 
 
-def switched_rules(rules: Rules, mode: str) -> Rules:
-    """``rules`` with every quantizing recipe switched (``switched_recipe(r, mode)``)."""
-    return [(p, switched_recipe(r, mode) if r is not None and r.quantized else r)
-            for p, r in rules]
+def switched_rules(rules: Any, mode: str) -> Rules:
+    """``rules`` (``Rule``s or ``(pattern, recipe)`` pairs) with every quantizing recipe
+    switched (``switched_recipe(r, mode)``; ``fp4jax.rules.replace_quantizing``)."""
+    return replace_quantizing(as_rules(rules), lambda r: switched_recipe(r, mode))
 
 
 def quantized_model(model: Any, rules: Rules, rngs: dict | None = None) -> Any:
     """``fp4jax.nn.quantize_model(model, rules)`` (NNX: with ``rngs=nnx.Rngs(**rngs)``);
-    ``model`` itself, unchanged, when no rule quantizes.
-
-    Raises:
-      ValueError: this fp4jax has no ``fp4jax.nn.quantize_model``.
+    ``model`` itself, unchanged, when no rule quantizes (``fp4jax.rules.rules_quantize``).
     """
     import fp4jax.nn
 
-    if not quantizes(rules):
+    if not rules_quantize(rules):
         return model
-    if not hasattr(fp4jax.nn, "quantize_model"):
-        raise ValueError("--model with a quantizing recipe needs fp4jax.nn.quantize_model, "
-                         "which this version of fp4jax does not have")
     kw = {}
     if rngs is not None:
         from flax import nnx
 
         kw["rngs"] = nnx.Rngs(**rngs)
-    return fp4jax.nn.quantize_model(model, [fp4jax.nn.Rule(p, r) for p, r in rules], **kw)
+    return fp4jax.nn.quantize_model(model, list(rules), **kw)
 
 
 def listing_model(model: Any, build: Callable[[Any], Any] | None = None) -> Any:
@@ -616,7 +619,7 @@ def listing_model(model: Any, build: Callable[[Any], Any] | None = None) -> Any:
     ``NnxModel`` doing so."""
     import fp4jax.nn
 
-    listing = [fp4jax.nn.Rule(".*", None)]
+    listing = [Rule(".*", None)]
     if build is None:
         return fp4jax.nn.quantize_model(model, listing)
     from flax import nnx
@@ -634,13 +637,13 @@ def reported_recipes(rep: Any, rules: Rules, layers: list[str]
     for n in layers:
         d = rep.layers.get(n) if rep is not None else None
         if d is not None:
-            out[n] = None if d["rule"] is None else rules[d["rule"]][1]
+            out[n] = None if d["rule"] is None else rules[d["rule"]].recipe
     return out
 
 
 def layer_recipes(rules: Rules, layers: list[str]) -> dict[str, Recipe | None]:
     """``{layer: its recipe under rules}`` (None: high precision)."""
-    return {n: first_match(rules, n)[1] for n in layers}
+    return {n: rule_recipe(rules, n) for n in layers}
 
 
 def describe_rules(recipes: dict[str, Recipe | None], recipe: Recipe,
@@ -650,7 +653,7 @@ def describe_rules(recipes: dict[str, Recipe | None], recipe: Recipe,
     layer path multiplies (``fp4jax.nn.report``: a module that multiplies two of its
     parameters, an FFN sharing one scope, is two linear layers; default 1 each)."""
     weights = weights or {}
-    q = [n for n, r in recipes.items() if r is not None and r.quantized]
+    q = [n for n, r in recipes.items() if recipe_quantizes(r)]
     total = sum(weights.get(n, 1) for n in recipes)
     n_q = sum(weights.get(n, 1) for n in q)
     if not q:
@@ -842,14 +845,15 @@ def foreign_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
         shapes, n_weights = linear_layers(shapes_tree), {}
     layers = list(shapes)
     n_params = sum(int(math.prod(x.shape)) for x in jax.tree.leaves(shapes_tree))
-    rules = read_rules(cfg.rules) if cfg.rules else []
+    rules = read_rules(cfg.rules) if cfg.rules else ()
     if rcfg.switch_at == "auto":  # every quantizing rule's recipe, not --recipe's only
-        for i, (pattern, r) in enumerate(rules):
-            problem = gradient_noise_problem(r) if r is not None and r.quantized else None
+        for i, rule in enumerate(rules):
+            r = rule.recipe
+            problem = gradient_noise_problem(r) if recipe_quantizes(r) else None
             if problem:
                 raise ValueError(f"--switch-at auto needs stochastically rounded FP4 "
                                  f"gradients in every quantized layer; --rules {cfg.rules} "
-                                 f"rule [{i}] {pattern!r} -> {fp4jax.recipes.spec(r)} "
+                                 f"rule [{i}] {rule.pattern!r} -> {fp4jax.recipes.spec(r)} "
                                  f"{problem}. Use a fixed --switch-at FRACTION instead")
     blocks = find_blocks(layers)
     bf16 = precision.resolve_bf16_layers(cfg, rcfg, recipe, None, train, dataset,
@@ -865,10 +869,10 @@ def foreign_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
         if not nnx_factory:
             return quantized_model(plain, rs)
         return NnxModel(build_plain, (lambda m, rngs: quantized_model(m, rs, rngs))
-                        if quantizes(rs) else None)
+                        if rules_quantize(rs) else None)
 
     models = {False: make(rules), True: make(sw_rules)}
-    rep = _say_report(models[False], x0, cfg.model) if quantizes(rules) else None
+    rep = _say_report(models[False], x0, cfg.model) if rules_quantize(rules) else None
     hp_rules = {k: switched_rules(r, "bwd") for k, r in ((False, rules), (True, sw_rules))}
     recipes = {False: reported_recipes(rep, rules, layers),
                True: reported_recipes(rep, sw_rules, layers)}
@@ -880,7 +884,7 @@ def foreign_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
         rcfg=rcfg, bf16=bf16,
         describe=f"{n_params / 1e6:.2f}M params ({cfg.model}, {kind})", summary=summary,
         hp_backward=lambda k: make(hp_rules[k]),
-        fp4_names=[n for n, r in recipes[False].items() if r is not None and r.quantized],
+        fp4_names=[n for n, r in recipes[False].items() if recipe_quantizes(r)],
         name_fn=path_name, order=str,
         gemm_fraction=rules_gemm_fraction(shapes, recipes),
         flat_kernels=(rep or found) is None,

@@ -24,15 +24,22 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import fp4jax.recipes
 from fp4jax import diagnostics
-from fp4jax.models.llama import LlamaConfig, block_layer_names, layer_order, policy_layer_name
+from fp4jax.models.llama import (
+    LlamaConfig,
+    block_layer_names,
+    layer_order,
+    policy_layer_name,
+    policy_rules,
+)
 from fp4jax.nn.policy import PrecisionPolicy
-from fp4jax.recipes import Recipe
+from fp4jax.recipes import Recipe, recipe_quantizes
+from fp4jax.rules import Rule, as_rules, rule_recipe
 from fp4jax.train.config import AUTO, TrainConfig, explicit_bf16_layers, last_bf16_blocks
 from fp4jax.train.rundir import claim_out
 
@@ -283,44 +290,49 @@ def linear_layer_shapes(mc: LlamaConfig) -> dict[str, tuple[int, int]]:
     return out
 
 
-def gemm_work(mc: LlamaConfig, policy: PrecisionPolicy) -> dict[str, float]:
-    """The linear layers' GEMM work of one training step under ``policy``, in units of
-    ``2 * tokens`` FLOPs (each of a layer's fprop, dgrad and wgrad GEMMs is ``2 * tokens * K
-    * N`` FLOPs): ``{"total", "high_precision"}``, a GEMM counting as high precision when
-    neither operand is quantized. The attention's score matmuls, which no recipe
-    quantizes, are not linear layers and not counted."""
+def llama_layer_recipes(mc: LlamaConfig, precision: PrecisionPolicy | Sequence[Rule]
+                        ) -> dict[str, Recipe | None]:
+    """``{layer name: recipe or None}`` of every linear layer of a Llama of ``mc``
+    (``linear_layer_shapes``: the blocks' and ``"lm_head"``) under ``precision``:
+    precision rules by block-level path (``fp4jax.models.llama.policy_rules``: what
+    ``quantized_llama`` runs), or a ``PrecisionPolicy`` (its ``policy_rules``); first
+    match (``fp4jax.rules.rule_recipe``), None for high precision."""
+    rules = (policy_rules(mc, precision) if isinstance(precision, PrecisionPolicy)
+             else as_rules(precision, "precision"))
+    return {name: rule_recipe(rules, name) for name in linear_layer_shapes(mc)}
+
+
+def gemm_work(mc: LlamaConfig, policy: PrecisionPolicy | Sequence[Rule]) -> dict[str, float]:
+    """The linear layers' GEMM work of one training step under ``policy`` (a
+    ``PrecisionPolicy`` or the run's rules, ``llama_layer_recipes``), in units of ``2 *
+    tokens`` FLOPs (each of a layer's fprop, dgrad and wgrad GEMMs is ``2 * tokens * K * N``
+    FLOPs): ``{"total", "high_precision"}``, a GEMM counting as high precision when neither
+    operand is quantized. The attention's score matmuls, which no recipe quantizes, are
+    not linear layers and not counted."""
     total = hp = 0.0
-    full = {n.split(".")[1]: n for n in mc.linear_layers}
+    recipes = llama_layer_recipes(mc, policy)
     for name, (k, n) in linear_layer_shapes(mc).items():
-        if name == "lm_head":
-            r = None
-        else:
-            block, mod = name.split("/")
-            r = policy.recipe_for(int(block.split("_")[1]), mc.n_layers, full[mod])
+        r = recipes[name]
         for g in ("fprop", "dgrad", "wgrad"):
             total += k * n
             hp += k * n * (r is None or not r.gemms[g].quantized)
     return {"total": total, "high_precision": hp}
 
 
-def fp4_layer_names(mc: LlamaConfig, policy: PrecisionPolicy) -> list[str]:
-    """The block linear layers (``block_layer_names``) whose recipe under ``policy``
-    quantizes a GEMM."""
-    full = {n.split(".")[1]: n for n in mc.linear_layers}
-    out = []
-    for name in block_layer_names(mc):
-        block, mod = name.split("/")
-        r = policy.recipe_for(int(block.split("_")[1]), mc.n_layers, full[mod])
-        if r is not None and r.quantized:
-            out.append(name)
-    return out
+def fp4_layer_names(mc: LlamaConfig, policy: PrecisionPolicy | Sequence[Rule]) -> list[str]:
+    """The block linear layers (``block_layer_names``) whose recipe under ``policy`` (a
+    ``PrecisionPolicy`` or the run's rules) quantizes (``recipe_quantizes``)."""
+    recipes = llama_layer_recipes(mc, policy)
+    return [name for name in block_layer_names(mc) if recipe_quantizes(recipes[name])]
 
 
-def bf16_gemm_fraction(mc: LlamaConfig, policy: PrecisionPolicy, switched: PrecisionPolicy,
-                       steps: int, switch_step: int | None) -> float:
+def bf16_gemm_fraction(mc: LlamaConfig, policy: PrecisionPolicy | Sequence[Rule],
+                       switched: PrecisionPolicy | Sequence[Rule], steps: int,
+                       switch_step: int | None) -> float:
     """The fraction of a run's linear-layer GEMM FLOPs (``gemm_work``) that ran in high
     precision: steps ``[0, switch_step)`` under ``policy``, ``[switch_step, steps)`` under
-    ``switched`` (``switch_step`` None or >= ``steps``: no switch)."""
+    ``switched`` (each a ``PrecisionPolicy`` or rules; ``switch_step`` None or >=
+    ``steps``: no switch)."""
     a, b = gemm_work(mc, policy), gemm_work(mc, switched)
     s = steps if switch_step is None else min(max(switch_step, 0), steps)
     total = s * a["total"] + (steps - s) * b["total"]

@@ -492,6 +492,43 @@ def test_policy_rules_agree_with_recipe_for():
         PrecisionPolicy(NV).rules(2, "layers")
 
 
+def test_one_quantize_predicate_and_the_rule_builders():
+    from fp4jax import rules as R
+    from fp4jax.recipes import recipe_quantizes
+
+    assert fp4jax.nn.recipe_quantizes is recipe_quantizes  # one predicate, re-exported
+    assert fp4jax.nn.policy.recipe_quantizes is recipe_quantizes
+    assert [recipe_quantizes(r) for r in (None, fp4jax.recipes.bf16(), NV,
+                                          fp4jax.recipes.get_attention("attn_nvfp4"))] == [
+        False, False, True, True]
+    rules = (*R.high_precision_rules(["a.b/q"]), R.block_rule("layers/", [0, 2]),
+             Rule(".*", NV))
+    assert R.block_rule("layers_", []) is None
+    assert [R.rule_recipe(rules, p) for p in ("a.b/q", "axb/q", "layers/2/up", "layers/1/up")
+            ] == [None, NV, None, NV]
+    assert R.rules_quantize(rules) and not R.rules_quantize(rules[:2])
+    sw = R.replace_quantizing(rules, lambda r: fp4jax.recipes.bf16())
+    assert sw[:2] == rules[:2] and sw[2].recipe.name == "bf16" and not R.rules_quantize(sw)
+    attn = Rule("block_0/attn", "attn_nvfp4")  # attention rules are not switched
+    assert R.replace_quantizing((attn,), lambda r: None) == (attn,)
+
+
+def test_the_harness_counts_a_llama_from_its_rules():
+    from fp4jax.models.llama import get_preset, policy_rules
+    from fp4jax.nn import PrecisionPolicy
+    from fp4jax.train import precision
+
+    mc = get_preset("micro")
+    for pol in (PrecisionPolicy(NV, 1, 0, ("block_1/attn.q",)), PrecisionPolicy(NV),
+                PrecisionPolicy(fp4jax.recipes.bf16(), 0, 1)):
+        rules = policy_rules(mc, pol)
+        assert isinstance(rules, tuple) and all(isinstance(r, Rule) for r in rules)
+        assert precision.fp4_layer_names(mc, rules) == precision.fp4_layer_names(mc, pol)
+        assert precision.gemm_work(mc, rules) == precision.gemm_work(mc, pol)
+        assert len(precision.fp4_layer_names(mc, rules)) == pol.count(
+            mc.n_layers, mc.linear_layers)[0]
+
+
 # ---------------------------------------------------------------------------
 # diagnostics on a foreign model
 # ---------------------------------------------------------------------------

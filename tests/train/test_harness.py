@@ -18,6 +18,7 @@ import pytest
 import fp4jax.recipes
 import fp4jax.sharding
 from fp4jax import train as T
+from fp4jax.rules import Rule, rule_recipe
 from fp4jax.train import checkpoint, config, models, runlog, steps
 from tests import harness_models as hm
 from tests.checks import run_records
@@ -60,18 +61,21 @@ def test_find_blocks_and_default_rules():
     assert notes == []
     # the default last ~15% of the blocks: ceil(0.15 * 3) = 1
     rules, _ = models.default_rules(nv, nnx_paths, T.TrainConfig(model="m:f"))
-    assert [models.first_match(rules, n)[1] is None for n in nnx_paths] == [
+    assert [rule_recipe(rules, n) is None for n in nnx_paths] == [
         False, False, True, True]
     # unrecognized blocks: the default is dropped (said), an explicit count refused
     rules, notes = models.default_rules(nv, ["blocks/q", "head"], T.TrainConfig(model="m:f"))
-    assert notes and models.first_match(rules, "blocks/q")[1] is nv
+    assert notes and rule_recipe(rules, "blocks/q") is nv
     with pytest.raises(ValueError, match="--first-bf16 2.*not recognized"):
         models.default_rules(nv, ["blocks/q"], T.TrainConfig(model="m:f", first_bf16=2))
     with pytest.raises(ValueError, match="--bf16-layers.*not linear layers"):
         models.default_rules(nv, nnx_paths, T.TrainConfig(model="m:f", bf16_layers="nope"))
     # the switched model: every quantizing rule switched, high precision kept
     sw = models.switched_rules([("a", nv), ("b", None)], "bwd")
-    assert sw[0][1] == T.switched_recipe(nv, "bwd") and sw[1][1] is None
+    assert sw[0].recipe == T.switched_recipe(nv, "bwd") and sw[1].recipe is None
+    assert all(isinstance(r, Rule) for r in rules + sw)  # the one currency
+    with pytest.warns(DeprecationWarning, match="rule_recipe"):  # for one release
+        assert models.first_match(rules, "blocks/q") == (len(rules) - 1, nv)
 
 
 def test_linear_layers_and_gemm_fraction():
