@@ -99,9 +99,7 @@ def fp8_gemms(recipe: Any) -> frozenset[str]:
     out = set()
     for name in ("fprop", "dgrad", "wgrad"):
         g = getattr(recipe, name)
-        if all(q.quantized and is_mx_fp4(q.fmt) and spec_unsupported_reason(
-                q.fmt, block_scale_rule=q.block_scale_rule, row_scaled=q.row_scaled,
-                rounding=q.rounding) is None for q in (g.lhs, g.rhs)):
+        if all(_kernels_quantize(q) and is_mx_fp4(q.fmt) for q in (g.lhs, g.rhs)):
             out.add(name)
     return frozenset(out)
 
@@ -126,7 +124,9 @@ def _k_major(q: Any, axis: int) -> tuple[jax.Array, jax.Array]:
         scale = jnp.repeat(scale, q.fmt.block_size, axis=1 if axis == 1 else 0)
     exps = jax.lax.bitcast_convert_type(scale.astype(jnp.float8_e8m0fnu), jnp.uint8)
     if axis == 1:
-        return codes.T, exps.T
+        from pallas_kernels.gemm import mxfp4_fp8wgmma_sm90 as mx
+
+        return mx.k_major(codes, exps)
     return codes, exps
 
 
@@ -147,15 +147,20 @@ def fp8_operand_reason(q: Any, axis: int) -> str | None:
     return None
 
 
+def _kernels_quantize(q: Any) -> bool:
+    """Whether the operand spec ``q`` is quantized with a spec the kernels implement."""
+    return q.quantized and spec_unsupported_reason(
+        q.fmt, block_scale_rule=q.block_scale_rule, row_scaled=q.row_scaled,
+        rounding=q.rounding) is None
+
+
 def recipe_reason(recipe: Any) -> str | None:
     """None when some operand of ``recipe`` is quantized with a spec the kernels implement
     (``spec_unsupported_reason``), else why the backend does not take the recipe. The
     recipe's other operands, quantized or not, ride along on the reference."""
     for g in (recipe.fprop, recipe.dgrad, recipe.wgrad):
         for q in (g.lhs, g.rhs):
-            if q.quantized and spec_unsupported_reason(
-                    q.fmt, block_scale_rule=q.block_scale_rule, row_scaled=q.row_scaled,
-                    rounding=q.rounding) is None:
+            if _kernels_quantize(q):
                 return None
     return ("the recipe has no operand the kernels implement (they quantize NVFP4 with one "
             "tensor scale and MXFP4, with the 'max' block scale rule, rounding to nearest or "
