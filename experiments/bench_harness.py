@@ -218,7 +218,8 @@ def harness(cfg, ds, warmup: int, variant: str = "harness") -> dict:
             setattr(loop, k, v)
     train_recs = [r for r in recs if r.get("type") == "train"]
     # a record's window covers the steps after the record before it
-    steady = [r["tokens_per_s"] for prev, r in zip(train_recs, train_recs[1:])
+    steady = [r["tokens_per_s"] for prev, r in zip(train_recs[:-1], train_recs[1:],
+                                                    strict=True)
               if prev["step"] + 1 >= warmup]
     return {"tokens_per_s": statistics.median(steady) if steady else None,
             "windows": steady, "result_tokens_per_s": res["tokens_per_s"], "wall_s": wall,
