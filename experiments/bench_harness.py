@@ -27,11 +27,14 @@ x ``--seq-len`` (default 64 x 256), on uniform random bytes, this process:
    evaluation costs), **deep** (lean with ``loop.IN_FLIGHT`` and ``loop.PREFETCH`` 4
    instead of 2: whether more slack helps), **sync** (lean with both 0: each batch built
    when its step needs it and each step's metrics read right after its dispatch, about
-   the loop before it was pipelined). Each harness run also reports ``host``: the waits
-   in ``processes.host_value`` (the loop's reads of a step's metrics: a median well above
-   zero means the host waited for the device, which then had steps queued) and the main
-   thread's CPU milliseconds between reads (the host's own work per step; the bare
-   loop's ``host_cpu_ms_per_step`` beside it).
+   the loop before it was pipelined). Each harness run also reports ``host``, from the
+   loop's reads of each step's metrics (``processes.host_value``, wrapped here): the
+   waits there (a median well above zero: the host waited for the device, which then
+   had the steps in flight queued), the wall time between reads (``tokens_per_s`` from
+   it: a clock outside the loop's own, evaluations *not* taken out, so below the loop's
+   for ``harness``; ``ratios_host_clock``) and the main thread's CPU milliseconds
+   between reads (the host's own work per step; the bare loop's
+   ``host_cpu_ms_per_step`` beside it).
 
 Bare and harness runs alternate ``--repeats`` times (default 3); each row reports the
 median of the repeats and ``ratios`` (each variant's tokens/s over the bare loop's;
@@ -157,9 +160,11 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, int] | None]] = {
 
 
 class HostClock:
-    """Times every ``processes.host_value`` call (the loop's reads of a step's metrics, and
-    evaluation's) while active: how long the host waited for the device there, and the
-    main thread's CPU time between reads (the host's own work per step)."""
+    """Times the loop's reads of a step's metrics (``processes.host_value`` of a dict with
+    ``"loss"``; evaluation's reads are not counted) while active: how long the host waited
+    for the device there, the wall time between reads (a clock outside the loop's own:
+    one read a step) and the main thread's CPU time between them (the host's own work per
+    step)."""
 
     def __enter__(self) -> HostClock:
         from fp4jax.train import processes
@@ -170,8 +175,9 @@ class HostClock:
         def timed(x: Any) -> Any:
             t = time.perf_counter()
             v = self.orig(x)
-            now = time.perf_counter()
-            self.calls.append((now, time.thread_time(), now - t))
+            if isinstance(x, dict) and "loss" in x:
+                now = time.perf_counter()
+                self.calls.append((now, time.thread_time(), now - t))
             return v
 
         processes.host_value = timed
@@ -182,16 +188,20 @@ class HostClock:
 
         processes.host_value = self.orig
 
-    def summary(self, skip: int) -> dict[str, Any]:
-        c = self.calls[skip:-2] if len(self.calls) > skip + 4 else self.calls
+    def summary(self, skip: int, tokens_per_step: int) -> dict[str, Any]:
+        """Over the reads after the first ``skip`` (the last two, read back to back at the
+        end, left out)."""
+        c = self.calls[skip:-2]
         if len(c) < 2:
-            return {}
+            return {"reads": len(self.calls)}
         waits = sorted(x[2] for x in c)
         n = len(c) - 1
+        wall = (c[-1][0] - c[0][0]) / n
         return {"reads": len(self.calls),
                 "wait_median_ms": 1e3 * statistics.median(waits),
                 "wait_p10_ms": 1e3 * waits[len(waits) // 10],
-                "wall_ms_per_read": 1e3 * (c[-1][0] - c[0][0]) / n,
+                "wall_ms_per_read": 1e3 * wall,
+                "tokens_per_s": tokens_per_step / wall,
                 "host_cpu_ms_per_read": 1e3 * (c[-1][1] - c[0][1]) / n}
 
 
@@ -224,7 +234,7 @@ def harness(cfg, ds, warmup: int, variant: str = "harness") -> dict:
     return {"tokens_per_s": statistics.median(steady) if steady else None,
             "windows": steady, "result_tokens_per_s": res["tokens_per_s"], "wall_s": wall,
             "losses": {r["step"]: r["loss"] for r in train_recs},
-            "host": clock.summary(warmup),
+            "host": clock.summary(warmup, c.batch_size * c.seq_len),
             "config": {k: getattr(c, k) for k in ("eval_every", "eval_batches", "log_every",
                                                    "progress", "checkpoint_every")},
             **({"loop": consts} if consts else {})}
@@ -275,6 +285,10 @@ def measure(args: argparse.Namespace, spec: str, deadline: float) -> dict:
     row["ratios"] = {v: row[v]["tokens_per_s"] / bt for v in args.variants
                      if row[v]["tokens_per_s"] and bt}
     row["ratio"] = row["ratios"].get(args.variants[0])
+    row["ratios_host_clock"] = {
+        v: _median([r["host"].get("tokens_per_s") for r in runs[v]]) / bt
+        for v in args.variants if bt and _median([r["host"].get("tokens_per_s")
+                                                  for r in runs[v]])}
     b0 = runs["bare"][0]
     row["same_losses"] = {"step": b0["last_step"], "bare": b0["last_loss"],
                           **{v: runs[v][0]["losses"].get(b0["last_step"])

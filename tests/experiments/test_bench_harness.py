@@ -48,7 +48,7 @@ def test_micro_bare_and_harness_in_one_process(bench_harness, tmp_path, capsys):
     for v in ("lean", "sync"):
         assert row[v]["tokens_per_s"] > 0
         assert row["ratios"][v] == row[v]["tokens_per_s"] / row["bare"]["tokens_per_s"]
-        assert row[v]["runs"][0]["host"]["reads"] >= 12
+        assert row[v]["runs"][0]["host"]["reads"] == 12  # one read of each step's metrics
     assert row["ratio"] == row["ratios"]["lean"]
     # the same step, data, initial state and keys: the same last loss, bit for bit (CPU)
     same = row["same_losses"]
