@@ -50,11 +50,12 @@ every configuration (``lab.run_info``: device, JAX version, commit from
 ``bench_harness:`` line. ``--time-limit S`` starts no repeat or configuration past S
 seconds.
 
-GPU (one H100, about 4-5 min at the defaults: a BF16 and an NVFP4 compile, then per
-configuration 3 repeats of a bare run and 4 harness runs of 300 steps):
+GPU (one H100; not yet run there: about 5 min estimated from issue 56's step times and
+compile seconds, ~1.5 min BF16 and ~3.5 min NVFP4 with its cold compile, each 3 repeats of
+a bare run and 4 harness runs of 300 steps; ``--time-limit`` starts no repeat past it):
 
     FP4JAX_COMMIT=<sha> PYTHONPATH=$PWD python3 experiments/bench_harness.py \\
-        --out $OUT --time-limit 420
+        --out $OUT --time-limit 400
 
 CPU (a check of the script; the numbers say little about a GPU):
 
