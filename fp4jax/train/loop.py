@@ -437,33 +437,38 @@ class BatchPrefetcher:
     builds the rows its devices hold) in a background thread, up to ``depth`` steps ahead
     of the one the loop asks for (``get``), so neither the host's work nor the copy to the
     devices is in the step's path. The arrays are those the loop would build itself, step
-    by step. ``close`` stops the thread (a batch being built is finished and dropped)."""
+    by step. ``depth``: None is ``PREFETCH`` as it is when the prefetcher is made (0: each
+    batch built when its step asks for it). ``close`` stops the thread (a batch being
+    built is finished and dropped)."""
 
     def __init__(self, rows: Callable[[int, slice], Any], shape: tuple[int, ...],
-                 sharding: Any, start: int, end: int, depth: int = PREFETCH) -> None:
+                 sharding: Any, start: int, end: int, depth: int | None = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self.rows, self.shape, self.sharding = rows, shape, sharding
-        self.end, self.depth = end, depth
+        self.end, self.depth = end, PREFETCH if depth is None else depth
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="fp4jax-batches")
         self.futures: dict[int, Any] = {}
         self.next = start  # the first step not submitted yet
-        self._fill(start)
+        if self.depth:
+            self._fill(start + self.depth)
 
     def _build(self, s: int) -> jax.Array:
         return processes.global_array(self.shape, self.sharding,
                                       lambda r: self.rows(s, r))
 
-    def _fill(self, s: int) -> None:
-        self.next = max(self.next, s)
-        while self.next < min(self.end, s + 1 + self.depth):
+    def _fill(self, last: int) -> None:
+        """Submits every step not submitted yet up to ``last`` (and before ``end``)."""
+        while self.next <= last and self.next < self.end:
             self.futures[self.next] = self.pool.submit(self._build, self.next)
             self.next += 1
 
     def get(self, s: int) -> jax.Array:
-        """Batch ``s`` (an error raised while building it is raised here)."""
+        """Batch ``s`` (an error raised while building it is raised here): built ahead, or
+        (``depth`` 0, or a step not asked for in order) built now."""
         fut = self.futures.pop(s, None)
-        self._fill(s)  # the next ones start while this one is taken
+        self.next = max(self.next, s + 1)  # step s is taken now
+        self._fill(s + self.depth)  # the next ones start while this one is taken
         return fut.result() if fut is not None else self._build(s)
 
     def close(self) -> None:

@@ -138,3 +138,61 @@ def test_runlog_flush_keeps_the_newest_steps_unread(tmp_path):
     assert [(r["step"], r["loss"], r["lr"]) for r in recs] == [(0, 0.0, 0.0), (2, 2.0, 1.0),
                                                                (3, 3.0, 1.5)]
     assert log.history["loss"] == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 4])
+@pytest.mark.parametrize("start", [0, 5])
+def test_prefetched_batches_are_the_datasets_in_order(depth, start):
+    """Whatever the depth, and from a resumed step, batch ``s`` is ``train_batch(s)``
+    exactly (over an epoch boundary too), each built once."""
+    from fp4jax.train.data import ByteDataset
+
+    rng = np.random.default_rng(0)
+    ds = ByteDataset(rng.integers(0, 256, 40 * 9 + 3, dtype=np.uint8),
+                     rng.integers(0, 256, 100, dtype=np.uint8), 8)
+    assert ds.windows_per_epoch() < 12 * 4  # the steps below wrap epochs
+    mesh = T.make_mesh(1, 1)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    built = []
+
+    def rows(s, r):
+        built.append(s)
+        return ds.train_batch(s, 4, 3, r)
+
+    pf = loop.BatchPrefetcher(rows, (4, 9), sharding, start, 12, depth)
+    try:
+        for s in range(start, 12):
+            np.testing.assert_array_equal(np.asarray(pf.get(s)), ds.train_batch(s, 4, 3))
+    finally:
+        pf.close()
+    assert sorted(built) == list(range(start, 12))
+
+
+def test_prefetch_depth_follows_loop_constant(monkeypatch):
+    """``depth=None`` takes ``loop.PREFETCH`` when the prefetcher is made (the synchronous
+    loop of the test above sets it to 0): nothing built ahead, each batch in ``get``'s
+    thread."""
+    mesh = T.make_mesh(1, 1)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    threads = []
+
+    def rows(s, r):
+        threads.append((s, threading.current_thread().name))
+        return np.full((2, 3), s, np.int32)
+
+    monkeypatch.setattr(loop, "PREFETCH", 0)
+    pf = loop.BatchPrefetcher(rows, (2, 3), sharding, start=0, end=3)
+    try:
+        assert pf.depth == 0 and not threads
+        for s in range(3):
+            assert int(np.asarray(pf.get(s))[0, 0]) == s
+            assert threads[-1] == (s, threading.current_thread().name)
+        assert len(threads) == 3
+    finally:
+        pf.close()
+    monkeypatch.setattr(loop, "PREFETCH", 3)
+    pf = loop.BatchPrefetcher(rows, (2, 3), sharding, start=0, end=10)
+    try:
+        assert pf.depth == 3
+    finally:
+        pf.close()
