@@ -44,8 +44,10 @@ stable). Tested against a NumPy transcription (``tests/dot/test_outcontrol.py``)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -54,8 +56,15 @@ from fp4jax.formats import MXFP8_E4M3_UP
 from fp4jax.quantized_dot import dot
 from fp4jax.recipes import GemmSpec, QuantSpec, Recipe, get
 
-__all__ = ["DEFAULT_RATIO", "channel_norms", "channel_squares", "outcontrol_count",
-           "outcontrol_recipe", "select_channels", "split_dot"]
+__all__ = ["CHANNEL_NORM_COLLECTION", "DEFAULT_RATIO", "OUTCONTROL_COLLECTION",
+           "ChannelNormTap", "ChannelSplitTap", "channel_norms", "channel_squares",
+           "outcontrol_count", "outcontrol_recipe", "select_channels", "split_dot"]
+
+CHANNEL_NORM_COLLECTION = "fp4_channel_sq"
+"""Out: each dense layer's per-input-channel sums of squares (``ChannelNormTap``)."""
+OUTCONTROL_COLLECTION = "fp4_outcontrol"
+"""In: each dense layer's channel split, ``hi`` and ``lo`` int32 indices
+(``ChannelSplitTap``)."""
 
 DEFAULT_RATIO = 0.1
 """TetraJet-v2's ``X_top_channels_ratio`` in every ``TJv2-mix_fp8`` config."""
@@ -213,3 +222,44 @@ def _permute_bwd(axis: int, perm: jax.Array, g: jax.Array) -> tuple[jax.Array, N
 
 
 _permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelNormTap:
+    """A product tap (``fp4jax.nn.taps``) that records OutControl's statistic: on a dense
+    product whose recipe quantizes, when ``CHANNEL_NORM_COLLECTION`` is mutable (outside
+    ``init``), sows ``channel_squares(x)``, ``(K,)`` float32, as ``sq`` (a tuple per call,
+    as ``sow`` does; the harness adds the square root of each step's, over the whole
+    batch). The product itself is the rest of the chain's."""
+
+    collections: ClassVar[tuple[str, ...]] = (CHANNEL_NORM_COLLECTION,)
+
+    def __call__(self, call: Any, scope: Any, compute: Callable[[], jax.Array]) -> jax.Array:
+        y = compute()
+        if (not scope.is_initializing() and call.dense and call.quantized
+                and scope.is_mutable_collection(CHANNEL_NORM_COLLECTION)):
+            scope.sow(CHANNEL_NORM_COLLECTION, "sq", channel_squares(call.lhs))
+        return y
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelSplitTap:
+    """A product tap (``fp4jax.nn.taps``) that runs OutControl's split: on a dense product
+    whose recipe quantizes, given ``hi`` and ``lo`` in ``OUTCONTROL_COLLECTION``, the
+    product is ``split_dot(x, w, hi, lo)`` in the layer's recipe with the layer's keys
+    (``lo``'s channels in the recipe, ``hi``'s in ``outcontrol_recipe``), instead of the
+    rest of the chain; otherwise the rest of the chain."""
+
+    collections: ClassVar[tuple[str, ...]] = (OUTCONTROL_COLLECTION,)
+
+    def __call__(self, call: Any, scope: Any, compute: Callable[[], jax.Array]) -> jax.Array:
+        if not (call.dense and call.quantized
+                and scope.has_variable(OUTCONTROL_COLLECTION, "hi")):
+            return compute()
+        y = split_dot(call.lhs, call.rhs, scope.get_variable(OUTCONTROL_COLLECTION, "hi"),
+                      scope.get_variable(OUTCONTROL_COLLECTION, "lo"), recipe=call.recipe,
+                      key=call.key, rht_key=call.rht_key,
+                      preferred_element_type=call.preferred_element_type)
+        if call.out_sharding is not None:
+            y = jax.lax.with_sharding_constraint(y, call.out_sharding)
+        return y

@@ -33,15 +33,9 @@ import jax.numpy as jnp
 
 from fp4jax import sharding
 from fp4jax.models.moe import AUX_COLLECTION, moe_ffn
-from fp4jax.nn.linen import (
-    CHANNEL_NORM_COLLECTION,
-    COTANGENT_COLLECTION,
-    OUTCONTROL_COLLECTION,
-    PERTURB_COLLECTION,
-    STATS_COLLECTION,
-)
 from fp4jax.nn.model import quantize_model
 from fp4jax.nn.policy import PrecisionPolicy
+from fp4jax.nn.taps import DEFAULT_TAPS, tap_collections
 from fp4jax.quantized_attention import attention as quantized_attention
 from fp4jax.recipes import AttentionRecipe, get_attention
 from fp4jax.rules import Rule, as_rules, match_rule
@@ -493,6 +487,11 @@ class Llama(nn.Module):
         None per block: FP4 attention in those blocks (``Block.attn_recipe``). The blocks of
         a scanned run must agree. :func:`quantized_llama` sets it from attention rules on
         ``block_{i}/attn`` (``attention_recipes``).
+      scan_collections: the linen variable collections a scanned run carries per block
+        (axis 0) besides ``params`` and the MoE auxiliary loss: those of the product taps
+        its layers run (``fp4jax.nn.taps.tap_collections``). None: the default taps'
+        (the statistics and OutControl collections; absent in training, they change
+        nothing there).
 
     The model has no quantization of its own: put it under precision rules with
     :func:`quantized_llama` (a ``PrecisionPolicy`` or rules by block-level path) or
@@ -504,6 +503,7 @@ class Llama(nn.Module):
     cfg: LlamaConfig
     runs: tuple[int, ...] | None = None
     attn_recipes: tuple[AttentionRecipe | None, ...] | None = None
+    scan_collections: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.attn_recipes is not None:
@@ -564,18 +564,18 @@ class Llama(nn.Module):
                     f"{[getattr(r, 'name', None) for r in attn[i:last + 1]]}: one scanned "
                     "body runs one; pass runs=scan_runs(cfg, rules) or turn scan_layers off")
             if last > i:
-                # the statistics collections (fp4jax.nn.linen) get a leading block axis
-                # too; absent in training, they change nothing there
+                # the product taps' collections (fp4jax.nn.taps) get a leading block
+                # axis too; absent in training, they change nothing there
+                taps_cols = (tap_collections(DEFAULT_TAPS) if self.scan_collections is None
+                             else self.scan_collections)
                 body = _ScanBlock
                 if cfg.scan_remat != "none":
                     body = nn.remat(body, prevent_cse=False, policy={
                         "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
                         "full": jax.checkpoint_policies.nothing_saveable}[cfg.scan_remat])
                 scanned = nn.scan(body, variable_axes={
-                                      "params": 0, PERTURB_COLLECTION: 0,
-                                      COTANGENT_COLLECTION: 0, STATS_COLLECTION: 0,
-                                      AUX_COLLECTION: 0, CHANNEL_NORM_COLLECTION: 0,
-                                      OUTCONTROL_COLLECTION: 0},
+                                      "params": 0, **dict.fromkeys(taps_cols, 0),
+                                      AUX_COLLECTION: 0},
                                   split_rngs={"params": True, "fp4": True, "fp4_layer": True},
                                   in_axes=nn.broadcast, length=last - i + 1)
                 x, _ = scanned(cfg, attn[i], name=f"blocks_{i}_{last}")(x, positions)
@@ -711,8 +711,8 @@ def every_block_attention(recipe: Any) -> list[Rule]:
 
 
 def quantized_llama(cfg: LlamaConfig, precision: PrecisionPolicy | Any,
-                    runs: tuple[int, ...] | None = None, attention: Any = None
-                    ) -> nn.Module:
+                    runs: tuple[int, ...] | None = None, attention: Any = None, *,
+                    taps: tuple[Any, ...] | None = None) -> nn.Module:
     """A :class:`Llama` of ``cfg`` under precision rules: ``fp4jax.nn.quantize_model(
     Llama(cfg, runs), llama_rules(cfg, rules, runs))``.
 
@@ -732,6 +732,8 @@ def quantized_llama(cfg: LlamaConfig, precision: PrecisionPolicy | Any,
       attention: FP4 attention added to ``precision`` (with a policy too): None (none
         added), an attention recipe (or its name, or a linear recipe) for every block
         (``every_block_attention``), or attention rules (placed after ``precision``'s).
+      taps: the product taps of every quantized layer (``fp4jax.nn.taps``; None: the
+        default, ``DEFAULT_TAPS``); a scanned run carries their collections.
 
     Returns:
       the quantized linen model (``init``/``apply`` as the Llama's; parameter tree the
@@ -751,5 +753,7 @@ def quantized_llama(cfg: LlamaConfig, precision: PrecisionPolicy | Any,
     if runs is None:
         runs = scan_runs(cfg, rules)
     attn = attention_recipes(cfg, rules)
-    model = Llama(cfg, runs, attn if any(a is not None for a in attn) else None)
-    return quantize_model(model, llama_rules(cfg, rules, runs))
+    model = Llama(cfg, runs, attn if any(a is not None for a in attn) else None,
+                  scan_collections=None if taps is None else tap_collections(taps))
+    return quantize_model(model, llama_rules(cfg, rules, runs),
+                          taps=DEFAULT_TAPS if taps is None else taps)

@@ -8,9 +8,11 @@
 * :mod:`fp4jax.nn.linen`: ``DotGeneral`` (for ``nn.Dense(dot_general_cls=...)``) and ``Dense``.
 * :mod:`fp4jax.nn.nnx`: ``DotGeneral`` (for ``nnx.Linear(dot_general=...)``) and ``Linear``.
 * :class:`PrecisionPolicy`: which linear layers of a model run in which recipe.
+* :mod:`fp4jax.nn.taps`: product taps, what a linen layer runs around each quantized
+  product (the statistics, OutControl, or your own: ``quantize_model(..., taps=...)``).
 """
 
-from fp4jax.nn import linen, nnx
+from fp4jax.nn import linen, nnx, taps
 from fp4jax.nn.functional import FunctionReport, function_report, quantize_function
 from fp4jax.nn.model import Report, quantize_model, report
 from fp4jax.nn.policy import PrecisionPolicy
@@ -19,4 +21,4 @@ from fp4jax.rules import Rule, einsum_dimension_numbers, layer_key, load_rules, 
 
 __all__ = ["FunctionReport", "PrecisionPolicy", "Report", "Rule", "einsum_dimension_numbers",
            "function_report", "layer_key", "linen", "load_rules", "match_rule", "nnx",
-           "quantize_function", "quantize_model", "recipe_quantizes", "report"]
+           "quantize_function", "quantize_model", "recipe_quantizes", "report", "taps"]

@@ -25,6 +25,7 @@ from flax import nnx
 
 from fp4jax.diagnostics import observe_product
 from fp4jax.nn import linen as fnn
+from fp4jax.nn.taps import DEFAULT_TAPS
 from fp4jax.recipes import Recipe
 from fp4jax.rules import (
     Rule,
@@ -84,6 +85,8 @@ class Session:
     rng_collection: str
     layer_rng_collection: str
     record: Record | None = None
+    # linen: the product taps of every quantized product (fp4jax.nn.taps)
+    taps: tuple[Any, ...] = DEFAULT_TAPS
     # NNX: the rule each layer got from quantize_model (a stacked layer's, by its blocks)
     resolved: dict[str, int | None] = dataclasses.field(default_factory=dict)
 
@@ -468,8 +471,14 @@ def _dot_fn(frame: Frame, recipe: Recipe) -> Callable[..., jax.Array]:
         return _nnx_dot(frame)
     try:
         return fnn.DotGeneral(recipe=recipe, rng_collection=s.rng_collection,
-                              layer_rng_collection=s.layer_rng_collection)
+                              layer_rng_collection=s.layer_rng_collection, taps=s.taps)
     except Exception:  # noqa: BLE001 (not compact: no submodule here; keys from the layer)
+        if s.taps != DEFAULT_TAPS:
+            raise ValueError(
+                f"quantize_model: the layer {frame.path!r} computes its product outside a "
+                "compact method (setup-style), where no fp4jax DotGeneral submodule can run "
+                "the product taps passed to quantize_model; leave taps at their default, or "
+                "define the layer with @nn.compact") from None
         m = frame.module
         return _ScopeDot(m, recipe, s.rng_collection, s.layer_rng_collection)
 

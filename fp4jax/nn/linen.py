@@ -52,6 +52,11 @@ dense products only:
   ``fp4jax.outcontrol.split_dot``: ``lo``'s channels in its recipe, ``hi``'s in MXFP8.
 
 Both only where the layer's recipe quantizes some operand (a ``bf16`` layer is left alone).
+
+The statistics and OutControl are product taps (``fp4jax.nn.taps``): ``DotGeneral`` draws
+the keys, then runs its ``taps`` (default ``fp4jax.nn.taps.DEFAULT_TAPS``) around
+``fp4jax.dot_general``; pass others (``DotGeneral(taps=...)``,
+``quantize_model(..., taps=...)``) to add a measurement or replace a product.
 """
 
 from __future__ import annotations
@@ -62,15 +67,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fp4jax import outcontrol
 from fp4jax.diagnostics import (  # noqa: F401 (re-exported: the statistics collections)
     COTANGENT_COLLECTION,
     PERTURB_COLLECTION,
     STATS_COLLECTION,
-    gemm_stats,
     is_dense_product,
-    note_unmeasured,
-    probing,
+)
+from fp4jax.nn.taps import DEFAULT_TAPS, ProductCall, check_taps, run_taps
+from fp4jax.outcontrol import (  # noqa: F401 (re-exported: OutControl's collections)
+    CHANNEL_NORM_COLLECTION,
+    OUTCONTROL_COLLECTION,
 )
 from fp4jax.quantized_ragged_dot import ragged_dot
 from fp4jax.recipes import recipe_quantizes
@@ -80,10 +86,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 DEFAULT_RNG_STREAM = "fp4"
 DEFAULT_LAYER_RNG_STREAM = "fp4_layer"
-CHANNEL_NORM_COLLECTION = "fp4_channel_sq"
-"""Out: each dense layer's per-input-channel sums of squares (OutControl's statistic)."""
-OUTCONTROL_COLLECTION = "fp4_outcontrol"
-"""In: each dense layer's OutControl channel split (``hi``, ``lo`` int32 indices)."""
 
 
 def _recipe(recipe: Any) -> Recipe:
@@ -128,11 +130,15 @@ class DotGeneral(nn.Module):
         While initializing, when that stream is absent, keys come from ``"params"`` instead.
       layer_rng_collection: the stream of the layer's constant RHT key (recipes with
         ``hadamard_signs="layer"``); pass the same key at every step.
+      taps: the product taps run around the product, outermost first
+        (``fp4jax.nn.taps``; default: the statistics and OutControl's, inert unless their
+        collections are passed).
     """
 
     recipe: Recipe | None = None
     rng_collection: str = DEFAULT_RNG_STREAM
     layer_rng_collection: str = DEFAULT_LAYER_RNG_STREAM
+    taps: tuple[Any, ...] = DEFAULT_TAPS
 
     @nn.nowrap
     def _draw(self, needed: bool, stream: str, why: str) -> jax.Array | None:
@@ -165,26 +171,6 @@ class DotGeneral(nn.Module):
             "layer_key} to Module.apply, with one fixed layer_key per run (e.g. "
             "jax.random.fold_in(seed_key, 2**31 - 2)).")
 
-    @nn.nowrap
-    def _note_unmeasured(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any
-                         ) -> None:
-        """Tells ``layer_stats`` (its shapes pass) that this product cannot be measured,
-        if so: not ``x (..., K) @ w (K, N)``, or inside a linen transform (``nn.scan``)
-        whose ``variable_axes`` do not carry the statistics collections."""
-        path = tuple(self.path)
-        if path and path[-1].startswith("DotGeneral_"):
-            path = path[:-1]
-        name = "/".join(path)
-        if not is_dense_product(lhs, rhs, dimension_numbers):
-            note_unmeasured(name, f"not an x (..., K) @ w (K, N) product "
-                            f"({tuple(jnp.shape(lhs))} x {tuple(jnp.shape(rhs))}, dimension "
-                            f"numbers {dimension_numbers})")
-        elif not self.is_mutable_collection(PERTURB_COLLECTION):
-            note_unmeasured(name, "inside a linen transform (nn.scan, nn.vmap) whose "
-                            f"variable_axes do not carry the collections {PERTURB_COLLECTION!r}"
-                            f", {COTANGENT_COLLECTION!r} and {STATS_COLLECTION!r}: list them "
-                            "with axis 0 to measure each scanned layer")
-
     def __call__(
         self,
         lhs: jax.Array,
@@ -200,36 +186,20 @@ class DotGeneral(nn.Module):
         newer flax layers) is applied as a sharding constraint when not ``None``.
         """
         key, rht_key = self._key(), self._rht_key()
-        dense = is_dense_product(lhs, rhs, dimension_numbers)
-        quantized = recipe_quantizes(_recipe(self.recipe))  # OutControl: those only
-        if dense and quantized and self.has_variable(OUTCONTROL_COLLECTION, "hi"):
-            y = outcontrol.split_dot(
-                lhs, rhs, self.get_variable(OUTCONTROL_COLLECTION, "hi"),
-                self.get_variable(OUTCONTROL_COLLECTION, "lo"), recipe=_recipe(self.recipe),
-                key=key, rht_key=rht_key, preferred_element_type=preferred_element_type)
-            if out_sharding is not None:
-                y = jax.lax.with_sharding_constraint(y, out_sharding)
-        else:
-            y = fp4_dot_general(lhs, rhs, dimension_numbers, precision,
-                                preferred_element_type, out_sharding, recipe=self.recipe,
-                                key=key, rht_key=rht_key)
-        if self.is_initializing():
-            return y
-        if dense and quantized and self.is_mutable_collection(CHANNEL_NORM_COLLECTION):
-            self.sow(CHANNEL_NORM_COLLECTION, "sq", outcontrol.channel_squares(lhs))
-        if probing() == "shapes":  # layer_stats: say which products it cannot measure
-            self._note_unmeasured(lhs, rhs, dimension_numbers)
-        if not dense:
-            return y
-        if (self.has_variable(PERTURB_COLLECTION, "y")
-                or self.is_mutable_collection(PERTURB_COLLECTION)):
-            y = self.perturb("y", y, collection=PERTURB_COLLECTION)
-        if (self.has_variable(COTANGENT_COLLECTION, "y")
-                and self.is_mutable_collection(STATS_COLLECTION)):
-            dy = self.get_variable(COTANGENT_COLLECTION, "y")
-            self.sow(STATS_COLLECTION, "stats", gemm_stats(
-                lhs, rhs, dy, recipe=_recipe(self.recipe), key=key, rht_key=rht_key))
-        return y
+        taps = self.taps if self.taps is DEFAULT_TAPS else check_taps(self.taps, "DotGeneral")
+        recipe = _recipe(self.recipe)
+        path = tuple(self.path)
+        if path and path[-1].startswith("DotGeneral_"):
+            path = path[:-1]
+        call = ProductCall(
+            path=path, lhs=lhs, rhs=rhs, dimension_numbers=dimension_numbers,
+            precision=precision, preferred_element_type=preferred_element_type,
+            out_sharding=out_sharding, recipe=recipe, key=key, rht_key=rht_key,
+            dense=is_dense_product(lhs, rhs, dimension_numbers),
+            quantized=recipe_quantizes(recipe))
+        return run_taps(taps, call, self, lambda c: fp4_dot_general(
+            c.lhs, c.rhs, c.dimension_numbers, c.precision, c.preferred_element_type,
+            c.out_sharding, recipe=self.recipe, key=c.key, rht_key=c.rht_key))
 
 
 class RaggedDot(DotGeneral):

@@ -104,6 +104,7 @@ from fp4jax.nn import linen as fnn
 from fp4jax.nn.hooks import Session, quantize_linen
 from fp4jax.nn.layer_report import Report, report
 from fp4jax.nn.nnx_rewrite import quantize_nnx
+from fp4jax.nn.taps import DEFAULT_TAPS, check_taps
 from fp4jax.rules import as_rules
 
 __all__ = ["Report", "quantize_model", "report"]
@@ -111,7 +112,8 @@ __all__ = ["Report", "quantize_model", "report"]
 
 def quantize_model(model: Any, rules: Any, *, rngs: Any = None,
                    rng_collection: str = fnn.DEFAULT_RNG_STREAM,
-                   layer_rng_collection: str = fnn.DEFAULT_LAYER_RNG_STREAM) -> Any:
+                   layer_rng_collection: str = fnn.DEFAULT_LAYER_RNG_STREAM,
+                   taps: tuple[Any, ...] = DEFAULT_TAPS) -> Any:
     """Applies precision rules to an unedited Flax model (see the module docstring).
 
     Args:
@@ -125,6 +127,10 @@ def quantize_model(model: Any, rules: Any, *, rngs: Any = None,
       rng_collection: the RNG stream of stochastic-rounding keys (linen: pass
         ``rngs={rng_collection: key}`` to ``apply``).
       layer_rng_collection: the stream of per-layer constant RHT keys.
+      taps: linen only: the product taps run around every quantized product
+        (``fp4jax.nn.taps``; default ``DEFAULT_TAPS``, the statistics and OutControl's).
+        Other taps need the product to run through a ``DotGeneral`` submodule: a
+        setup-style layer (no submodule at call time) refuses them at its call.
 
     Returns:
       linen: a copy of ``model`` (a subclass of its class with the same fields) whose
@@ -145,7 +151,11 @@ def quantize_model(model: Any, rules: Any, *, rngs: Any = None,
         if not isinstance(v, str) or not v:
             raise ValueError(f"quantize_model: {name} must be a non-empty stream name, "
                              f"got {v!r}")
-    session = Session(rules_t, rng_collection, layer_rng_collection)
+    taps = check_taps(taps, "quantize_model")
+    if taps != DEFAULT_TAPS and not isinstance(model, nn.Module):
+        raise ValueError("quantize_model: taps are for linen models (the NNX DotGeneral "
+                         "runs no taps); leave taps at its default for an NNX model")
+    session = Session(rules_t, rng_collection, layer_rng_collection, taps=taps)
     if isinstance(model, nn.Module):
         if rngs is not None:
             raise ValueError("quantize_model: rngs is for NNX models; a linen model draws "

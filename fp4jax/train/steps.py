@@ -30,7 +30,7 @@ from fp4jax import diagnostics
 from fp4jax import sharding as fp4_sharding
 from fp4jax.models import moe
 from fp4jax.models.llama import layer_name
-from fp4jax.nn.linen import CHANNEL_NORM_COLLECTION, OUTCONTROL_COLLECTION
+from fp4jax.outcontrol import CHANNEL_NORM_COLLECTION, OUTCONTROL_COLLECTION
 from fp4jax.train import channel_split, oscillation, parallel
 from fp4jax.train.config import TrainConfig
 
