@@ -239,9 +239,20 @@ def step_prediction():
                 label += ", Pallas GEMM at 0.92x cuBLAS" if pen else ", GEMM at cuBLAS speed"
             step = nv_step - (op_us - t_op) - (glue_us - glue) - g_gain
             out[preset][label] = bf_step / step
+            out[preset]["step_us " + label] = step
             print(f"| `{preset}` | {label} | {b / 1e9:.2f} | {t_op:,.0f} | {glue:,} | "
                   f"{step / 1e3:.2f} | {bf_step / step:.3f}x |")
         print(f"| `{preset}` | BF16 (measured) | 0 | 0 | 0 | {bf_step / 1e3:.2f} | 1.000x |")
+    for preset, r in out.items():
+        base = r["step_us floor_producer, glue folded"]
+        for dsg in ("fp8_producer", "packed_producer"):
+            gain = base - r[f"step_us {dsg}, glue folded, GEMM at cuBLAS speed"]
+            speed = GEMM_US[preset] / (GEMM_US[preset] + gain)
+            r[f"break-even GEMM speed {dsg}"] = speed
+            print(f"\n`{preset}` {dsg}: saves {gain:,.0f} µs a step over the producer-amax "
+                  f"floor (bf16 copies) with cuBLAS-speed GEMMs; it pays only if its decoding "
+                  f"GEMM runs at >= {speed:.2f}x cuBLAS's speed ({GEMM_US[preset]:,} µs of "
+                  "GEMMs a step)")
     achieved = ", ".join(f"`{p}` {v['achieved_TBps']:.2f} TB/s" for p, v in out.items())
     print(f"\n(today's operand kernels achieve {achieved} over the bytes counted here)")
     return out

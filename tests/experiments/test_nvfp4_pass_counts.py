@@ -33,6 +33,8 @@ def test_main_prints_and_predicts(C, capsys):
     assert (r["floor, glue kept"] < r["floor, glue folded"]
             < r["floor_producer, glue folded"]
             < r["fp8_producer, glue folded, GEMM at cuBLAS speed"])
+    # FP8 storage pays over the producer-amax floor only with a GEMM near cuBLAS's speed
+    assert 0.8 < r["break-even GEMM speed fp8_producer"] < 0.9
 
 
 def test_counts_equal_hand_arithmetic(C):
