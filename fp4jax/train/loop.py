@@ -211,9 +211,8 @@ def check_token_rows(cfg: TrainConfig, rm: RunModels, mesh: Mesh) -> None:
     if n_dev == 1:
         return
     used = {r.name: r for r in rm.recipes.values() if r is not None}
-    for spec in (rm.layers or {}).values():
-        if spec is not None:
-            r = fp4jax.recipes.get(spec)
+    for r in (rm.layer_recipes or {}).values():
+        if r is not None:
             used.setdefault(r.name, r)
     rows = cfg.batch_size // n_dev * cfg.seq_len
     for r in used.values():

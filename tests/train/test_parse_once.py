@@ -119,3 +119,34 @@ def test_warmup_config_does_not_parse_its_recipe_back(counts):
     assert _parses(counts) == 0 and counts["split_spec"] == 0, counts
     assert wcfg.recipe == fp4jax.recipes.spec(plan.recipe)
     assert wplan.recipe == plan.recipe == fp4jax.recipes.parse(wcfg.recipe)
+
+
+def test_token_row_check_reads_a_foreign_models_recipes_not_their_specs(counts, tmp_path):
+    """A ``--model``'s layers: ``RunModels.layers`` records each layer's recipe as a spec,
+    ``RunModels.layer_recipes`` holds the recipe objects; the multi-device token-row check
+    reads the objects (parses nothing) and refuses a rules recipe whose blocks the rows
+    straddle."""
+    import json
+
+    import jax
+
+    from fp4jax.train import TrainConfig, loop, models
+    from fp4jax.train.plan import plan_run
+
+    if len(jax.devices()) < 4:
+        pytest.skip("needs the 4 virtual CPU devices of conftest.py")
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps([{"pattern": "h_0/ffn", "recipe": "quartet2(name=q2)"}]))
+    cfg = TrainConfig(model="tests.foreign_models:shared_scope_lm", recipe="nvfp4(sr=False)",
+                      seq_len=16, batch_size=16, first_bf16=0, last_bf16=0, devices=4,
+                      rules=str(rules))
+    plan = plan_run(cfg)
+    rm = models.foreign_models(cfg, plan.run_config, plan.recipe, 64)
+    assert rm.layers == {n: None if r is None else fp4jax.recipes.spec(r)
+                         for n, r in rm.layer_recipes.items()}
+    assert rm.layer_recipes["h_0/ffn"] == fp4jax.recipes.parse("quartet2(name=q2)")
+    mesh = loop.run_mesh(cfg, plan.run_config)
+    counts.clear()
+    with pytest.raises(ValueError, match=r"64 token rows a device; recipe 'q2'"):
+        loop.check_token_rows(cfg, rm, mesh)
+    assert _parses(counts) == 0 and counts["split_spec"] == 0, counts
