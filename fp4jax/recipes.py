@@ -18,7 +18,7 @@ import ast
 import dataclasses
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -48,6 +48,8 @@ __all__ = [
     "get",
     "names",
     "parse",
+    "parse_run_spec",
+    "RunSpec",
     "split_list",
     "split_spec",
     "spec",
@@ -858,17 +860,23 @@ def parse(spec: str | Recipe) -> Recipe:
     name, body = m[1], m[2]
     if name.lower().replace("-", "_") not in _NAMED:
         raise ValueError(f"recipe spec {spec!r}: unknown recipe {name!r}; valid names: {names()}")
-    recipe = get(name)
     if body is None or not body.strip():
-        return recipe
+        return get(name)
+    return _apply_items(get(name), _split_top(body, spec), spec)
+
+
+def _apply_items(recipe: Recipe, items: list[str], spec: str, more: str = "") -> Recipe:
+    """``recipe`` with the ``key=value`` items of ``spec`` applied left to right (``parse``);
+    ``more`` is appended to the message of an unknown key (the caller's own keys)."""
     valid = _valid_keys()
-    for item in _split_top(body, spec):
+    for item in items:
         key, eq, text = item.partition("=")
         key = key.strip()
         if not eq or not _KEY_RE.match(key):
             raise ValueError(f"recipe spec {spec!r}: {item!r} is not key=value")
         if key not in valid:
-            raise ValueError(f"recipe spec {spec!r}: unknown key {key!r}; valid keys: {valid}")
+            raise ValueError(f"recipe spec {spec!r}: unknown key {key!r}; valid keys: {valid}"
+                             f"{more}")
         shown = _clip(spec)
         value = _value(key, text.strip(), shown)
         try:
@@ -877,6 +885,78 @@ def parse(spec: str | Recipe) -> Recipe:
             raise ValueError(f"recipe spec {shown!r}: {key}={_clip(text.strip())}: {e}"
                              ) from None
     return recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """A spec parsed by ``parse_run_spec``: the recipe it names, with its recipe items
+    applied, and the values of the caller's own keys.
+
+    Attributes:
+      text: the spec as given, stripped (``"nvfp4(sr=False, last_bf16=0)"``).
+      base: the spec without the caller's keys (``"nvfp4(sr=False)"``), for messages and
+        records; ``parse(base) == recipe``.
+      recipe: the parsed recipe.
+      extra: the caller's keys of the spec and their converted values (``{"last_bf16": 0}``),
+        in the order given.
+    """
+
+    text: str
+    base: str
+    recipe: Recipe
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+
+
+def parse_run_spec(spec: str, keys: Mapping[str, Callable[[str], Any]] | None = None, *,
+                   label: str = "run-level keys") -> RunSpec:
+    """Parses a spec that may carry, beside the recipe's items (``parse``), keys of its
+    caller: the training harness's run-level keys (``nvfp4(sr=False, last_bf16=0)``). The
+    spec is split once (``split_spec``) and each item read once: an item whose key is in
+    ``keys`` is converted by ``keys[key](value_text)``, every other item is the recipe's.
+
+    Args:
+      spec: ``NAME`` or ``NAME(key=value, ...)``.
+      keys: the caller's keys and their converters; a converter takes the value's text and
+        returns the value or raises ``ValueError`` saying what the key takes (``"last_bf16
+        is an int >= -1"``).
+      label: what the caller's keys are called in the message of an unknown key.
+
+    Returns:
+      The ``RunSpec``: the recipe, the spec without the caller's keys and their values.
+
+    Raises:
+      TypeError: ``spec`` is not a string.
+      ValueError: a malformed spec, an unknown recipe or key (listing the valid ones, the
+        caller's under ``label``), a bad value, or a caller's key given twice; the message
+        names the spec.
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"recipe spec must be a string, got {type(spec).__name__}")
+    keys = keys or {}
+    text = spec.strip()
+    name, items = split_spec(text)
+    keep: list[str] = []
+    extra: dict[str, Any] = {}
+    for item in items:
+        key, eq, val = item.partition("=")
+        key = key.strip()
+        if eq and key in keys:
+            if key in extra:
+                raise ValueError(f"recipe spec {spec!r}: {key} given twice")
+            try:
+                extra[key] = keys[key](val.strip())
+            except ValueError as e:
+                raise ValueError(f"recipe spec {spec!r}: {key}={val.strip()}: {e}") from None
+        else:
+            keep.append(item)
+    base = name + (f"({', '.join(keep)})" if keep else "")
+    shown = spec if items else text
+    if name.lower().replace("-", "_") not in _NAMED:
+        raise ValueError(f"recipe spec {shown!r}: unknown recipe {name!r}; valid names: "
+                         f"{names()}")
+    more = f"; {label}: {list(keys)}" if keys else ""
+    return RunSpec(text=text, base=base, recipe=_apply_items(get(name), keep, shown, more),
+                   extra=extra)
 
 
 def _format_spec(fmt: BlockFormat | None) -> str:

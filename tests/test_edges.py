@@ -319,6 +319,7 @@ def test_token_rows_per_device_refused_before_out_is_claimed(tmp_path):
     if len(jax.devices()) < 4:
         pytest.skip("needs the 4 virtual CPU devices of conftest.py")
     from fp4jax.train import TrainConfig, loop
+    from fp4jax.train.config import run_recipe
     from tests.textdata import write_text
 
     corpus = write_text(tmp_path / "corpus.txt", 20_000)
@@ -332,13 +333,13 @@ def test_token_rows_per_device_refused_before_out_is_claimed(tmp_path):
     assert not out.exists()
     # the suggested batch (8 sequences a device: 384 rows, a multiple of 128) passes the check
     ds = loop.load_data(cfg)
-    rcfg, recipe = loop.run_recipe(cfg)
+    rcfg, recipe = run_recipe(cfg)
     good = cfg.replace(batch_size=32)
     mesh = loop.run_mesh(good, rcfg)
     loop.check_token_rows(good, loop.build_models(good, rcfg, recipe, ds), mesh)
     # nvfp4 needs 16 rows: 48 a device is fine
     loop.check_token_rows(cfg.replace(recipe="nvfp4"), loop.build_models(
-        cfg, *loop.run_recipe(cfg.replace(recipe="nvfp4")), ds), mesh)
+        cfg, *run_recipe(cfg.replace(recipe="nvfp4")), ds), mesh)
 
 
 def test_paired_difference_against_numpy_and_in_the_compare_table():

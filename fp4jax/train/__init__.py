@@ -86,6 +86,7 @@ from fp4jax.train.config import (
     make_schedule,
     model_config,
     run_recipe,
+    run_spec,
     split_run_spec,
     split_specs,
     switched_recipe,
@@ -102,6 +103,7 @@ from fp4jax.train.loop import (
     make_train_step,
     train,
 )
+from fp4jax.train.plan import RunPlan, plan_run, plan_runs
 from fp4jax.train.rundir import RunExists, check_out, run_contents
 
 __all__ = [
@@ -125,6 +127,10 @@ __all__ = [
     "split_specs",
     "split_run_spec",
     "run_recipe",
+    "run_spec",
+    "RunPlan",
+    "plan_run",
+    "plan_runs",
     "RUN_KEYS",
     "SweepFailed",
     "summarize",

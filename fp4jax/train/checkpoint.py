@@ -302,7 +302,7 @@ def config_diff(saved: dict, current: dict) -> list[str]:
     saved, current = _effective(saved), _effective(current)
     keys = sorted((set(saved) | set(current)) - RESUMABLE_KEYS)
     # a key absent from an older checkpoint's config had its default value then
-    default = dataclasses.asdict(TrainConfig())
+    default = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     return [f"{k}: {saved.get(k, default.get(k))!r} -> {current.get(k)!r}" for k in keys
             if saved.get(k, default.get(k)) != current.get(k)]
 

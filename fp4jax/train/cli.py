@@ -62,7 +62,7 @@ def _by_preset(fn) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = TrainConfig()
+    d = TrainConfig  # the defaults: class attributes (no instance to build and validate)
     p = argparse.ArgumentParser(
         prog="fp4jax-train", description=__doc__.split("\n")[0], formatter_class=HelpFormatter,
         epilog="Training hyperparameters (--seq-len, --steps, --lr, ...) have the same "

@@ -26,9 +26,8 @@ from fp4jax.train.checkpoint import config_diff
 from fp4jax.train.config import (
     MAX_SEED,
     TrainConfig,
-    split_run_spec,
+    parsed_spec,
     split_specs,
-    validate_config,
 )
 from fp4jax.train.loop import (
     TrainingDiverged,
@@ -208,11 +207,10 @@ def compare(cfg: TrainConfig, recipes: Sequence[str],
         raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
     if not recipes:
         raise ValueError("compare: no recipe names given")
-    for r in recipes:  # validate every spec before training anything
-        split_run_spec(r)
+    for r in recipes:  # validate every spec before training anything (cfg's: parsed already)
+        parsed_spec(cfg, r)
     seeds = [cfg.seed] if seeds is None else parse_seeds(seeds)
-    validate_config(cfg)
-    check_out(cfg.out)
+    check_out(cfg.out)  # (cfg validated itself when it was built: TrainConfig)
     out = Path(cfg.out)
     slugs = spec_slugs(recipes)
     subs: dict[tuple[str, int], TrainConfig] = {}
@@ -313,7 +311,8 @@ def check_runs(subs: Sequence[TrainConfig], dataset: Any) -> None:
     import jax
 
     from fp4jax.train import parallel
-    from fp4jax.train.config import explicit_bf16_layers, make_optimizer, run_recipe
+    from fp4jax.train.config import explicit_bf16_layers, make_optimizer
+    from fp4jax.train.plan import plan_run
     from fp4jax.train.steps import make_init_state
 
     for sub in subs:  # each seed's: its directory holds a checkpoint to resume from
@@ -325,8 +324,8 @@ def check_runs(subs: Sequence[TrainConfig], dataset: Any) -> None:
             continue
         seen.add(sub.recipe)
         try:
-            validate_config(sub)
-            rsub, recipe = run_recipe(sub)
+            plan = plan_run(sub)  # sub validated itself (TrainConfig): its spec is parsed
+            rsub, recipe = plan.run_config, plan.recipe
             if explicit_bf16_layers(rsub.bf16_layers) is None:  # auto: measured by the run
                 continue
             mesh = run_mesh(sub, rsub)

@@ -5,15 +5,21 @@ precision policy and precision switch (``make_policy``, ``last_bf16_blocks``,
 ``switched_recipe``), and its learning-rate schedule and optimizer (``make_schedule``,
 ``make_optimizer``), and the checks of a config's values (``validate_config``, run by
 ``TrainConfig`` itself: a bad value raises ``ConfigError``, a ``ValueError`` naming the field).
-Nothing here touches devices, data or files.
+A config parses each of its recipe specs once, when it validates itself (``run_spec``, through
+``fp4jax.recipes.parse_run_spec``), and keeps them (``parsed_spec``); the configs derived from
+it (``replace``, ``derive``, ``with_recipe``) inherit them, so nothing below the config parses
+a spec string again (``fp4jax.train.plan``). Nothing here touches devices, data or files.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import math
 import numbers
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -23,7 +29,7 @@ import optax
 import fp4jax.recipes
 from fp4jax.models.llama import ATTENTION, SCAN_REMAT, LlamaConfig, get_preset
 from fp4jax.nn.policy import PrecisionPolicy
-from fp4jax.recipes import GemmSpec, Recipe
+from fp4jax.recipes import GemmSpec, Recipe, RunSpec
 from fp4jax.train.tokens import MAX_VOCAB, parse_tokenizer_spec
 
 SWITCH_MODES = ("fwd", "bwd", "both")
@@ -135,7 +141,48 @@ class TrainConfig:
         validate_config(self)
 
     def replace(self, **changes: Any) -> TrainConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` (field names) applied, validated. The recipe specs this
+        config parsed are not parsed again (``parsed_spec``).
+
+        Raises:
+          TypeError: an unknown field.
+          ConfigError: a bad value.
+        """
+        return derive(self, {}, **changes)
+
+
+def derive(cfg: TrainConfig, parsed: Mapping[str, RunSpec], **changes: Any) -> TrainConfig:
+    """``cfg.replace(**changes)`` that knows more parsed specs: ``parsed`` maps a spec's text
+    to its ``RunSpec`` (what ``run_spec`` would give), so a config whose recipe comes from a
+    recipe object (``with_recipe``) or from a spec's base is validated without parsing it.
+    The specs ``cfg`` parsed are not parsed again either.
+
+    Raises:
+      TypeError: an unknown field.
+      ConfigError: a bad value.
+    """
+    names = {f.name for f in dataclasses.fields(cfg)}
+    for k in changes:
+        if k not in names:
+            raise TypeError(f"TrainConfig.__init__() got an unexpected keyword argument {k!r}")
+    new = copy.copy(cfg)  # no __init__: validated below, with the specs already parsed
+    for k, v in changes.items():
+        object.__setattr__(new, k, v)
+    object.__setattr__(new, "_specs", {**(cfg.__dict__.get("_specs") or {}), **parsed})
+    validate_config(new)
+    return new
+
+
+def with_recipe(cfg: TrainConfig, recipe: Recipe, **changes: Any) -> TrainConfig:
+    """``cfg`` running the recipe object ``recipe`` (and ``changes``): its ``recipe`` field is
+    the spec ``fp4jax.recipes.spec(recipe)`` (results and checkpoints record it), which is
+    not parsed back (``derive``).
+
+    Raises:
+      ConfigError: a bad value.
+    """
+    text = fp4jax.recipes.spec(recipe)
+    return derive(cfg, {text: RunSpec(text, text, recipe, {})}, recipe=text, **changes)
 
 
 def split_specs(text: str | None) -> list[str]:
@@ -191,11 +238,12 @@ def _is_attention_recipe(name: str) -> bool:
     return True
 
 
-def _run_value(spec: str, key: str, text: str) -> Any:
-    """The value of the run-level key ``key`` in ``spec``, checked.
+def _run_value(key: str, text: str) -> Any:
+    """The value of the run-level key ``key`` given as ``text`` in a spec, checked (the
+    converter of ``key`` in ``fp4jax.recipes.parse_run_spec``).
 
     Raises:
-      ValueError naming the spec, the key and what it takes.
+      ValueError saying what the key takes (the spec and the item are added by the parser).
     """
     import ast
 
@@ -225,7 +273,7 @@ def _run_value(spec: str, key: str, text: str) -> Any:
         "outcontrol_multiple": _is_int(v) and v >= 16 and v % 16 == 0,
     }[key]
     if not ok:
-        raise ValueError(f"recipe spec {spec!r}: {key}={text}: {key} is {want}")
+        raise ValueError(f"{key} is {want}")
     if key == "bf16_layers":
         return v.strip()
     return (float(v) if key in ("switch_at", "bf16_budget", "switch_threshold", "osci_reset",
@@ -233,53 +281,68 @@ def _run_value(spec: str, key: str, text: str) -> Any:
             else v)
 
 
+# the converters of the run-level keys, as fp4jax.recipes.parse_run_spec takes them
+_RUN_KEY_VALUES = {k: functools.partial(_run_value, k) for k in RUN_KEYS}
+
+
+def run_spec(spec: str) -> RunSpec:
+    """Parses a recipe spec with the run-level keys (``RUN_KEYS``) it may carry beside the
+    recipe's (``fp4jax.recipes.parse_run_spec``): ``"nvfp4(sr=False, last_bf16=0)"`` gives
+    the recipe ``nvfp4(sr=False)``, the base spec ``"nvfp4(sr=False)"`` and the run-level
+    values ``{"last_bf16": 0}``. A run-level key in the spec takes precedence over the same
+    flag (``--last-bf16``) for that spec.
+
+    Raises:
+      TypeError: ``spec`` is not a string.
+      ValueError: a bad run-level value, or a bad recipe spec, naming the key and listing
+        the valid ones.
+    """
+    return fp4jax.recipes.parse_run_spec(spec, _RUN_KEY_VALUES)
+
+
+def parsed_spec(cfg: TrainConfig, spec: str) -> RunSpec:
+    """``run_spec(spec)`` for a spec of ``cfg`` (its ``recipe`` or a ``compare`` spec),
+    parsed once: ``TrainConfig`` parses its specs when it validates itself and keeps them,
+    and the configs its ``replace`` derives inherit them.
+
+    Raises:
+      TypeError, ValueError: as ``run_spec``.
+    """
+    known = cfg.__dict__.get("_specs")
+    if known is None:
+        known = {}
+        object.__setattr__(cfg, "_specs", known)
+    rs = known.get(spec)
+    if rs is None:
+        rs = known[spec] = run_spec(spec)
+    return rs
+
+
 def split_run_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """Splits the run-level keys (``RUN_KEYS``: first/last BF16 blocks, precision switch) out
     of a spec, so that every row of an ablation table is one string: ``"nvfp4(sr=False,
     last_bf16=0)"`` gives ``("nvfp4(sr=False)", {"last_bf16": 0})``. A run-level key in the
-    spec takes precedence over the same flag (``--last-bf16``) for that spec.
+    spec takes precedence over the same flag (``--last-bf16``) for that spec. (``run_spec``
+    gives the parsed recipe too.)
 
     Raises:
       ValueError: a bad run-level value, or a bad recipe spec (``fp4jax.recipes.parse``),
         naming the key and listing the valid ones.
     """
-    if not isinstance(spec, str):
-        raise TypeError(f"recipe spec must be a string, got {type(spec).__name__}")
-    text = spec.strip()
-    name, items = fp4jax.recipes.split_spec(text)
-    if not items:
-        fp4jax.recipes.parse(text)  # raises for a malformed spec
-        return text, {}
-    keep, run = [], {}
-    for item in items:
-        key, eq, val = item.partition("=")
-        key = key.strip()
-        if eq and key in RUN_KEYS:
-            if key in run:
-                raise ValueError(f"recipe spec {spec!r}: {key} given twice")
-            run[key] = _run_value(spec, key, val.strip())
-        else:
-            keep.append(item)
-    rest = name + (f"({', '.join(keep)})" if keep else "")
-    try:
-        fp4jax.recipes.parse(rest)
-    except ValueError as e:
-        msg = str(e).replace(f"recipe spec {rest!r}", f"recipe spec {spec!r}")
-        if "unknown key" in msg:
-            msg += f"; run-level keys: {list(RUN_KEYS)}"
-        raise ValueError(msg) from None
-    return rest, run
+    rs = run_spec(spec)
+    return rs.base, dict(rs.extra)
 
 
 def run_recipe(cfg: TrainConfig) -> tuple[TrainConfig, Recipe]:
     """``cfg`` with the run-level keys of its recipe spec applied (``split_run_spec``), and the
     parsed recipe. ``cfg.recipe`` stays the whole spec (results and checkpoints record it).
+    The spec is the one ``cfg`` parsed when it was built (``parsed_spec``): not parsed again.
 
     Raises:
       ValueError: a bad spec.
     """
-    rest, run = split_run_spec(cfg.recipe)
-    return cfg.replace(**run), fp4jax.recipes.parse(rest)
+    rs = parsed_spec(cfg, cfg.recipe)
+    return cfg.replace(**rs.extra), rs.recipe
 
 
 def compare_names(spec: str | None) -> list[str]:
@@ -451,7 +514,7 @@ def validate_config(cfg: TrainConfig) -> None:
     if not isinstance(cfg.recipe, str) or not cfg.recipe.strip():
         raise ConfigError("recipe", f"must be a recipe name or spec, got {cfg.recipe!r}")
     try:
-        split_run_spec(cfg.recipe)
+        parsed_spec(cfg, cfg.recipe)
     except ValueError as e:
         raise ConfigError("recipe", str(e)) from None
     if cfg.scan_remat is not None:
@@ -529,14 +592,13 @@ def validate_config(cfg: TrainConfig) -> None:
         canon = []
         for name in names:
             try:
-                rest, run = split_run_spec(name)
+                rs = parsed_spec(cfg, name)
             except ValueError as e:
                 raise ConfigError("compare", str(e)) from None
-            eff = {k: run.get(k, getattr(cfg, k)) for k in RUN_KEYS}  # as the run uses them
+            eff = {k: rs.extra.get(k, getattr(cfg, k)) for k in RUN_KEYS}  # as the run uses
             if eff["switch_at"] is None:
                 eff["switch"] = None  # no switch: its mode does not matter
-            canon.append((fp4jax.recipes.spec(fp4jax.recipes.parse(rest)),
-                          tuple(sorted(eff.items()))))
+            canon.append((fp4jax.recipes.spec(rs.recipe), tuple(sorted(eff.items()))))
         twice = sorted({n for n, c in zip(names, canon, strict=True) if canon.count(c) > 1})
         if twice:
             raise ConfigError("compare", f"names {', '.join(twice)} more than once")
@@ -567,12 +629,13 @@ def validate_runs(cfg: TrainConfig) -> None:
     """
     specs = compare_names(cfg.compare) if cfg.compare else [cfg.recipe]
     for spec in specs:
-        rest, run = split_run_spec(spec)
-        if not run and cfg.compare is None:  # the run is cfg itself (checked above)
-            validate_run_recipe(cfg, fp4jax.recipes.parse(rest))
+        rs = parsed_spec(cfg, spec)
+        if not rs.extra and cfg.compare is None:  # the run is cfg itself (checked above)
+            validate_run_recipe(cfg, rs.recipe)
             continue
-        try:  # TrainConfig validates the run (rest has no run-level keys: no recursion)
-            cfg.replace(recipe=rest, compare=None, **run)
+        try:  # validates the run: the base spec, parsed already, has no run-level keys
+            derive(cfg, {rs.base: RunSpec(rs.base, rs.base, rs.recipe, {})}, recipe=rs.base,
+                   compare=None, **rs.extra)
         except ConfigError as e:
             where = "of --compare" if cfg.compare else "of --recipe"
             raise ConfigError(e.field, f"{e.reason} (the run of recipe spec {spec!r} "
@@ -632,7 +695,7 @@ def validate_model(cfg: TrainConfig) -> None:
                                   "builds its own model: leave it out (pass the model's "
                                   "options in --model-args)")
         for spec in [cfg.recipe] + (compare_names(cfg.compare) if cfg.compare else []):
-            if "attn_recipe" in split_run_spec(spec)[1]:
+            if "attn_recipe" in parsed_spec(cfg, spec).extra:
                 raise ConfigError("recipe", f"spec {spec!r}: attn_recipe sets the built-in "
                                   f"Llama's attention; --model {cfg.model} builds its own: "
                                   "call fp4jax.attention in its attention instead")
@@ -736,7 +799,8 @@ def validate_precision(cfg: TrainConfig) -> None:
 
     specs = [cfg.recipe] + (compare_names(cfg.compare) if cfg.compare else [])
     for spec in specs:
-        rest, run = split_run_spec(spec)
+        rs = parsed_spec(cfg, spec)
+        rest, run = rs.base, rs.extra
         eff = {k: run.get(k, getattr(cfg, k)) for k in RUN_KEYS}
         where = f" (recipe spec {spec!r})" if run or cfg.compare else ""
         bl = eff["bf16_layers"]
@@ -764,7 +828,7 @@ def validate_precision(cfg: TrainConfig) -> None:
                 raise ConfigError("switch_at", "auto decides on the gradient-to-noise ratio, "
                                   "measured every --grad-noise-every N steps: give "
                                   f"--grad-noise-every N (e.g. 10){where}")
-            problem = gradient_noise_problem(fp4jax.recipes.parse(rest))
+            problem = gradient_noise_problem(rs.recipe)
             if problem:
                 raise ConfigError("switch_at", f"auto needs a recipe with stochastically "
                                   f"rounded FP4 gradients; recipe {rest!r} {problem}. Use "

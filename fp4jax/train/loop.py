@@ -56,8 +56,6 @@ from fp4jax.train.config import (
     make_schedule,
     model_config,
     override_keys,
-    run_recipe,
-    validate_config,
 )
 from fp4jax.train.data import ByteDataset
 from fp4jax.train.evaluation import Evaluation
@@ -70,6 +68,7 @@ from fp4jax.train.models import (
 )
 from fp4jax.train.oscillation import OsciReset, tracked_weights
 from fp4jax.train.parallel import make_mesh
+from fp4jax.train.plan import plan_run
 from fp4jax.train.rundir import check_out, check_resumable, claim_out, releases_locks
 from fp4jax.train.runlog import Progress, RunLog, TrainingDiverged, empty_history
 from fp4jax.train.steps import (
@@ -212,9 +211,8 @@ def check_token_rows(cfg: TrainConfig, rm: RunModels, mesh: Mesh) -> None:
     if n_dev == 1:
         return
     used = {r.name: r for r in rm.recipes.values() if r is not None}
-    for spec in (rm.layers or {}).values():
-        if spec is not None:
-            r = fp4jax.recipes.get(spec)
+    for r in (rm.layer_recipes or {}).values():
+        if r is not None:
             used.setdefault(r.name, r)
     rows = cfg.batch_size // n_dev * cfg.seq_len
     for r in used.values():
@@ -538,7 +536,7 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         ``resume`` with a config or data that differ from the checkpoint's, or with no
         checkpoint that restores.
     """
-    validate_config(cfg)
+    # cfg validated itself when it was built (TrainConfig): its spec is parsed (plan_run)
     # several processes (jax.distributed): process 0 owns --out; its errors stop every process
     main = processes.is_main()
     processes.on_main(lambda: check_out(cfg.out), what="checking --out")
@@ -549,7 +547,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
         processes.on_main(lambda: check_resumable(cfg.out), what="checking --out")
     # run-level keys of the spec (nvfp4(last_bf16=0, switch_at=0.8)) applied: rcfg builds
     # the model; cfg (the spec as given) is what results and checkpoints record
-    rcfg, recipe = run_recipe(cfg)
+    plan = plan_run(cfg)
+    rcfg, recipe = plan.run_config, plan.recipe
     overrides = override_keys(cfg.resume_override)
     # state and sharding: the devices; data; the model and its precision
     mesh = run_mesh(cfg, rcfg)

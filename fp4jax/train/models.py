@@ -90,6 +90,8 @@ class RunModels:
         (``steps.flat_kernels``: a foreign model whose scanned stacks are not known).
       layers: what the model's linear layers run, ``{path: recipe spec or None}`` (a
         foreign model; written as the run's ``"precision"`` record), or None.
+      layer_recipes: the same as recipe objects, ``{path: Recipe or None}`` (what the run's
+        checks read: the specs of ``layers`` are a record, not parsed back), or None.
       scan_axes: ``scan_axes(path, shape) -> n`` for ``diagnostics.gradient_noise``: how
         many leading axes of a kernel stack scanned layers (a foreign model:
         ``fp4jax.nn.report(...).scan_axes``), or None.
@@ -115,6 +117,7 @@ class RunModels:
     scan_axes: Callable[[tuple[str, ...], tuple[int, ...]], int] | None = None
     weight_layers: Callable[[bool], dict[str, tuple[Any, tuple[int, ...], str | None]]] | None \
         = None
+    layer_recipes: dict[str, Recipe | None] | None = None
 
 
 def llama_weight_layers(mc: LlamaConfig, model: Any, rules: Sequence[Rule], seq_len: int
@@ -890,4 +893,5 @@ def foreign_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
         flat_kernels=(rep or found) is None,
         layers={n: None if r is None else fp4jax.recipes.spec(r)
                 for n, r in recipes[False].items()},
+        layer_recipes=dict(recipes[False]),
         scan_axes=(rep or found).scan_axes if (rep or found) is not None else None)

@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import fp4jax.recipes
 from fp4jax import diagnostics
 from fp4jax.models.llama import (
     LlamaConfig,
@@ -40,7 +39,13 @@ from fp4jax.models.llama import (
 from fp4jax.nn.policy import PrecisionPolicy
 from fp4jax.recipes import Recipe, recipe_quantizes
 from fp4jax.rules import Rule, as_rules, rule_recipe
-from fp4jax.train.config import AUTO, TrainConfig, explicit_bf16_layers, last_bf16_blocks
+from fp4jax.train.config import (
+    AUTO,
+    TrainConfig,
+    explicit_bf16_layers,
+    last_bf16_blocks,
+    with_recipe,
+)
 from fp4jax.train.rundir import claim_out
 
 RECORD = "bf16_layers.json"  # OUT/RECORD: the BF16 layer set a run chose, and why
@@ -203,8 +208,8 @@ def warmup_config(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
     n_blocks = mc if isinstance(mc, int) else mc.n_layers
     last = (last_bf16_blocks(rcfg, n_blocks) if n_blocks or isinstance(mc, LlamaConfig)
             else max(rcfg.last_bf16, 0))
-    return rcfg.replace(
-        recipe=fp4jax.recipes.spec(recipe), bf16_layers=None,
+    return with_recipe(
+        rcfg, recipe, bf16_layers=None,
         last_bf16=last, switch_at=None, grad_noise_every=0,
         stats_every=max(1, w // 4), stop_at=w, eval_every=0, checkpoint_every=0,
         keep_checkpoints=1, out=str(Path(cfg.out) / WARMUP_DIR), resume=False,
@@ -339,9 +344,10 @@ def bf16_gemm_fraction(mc: LlamaConfig, policy: PrecisionPolicy | Sequence[Rule]
     return (s * a["high_precision"] + (steps - s) * b["high_precision"]) / total if total else 0.0
 
 
-def add_flags(add: Callable[..., Any], d: TrainConfig) -> None:
+def add_flags(add: Callable[..., Any], d: TrainConfig | type[TrainConfig]) -> None:
     """Adds the automatic-precision flags to ``fp4jax-train``'s parser (``add`` is its
-    ``add_argument``, ``d`` the default config)."""
+    ``add_argument``, ``d`` the default config, or ``TrainConfig`` whose class attributes are
+    the defaults)."""
     add("--switch-threshold", type=float, default=d.switch_threshold,
         help="--switch-at auto: switch once the gradient-to-noise ratio ||grad|| / (sigma_q "
              "sqrt(d)) stays below this (default sqrt(3), FP4-all-the-way Section 4)")

@@ -118,3 +118,35 @@ def test_parse_passes_recipes_through_and_rejects_other_types():
     assert R.parse(r) is r
     with pytest.raises(TypeError, match="string or a Recipe"):
         R.parse(3)
+
+
+def test_parse_run_spec_splits_the_callers_keys_once():
+    """``parse_run_spec``: the caller's keys converted, the recipe's items applied, the base
+    spec without the caller's keys; ``parse(base)`` is the same recipe."""
+
+    def run_int(text):
+        if not text.isdigit():
+            raise ValueError("last_bf16 is an int >= 0")
+        return int(text)
+
+    keys = {"last_bf16": run_int}
+    rs = R.parse_run_spec(" nvfp4(sr=False, last_bf16=0, rht=0) ", keys)
+    assert rs.text == "nvfp4(sr=False, last_bf16=0, rht=0)"
+    assert rs.base == "nvfp4(sr=False, rht=0)"
+    assert dict(rs.extra) == {"last_bf16": 0}
+    assert rs.recipe == R.parse("nvfp4(sr=False, rht=0)") == R.parse(rs.base)
+    bare = R.parse_run_spec("nvfp4")
+    assert (bare.base, dict(bare.extra), bare.recipe) == ("nvfp4", {}, R.nvfp4())
+    assert R.parse_run_spec("nvfp4(last_bf16=0)", keys).base == "nvfp4"
+    with pytest.raises(ValueError, match=r"recipe spec 'nvfp4\(last_bf16=x\)': last_bf16=x: "
+                                         r"last_bf16 is an int >= 0"):
+        R.parse_run_spec("nvfp4(last_bf16=x)", keys)
+    with pytest.raises(ValueError, match="last_bf16 given twice"):
+        R.parse_run_spec("nvfp4(last_bf16=0, last_bf16=1)", keys)
+    with pytest.raises(ValueError, match=r"unknown key 'foo'; valid keys: .*; run-level keys: "
+                                         r"\['last_bf16'\]"):
+        R.parse_run_spec("nvfp4(foo=1, last_bf16=0)", keys)
+    with pytest.raises(ValueError, match=r"recipe spec 'nvfp5\(last_bf16=0\)': unknown recipe"):
+        R.parse_run_spec("nvfp5(last_bf16=0)", keys)
+    with pytest.raises(TypeError, match="must be a string"):
+        R.parse_run_spec(R.nvfp4())
