@@ -11,6 +11,8 @@ the harness's ``--model`` and its layer count (``tests/train/test_foreign_models
   a block-diagonal einsum with a batch axis on the weight (``"btgi,gio->btgo"``, weight
   ``(G, d/G, d/G)`` named ``gates``) and a ``nn.Einsum`` projection; returns an ``Output``
   dataclass and needs positions (``(model, call)`` factory: ``block_diag_lm``).
+* ``NnxPosLM`` (NNX): needs positions and returns an ``Output``; its factory takes ``rngs``
+  and returns ``(model, call)`` (``nnx_pos_lm``).
 * ``scanned_mlp``: an Equinox-style pure function, ``fn(params, tokens)`` whose layers are
   stacked ``(L, ...)`` and run by ``lax.scan`` (for ``fp4jax.nn.quantize_function``).
 """
@@ -22,6 +24,7 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from tests.harness_models import causal_attention
 
@@ -136,6 +139,43 @@ def block_diag_lm(vocab_size: int, seq_len: int, **kwargs):
 def block_diag_lm_bare(vocab_size: int, seq_len: int, **kwargs) -> BlockDiagLM:
     """``BlockDiagLM`` alone (the harness must refuse it with a clear error)."""
     return BlockDiagLM(vocab_size, **kwargs)
+
+
+class NnxPosLM(nnx.Module):
+    """An NNX language model needing positions and returning an ``Output``: token and
+    position embeddings, two blocks of an up and a down ``nnx.Linear``, an LM head."""
+
+    def __init__(self, vocab_size: int, seq_len: int, d: int = 32, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(vocab_size, d, rngs=rngs)
+        self.pos = nnx.Embed(seq_len, d, rngs=rngs)
+        self.ups = nnx.List([nnx.Linear(d, 2 * d, rngs=rngs) for _ in range(2)]) if hasattr(
+            nnx, "List") else [nnx.Linear(d, 2 * d, rngs=rngs) for _ in range(2)]
+        self.downs = nnx.List([nnx.Linear(2 * d, d, rngs=rngs) for _ in range(2)]) if hasattr(
+            nnx, "List") else [nnx.Linear(2 * d, d, rngs=rngs) for _ in range(2)]
+        self.lm_head = nnx.Linear(d, vocab_size, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array) -> Output:
+        x = self.embed(tokens) + self.pos(positions)
+        for up, down in zip(self.ups, self.downs, strict=True):
+            x = x + down(jax.nn.gelu(up(x)))
+        return Output(logits=self.lm_head(x), hidden=x)
+
+
+def call_nnx_pos(model: NnxPosLM, tokens: jax.Array) -> jax.Array:
+    """How the harness calls ``NnxPosLM``: positions made here, logits taken out."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    return model(tokens, positions).logits
+
+
+def nnx_pos_lm(vocab_size: int, seq_len: int, *, rngs: nnx.Rngs):
+    """``(NnxPosLM, call_nnx_pos)``: an NNX factory (it takes ``rngs``) returning the model
+    and the function that calls it on token ids (``--model`` protocol)."""
+    return NnxPosLM(vocab_size, seq_len, rngs=rngs), call_nnx_pos
+
+
+def nnx_pos_lm_bare(vocab_size: int, seq_len: int, *, rngs: nnx.Rngs) -> NnxPosLM:
+    """``NnxPosLM`` alone (the harness must refuse it with a clear error)."""
+    return NnxPosLM(vocab_size, seq_len, rngs=rngs)
 
 
 class TupleLM(nn.Module):

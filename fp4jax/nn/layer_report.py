@@ -113,7 +113,10 @@ def report(qmodel: Any, *example_args: Any, rngs: Any = None, method: Any = None
       *example_args, **kwargs: the model's call inputs (linen: ``init``'s after the keys).
       rngs: linen: the RNG streams for ``init`` (default ``{"params": key(0)}`` plus the
         quantization streams); NNX: unused.
-      method: linen: the method to trace (as ``Module.init``'s ``method``).
+      method: linen: the method to trace (as ``Module.init``'s ``method``); NNX: a
+        callable ``method(model, *example_args, **kwargs)`` traced instead of
+        ``model(*example_args, **kwargs)`` (e.g. one that makes positions and takes the
+        logits out of a returned structure).
 
     Returns:
       a :class:`Report`.
@@ -146,7 +149,10 @@ def report(qmodel: Any, *example_args: Any, rngs: Any = None, method: Any = None
 
         def fn_nnx(params, rest):
             with patched(), push(None):
-                return nnx.merge(graphdef, params, rest)(*example_args, **kwargs)
+                m = nnx.merge(graphdef, params, rest)
+                if method is None:
+                    return m(*example_args, **kwargs)
+                return method(m, *example_args, **kwargs)
         attempts = [(fn_nnx, (params, rest))]
     for i, (fn, args) in enumerate(attempts):
         rec = Record()

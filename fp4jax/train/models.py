@@ -281,9 +281,10 @@ FACTORY_PROTOCOL = """\
 ``flax.nnx.Module`` built with ``rngs`` (``nnx.Rngs`` with the ``params`` stream seeded
 from ``--seed``). Called on int32 token ids ``(batch, seq_len)``, the model returns logits
 ``(batch, seq_len, vocab_size)`` of any float dtype (the loss takes them in float32).
-A linen model that returns a structure (a dataclass, a tuple) or needs other inputs
+A model that returns a structure (a dataclass, a tuple) or needs other inputs
 (positions, a mask): the factory returns ``(model, call)`` with ``call(model, tokens) ->
-logits``, run inside the model (``CalledModel``: the same parameters and layer paths)."""
+logits``; linen: run inside the model (``CalledModel``: the same parameters and layer
+paths); NNX: called on the built model (``NnxModel.call``)."""
 
 
 class CalledModel(nn.Module):
@@ -389,7 +390,9 @@ class NnxModel:
     """An NNX model as a pure function with linen's ``init``/``apply``, so the harness
     trains it like a linen module.
 
-    ``build(rngs) -> nnx.Module`` builds the model (the factory's); ``quantize(module,
+    ``build(rngs) -> nnx.Module`` builds the model (the factory's); ``call(module, tokens)
+    -> logits`` runs it (None: ``module(tokens)``; the factory's ``(model, call)``);
+    ``quantize(module,
     rngs) -> module`` (None: none) puts it under the run's rules at every call
     (``fp4jax.nn.quantize_model(module, rules, rngs=nnx.Rngs(**rngs))``), so its layers'
     stochastic-rounding streams are seeded from the call's ``"fp4"`` key (distinct per
@@ -411,10 +414,11 @@ class NnxModel:
     """
 
     def __init__(self, build: Callable[[Any], Any],
-                 quantize: Callable[[Any, dict], Any] | None = None) -> None:
+                 quantize: Callable[[Any, dict], Any] | None = None,
+                 call: Callable[[Any, jax.Array], jax.Array] | None = None) -> None:
         from flax import nnx
 
-        self.build, self.quantize = build, quantize
+        self.build, self.quantize, self.call = build, quantize, call
         abstract = nnx.eval_shape(lambda: build(nnx.Rngs(params=0)))
         self.graphdef, self.params, self.rest = nnx.split(abstract, nnx.Param, ...)
         other = sorted({type(v).__name__ for _, v in nnx.to_flat_state(self.rest)
@@ -460,8 +464,9 @@ class NnxModel:
         return model
 
     def apply(self, variables: dict, tokens: jax.Array, rngs: dict | None = None) -> jax.Array:
-        """The model's logits on ``tokens (B, T)`` int32."""
-        return self.module(variables["params"], rngs)(tokens)
+        """The model's logits on ``tokens (B, T)`` int32 (through ``call`` if given)."""
+        m = self.module(variables["params"], rngs)
+        return m(tokens) if self.call is None else self.call(m, tokens)
 
 
 # --- which layers of a foreign model run in which recipe ----------------------------------
@@ -615,11 +620,12 @@ def quantized_model(model: Any, rules: Rules, rngs: dict | None = None) -> Any:
     return fp4jax.nn.quantize_model(model, list(rules), **kw)
 
 
-def listing_model(model: Any, build: Callable[[Any], Any] | None = None) -> Any:
+def listing_model(model: Any, build: Callable[[Any], Any] | None = None,
+                  call: Callable[[Any, jax.Array], jax.Array] | None = None) -> Any:
     """``model`` under ``fp4jax.nn.quantize_model`` with one rule keeping every layer in
     high precision, for ``fp4jax.nn.report`` to list its linear layers (every product of a
     weight, whatever its name); NNX (``build``, the factory's ``build(rngs)``): an
-    ``NnxModel`` doing so."""
+    ``NnxModel`` doing so (run by ``call``, the factory's, if any)."""
     import fp4jax.nn
 
     listing = [Rule(".*", None)]
@@ -628,7 +634,7 @@ def listing_model(model: Any, build: Callable[[Any], Any] | None = None) -> Any:
     from flax import nnx
 
     return NnxModel(build, lambda m, rngs: fp4jax.nn.quantize_model(
-        m, listing, rngs=nnx.Rngs(**rngs)))
+        m, listing, rngs=nnx.Rngs(**rngs)), call)
 
 
 def reported_recipes(rep: Any, rules: Rules, layers: list[str]
@@ -713,7 +719,7 @@ def _say_report(model: Any, x0: jax.Array, name: str, say: bool = True) -> Any:
                 params = model.init(jax.random.key(0), x0)["params"]
                 k = jax.random.key(1)
                 found["r"] = fp4jax.nn.report(model.module(params, {"fp4": k, "fp4_layer": k}),
-                                              x0)
+                                              x0, method=model.call)
                 return jnp.zeros(())
 
             jax.eval_shape(trace)
@@ -759,7 +765,7 @@ def check_logits(name: str, model: Any, x0: jax.Array, vocab_size: int) -> Any:
         raise
     except Exception as e:  # noqa: BLE001 (the user's model: one line naming --model)
         raise ValueError(f"--model {name}: the model does not run on token ids of shape "
-                         f"{(b, t)} int32: {type(e).__name__}: {e} (a linen model needing "
+                         f"{(b, t)} int32: {type(e).__name__}: {e} (a model needing "
                          "other inputs: return (model, call) from the factory, "
                          "call(model, tokens) -> logits; docs/byom.md)") from e
     shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
@@ -769,7 +775,7 @@ def check_logits(name: str, model: Any, x0: jax.Array, vocab_size: int) -> Any:
         raise ValueError(f"--model {name}: the model must return float logits of shape "
                          f"(batch, seq_len, vocab_size) = {(b, t, vocab_size)} for token ids "
                          f"{(b, t)}, got {got} (vocab_size is the factory's first argument). "
-                         "A linen model returning a dataclass or tuple, or needing "
+                         "A model returning a dataclass or tuple, or needing "
                          "positions or a mask: return (model, call) from the factory, "
                          "call(model, tokens) -> logits (docs/byom.md)")
     return variables["params"]
@@ -806,14 +812,25 @@ def foreign_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
                              ) from e
 
     if nnx_factory:
+        called: dict[str, Callable[[Any, jax.Array], jax.Array]] = {}
+
         def build_plain(rngs: Any) -> Any:
             m = call_factory(rngs=rngs)
+            if isinstance(m, tuple) and len(m) == 2 and isinstance(m[0], nnx.Module):
+                if not callable(m[1]):
+                    raise ValueError(f"--model {cfg.model}: the factory returned (model, "
+                                     f"{type(m[1]).__name__}): the second item must be "
+                                     "call(model, tokens) -> logits")
+                called["call"] = m[1]
+                m = m[0]
             if not isinstance(m, nnx.Module):
                 raise ValueError(f"--model {cfg.model}: a factory that takes rngs must "
-                                 f"return a flax.nnx.Module, got {type(m).__name__}")
+                                 "return a flax.nnx.Module (or a tuple (module, call) with "
+                                 f"call(model, tokens) -> logits), got {type(m).__name__}")
             return m
 
-        plain = NnxModel(build_plain)
+        plain = NnxModel(build_plain)  # builds once (abstractly): ``called`` is known
+        plain.call = nnx_call = called.get("call")
         kind = "nnx"
     else:
         plain = call_factory()
@@ -836,8 +853,8 @@ def foreign_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
     shapes_tree = check_logits(cfg.model, plain, x0, vocab_size)
     # the linear layers: what fp4jax.nn.report finds the model multiplying, whatever its
     # weights are called (the parameters named "kernel" if the report fails)
-    found = _say_report(listing_model(plain, build_plain if nnx_factory else None), x0,
-                        cfg.model, say=False)
+    found = _say_report(listing_model(plain, *((build_plain, nnx_call) if nnx_factory
+                                               else ())), x0, cfg.model, say=False)
     if found is not None and found.layers:
         # each layer's weight elements, every weight it multiplies (the GEMM work's share)
         shapes = {n: (sum(math.prod(w) for w in d.get("weights") or [d["weight"]]),)
@@ -872,7 +889,7 @@ def foreign_models(cfg: TrainConfig, rcfg: TrainConfig, recipe: Recipe,
         if not nnx_factory:
             return quantized_model(plain, rs)
         return NnxModel(build_plain, (lambda m, rngs: quantized_model(m, rs, rngs))
-                        if rules_quantize(rs) else None)
+                        if rules_quantize(rs) else None, nnx_call)
 
     models = {False: make(rules), True: make(sw_rules)}
     rep = _say_report(models[False], x0, cfg.model) if rules_quantize(rules) else None

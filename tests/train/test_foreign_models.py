@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import fp4jax
 from fp4jax import diagnostics as D
@@ -87,6 +88,32 @@ def test_factory_returning_model_and_call(tmp_path):
 
     rm = _run_models("tuple_lm", tmp_path)
     assert "lm/h_0/ffn" in rm.layers and rm.summary.startswith("7 of 7 linear layers")
+
+
+def test_nnx_factory_returning_model_and_call(tmp_path):
+    """An NNX factory (taking rngs) returns (model, call): the model needs positions and
+    returns an Output. Its layers are counted from the report traced through call; the
+    high-precision model's logits are the NNX model's own, bit for bit; NVFP4 changes
+    them."""
+    rm = _run_models("nnx_pos_lm", tmp_path)
+    want_layers = {"ups/0", "ups/1", "downs/0", "downs/1", "lm_head"}
+    assert set(rm.layers) == want_layers, rm.layers
+    assert rm.summary.startswith("4 of 5 linear layers in NVFP4 (80%); high precision: "
+                                 "lm_head"), rm.summary
+    tokens = jax.random.randint(jax.random.key(1), (2, SEQ), 0, VOCAB)
+    hp = _run_models("nnx_pos_lm", tmp_path, recipe="bf16").models[False]
+    v = hp.init(jax.random.key(0), tokens)  # op by op, as the model built below
+    model, call = fm.nnx_pos_lm(VOCAB, SEQ, rngs=nnx.Rngs(params=jax.random.key(0)))
+    want = call(model, tokens)
+    np.testing.assert_array_equal(hp.apply(v, tokens), want)  # both op by op
+    k = jax.random.key(2)
+    q = rm.models[False]
+    out = jax.jit(lambda v: q.apply(v, tokens, rngs={"fp4": k, "fp4_layer": k}))(v)
+    assert out.shape == (2, SEQ, VOCAB) and bool(jnp.all(jnp.isfinite(out)))
+    assert not np.array_equal(out, want)
+    with pytest.raises(ValueError, match=r"nnx_pos_lm_bare: the model does not run on token "
+                                         r"ids.*return \(model, call\)"):
+        _run_models("nnx_pos_lm_bare", tmp_path)
 
 
 def test_a_model_needing_other_inputs_is_refused_naming_the_way_out(tmp_path):
