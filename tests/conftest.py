@@ -142,6 +142,33 @@ SLOW_TESTS = frozenset({
     "nn/test_moe.py::test_moe_llama_trains_with_the_aux_loss",
     "nn/test_rules_operands.py::"
     "test_a_layer_whose_input_has_its_transposed_kernels_shape_is_quantized",
+    # Out of the fast tier on 2026-12-07 (issue 57: the fast tier took 11.5-19 min on the
+    # shared 2-core machine; test CPU seconds at -n 2 on JAX 0.10.2 in brackets). Runs of
+    # the harness's CLI on foreign models, each training end to end (a fast test still runs
+    # the harness's train and eval steps on a foreign model:
+    # test_harness.py::test_train_step_and_eval_step_on_a_tiny_model):
+    "train/test_harness.py::test_cli_trains_a_linen_model_with_rules_and_resumes_exactly",  # 28
+    "train/test_harness.py::test_cli_trains_an_nnx_model_from_a_file",  # 18
+    "train/test_harness.py::test_cli_compares_recipes_on_a_foreign_model",  # 30
+    "train/test_harness.py::test_cli_grad_noise_and_auto_switch_on_a_foreign_model",  # 11
+    "train/test_harness.py::test_cli_bf16_layers_auto_and_stats_on_a_linen_model",  # 34
+    "train/test_harness.py::test_cli_stats_on_an_nnx_model",  # 19
+    # other end-to-end training runs (the loop's checkpoints and resume stay in the fast
+    # tier through test_harness.py::test_checkpoints_save_resume_round_trip)
+    "train/test_pipelining.py::test_pipelined_run_records_what_the_synchronous_loop_records",  # 37
+    "train/test_oscillation.py::test_harness_records_resets_and_resumes_exactly",  # 19
+    "train/test_tokens.py::test_train_cli_on_tokenized_corpus_resumes_exactly",  # 10
+    "train/test_harness_edges.py::test_resume_with_edited_model_code_is_refused",  # 8
+    # the micro Llama's train step against its golden bits, 5 recipes (23; nvfp4 alone ~60 s
+    # of wall on one worker)
+    "nn/test_llama_rules.py::test_micro_train_step_bits_are_the_old_llamas",
+    # the fused operand kernels in Mosaic GPU interpret mode (as tests/kernels, slow)
+    "dot/test_sharding.py::test_kernels_quantize_a_row_shard_as_the_whole_tensor",  # 21
+    # models compiled whole under a mesh or a scan (the sharded dot and the RHT keys per
+    # layer stay in the fast tier at the GEMM and layer level: test_sharding.py,
+    # test_rht_policy.py's others)
+    "nn/test_attention.py::test_sharded_eval_equals_one_device",  # 14
+    "recipes/test_rht_policy.py::test_scanned_llama_gives_each_layer_its_own_key",  # 8
 })
 
 
