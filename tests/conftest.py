@@ -169,19 +169,29 @@ SLOW_TESTS = frozenset({
     # test_rht_policy.py's others)
     "nn/test_attention.py::test_sharded_eval_equals_one_device",  # 14
     "recipes/test_rht_policy.py::test_scanned_llama_gives_each_layer_its_own_key",  # 8
+    # one parametrization of a test whose others stay fast ("file::test[id]"): the kernels
+    # in interpret mode (as tests/kernels), the second recipe or size of a GEMM-level check
+    "core/test_te_codes.py::test_packed_kernels_give_the_core_codes[False]",  # 6
+    "dot/test_amax_scope.py::test_amax_collectives[interpret]",  # 5
+    "dot/test_dot.py::test_reference_gemms_are_dots_forward_and_vjp_bit_for_bit[quartet2]",  # 9
+    "dot/test_ragged.py::test_ragged_dot_is_per_expert_dot_bit_for_bit[mxfp4]",  # 5
+    "dot/test_sharding.py::test_sharded_dot_equals_one_device[fp4_all_the_way]",  # 4
+    "recipes/test_rht_policy.py::test_layer_signs_are_the_fixed_vector_drawn_from_rht_key[128]",
 })
 
 
-def is_slow(relpath: str, marks: set[str], name: str = "") -> bool:
-    """Whether the test ``name`` (without its parameters) of file ``relpath`` (relative to
-    ``tests/``) is slow: marked ``slow`` or ``heavy(seconds)``, in one of ``SLOW_FILES``
-    (a file, or a folder) or one of ``SLOW_TESTS``."""
+def is_slow(relpath: str, marks: set[str], name: str = "", params: str = "") -> bool:
+    """Whether the test ``name`` (without its parameters; ``params``: its ``[id]`` suffix,
+    if any) of file ``relpath`` (relative to ``tests/``) is slow: marked ``slow`` or
+    ``heavy(seconds)``, in one of ``SLOW_FILES`` (a file, or a folder) or one of
+    ``SLOW_TESTS`` (every parametrization, or the one named with its ``[id]``)."""
     if marks & {"slow", "heavy"}:
         return True
     relpath = relpath.replace(os.sep, "/")
     parts = relpath.split("/")
     return (any("/".join(parts[:i]) in SLOW_FILES for i in range(1, len(parts) + 1))
-            or f"{relpath}::{name}" in SLOW_TESTS)
+            or f"{relpath}::{name}" in SLOW_TESTS
+            or bool(params) and f"{relpath}::{name}{params}" in SLOW_TESTS)
 
 
 def pytest_itemcollected(item):
@@ -190,7 +200,8 @@ def pytest_itemcollected(item):
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     rel = os.path.relpath(str(item.path), tests_dir)
     name = getattr(item, "originalname", None) or item.name.split("[", 1)[0]
-    if is_slow(rel, {m.name for m in item.iter_markers()}, name):
+    params = item.name[len(name):] if item.name.startswith(name + "[") else ""
+    if is_slow(rel, {m.name for m in item.iter_markers()}, name, params):
         item.add_marker(pytest.mark.slow)
 
 
