@@ -271,10 +271,11 @@ def enable_compile_cache(path: str | None, data_cache: str | None = None) -> str
 
 # JAX >= 0.12 on CPU: programs with cross-process (gloo) collectives that the processes
 # load from the persistent compilation cache, rather than compile, hang in their first
-# collective (measured on 0.12.1: a two-process --fsdp 2 run killed and resumed hung in
-# the first resumed step, both processes blocked reading its metrics, in 3 of 3 runs whose
-# cache held the first segment's programs, and finished in 92-105 s in 2 of 2 runs with the
-# cache emptied before the resume; 0.10.2 is unaffected): such runs compile afresh.
+# collective (measured on 0.12.1, tests/train/test_multiprocess.py's run: a two-process
+# --fsdp 2 run killed and resumed on a cache holding the first segment's programs hung in
+# the first resumed step, both processes blocked reading its metrics, in 2 of 2 runs here
+# and in every CI run before; with the cache emptied before the resume it finished in
+# 92-105 s in 2 of 2 runs; 0.10.2 is unaffected): such runs compile afresh.
 _GLOO_CACHE_HANGS = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
 
 
