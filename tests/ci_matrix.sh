@@ -41,12 +41,13 @@ find_python() {
 }
 
 # Test paths known to fail on the newest JAX for a reason in the library, each with its
-# reason: on the newest they run first, apart, and their failures are printed but do not
-# fail the run; the rest of the suite gates as usual. Empty it as soon as they pass.
+# reason: on the newest they run apart, beside the rest of the suite (in the background,
+# their output printed at the end), and their failures are printed but do not fail the
+# run; the rest of the suite gates as usual. Empty it as soon as they pass.
+# (A test that hangs, blocked in a collective, takes no CPU there: tests/train/
+# test_multiprocess.py on JAX 0.12.1 did for its 600 s limit until fp4jax-train stopped
+# using the persistent compilation cache in multi-process CPU runs, cli._GLOO_CACHE_HANGS.)
 newest_known_failing=(
-  # the killed two-process FSDP run times out on JAX 0.12.1 (Gloo connects; the resumed
-  # run does not finish in the test's limit); not yet located
-  tests/train/test_multiprocess.py
 )
 
 oldest_python=${FP4JAX_CI_OLDEST_PYTHON:-$(find_python 3.11 || true)}
@@ -68,7 +69,7 @@ run() {
   "$venv/bin/python" -m pip install -q --upgrade pip || return 1
   "$venv/bin/python" -m pip install -q -e ".[dev]" "${pins[@]}" || return 1
   "$venv/bin/python" -c 'import jax, flax, sys; print(f"ci_matrix: '"$name"': Python {sys.version.split()[0]}, JAX {jax.__version__}, Flax {flax.__version__}")' || return 1
-  local t0=$SECONDS ignores=() p
+  local t0=$SECONDS ignores=() p known_pid="" known_log
   if [ "$name" = newest ]; then
     for p in "${newest_known_failing[@]}"; do
       case "$p" in
@@ -77,13 +78,23 @@ run() {
       esac
     done
     if [ "$whole_suite" = 1 ] && [ "${#ignores[@]}" -gt 0 ]; then
-      "$venv/bin/python" -m pytest "${pytest_args[@]}" "${newest_known_failing[@]}"
-      echo "ci_matrix: newest: known failing on this JAX (not gating):" \
-           "${newest_known_failing[*]}: pytest exit $?"
+      # in the background, one worker (-p no:xdist), beside the gating run
+      known_log=$(mktemp "${TMPDIR:-/tmp}/ci_matrix_known.XXXXXX")
+      "$venv/bin/python" -m pytest -q -p no:xdist "${newest_known_failing[@]}" \
+        >"$known_log" 2>&1 &
+      known_pid=$!
     fi
   fi
   "$venv/bin/python" -m pytest "${pytest_args[@]}" "${ignores[@]}"
   local rc=$?
+  if [ -n "$known_pid" ]; then
+    wait "$known_pid"
+    local known_rc=$?
+    cat "$known_log"
+    rm -f "$known_log"
+    echo "ci_matrix: newest: known failing on this JAX (not gating):" \
+         "${newest_known_failing[*]}: pytest exit $known_rc"
+  fi
   echo "ci_matrix: $name: pytest exit $rc in $((SECONDS - t0)) s"
   return $rc
 }

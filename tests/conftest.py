@@ -142,19 +142,63 @@ SLOW_TESTS = frozenset({
     "nn/test_moe.py::test_moe_llama_trains_with_the_aux_loss",
     "nn/test_rules_operands.py::"
     "test_a_layer_whose_input_has_its_transposed_kernels_shape_is_quantized",
+    # Out of the fast tier on 2026-12-07 (issue 57: the fast tier took 11.5-19 min on the
+    # shared 2-core machine; test CPU seconds at -n 2 on JAX 0.10.2 in brackets). Runs of
+    # the harness's CLI on foreign models, each training end to end (a fast test still runs
+    # the harness's train and eval steps on a foreign model:
+    # test_harness.py::test_train_step_and_eval_step_on_a_tiny_model):
+    "train/test_harness.py::test_cli_trains_a_linen_model_with_rules_and_resumes_exactly",  # 28
+    "train/test_harness.py::test_cli_trains_an_nnx_model_from_a_file",  # 18
+    "train/test_harness.py::test_cli_compares_recipes_on_a_foreign_model",  # 30
+    "train/test_harness.py::test_cli_grad_noise_and_auto_switch_on_a_foreign_model",  # 11
+    "train/test_harness.py::test_cli_bf16_layers_auto_and_stats_on_a_linen_model",  # 34
+    "train/test_harness.py::test_cli_stats_on_an_nnx_model",  # 19
+    # other end-to-end training runs (the loop's checkpoints and resume stay in the fast
+    # tier through test_harness.py::test_checkpoints_save_resume_round_trip)
+    "train/test_pipelining.py::test_pipelined_run_records_what_the_synchronous_loop_records",  # 37
+    "train/test_oscillation.py::test_harness_records_resets_and_resumes_exactly",  # 19
+    "train/test_tokens.py::test_train_cli_on_tokenized_corpus_resumes_exactly",  # 10
+    "train/test_harness_edges.py::test_resume_with_edited_model_code_is_refused",  # 8
+    # the micro Llama's train step against its golden bits, 5 recipes (23; nvfp4 alone ~60 s
+    # of wall on one worker)
+    "nn/test_llama_rules.py::test_micro_train_step_bits_are_the_old_llamas",
+    # the fused operand kernels in Mosaic GPU interpret mode (as tests/kernels, slow)
+    "dot/test_sharding.py::test_kernels_quantize_a_row_shard_as_the_whole_tensor",  # 21
+    # models compiled whole under a mesh or a scan (the sharded dot and the RHT keys per
+    # layer stay in the fast tier at the GEMM and layer level: test_sharding.py,
+    # test_rht_policy.py's others)
+    "nn/test_attention.py::test_sharded_eval_equals_one_device",  # 14
+    "recipes/test_rht_policy.py::test_scanned_llama_gives_each_layer_its_own_key",  # 8
+    # one parametrization of a test whose others stay fast ("file::test[id]"): the kernels
+    # in interpret mode (as tests/kernels), the second recipe or size of a GEMM-level check
+    "core/test_te_codes.py::test_packed_kernels_give_the_core_codes[False]",  # 6
+    "dot/test_amax_scope.py::test_amax_collectives[interpret]",  # 5
+    "dot/test_dot.py::test_reference_gemms_are_dots_forward_and_vjp_bit_for_bit[quartet2]",  # 9
+    "dot/test_ragged.py::test_ragged_dot_is_per_expert_dot_bit_for_bit[mxfp4]",  # 5
+    "dot/test_sharding.py::test_sharded_dot_equals_one_device[fp4_all_the_way]",  # 4
+    "recipes/test_rht_policy.py::test_layer_signs_are_the_fixed_vector_drawn_from_rht_key[128]",
+    "dot/test_sharding.py::test_sharded_dot_equals_one_device[mxfp4]",  # 4
+    "dot/test_ragged_edges.py::test_negative_traced_sizes_give_nan[fp4_all_the_way]",  # 3
+    # the Pallas operand kernel in interpret mode against the XLA path (as tests/kernels)
+    "dot/test_implementation.py::test_argument_overrides_the_environment",  # 10
+    # the harness's NNX wrapper compiled whole, forward and gradient (NNX models under the
+    # rules stay fast: nn/test_rules.py)
+    "train/test_harness.py::test_nnx_model_as_a_pure_function",  # 16
 })
 
 
-def is_slow(relpath: str, marks: set[str], name: str = "") -> bool:
-    """Whether the test ``name`` (without its parameters) of file ``relpath`` (relative to
-    ``tests/``) is slow: marked ``slow`` or ``heavy(seconds)``, in one of ``SLOW_FILES``
-    (a file, or a folder) or one of ``SLOW_TESTS``."""
+def is_slow(relpath: str, marks: set[str], name: str = "", params: str = "") -> bool:
+    """Whether the test ``name`` (without its parameters; ``params``: its ``[id]`` suffix,
+    if any) of file ``relpath`` (relative to ``tests/``) is slow: marked ``slow`` or
+    ``heavy(seconds)``, in one of ``SLOW_FILES`` (a file, or a folder) or one of
+    ``SLOW_TESTS`` (every parametrization, or the one named with its ``[id]``)."""
     if marks & {"slow", "heavy"}:
         return True
     relpath = relpath.replace(os.sep, "/")
     parts = relpath.split("/")
     return (any("/".join(parts[:i]) in SLOW_FILES for i in range(1, len(parts) + 1))
-            or f"{relpath}::{name}" in SLOW_TESTS)
+            or f"{relpath}::{name}" in SLOW_TESTS
+            or bool(params) and f"{relpath}::{name}{params}" in SLOW_TESTS)
 
 
 def pytest_itemcollected(item):
@@ -163,7 +207,8 @@ def pytest_itemcollected(item):
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     rel = os.path.relpath(str(item.path), tests_dir)
     name = getattr(item, "originalname", None) or item.name.split("[", 1)[0]
-    if is_slow(rel, {m.name for m in item.iter_markers()}, name):
+    params = item.name[len(name):] if item.name.startswith(name + "[") else ""
+    if is_slow(rel, {m.name for m in item.iter_markers()}, name, params):
         item.add_marker(pytest.mark.slow)
 
 

@@ -269,6 +269,16 @@ def enable_compile_cache(path: str | None, data_cache: str | None = None) -> str
     return str(d)
 
 
+# JAX >= 0.12 on CPU: programs with cross-process (gloo) collectives that the processes
+# load from the persistent compilation cache, rather than compile, hang in their first
+# collective (measured on 0.12.1, tests/train/test_multiprocess.py's run: a two-process
+# --fsdp 2 run killed and resumed on a cache holding the first segment's programs hung in
+# the first resumed step, both processes blocked reading its metrics, in 2 of 2 runs here
+# and in every CI run before; with the cache emptied before the resume it finished in
+# 92-105 s in 2 of 2 runs; 0.10.2 is unaffected): such runs compile afresh.
+_GLOO_CACHE_HANGS = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
+
+
 # XLA's deterministic ops, and cuBLAS for the GEMMs: with deterministic ops XLA does not
 # autotune, and its Triton GEMM fusions then have no default config and fail to compile
 # (JAX 0.11.2, H100: "No backend with default config found for instruction gemm_fusion_dot")
@@ -362,6 +372,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             processes.initialize(**dist)
         except ValueError as e:
             p.error(str(e))
+        if _GLOO_CACHE_HANGS and jax.default_backend() == "cpu":
+            # before the first compile, where JAX decides once whether the cache is used
+            jax.config.update("jax_enable_compilation_cache", False)
+            print("fp4jax-train: no persistent compilation cache for a multi-process CPU run "
+                  f"on JAX {jax.__version__} (a program with gloo collectives loaded from it "
+                  "hangs in its first collective)", file=sys.stderr)
     # after jax.distributed (default_backend starts the backend); this process's flag on
     # GPUs only: a process that calls main() twice, as the tests do, would else recompile
     set_threefry_lowering(threefry, this_process=jax.default_backend() == "gpu")
