@@ -93,7 +93,8 @@ from pallas_kernels.quantize.common_sm90 import (
 )
 
 __all__ = ["fq_rows", "fq_cols", "fq_2d", "rht_cols_amax", "cols_amaxes", "flat_quads",
-           "supported_rows", "supported_cols", "supported_2d", "scalars"]
+           "fq_rows_cols_scaled", "supported_rows", "supported_cols", "supported_2d",
+           "supported_rows_cols", "scalars"]
 
 _NAN2 = 0x7FC07FC0  # two bf16 quiet NaNs
 
@@ -900,3 +901,151 @@ def fq_2d(x, *, interpret: bool = False, amax=None, **kw):
     enc, dec = global_scales(x, amax)
     return fq_2d_scaled(x, scalars(enc, dec), interpret=interpret, **kw), dec
 
+
+
+# ---------------------------------------------------------------------------
+# 1x16 rows and (RHT-16) 16x1 columns from one read (not wired in: issue 56 item 3).
+# ---------------------------------------------------------------------------
+
+ROWS_COLS_MULTIPLE = 1024  # fq_rows_cols: C a multiple of this (strips of 64 column blocks)
+
+
+def supported_rows_cols(shape, dtype, sr_rows: bool = False) -> bool:
+    """Shapes of ``fq_rows_cols_scaled``: those of both ``supported_cols`` and
+    ``supported_rows`` (with ``sr_rows``: SR rows in quads, ``padded``) and C % 1024 == 0
+    (strips of a multiple of 64 column blocks: the WGMMA register layout, whose row
+    reductions the 1x16 blocks need; the strided layout of narrower strips has none)."""
+    return (supported_cols(shape, dtype) and supported_rows(shape, dtype, sr_rows, padded=True)
+            and shape[1] % ROWS_COLS_MULTIPLE == 0)
+
+
+def _fq_strip_rows(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: int,
+                   plain: bool, mode: str, sr: bool):
+    """The 1x16 rows operand of one strip: x_ref/o_ref (16, g, 8) words, row k of the strip
+    a (g, 8) tile whose rows are blocks. Round to nearest: ``_fq_tile`` a row (a loop over
+    the 16 rows). SR: ``_fq_quad_tile`` a row quad (a loop over the 4 quads, the quad's
+    rows a loop too, ``dyn``), first draw ``(row0/4 + p) * C/2 + col0/2``: the draw
+    ``_fq_rows_quads`` gives the same words (``_quad_draw0``: quad index times C/2 plus
+    8 words a block before the tile)."""
+    if not sr:
+        @pl.loop(0, 16)
+        def _(k):
+            _fq_tile(sc_ref, kw_ref, x_ref.at[k], o_ref.at[k], nb=g, plain=plain, mode=mode,
+                     chunk=max(g, SUB))
+
+        return
+
+    @pl.loop(0, 4)
+    def _(p):
+        rows = pl.ds(4 * p, 4)
+        draw0 = ((lax.shift_right_logical(row0, 2) + p) * (n_cols // 2)
+                 + lax.shift_right_logical(col0, 1))
+        _fq_quad_tile(sc_ref, kw_ref, x_ref.at[rows], o_ref.at[rows], g=g, draw0=draw0,
+                      plain=plain, mode=mode, dyn=True)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "recip_rows", "sr_rows", "sr_cols",
+                                             "rht", "g", "steps", "sc_row_rows",
+                                             "sc_row_cols"))
+def fq_rows_cols_scaled(x, sc_rows, sc_cols, kw_rows, kw_cols, *, interpret: bool = False,
+                        recip_rows: str | None = None, sr_rows: bool = False,
+                        sr_cols: bool = False, rht: bool = False, g: int | None = None,
+                        steps: int = 1, sc_row_rows: int | None = None,
+                        sc_row_cols: int | None = None):
+    """``(fq_rows_scaled(x, sc_rows, kw_rows, sr=sr_rows, sc_row=sc_row_rows),
+    fq_cols_scaled(x, sc_cols, kw_cols, sr=sr_cols, rht=rht, sc_row=sc_row_cols))``, the
+    same bits, from ONE read of x: the NVFP4 x (fprop rows + wgrad RHT'd columns) or dy
+    (dgrad rows + wgrad columns) of ``dot_sm90.make_operands`` in one pass instead of two
+    (docs/performance.md, "NVFP4 at the emulation floor": 4 S bytes a tensor with
+    ``cols_amaxes`` instead of 5.5 S). NVFP4 only (no ``fmt``); x bf16 (R, C), see
+    ``supported_rows_cols``. NOT wired into ``make_operands`` and unmeasured on a GPU.
+
+    Plan (how each output stays bit-identical):
+
+    * Tiles: ``fq_cols``' strips, 16 rows x 16 g columns (x viewed as (R/16, 16, C/16, 8)
+      words, g = 64 column blocks on the GPU, whole rows in interpret mode), a CTA
+      ``steps`` strips of a row of strips (``_strip_call``'s grid). Row k of the strip,
+      a (g, 8) word tile, is also g whole 1x16 row blocks, so the rows operand needs no
+      other tile: phase 1 (``_fq_strip_rows``) writes it from x's strip with the rows
+      kernel's own tile code (``_fq_tile`` a row, RtN; ``_fq_quad_tile`` a row quad, SR);
+      phase 2 is ``_fq_strip_cols`` itself, unchanged (it then overwrites the input
+      strip with its stash of rotated high halves, so it must come second). Each thread
+      reads, in both phases, only the words of the WGMMA layout it later overwrites: no
+      barrier between them. Scales: the rows phase reads ``sc_rows`` (the ``"auto"``
+      reciprocal by default for RtN, ``"rn"`` for SR, as ``fq_rows_scaled``), the
+      columns phase ``sc_cols`` (``"rn"``, with the RHT signs), as the separate kernels.
+    * SR draws: both kernels count draws by ``numerics.uniform_from_key`` on x's stored
+      (R, C) order, so an element's counter is the same in both: word (i, j) of a strip
+      row quad p (rows row0 + 4p .. +3) has counter ``offset + (row0/4 + p) * C/2 +
+      col0/2 + 8 i + j``; rows 4p, 4p+1 take its word y0, 4p+2, 4p+3 y1; even rows bytes
+      0 (low element) and 1, odd rows 2 and 3. ``fq_rows``' quad tiles give the quad's
+      first draw as ``m * C/2 + 8 * first block`` (m = row0/4 + p, first block =
+      col0/16), ``_fq_strip_cols`` as ``(row0 >> 2) * C/2 + (col0 >> 1) + p * C/2``: the
+      same number. The two outputs differ only in the key (and ``offset``) words: phase 1
+      draws with ``kw_rows``, phase 2 with ``kw_cols`` (two Threefry per quad word, as
+      the two kernels together; with one key for both the draws would be shared).
+    * Budget (g = 64): shared memory a step 32 KiB in + 2 x 32 KiB out = 96 KiB (192 KiB
+      double-buffered with ``steps > 1``, under the 227 KiB of an H100); registers: phase 1
+      holds one (64, 8) row tile (4 words a thread) or a quad's draws, phase 2 is
+      ``fq_cols``' peak (16 rows of 4 words and their float32 halves): no more than
+      ``fq_cols`` alone. Bytes: reads 2 B and writes 4 B an element (two bf16 copies).
+    """
+    if not supported_rows_cols(x.shape, x.dtype, sr_rows):
+        raise ValueError(f"fq_rows_cols needs bf16 (R, C), R % 16 == 0, "
+                         f"C % {ROWS_COLS_MULTIPLE} == 0, R*C < 2^31, got {x.dtype} {x.shape}")
+    mode_rows = recip_mode(recip_rows or ("rn" if sr_rows else "auto"), None)
+    r, c = x.shape
+    nr, nc = r // 16, c // 16
+    g = g or (nc if interpret else 64)
+    if nc % (g * steps) or (not interpret and g % 64):
+        raise ValueError(f"fq_rows_cols tiling: g={g} x steps={steps} must divide C/16={nc} "
+                         "and g be a multiple of 64 on the GPU")
+    xw = lax.bitcast_convert_type(x.reshape(nr, 16, nc, 8, 2), jnp.uint32)
+    out_type = jax.ShapeDtypeStruct((nr, 16, nc, 8), jnp.uint32)
+
+    def strip(scr, scc, kwr, kwc, x_ref, or_ref, oc_ref, row0, col0, plain):
+        scr = scalar_row(scr, sc_row_rows)
+        scc = scalar_row(scc, sc_row_cols)
+        by_mode(scr, mode_rows, lambda md: _fq_strip_rows(
+            scr, kwr, x_ref, or_ref, g=g, row0=row0, col0=col0, n_cols=c, plain=plain,
+            mode=md, sr=sr_rows))
+        _fq_strip_cols(scc, kwc, x_ref, oc_ref, g=g, row0=row0, col0=col0, n_cols=c,
+                       plain=plain, mode="rn", sr=sr_cols, rht=rht)
+
+    def result(o):
+        return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
+
+    args = (sc_rows, sc_cols, kw_rows, kw_cols, xw)
+    if interpret:
+        def interp_body(scr, scc, kwr, kwc, x_ref, or_ref, oc_ref):
+            @pl.loop(0, nr)
+            def _(i):
+                for j in range(nc // g):
+                    at = (i, slice(None), pl.ds(j * g, g))
+                    strip(scr, scc, kwr, kwc, x_ref.at[at], or_ref.at[at], oc_ref.at[at],
+                          16 * i, 16 * g * j, True)
+
+        o_rows, o_cols = pl.pallas_call(
+            interp_body, out_shape=(out_type, out_type), interpret=interpret,
+            compiler_params=lane_params())(*args)
+        return result(o_rows), result(o_cols)
+
+    def body(scr, scc, kwr, kwc, x_gmem, or_gmem, oc_gmem):
+        i = lax.axis_index("rows")
+        j = lax.axis_index("cols")
+
+        def step(idx, x_smem, or_smem, oc_smem):
+            jj = j * steps + (idx[0] if isinstance(idx, (tuple, list)) else idx)
+            strip(scr, scc, kwr, kwc, x_smem.at[0], or_smem.at[0], oc_smem.at[0], 16 * i,
+                  16 * g * jj, False)
+
+        spec = plgpu.BlockSpec((1, 16, g, 8), lambda t: (i, 0, j * steps + t, 0))
+        plgpu.emit_pipeline(step, grid=(steps,), in_specs=[spec], out_specs=[spec, spec],
+                            max_concurrent_steps=min(steps, 2))(x_gmem, or_gmem, oc_gmem)
+
+    o_rows, o_cols = plgpu.kernel(
+        body, out_type=(out_type, out_type),
+        grid=(nr, nc // (g * steps)), grid_names=("rows", "cols"),
+        compiler_params=lane_params(unsafe_no_auto_barriers=True),
+    )(*args)
+    return result(o_rows), result(o_cols)
