@@ -93,8 +93,8 @@ from pallas_kernels.quantize.common_sm90 import (
 )
 
 __all__ = ["fq_rows", "fq_cols", "fq_2d", "rht_cols_amax", "cols_amaxes", "flat_quads",
-           "fq_rows_cols_scaled", "supported_rows", "supported_cols", "supported_2d",
-           "supported_rows_cols", "scalars"]
+           "fq_rows_cols", "fq_rows_cols_scaled", "supported_rows", "supported_cols",
+           "supported_2d", "supported_rows_cols", "scalars"]
 
 _NAN2 = 0x7FC07FC0  # two bf16 quiet NaNs
 
@@ -1049,3 +1049,22 @@ def fq_rows_cols_scaled(x, sc_rows, sc_cols, kw_rows, kw_cols, *, interpret: boo
         compiler_params=lane_params(unsafe_no_auto_barriers=True),
     )(*args)
     return result(o_rows), result(o_cols)
+
+
+def fq_rows_cols(x, key_rows=None, key_cols=None, *, signs=None, interpret: bool = False,
+                 offset=None, **kw):
+    """``(fq_rows(x, key_rows), fq_cols(x, key_cols, signs=signs))``, the same bits, with
+    both tensor amaxes from one read (``cols_amaxes``) and both operands from another
+    (``fq_rows_cols_scaled``): ``((rows (R, C) bf16, dec), (cols (R, C) bf16, dec))``.
+    ``offset``: the first SR draw of both (``numerics.row_shard_draw_offset``)."""
+    amax, rht_amax = cols_amaxes(x, jnp.ones((16,), jnp.float32) if signs is None else signs,
+                                 interpret=interpret)
+    enc, dec = global_scales(None, jnp.stack([amax, amax if signs is None else rht_amax]))
+    ones = jnp.ones((16,), jnp.float32)
+    sg = ones if signs is None else jnp.asarray(signs, jnp.float32).reshape(16)
+    sc = scalars(enc, dec, jnp.stack([ones, sg])).reshape(-1)
+    o_rows, o_cols = fq_rows_cols_scaled(
+        x, sc, sc, key_words(key_rows, offset), key_words(key_cols, offset),
+        sr_rows=key_rows is not None, sr_cols=key_cols is not None, rht=signs is not None,
+        sc_row_rows=0, sc_row_cols=1, interpret=interpret, **kw)
+    return (o_rows, dec[0]), (o_cols, dec[1])

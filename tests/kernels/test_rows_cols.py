@@ -94,6 +94,19 @@ def test_rows_cols_all_zero_and_constant():
         _check(x, False, False, rht=True)
 
 
+@needs_interpret
+def test_fq_rows_cols_wrapper_equals_fq_rows_and_fq_cols():
+    """The convenience wrapper (both amaxes from ``cols_amaxes``, the scalar batch, two
+    keys) against ``fq_rows`` and ``fq_cols`` (their own amax passes), scales included."""
+    x = wild_input((16, 1024), 24)
+    kr, kc = jax.random.key(31), jax.random.key(32)
+    (gr, dr), (gc, dc) = fq.fq_rows_cols(x, kr, kc, signs=SIGNS, interpret=IP)
+    wr, wdr = fq.fq_rows(x, kr, interpret=IP)
+    wc, wdc = fq.fq_cols(x, kc, signs=SIGNS, interpret=IP)
+    assert mismatches(gr, wr) == 0 and mismatches(gc, wc) == 0
+    assert float(dr) == float(wdr) and float(dc) == float(wdc)
+
+
 def test_supported_rows_cols():
     bf = jnp.bfloat16
     assert fq.supported_rows_cols((16, 1024), bf) and fq.supported_rows_cols((32, 3072), bf)
