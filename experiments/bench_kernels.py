@@ -276,8 +276,8 @@ def bench_fakequant1(copy_gbps):
 
 @mode("rowscols", "issue 56 item 3: fq_rows_cols_scaled (1x16 rows + RHT-16 16x1 cols "
       "from one read) vs fq_rows_scaled + fq_cols_scaled, x (RtN) and dy (SR, two keys), "
-      "given the scalars; 8192^2, 16384x4096; exactness rows (fused == the two)")
-def bench_rowscols(copy_gbps, shapes=((8192, 8192), (16384, 4096))):
+      "given the scalars; 8192^2, 16384x4096, 16384x768; exactness rows (fused == the two)")
+def bench_rowscols(copy_gbps, shapes=((8192, 8192), (16384, 4096), (16384, 768))):
     """Bytes: the two kernels read x twice and write two bf16 copies (8 bytes an element),
     the fused one reads it once (6 bytes); the amax pass (``cols_amaxes``) is left out."""
     signs = jnp.asarray(default_signs(16), jnp.float32)

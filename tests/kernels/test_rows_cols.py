@@ -94,6 +94,17 @@ def test_rows_cols_all_zero_and_constant():
         _check(x, False, False, rht=True)
 
 
+@pytest.mark.slow  # > 20 s on the 2-core machine (tests/kernels is slow anyway)
+@needs_interpret
+@pytest.mark.parametrize("c", [256, 768])
+def test_rows_cols_narrow_widths(c):
+    """A small model's widths (C = 256, 768: a strip is 16 whole rows, held as 4 buffers of
+    a row of each quad), SR with a draw offset and RtN."""
+    x = wild_input((32, c), 25)
+    _check(x, True, True, rht=True, offset=jnp.uint32(77))
+    _check(x, False, False, rht=True)
+
+
 @needs_interpret
 def test_fq_rows_cols_wrapper_equals_fq_rows_and_fq_cols():
     """The convenience wrapper (both amaxes from ``cols_amaxes``, the scalar batch, two
@@ -110,7 +121,9 @@ def test_fq_rows_cols_wrapper_equals_fq_rows_and_fq_cols():
 def test_supported_rows_cols():
     bf = jnp.bfloat16
     assert fq.supported_rows_cols((16, 1024), bf) and fq.supported_rows_cols((32, 3072), bf)
-    assert not fq.supported_rows_cols((16, 768), bf)  # strided column strips: no row blocks
+    # narrow: 256, 512, 768 (whole-row strips); other widths below 1024 columns' multiples not
+    assert fq.supported_rows_cols((16, 768), bf) and fq.supported_rows_cols((16, 256), bf)
+    assert not fq.supported_rows_cols((16, 1280), bf) and not fq.supported_rows_cols((16, 1536), bf)
     assert not fq.supported_rows_cols((24, 1024), bf)  # 16x1 blocks
     assert not fq.supported_rows_cols((16, 1024), jnp.float32)
     assert fq.supported_rows_cols((16, 1024), bf, sr_rows=True)
@@ -120,20 +133,23 @@ def test_supported_rows_cols():
             assert fq.supported_cols(shape, bf)
     sc, kw = cm.scalars(jnp.float32(1), jnp.float32(1)), cm.key_words(None)
     with pytest.raises(ValueError, match="fq_rows_cols needs"):
-        fq.fq_rows_cols_scaled(jnp.zeros((16, 768), bf), sc, sc, kw, kw)
+        fq.fq_rows_cols_scaled(jnp.zeros((16, 1280), bf), sc, sc, kw, kw)
     with pytest.raises(ValueError, match="tiling"):
         fq.fq_rows_cols_scaled(jnp.zeros((16, 2048), bf), sc, sc, kw, kw, g=64, steps=3)
 
 
-@pytest.mark.parametrize("variant", ["rtn", "sr", "sr_steps"])
+@pytest.mark.parametrize("variant", ["rtn", "sr", "sr_steps", "rtn_c768", "sr_c768",
+                                     "sr_c256_steps", "sr_c512"])
 def test_rows_cols_lowers_for_cuda(variant):
-    """The real kernel (strips of 64 column blocks) lowers for CUDA (Mosaic GPU) with the
-    flat scalar batch and its rows, as ``make_operands`` would call it."""
+    """The real kernel (strips of 64 column blocks; at C = 256, 512, 768 whole-row strips)
+    lowers for CUDA (Mosaic GPU) with the flat scalar batch and its rows, as
+    ``make_operands`` would call it."""
     sc = jax.ShapeDtypeStruct((2 * cm.SC_WIDTH,), jnp.float32)
     kw = jax.ShapeDtypeStruct((3,), jnp.int32)
-    x = jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16)
-    sr = variant != "rtn"
-    steps = 2 if variant == "sr_steps" else 1
+    c = int(variant.split("_c")[1].split("_")[0]) if "_c" in variant else 2048
+    x = jax.ShapeDtypeStruct((4096, c), jnp.bfloat16)
+    sr = not variant.startswith("rtn")
+    steps = 2 if variant.endswith("steps") else 1
 
     def f(x, s, k1, k2):
         return fq.fq_rows_cols_scaled(x, s, s, k1, k2, sr_rows=sr, sr_cols=sr, rht=True,
