@@ -14,7 +14,10 @@ to ``scaled_data(fp4jax.quantize(...), bfloat16)``:
   operands, optionally after the 16-point random Hadamard transform along that axis
   (``fp4jax.hadamard.fwht_tiles``: the same butterfly, the same float32 additions), so
   no transposed copy is ever written: the GEMM contracts the first axis directly;
-* ``fq_2d``: 16x16 tiles (the fprop/dgrad weight).
+* ``fq_2d``: 16x16 tiles (the fprop/dgrad weight);
+* ``fq_rows_cols``: ``fq_rows`` and (RHT'd) ``fq_cols`` of one tensor from one read, the
+  same bits (issue 56 item 3; not yet wired into ``dot_sm90.make_operands``, unmeasured on
+  a GPU).
 
 MX FP4 (``fmt=fp4jax.MXFP4`` or ``MXFP4_OCP``: blocks of 32, E8M0 scales, no tensor scale):
 ``fq_rows`` with 1x32 blocks and ``fq_cols`` with 32x1 blocks (strips of 32 rows, the RHT of
