@@ -274,6 +274,41 @@ def bench_fakequant1(copy_gbps):
     bench_fakequant(copy_gbps, shapes=((8192, 8192),))
 
 
+@mode("rowscols", "issue 56 item 3: fq_rows_cols_scaled (1x16 rows + RHT-16 16x1 cols "
+      "from one read) vs fq_rows_scaled + fq_cols_scaled, x (RtN) and dy (SR, two keys), "
+      "given the scalars; 8192^2, 16384x4096, 16384x768; exactness rows (fused == the two)")
+def bench_rowscols(copy_gbps, shapes=((8192, 8192), (16384, 4096), (16384, 768))):
+    """Bytes: the two kernels read x twice and write two bf16 copies (8 bytes an element),
+    the fused one reads it once (6 bytes); the amax pass (``cols_amaxes``) is left out."""
+    signs = jnp.asarray(default_signs(16), jnp.float32)
+    ones = jnp.ones((16,), jnp.float32)
+    for r, c in shapes:
+        g = f"rowscols {r}x{c}"
+        x = rand((r, c), 3)
+        amax = jnp.max(jnp.abs(x.astype(jnp.float32)))  # a dry run runs no kernel
+        amax, rht_amax = (amax, amax) if DRY else fq.cols_amaxes(x, signs)
+        enc, dec = cm.global_scales(None, jnp.stack([amax, rht_amax]))
+        sc = cm.scalars(enc, dec, jnp.stack([ones, signs])).reshape(-1)
+        for name, sr in (("x RtN", False), ("dy SR", True)):
+            args = (x, sc, cm.key_words(jax.random.key(1) if sr else None),
+                    cm.key_words(jax.random.key(2) if sr else None))
+
+            def two(x, sc, kr, kc, sr=sr):
+                return (fq.fq_rows_scaled(x, sc, kr, sr=sr, sc_row=0),
+                        fq.fq_cols_scaled(x, sc, kc, sr=sr, rht=True, sc_row=1))
+
+            def fused(x, sc, kr, kc, sr=sr):
+                return fq.fq_rows_cols_scaled(x, sc, sc, kr, kc, sr_rows=sr, sr_cols=sr,
+                                              rht=True, sc_row_rows=0, sc_row_cols=1)
+
+            t2 = timed_bw(g, f"{name} two kernels", two, args, 8 * x.size, copy_gbps)
+            t1 = timed_bw(g, f"{name} fused", fused, args, 6 * x.size, copy_gbps)
+            verify(g, f"{name} fused == two kernels", lambda two=two, fused=fused, args=args: {
+                "exact": lab.same_bits(jax.jit(fused)(*args), jax.jit(two)(*args))})
+            if t1 and t2:
+                rec(g, f"{name} fused vs two kernels", us_saved=t2 - t1, speedup=t2 / t1)
+
+
 @mode("gemm", "the XLA path: fp4jax.dot nvfp4 forward and fwd+bwd and "
       "jax.nn.scaled_dot_general nvfp4 vs bf16, 8192^3, 4096^3, 16384x4096x14336")
 def bench_gemm(copy_gbps):

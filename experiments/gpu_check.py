@@ -422,6 +422,38 @@ def check_cols(ctx: Ctx) -> None:
                                variant("RHT SR", ctx.key, ctx.signs)])
 
 
+@check("rowscols", "one-read rows + cols kernel fq_rows_cols (issue 56 item 3, not wired "
+       "in): x's 1x16 rows and RHT-16 16x1 cols operands (RtN; SR with two keys) vs the XLA "
+       "path's two operands and tensor scales, bit for bit")
+def check_rowscols(ctx: Ctx) -> None:
+    sg = ctx.signs
+    k2 = jax.random.fold_in(ctx.key, 1)
+
+    def variant(name, kr, kc):
+        def build(x):
+            def judge(out):
+                ((gr, dr), (gc, dc)), ((wr, wdr), (wc, wdc)) = out["kernel"], out["xla"]
+                bad_r, bad_c = lab.mismatches(gr, wr), lab.mismatches(gc, wc)
+                dec_ok = lab.mismatches(dr, wdr) == 0 and lab.mismatches(dc, wdc) == 0
+                return dict(mismatch_rows=bad_r, mismatch_cols=bad_c, n=int(x.size),
+                            dec_equal=dec_ok, ok=bad_r == 0 and bad_c == 0 and dec_ok)
+
+            def kernel(x):
+                return fq.fq_rows_cols(x, kr, kc, signs=sg, **ctx.kw)
+
+            def xla(x):
+                return (lab.xla_operand(x, axis=-1, key=kr),
+                        lab.xla_operand(x, axis=0, key=kc, signs=sg))
+
+            return {"kernel": (kernel, (x,)), "xla": (xla, (x,))}, judge
+
+        return (name, lambda x: fq.supported_rows_cols(x.shape, x.dtype, kr is not None),
+                build)
+
+    _input_cases(ctx, "rowscols", [variant("RtN", None, None),
+                                   variant("SR", ctx.key, k2)])
+
+
 @check("2d", "operand kernel fq_2d (16x16 tiles, round-to-nearest; bf16 and float32 "
        "inputs) vs the XLA path's scaled_data(quantize(x, block_2d=True)), bit for bit")
 def check_2d(ctx: Ctx) -> None:

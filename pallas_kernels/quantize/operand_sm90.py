@@ -14,7 +14,10 @@ to ``scaled_data(fp4jax.quantize(...), bfloat16)``:
   operands, optionally after the 16-point random Hadamard transform along that axis
   (``fp4jax.hadamard.fwht_tiles``: the same butterfly, the same float32 additions), so
   no transposed copy is ever written: the GEMM contracts the first axis directly;
-* ``fq_2d``: 16x16 tiles (the fprop/dgrad weight).
+* ``fq_2d``: 16x16 tiles (the fprop/dgrad weight);
+* ``fq_rows_cols``: ``fq_rows`` and (RHT'd) ``fq_cols`` of one tensor from one read, the
+  same bits (issue 56 item 3; not yet wired into ``dot_sm90.make_operands``, unmeasured on
+  a GPU).
 
 MX FP4 (``fmt=fp4jax.MXFP4`` or ``MXFP4_OCP``: blocks of 32, E8M0 scales, no tensor scale):
 ``fq_rows`` with 1x32 blocks and ``fq_cols`` with 32x1 blocks (strips of 32 rows, the RHT of
@@ -93,7 +96,8 @@ from pallas_kernels.quantize.common_sm90 import (
 )
 
 __all__ = ["fq_rows", "fq_cols", "fq_2d", "rht_cols_amax", "cols_amaxes", "flat_quads",
-           "supported_rows", "supported_cols", "supported_2d", "scalars"]
+           "fq_rows_cols", "fq_rows_cols_scaled", "supported_rows", "supported_cols",
+           "supported_2d", "supported_rows_cols", "scalars"]
 
 _NAN2 = 0x7FC07FC0  # two bf16 quiet NaNs
 
@@ -529,7 +533,8 @@ def _fwht16(v):
 
 
 def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: int,
-                   plain: bool, mode: str, sr: bool, rht: bool, fmt=None):
+                   plain: bool, mode: str, sr: bool, rht: bool, fmt=None,
+                   quad_bufs: bool = False):
     """One strip: x_ref (16, g, 8) uint32 words (row k of the strip is x_ref[k]; word
     (i, w) holds columns ``col0 + 16 i + 2 w`` (low half) and ``+1`` (high half)),
     o_ref (16, g, 8) words out. Each column of the strip is one 16-element block (along
@@ -547,11 +552,21 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: 
     one word per element) between the two phases.
 
     ``fmt``: an MX format: strips of 32 rows (x_ref, o_ref (32, g, 8)), 32x1 blocks, the
-    RHT (if ``rht``) of size 32 (``sc``'s 32 signs), scales by ``mx_block_scales``."""
+    RHT (if ``rht``) of size 32 (``sc``'s 32 signs), scales by ``mx_block_scales``.
+
+    ``quad_bufs`` (NVFP4, ``fq_rows_cols_scaled``'s narrow strips): x_ref is a list of 4
+    refs (4 g, 8), buffer r holding rows r, 4 + r, 8 + r, 12 + r of the strip (row 4p + r
+    at words ``p g ..``), and the rounding loop takes quads (4 rows an iteration) also
+    without SR: the same operations on the same rows."""
     enc6 = sc_ref[0]
-    nk = x_ref.shape[0]  # 16 (NVFP4) or 32 (MX): the block, and the RHT size
+    nk = 16 if quad_bufs else x_ref.shape[0]  # 16 (NVFP4) or 32 (MX): block and RHT size
+
+    def xrow(p, r):  # quad_bufs: row 4 p + r of the strip (p static or traced, r static)
+        return x_ref[r].at[pl.ds(p * g, g)]
+
     lay = None if plain else strip_layout(g)
-    words = [load_words(x_ref.at[k], slice(None), plain, lay) for k in range(nk)]
+    words = [load_words(xrow(k // 4, k % 4) if quad_bufs else x_ref.at[k], slice(None), plain,
+                        lay) for k in range(nk)]
     scales = []
     for half, stash in ((0, o_ref), (1, x_ref)):
         v = [bits_to_f32(w << 16) if half == 0 else bits_to_f32(w & -0x10000) for w in words]
@@ -567,9 +582,13 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: 
             s_val, e, finite = mx_block_scales(bits_to_i32(amax), fmt)
             scales.append((s_val, e, finite))
         for k in range(nk):
-            stash[k] = lax.bitcast_convert_type(v[k], jnp.uint32)
+            vk = lax.bitcast_convert_type(v[k], jnp.uint32)
+            if quad_bufs and half == 1:
+                xrow(k // 4, k % 4)[...] = vk
+            else:
+                stash[k] = vk
     draw0 = None
-    per = 4 if sr else 2  # rows per loop iteration
+    per = 4 if sr or quad_bufs else 2  # rows per loop iteration
     if sr:  # draw of (rows row0 .. row0 + 3; the word's column pair); row0 % 16 == 0
         draw0 = (kw_ref[2] + lax.shift_right_logical(row0, 2) * (n_cols // 2)
                  + lax.shift_right_logical(col0, 1) + (iota((g, 8), 0, plain, lay) << 3)
@@ -585,7 +604,8 @@ def _fq_strip_cols(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: 
             out = []
             for half, stash in ((0, o_ref), (1, x_ref)):
                 s_val, e, finite = scales[half]
-                v = bits_to_f32(load_words(stash.at[k], slice(None), plain, lay))
+                src = xrow(p, r) if quad_bufs and half == 1 else stash.at[k]
+                v = bits_to_f32(load_words(src, slice(None), plain, lay))
                 u = sr_uniform(draws[r // 2], 2 * (r % 2) + half) if sr else None
                 out.append((_satfinite_bf16(e2m1_value(v * e, u, plain) * s_val,
                                             fmt is not None), finite))
@@ -900,3 +920,282 @@ def fq_2d(x, *, interpret: bool = False, amax=None, **kw):
     enc, dec = global_scales(x, amax)
     return fq_2d_scaled(x, scalars(enc, dec), interpret=interpret, **kw), dec
 
+
+
+# ---------------------------------------------------------------------------
+# 1x16 rows and (RHT-16) 16x1 columns from one read (not wired in: issue 56 item 3).
+# ---------------------------------------------------------------------------
+
+ROWS_COLS_MULTIPLE = 1024  # fq_rows_cols: C a multiple of this (strips of 64 column blocks)
+ROWS_COLS_NARROW = (256, 512, 768)  # or one of these (a whole row a strip: _fq_strip_rows_flat)
+
+
+def supported_rows_cols(shape, dtype, sr_rows: bool = False) -> bool:
+    """Shapes of ``fq_rows_cols_scaled``: those of both ``supported_cols`` and
+    ``supported_rows`` (with ``sr_rows``: SR rows in quads, ``padded``) and C % 1024 == 0
+    (strips of a multiple of 64 column blocks: the WGMMA register layout, whose row
+    reductions the 1x16 blocks need) or C = 256, 512, 768 (a small model's widths: a strip
+    is 16 whole rows, the rows operand in ``flat_quads``' register tiles)."""
+    return (supported_cols(shape, dtype) and supported_rows(shape, dtype, sr_rows, padded=True)
+            and (shape[1] % ROWS_COLS_MULTIPLE == 0 or shape[1] in ROWS_COLS_NARROW))
+
+
+def _fq_strip_rows(sc_ref, kw_ref, x_ref, o_ref, *, g: int, row0, col0, n_cols: int,
+                   plain: bool, mode: str, sr: bool):
+    """The 1x16 rows operand of one strip: x_ref/o_ref (16, g, 8) words, row k of the strip
+    a (g, 8) tile whose rows are blocks. Round to nearest: ``_fq_tile`` a row (a loop over
+    the 16 rows). SR: ``_fq_quad_tile`` a row quad (a loop over the 4 quads, the quad's
+    rows a loop too, ``dyn``), first draw ``(row0/4 + p) * C/2 + col0/2``: the draw
+    ``_fq_rows_quads`` gives the same words (``_quad_draw0``: quad index times C/2 plus
+    8 words a block before the tile)."""
+    if not sr:
+        @pl.loop(0, 16)
+        def _(k):
+            _fq_tile(sc_ref, kw_ref, x_ref.at[k], o_ref.at[k], nb=g, plain=plain, mode=mode,
+                     chunk=max(g, SUB))
+
+        return
+
+    @pl.loop(0, 4)
+    def _(p):
+        rows = pl.ds(4 * p, 4)
+        draw0 = ((lax.shift_right_logical(row0, 2) + p) * (n_cols // 2)
+                 + lax.shift_right_logical(col0, 1))
+        _fq_quad_tile(sc_ref, kw_ref, x_ref.at[rows], o_ref.at[rows], g=g, draw0=draw0,
+                      plain=plain, mode=mode, dyn=True)
+
+
+def _fq_strip_rows_flat(sc_ref, kw_ref, xs, os, *, g: int, row0, n_cols: int, plain: bool,
+                        mode: str, sr: bool):
+    """``_fq_strip_rows`` of a narrow strip (16 whole rows of g = C/16 blocks, g < 64):
+    ``xs``/``os`` 4 refs (4 g, 8), buffer r rows r, 4 + r, 8 + r, 12 + r (row 4p + r at
+    blocks ``p g ..``), cut into register tiles of 64 blocks (4 g is a multiple of 64).
+    RtN: ``_fq_tile`` a tile. SR: ``_fq_rows_flat``'s tiles (``_fq_quad_tile`` on the same
+    64 blocks of the 4 buffers): block f = p g + i of a buffer is block i of quad row0/4 + p,
+    so its word j has draw ``(row0/4) C/2 + 8 f + j`` (C/2 = 8 g), ``draw0`` of tile k
+    ``(row0/4) C/2 + 512 k``."""
+    n = 4 * g
+    if not sr:
+        for r in range(4):
+            _fq_tile(sc_ref, kw_ref, xs[r], os[r], nb=n, plain=plain, mode=mode, chunk=64)
+        return
+    quad0 = lax.shift_right_logical(row0, 2)
+    for k in range(n // 64):
+        rows = pl.ds(64 * k, 64)
+        _fq_quad_tile(sc_ref, kw_ref, [v.at[rows] for v in xs], [v.at[rows] for v in os],
+                      g=64, draw0=quad0 * (n_cols // 2) + 512 * k, plain=plain, mode=mode)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "recip_rows", "sr_rows", "sr_cols",
+                                             "rht", "g", "steps", "sc_row_rows",
+                                             "sc_row_cols"))
+def fq_rows_cols_scaled(x, sc_rows, sc_cols, kw_rows, kw_cols, *, interpret: bool = False,
+                        recip_rows: str | None = None, sr_rows: bool = False,
+                        sr_cols: bool = False, rht: bool = False, g: int | None = None,
+                        steps: int = 1, sc_row_rows: int | None = None,
+                        sc_row_cols: int | None = None):
+    """``(fq_rows_scaled(x, sc_rows, kw_rows, sr=sr_rows, sc_row=sc_row_rows),
+    fq_cols_scaled(x, sc_cols, kw_cols, sr=sr_cols, rht=rht, sc_row=sc_row_cols))``, the
+    same bits, from ONE read of x: the NVFP4 x (fprop rows + wgrad RHT'd columns) or dy
+    (dgrad rows + wgrad columns) of ``dot_sm90.make_operands`` in one pass instead of two
+    (docs/performance.md, "NVFP4 at the emulation floor": 4 S bytes a tensor with
+    ``cols_amaxes`` instead of 5.5 S). NVFP4 only (no ``fmt``); x bf16 (R, C), see
+    ``supported_rows_cols``. NOT wired into ``make_operands`` and unmeasured on a GPU.
+    ``g`` (C % 1024 shapes; default 64 on the GPU, whole rows in interpret mode) column
+    blocks a strip and ``steps`` strips a CTA (double-buffered when > 1): tuning only.
+
+    Plan (how each output stays bit-identical):
+
+    * Tiles: ``fq_cols``' strips, 16 rows x 16 g columns (x viewed as (R/16, 16, C/16, 8)
+      words, g = 64 column blocks on the GPU, whole rows in interpret mode), a CTA
+      ``steps`` strips of a row of strips (``_strip_call``'s grid). Row k of the strip,
+      a (g, 8) word tile, is also g whole 1x16 row blocks, so the rows operand needs no
+      other tile: phase 1 (``_fq_strip_rows``) writes it from x's strip with the rows
+      kernel's own tile code (``_fq_tile`` a row, RtN; ``_fq_quad_tile`` a row quad, SR);
+      phase 2 is ``_fq_strip_cols`` itself, unchanged (it then overwrites the input
+      strip with its stash of rotated high halves, so it must come second). Each thread
+      reads, in both phases, only the words of the WGMMA layout it later overwrites: no
+      barrier between them. Scales: the rows phase reads ``sc_rows`` (the ``"auto"``
+      reciprocal by default for RtN, ``"rn"`` for SR, as ``fq_rows_scaled``), the
+      columns phase ``sc_cols`` (``"rn"``, with the RHT signs), as the separate kernels.
+    * SR draws: both kernels count draws by ``numerics.uniform_from_key`` on x's stored
+      (R, C) order, so an element's counter is the same in both: word (i, j) of a strip
+      row quad p (rows row0 + 4p .. +3) has counter ``offset + (row0/4 + p) * C/2 +
+      col0/2 + 8 i + j``; rows 4p, 4p+1 take its word y0, 4p+2, 4p+3 y1; even rows bytes
+      0 (low element) and 1, odd rows 2 and 3. ``fq_rows``' quad tiles give the quad's
+      first draw as ``m * C/2 + 8 * first block`` (m = row0/4 + p, first block =
+      col0/16), ``_fq_strip_cols`` as ``(row0 >> 2) * C/2 + (col0 >> 1) + p * C/2``: the
+      same number. The two outputs differ only in the key (and ``offset``) words: phase 1
+      draws with ``kw_rows``, phase 2 with ``kw_cols`` (two Threefry per quad word, as
+      the two kernels together; with one key for both the draws would be shared).
+    * Narrow widths (C = 256, 512, 768, a small model's: ``fq_cols`` takes strips of 16,
+      32, 48 blocks in the strided layout, which has no row reductions):
+      ``_fq_rows_cols_narrow``, a strip of 16 whole rows held as 4 buffers of a row of each
+      quad, the rows operand in ``_fq_rows_flat``'s 64-block register tiles (its draws:
+      flat block f = p g + i has word j's draw ``(row0/4) C/2 + 8 f + j``, the same
+      counter), the columns phase on strided-layout views of the same buffers, a
+      warpgroup barrier between the phases (the layouts differ).
+    * Budget (g = 64): shared memory a step 32 KiB in + 2 x 32 KiB out = 96 KiB (192 KiB
+      double-buffered with ``steps > 1``, under the 227 KiB of an H100); registers: phase 1
+      holds one (64, 8) row tile (4 words a thread) or a quad's draws, phase 2 is
+      ``fq_cols``' peak (16 rows of 4 words and their float32 halves): no more than
+      ``fq_cols`` alone. Bytes: reads 2 B and writes 4 B an element (two bf16 copies).
+    """
+    if not supported_rows_cols(x.shape, x.dtype, sr_rows):
+        raise ValueError(f"fq_rows_cols needs bf16 (R, C), R % 16 == 0, "
+                         f"C % {ROWS_COLS_MULTIPLE} == 0, R*C < 2^31, got {x.dtype} {x.shape}")
+    mode_rows = recip_mode(recip_rows or ("rn" if sr_rows else "auto"), None)
+    r, c = x.shape
+    nr, nc = r // 16, c // 16
+    if c in ROWS_COLS_NARROW:
+        return _fq_rows_cols_narrow(x, sc_rows, sc_cols, kw_rows, kw_cols,
+                                    interpret=interpret, mode_rows=mode_rows, sr_rows=sr_rows,
+                                    sr_cols=sr_cols, rht=rht, steps=steps,
+                                    sc_row_rows=sc_row_rows, sc_row_cols=sc_row_cols)
+    g = g or (nc if interpret else 64)
+    if nc % (g * steps) or (not interpret and g % 64):
+        raise ValueError(f"fq_rows_cols tiling: g={g} x steps={steps} must divide C/16={nc} "
+                         "and g be a multiple of 64 on the GPU")
+    xw = lax.bitcast_convert_type(x.reshape(nr, 16, nc, 8, 2), jnp.uint32)
+    out_type = jax.ShapeDtypeStruct((nr, 16, nc, 8), jnp.uint32)
+
+    def strip(scr, scc, kwr, kwc, x_ref, or_ref, oc_ref, row0, col0, plain):
+        scr = scalar_row(scr, sc_row_rows)
+        scc = scalar_row(scc, sc_row_cols)
+        by_mode(scr, mode_rows, lambda md: _fq_strip_rows(
+            scr, kwr, x_ref, or_ref, g=g, row0=row0, col0=col0, n_cols=c, plain=plain,
+            mode=md, sr=sr_rows))
+        _fq_strip_cols(scc, kwc, x_ref, oc_ref, g=g, row0=row0, col0=col0, n_cols=c,
+                       plain=plain, mode="rn", sr=sr_cols, rht=rht)
+
+    def result(o):
+        return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
+
+    args = (sc_rows, sc_cols, kw_rows, kw_cols, xw)
+    if interpret:
+        def interp_body(scr, scc, kwr, kwc, x_ref, or_ref, oc_ref):
+            @pl.loop(0, nr)
+            def _(i):
+                for j in range(nc // g):
+                    at = (i, slice(None), pl.ds(j * g, g))
+                    strip(scr, scc, kwr, kwc, x_ref.at[at], or_ref.at[at], oc_ref.at[at],
+                          16 * i, 16 * g * j, True)
+
+        o_rows, o_cols = pl.pallas_call(
+            interp_body, out_shape=(out_type, out_type), interpret=interpret,
+            compiler_params=lane_params())(*args)
+        return result(o_rows), result(o_cols)
+
+    def body(scr, scc, kwr, kwc, x_gmem, or_gmem, oc_gmem):
+        i = lax.axis_index("rows")
+        j = lax.axis_index("cols")
+
+        def step(idx, x_smem, or_smem, oc_smem):
+            jj = j * steps + (idx[0] if isinstance(idx, (tuple, list)) else idx)
+            strip(scr, scc, kwr, kwc, x_smem.at[0], or_smem.at[0], oc_smem.at[0], 16 * i,
+                  16 * g * jj, False)
+
+        spec = plgpu.BlockSpec((1, 16, g, 8), lambda t: (i, 0, j * steps + t, 0))
+        plgpu.emit_pipeline(step, grid=(steps,), in_specs=[spec], out_specs=[spec, spec],
+                            max_concurrent_steps=min(steps, 2))(x_gmem, or_gmem, oc_gmem)
+
+    o_rows, o_cols = plgpu.kernel(
+        body, out_type=(out_type, out_type),
+        grid=(nr, nc // (g * steps)), grid_names=("rows", "cols"),
+        compiler_params=lane_params(unsafe_no_auto_barriers=True),
+    )(*args)
+    return result(o_rows), result(o_cols)
+
+
+def _fq_rows_cols_narrow(x, sc_rows, sc_cols, kw_rows, kw_cols, *, interpret, mode_rows: str,
+                         sr_rows: bool, sr_cols: bool, rht: bool, steps: int,
+                         sc_row_rows, sc_row_cols):
+    """``fq_rows_cols_scaled`` for C = 256, 512, 768 (g = C/16 = 16, 32, 48 blocks: a strip
+    is 16 whole rows). The strip comes as 4 buffers (4 g, 8) words, buffer r rows r, 4 + r,
+    8 + r, 12 + r (on the GPU 4 TMA copies of x viewed (R/4, 4, g, 8), as
+    ``_fq_rows_flat``'s; in interpret mode x rearranged by XLA to (R/16, 4, 4 g, 8)). The
+    rows phase is ``_fq_strip_rows_flat`` (64-block WGMMA tiles across the strip's quads),
+    the columns phase ``_fq_strip_cols`` with ``quad_bufs`` (strided-layout rows, as
+    ``fq_cols``' narrow strips). The two phases load the buffers in different register
+    layouts, so on the GPU a warpgroup barrier (``plgpu.commit_smem``) separates the rows
+    phase's reads from the columns phase's stash writes. The rows output has the buffers'
+    layout (4 TMA stores; interpret: rearranged back by XLA)."""
+    r, c = x.shape
+    nr, g = r // 16, c // 16
+    if nr % steps:
+        raise ValueError(f"fq_rows_cols tiling: steps={steps} must divide R/16={nr}")
+    cols_type = jax.ShapeDtypeStruct((nr, 16, g, 8), jnp.uint32)
+
+    def strip(scr, scc, kwr, kwc, xs, os, oc_ref, row0, plain):
+        scr = scalar_row(scr, sc_row_rows)
+        scc = scalar_row(scc, sc_row_cols)
+        by_mode(scr, mode_rows, lambda md: _fq_strip_rows_flat(
+            scr, kwr, xs, os, g=g, row0=row0, n_cols=c, plain=plain, mode=md, sr=sr_rows))
+        if not plain:
+            plgpu.commit_smem()  # every thread's rows-phase reads before any stash write
+        _fq_strip_cols(scc, kwc, xs, oc_ref, g=g, row0=row0, col0=0, n_cols=c, plain=plain,
+                       mode="rn", sr=sr_cols, rht=rht, quad_bufs=True)
+
+    def cols_result(o):
+        return lax.bitcast_convert_type(o, jnp.bfloat16).reshape(r, c)
+
+    if interpret:
+        xt = lax.bitcast_convert_type(x.reshape(nr, 4, 4, g, 8, 2), jnp.uint32)
+        xt = xt.transpose(0, 2, 1, 3, 4).reshape(nr, 4, 4 * g, 8)
+
+        def interp_body(scr, scc, kwr, kwc, x_ref, or_ref, oc_ref):
+            @pl.loop(0, nr)
+            def _(i):
+                strip(scr, scc, kwr, kwc, [x_ref.at[i, q] for q in range(4)],
+                      [or_ref.at[i, q] for q in range(4)], oc_ref.at[i], 16 * i, True)
+
+        o_rows, o_cols = pl.pallas_call(
+            interp_body, out_shape=(jax.ShapeDtypeStruct(xt.shape, jnp.uint32), cols_type),
+            interpret=interpret, compiler_params=lane_params(),
+        )(sc_rows, sc_cols, kw_rows, kw_cols, xt)
+        o_rows = o_rows.reshape(nr, 4, 4, g, 8).transpose(0, 2, 1, 3, 4)
+        return (lax.bitcast_convert_type(o_rows, jnp.bfloat16).reshape(r, c),
+                cols_result(o_cols))
+
+    xq = lax.bitcast_convert_type(x.reshape(r // 4, 4, g, 8, 2), jnp.uint32)
+
+    def body(scr, scc, kwr, kwc, x_gmem, or_gmem, oc_gmem):
+        i = lax.axis_index("rows")
+
+        def step(idx, *refs):
+            t = i * steps + (idx[0] if isinstance(idx, (tuple, list)) else idx)
+            views = [v.reshape(4 * g, 8) for v in refs[:8]]
+            strip(scr, scc, kwr, kwc, views[:4], views[4:], refs[8].at[0], 16 * t, False)
+
+        specs = [plgpu.BlockSpec((4, 1, g, 8), lambda t, q=q: (i * steps + t, q, 0, 0))
+                 for q in range(4)]
+        cspec = plgpu.BlockSpec((1, 16, g, 8), lambda t: (i * steps + t, 0, 0, 0))
+        plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs, out_specs=[*specs, cspec],
+                            max_concurrent_steps=min(steps, 2),
+                            )(*[x_gmem] * 4, *[or_gmem] * 4, oc_gmem)
+
+    o_rows, o_cols = plgpu.kernel(
+        body, out_type=(jax.ShapeDtypeStruct(xq.shape, jnp.uint32), cols_type),
+        grid=(nr // steps,), grid_names=("rows",),
+        compiler_params=lane_params(unsafe_no_auto_barriers=True),
+    )(sc_rows, sc_cols, kw_rows, kw_cols, xq)
+    return lax.bitcast_convert_type(o_rows, jnp.bfloat16).reshape(r, c), cols_result(o_cols)
+
+
+def fq_rows_cols(x, key_rows=None, key_cols=None, *, signs=None, interpret: bool = False,
+                 offset=None, **kw):
+    """``(fq_rows(x, key_rows), fq_cols(x, key_cols, signs=signs))``, the same bits, with
+    both tensor amaxes from one read (``cols_amaxes``) and both operands from another
+    (``fq_rows_cols_scaled``): ``((rows (R, C) bf16, dec), (cols (R, C) bf16, dec))``.
+    ``offset``: the first SR draw of both (``numerics.row_shard_draw_offset``)."""
+    amax, rht_amax = cols_amaxes(x, jnp.ones((16,), jnp.float32) if signs is None else signs,
+                                 interpret=interpret)
+    enc, dec = global_scales(None, jnp.stack([amax, amax if signs is None else rht_amax]))
+    ones = jnp.ones((16,), jnp.float32)
+    sg = ones if signs is None else jnp.asarray(signs, jnp.float32).reshape(16)
+    sc = scalars(enc, dec, jnp.stack([ones, sg])).reshape(-1)
+    o_rows, o_cols = fq_rows_cols_scaled(
+        x, sc, sc, key_words(key_rows, offset), key_words(key_cols, offset),
+        sr_rows=key_rows is not None, sr_cols=key_cols is not None, rht=signs is not None,
+        sc_row_rows=0, sc_row_cols=1, interpret=interpret, **kw)
+    return (o_rows, dec[0]), (o_cols, dec[1])

@@ -43,6 +43,8 @@ CASES = {
     "cols_narrow": lambda x: fq.fq_cols(x[:, :768], signs=SIGNS),
     "2d": lambda x: fq.fq_2d(x),
     "amaxes": lambda x: fq.cols_amaxes(x, SIGNS),
+    "rows_cols_sr": lambda x: fq.fq_rows_cols(x, jax.random.key(0), jax.random.key(1),
+                                              signs=SIGNS),
     "packed_1x16": lambda x: qk.quantize_nvfp4_1x16(x),
     "packed_2d": lambda x: qk.quantize_nvfp4_2d(x),
     "packed_sr": lambda x: qk.quantize_nvfp4_1x16_sr(x, jax.random.key(0)),
