@@ -858,11 +858,19 @@ def parse(spec: str | Recipe) -> Recipe:
         raise ValueError(f"recipe spec {spec!r}: use NAME or NAME(key=value, ...), e.g. "
                          "'nvfp4(sr=False, rht=0)'")
     name, body = m[1], m[2]
-    if name.lower().replace("-", "_") not in _NAMED:
-        raise ValueError(f"recipe spec {spec!r}: unknown recipe {name!r}; valid names: {names()}")
+    recipe = _spec_recipe(name, spec)
     if body is None or not body.strip():
-        return get(name)
-    return _apply_items(get(name), _split_top(body, spec), spec)
+        return recipe
+    return _apply_items(recipe, _split_top(body, spec), spec)
+
+
+def _spec_recipe(name: str, spec: str) -> Recipe:
+    """The named recipe ``name`` of the spec ``spec`` (``get``), or a ValueError naming the
+    spec and listing the valid names."""
+    key = name.lower().replace("-", "_")
+    if key not in _NAMED:
+        raise ValueError(f"recipe spec {spec!r}: unknown recipe {name!r}; valid names: {names()}")
+    return _NAMED[key]()
 
 
 def _apply_items(recipe: Recipe, items: list[str], spec: str, more: str = "") -> Recipe:
@@ -951,11 +959,9 @@ def parse_run_spec(spec: str, keys: Mapping[str, Callable[[str], Any]] | None = 
             keep.append(item)
     base = name + (f"({', '.join(keep)})" if keep else "")
     shown = spec if items else text
-    if name.lower().replace("-", "_") not in _NAMED:
-        raise ValueError(f"recipe spec {shown!r}: unknown recipe {name!r}; valid names: "
-                         f"{names()}")
+    recipe = _spec_recipe(name, shown)
     more = f"; {label}: {list(keys)}" if keys else ""
-    return RunSpec(text=text, base=base, recipe=_apply_items(get(name), keep, shown, more),
+    return RunSpec(text=text, base=base, recipe=_apply_items(recipe, keep, shown, more),
                    extra=extra)
 
 
