@@ -7,26 +7,20 @@ back."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
-from tests import ROOT
-
-EXP = ROOT / "experiments"
+from tests.experiments import experiments_on_path
 
 pytestmark = pytest.mark.usefixtures("keep_compile_cache")
 
 
 @pytest.fixture(scope="module")
 def bench_harness():
-    sys.path.insert(0, str(EXP))
-    try:
+    with experiments_on_path():
         import bench_harness
 
         yield bench_harness
-    finally:
-        sys.path.remove(str(EXP))
 
 
 def test_micro_bare_and_harness_in_one_process(bench_harness, tmp_path, capsys):

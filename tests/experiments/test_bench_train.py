@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from tests import ROOT
+from tests.experiments import experiments_on_path
 
 EXP = ROOT / "experiments"
 SMALL = ["--iterations", "2", "--batch-size", "4", "--seq-len", "32"]
@@ -29,13 +30,10 @@ def _run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def bench_train():
-    sys.path.insert(0, str(EXP))
-    try:
+    with experiments_on_path():
         import bench_train
 
         yield bench_train
-    finally:
-        sys.path.remove(str(EXP))
 
 
 def test_two_configs_on_cpu(tmp_path):

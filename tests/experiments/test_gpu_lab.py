@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests import ROOT
+from tests.experiments import experiments_on_path
 from tests.interpret import needs_interpret
 
 jax = pytest.importorskip("jax")
@@ -34,14 +35,11 @@ def _run(*args, timeout=120):
 
 @pytest.fixture(scope="module")
 def lab_modules():
-    sys.path.insert(0, str(EXP))
-    try:
+    with experiments_on_path():
         import gpu_check
         import lab
 
         yield lab, gpu_check
-    finally:
-        sys.path.remove(str(EXP))
 
 
 def test_checker_lists_its_checks_and_needs_a_gpu_or_interpret(lab_modules, capsys,
