@@ -274,7 +274,7 @@ def bench_fakequant1(copy_gbps):
     bench_fakequant(copy_gbps, shapes=((8192, 8192),))
 
 
-@mode("rowscols", "issue 56 item 3: fq_rows_cols_scaled (1x16 rows + RHT-16 16x1 cols "
+@mode("rowscols", "fq_rows_cols_scaled (1x16 rows + RHT-16 16x1 cols "
       "from one read) vs fq_rows_scaled + fq_cols_scaled, x (RtN) and dy (SR, two keys), "
       "given the scalars; 8192^2, 16384x4096, 16384x768; exactness rows (fused == the two)")
 def bench_rowscols(copy_gbps, shapes=((8192, 8192), (16384, 4096), (16384, 768))):

@@ -422,9 +422,9 @@ def check_cols(ctx: Ctx) -> None:
                                variant("RHT SR", ctx.key, ctx.signs)])
 
 
-@check("rowscols", "one-read rows + cols kernel fq_rows_cols (issue 56 item 3, not wired "
-       "in): x's 1x16 rows and RHT-16 16x1 cols operands (RtN; SR with two keys) vs the XLA "
-       "path's two operands and tensor scales, bit for bit")
+@check("rowscols", "one-read rows + cols kernel fq_rows_cols (make_operands' default "
+       "for NVFP4 x and dy): x's 1x16 rows and RHT-16 16x1 cols operands (RtN; SR "
+       "with two keys) vs the XLA path's two operands and tensor scales, bit for bit")
 def check_rowscols(ctx: Ctx) -> None:
     sg = ctx.signs
     k2 = jax.random.fold_in(ctx.key, 1)

@@ -76,6 +76,23 @@ operands on FP8 tensor cores, ``gemm/mxfp4_fp8wgmma_sm90``, the others as ``pall
 ``xla`` (the reference's GEMM: bit-identical to it)."""
 
 
+OPERAND_PASSES = ("fused", "separate")
+"""How the Hopper backend makes an NVFP4 tensor's 1x16 rows operand and its (RHT'd) 16x1
+columns operand (x: fprop + wgrad; dy: dgrad + wgrad): ``fused`` (one read of the tensor,
+``quantize/operand_sm90.fq_rows_cols_scaled``, where ``supported_rows_cols`` takes the
+shape) or ``separate`` (one kernel each). The same bits either way."""
+
+
+def operand_passes() -> str:
+    """``FP4JAX_KERNEL_OPERANDS``: the default of the Hopper backend's operand-pass choice
+    (``OPERAND_PASSES``; unset: ``fused``)."""
+    env = os.environ.get("FP4JAX_KERNEL_OPERANDS", "fused").lower()
+    if env not in OPERAND_PASSES:
+        raise ValueError(f"FP4JAX_KERNEL_OPERANDS={env!r}: use one of "
+                         f"{', '.join(OPERAND_PASSES)}")
+    return env
+
+
 def gemm_backend() -> str:
     """``FP4JAX_KERNEL_GEMM``: the default of the Hopper backend's GEMM choice
     (``GEMM_IMPLS``; unset: ``pallas``)."""
@@ -210,8 +227,8 @@ def operand_kernel(x: jax.Array, *, block_2d: bool, axis: int, stochastic: bool,
 
 
 def make_operands(x: jax.Array, kinds: list[str], sr_keys: list[Any], signs: list[Any],
-                  mode: str, rows: RowShard = WHOLE, fmts: list[Any] | None = None
-                  ) -> list[tuple[jax.Array, jax.Array]]:
+                  mode: str, rows: RowShard = WHOLE, fmts: list[Any] | None = None,
+                  fused: bool = True) -> list[tuple[jax.Array, jax.Array]]:
     """Run the fused operand kernels on one tensor ``x`` (1, R, C) bfloat16 (or float32 when
     every operand is ``"2d"``).
 
@@ -229,7 +246,11 @@ def make_operands(x: jax.Array, kinds: list[str], sr_keys: list[Any], signs: lis
 
     ``fmts[i]``: operand ``i``'s format (None or NVFP4; or MXFP4/MXFP4_OCP, whose kernels
     take no tensor amax: their decode scale is 1, ``global_encode_scale``'s for formats
-    without a tensor scale). Default: all NVFP4."""
+    without a tensor scale). Default: all NVFP4.
+
+    ``fused``: an NVFP4 ``"rows"`` operand and an NVFP4 ``"cols"`` operand of ``x`` come
+    from one read (``fq_rows_cols_scaled``) where ``supported_rows_cols`` takes the shape;
+    the same bits as the two kernels (``OPERAND_PASSES``)."""
     from pallas_kernels.quantize import operand_sm90 as fq
     from pallas_kernels.quantize.common_sm90 import finite_amax, global_scales, key_words, scalars
 
@@ -269,9 +290,20 @@ def make_operands(x: jax.Array, kinds: list[str], sr_keys: list[Any], signs: lis
 
     sc = scalars(enc, dec, jnp.stack([sign_row(sg) for sg in signs]))
     sc = sc.reshape(-1)  # every kernel takes the whole batch and reads its own row
+    made = {}
+    pair = _rows_cols_pair(m, kinds, sr_keys, fmts) if fused else None
+    if pair is not None:
+        i_r, i_c = pair
+        o_r, o_c = fq.fq_rows_cols_scaled(
+            m, sc, sc, key_words(sr_keys[i_r], offset), key_words(sr_keys[i_c], offset),
+            sr_rows=sr_keys[i_r] is not None, sr_cols=sr_keys[i_c] is not None,
+            rht=signs[i_c] is not None, sc_row_rows=i_r, sc_row_cols=i_c, **kw)
+        made = {i_r: o_r, i_c: o_c}
     res = []
     for i, (kind, sr_key, sg) in enumerate(zip(kinds, sr_keys, signs, strict=True)):
-        if kind == "2d":
+        if i in made:
+            o = made[i]
+        elif kind == "2d":
             o = fq.fq_2d_scaled(m, sc, sc_row=i, **kw)
         elif kind == "rows":
             o = fq.fq_rows_scaled(m, sc, key_words(sr_key, offset), sr=sr_key is not None,
@@ -281,6 +313,23 @@ def make_operands(x: jax.Array, kinds: list[str], sr_keys: list[Any], signs: lis
                                   rht=sg is not None, sc_row=i, fmt=fmts[i], **kw)
         res.append((o[None], dec[i]))
     return res
+
+
+def _rows_cols_pair(m: jax.Array, kinds: list[str], sr_keys: list[Any], fmts: list[Any]
+                    ) -> tuple[int, int] | None:
+    """The (rows, cols) operand indices ``make_operands`` makes in one pass: the first NVFP4
+    ``"rows"`` and the first NVFP4 ``"cols"`` operand, where ``supported_rows_cols`` takes
+    ``m``'s shape (SR rows in quads); else None."""
+    from pallas_kernels.quantize import operand_sm90 as fq
+
+    nv_rows = [i for i, k in enumerate(kinds) if k == "rows" and fmts[i] is None]
+    nv_cols = [i for i, k in enumerate(kinds) if k == "cols" and fmts[i] is None]
+    if not nv_rows or not nv_cols:
+        return None
+    i_r, i_c = nv_rows[0], nv_cols[0]
+    if not fq.supported_rows_cols(m.shape, m.dtype, sr_rows=sr_keys[i_r] is not None):
+        return None
+    return i_r, i_c
 
 
 def scaled_gemm(a: jax.Array, b: jax.Array, alpha: jax.Array, *, trans_a: bool,
@@ -313,12 +362,13 @@ def _kernel_of(t: jax.Array, r: OperandRequest) -> str | None:
 class HopperBackend(Backend):
     """The sm_90 backend. ``mode``: ``"on"`` (the GPU) or ``"interpret"`` (Mosaic GPU's
     interpret mode: CPU tests; its GEMMs run on the reference); ``gemm_impl``:
-    ``gemm_backend()``'s value."""
+    ``gemm_backend()``'s value; ``operand_passes``: ``operand_passes()``'s."""
 
     name: ClassVar[str] = "pallas"
     mode: str = "on"
     gemm_impl: str = "pallas"
     fp8: frozenset[str] = frozenset()
+    operand_passes: str = "fused"
 
     def operand_reason(self, t, request):
         if request.gemm in self.fp8 and t.shape[0] == 1 and all(
@@ -344,7 +394,8 @@ class HopperBackend(Backend):
 
         def kernels(x, sr_keys, signs):
             made = make_operands(x, kinds, sr_keys, signs, mode, rows,
-                                 fmts=[r.spec.fmt for r in requests])
+                                 fmts=[r.spec.fmt for r in requests],
+                                 fused=self.operand_passes == "fused")
             return [Operand.from_scaled(v, d) for v, d in made]
 
         # Pallas calls have no batching rule here: under jax.vmap these operands take the
@@ -490,10 +541,10 @@ class HopperProvider:
     def make(self, mode: str, call: DotCall) -> HopperBackend:
         """The backend of ``call`` in ``mode``: the GEMM choice is ``self.gemm``, else
         ``gemm_backend()``; under ``fp8`` the recipe's all-MX-FP4 GEMMs (``fp8_gemms``)
-        get their operands as codes."""
+        get their operands as codes; the operand passes are ``operand_passes()``."""
         impl = self.gemm or gemm_backend()
         return HopperBackend(mode, impl, fp8_gemms(call.recipe) if impl == "fp8"
-                             else frozenset())
+                             else frozenset(), operand_passes())
 
 
 PROVIDER = HopperProvider()

@@ -1,9 +1,10 @@
 """CPU tests of ``operand_sm90.fq_rows_cols_scaled``, the one-read NVFP4 rows + (RHT'd)
-columns operand kernel (issue 56 item 3; not wired into ``dot_sm90.make_operands``): in
-Mosaic GPU interpret mode both outputs equal, bit for bit, what the two separate kernels
-(``fq_rows_scaled``, ``fq_cols_scaled``) write for the same scalars and key words, round to
-nearest and stochastic rounding, at the GPU's strip width and at whole rows; the real
-kernel lowers for CUDA on this machine."""
+columns operand kernel (``dot_sm90.make_operands`` calls it unless
+``FP4JAX_KERNEL_OPERANDS=separate``): in Mosaic GPU interpret mode both outputs equal,
+bit for bit, what the two separate kernels (``fq_rows_scaled``, ``fq_cols_scaled``)
+write for the same scalars and key words, round to nearest and stochastic rounding, at
+the GPU's strip width and at whole rows; ``fp4jax.dot`` makes x's and dy's pairs with it
+and equals the XLA path; the real kernel lowers for CUDA on this machine."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
+import fp4jax  # noqa: E402
 from fp4jax.hadamard import default_signs  # noqa: E402
 from pallas_kernels.quantize import common_sm90 as cm  # noqa: E402
 from pallas_kernels.quantize import operand_sm90 as fq  # noqa: E402
@@ -157,3 +159,60 @@ def test_rows_cols_lowers_for_cuda(variant):
 
     exp = export_cuda(f, x, sc, kw, kw)
     assert "mosaic_gpu" in exp.mlir_module()
+
+
+def _nvfp4_fwd_bwd(m, c):
+    """``fp4jax.dot`` nvfp4 forward + backward of x (m, c) @ w (c, c): y, loss, dx, dw."""
+    kx, kw, kc = jax.random.split(jax.random.key(m + c), 3)
+    x = jax.random.normal(kx, (m, c)).astype(jnp.bfloat16)
+    w = (0.05 * jax.random.normal(kw, (c, c))).astype(jnp.bfloat16)
+    ct = jax.random.normal(kc, (m, c)).astype(jnp.bfloat16)
+
+    def loss(x, w):
+        y = fp4jax.dot(x, w, recipe="nvfp4", key=jax.random.key(9))
+        return (y.astype(jnp.float32) * ct).sum(), y
+
+    (v, y), (dx, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+    return [np.asarray(a, np.float32) for a in (y, v, dx, dw)]
+
+
+@pytest.mark.slow  # interpret mode: ~30 s on the 2-core machine
+@needs_interpret
+@pytest.mark.parametrize("c", [1024, 256])
+def test_dot_makes_rows_and_cols_in_one_pass(monkeypatch, c):
+    """Wired in: with ``FP4JAX_KERNEL_OPERANDS`` unset (``fused``) the kernel path makes x's
+    (fprop rows, wgrad RHT cols) and dy's (dgrad SR rows, wgrad SR cols) operand pairs with
+    ``fq_rows_cols_scaled``, one call each, and ``separate`` with none; y, loss, dx, dw equal
+    the XLA path's bit for bit either way."""
+    monkeypatch.setenv("FP4JAX_KERNELS", "off")
+    want = _nvfp4_fwd_bwd(16, c)
+    calls = []
+    real = fq.fq_rows_cols_scaled
+
+    def spy(x, *a, **k):
+        calls.append((x.shape, k.get("sr_rows"), k.get("sr_cols"), k.get("rht")))
+        return real(x, *a, **k)
+
+    monkeypatch.setattr(fq, "fq_rows_cols_scaled", spy)
+    monkeypatch.setenv("FP4JAX_KERNELS", "interpret")
+    for passes, n in (("fused", 2), ("separate", 0)):
+        monkeypatch.setenv("FP4JAX_KERNEL_OPERANDS", passes)
+        calls.clear()
+        got = _nvfp4_fwd_bwd(16, c)
+        assert len(calls) == n, (passes, calls)
+        if n:  # x: RtN rows, RHT'd RtN cols; dy: SR rows, RHT'd SR cols (the nvfp4 recipe)
+            assert sorted(cl[1:] for cl in calls) == [(False, False, True), (True, True, True)]
+        for g, w, name in zip(got, want, ("y", "loss", "dx", "dw"), strict=True):
+            assert (g.view(np.uint32) == w.view(np.uint32)).all(), (passes, name)
+
+
+def test_operand_passes_setting(monkeypatch):
+    from pallas_kernels import dot_sm90
+
+    monkeypatch.delenv("FP4JAX_KERNEL_OPERANDS", raising=False)
+    assert dot_sm90.operand_passes() == "fused"
+    monkeypatch.setenv("FP4JAX_KERNEL_OPERANDS", "Separate")
+    assert dot_sm90.operand_passes() == "separate"
+    monkeypatch.setenv("FP4JAX_KERNEL_OPERANDS", "one")
+    with pytest.raises(ValueError, match="FP4JAX_KERNEL_OPERANDS='one': use one of fused"):
+        dot_sm90.operand_passes()
