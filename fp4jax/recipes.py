@@ -914,6 +914,12 @@ class RunSpec:
     recipe: Recipe
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
+    @classmethod
+    def plain(cls, text: str, recipe: Recipe) -> RunSpec:
+        """The parse of ``text``, a spec with no caller's keys whose recipe is already known
+        (``spec(recipe)``, or a ``RunSpec``'s ``base``): ``text == base``, no ``extra``."""
+        return cls(text, text, recipe, {})
+
 
 def parse_run_spec(spec: str, keys: Mapping[str, Callable[[str], Any]] | None = None, *,
                    label: str = "run-level keys") -> RunSpec:

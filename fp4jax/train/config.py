@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import inspect
 import math
 import numbers
 import os
@@ -161,10 +162,7 @@ def derive(cfg: TrainConfig, parsed: Mapping[str, RunSpec], **changes: Any) -> T
       TypeError: an unknown field.
       ConfigError: a bad value.
     """
-    names = {f.name for f in dataclasses.fields(cfg)}
-    for k in changes:
-        if k not in names:
-            raise TypeError(f"TrainConfig.__init__() got an unexpected keyword argument {k!r}")
+    inspect.signature(type(cfg)).bind_partial(**changes)  # the constructor's TypeError
     new = copy.copy(cfg)  # no __init__: validated below, with the specs already parsed
     for k, v in changes.items():
         object.__setattr__(new, k, v)
@@ -182,7 +180,7 @@ def with_recipe(cfg: TrainConfig, recipe: Recipe, **changes: Any) -> TrainConfig
       ConfigError: a bad value.
     """
     text = fp4jax.recipes.spec(recipe)
-    return derive(cfg, {text: RunSpec(text, text, recipe, {})}, recipe=text, **changes)
+    return derive(cfg, {text: RunSpec.plain(text, recipe)}, recipe=text, **changes)
 
 
 def split_specs(text: str | None) -> list[str]:
@@ -634,7 +632,7 @@ def validate_runs(cfg: TrainConfig) -> None:
             validate_run_recipe(cfg, rs.recipe)
             continue
         try:  # validates the run: the base spec, parsed already, has no run-level keys
-            derive(cfg, {rs.base: RunSpec(rs.base, rs.base, rs.recipe, {})}, recipe=rs.base,
+            derive(cfg, {rs.base: RunSpec.plain(rs.base, rs.recipe)}, recipe=rs.base,
                    compare=None, **rs.extra)
         except ConfigError as e:
             where = "of --compare" if cfg.compare else "of --recipe"

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fp4jax.recipes import Recipe, RunSpec
-from fp4jax.train.config import TrainConfig, compare_names, parsed_spec, switched_recipe
+from fp4jax.train.config import TrainConfig, compare_names, parsed_spec, run_recipe, switched_recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +57,8 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
     Raises:
       ValueError: a bad spec (only for a config whose validation was bypassed).
     """
-    rs = parsed_spec(cfg, cfg.recipe)
-    return RunPlan(config=cfg, spec=rs, run_config=cfg.replace(**rs.extra))
+    run_config, _ = run_recipe(cfg)
+    return RunPlan(config=cfg, spec=parsed_spec(cfg, cfg.recipe), run_config=run_config)
 
 
 def plan_runs(cfg: TrainConfig) -> tuple[RunPlan, ...]:
