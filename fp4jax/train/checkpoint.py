@@ -29,7 +29,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -286,20 +286,27 @@ class Checkpointer:
         self.mngr.close()
 
 
-def _effective(config: dict) -> dict:
-    """``config`` with the run-level keys of its recipe spec applied (``split_run_spec``):
-    what the run used, so a flag that the spec overrides is no difference."""
-    try:
-        _, run = split_run_spec(config.get("recipe", ""))
-    except (ValueError, TypeError):
-        return config
-    return {**config, **run}
+def _effective(config: dict, run_keys: Mapping[str, Any] | None = None) -> dict:
+    """``config`` with the run-level keys of its recipe spec applied (``split_run_spec``, or
+    ``run_keys`` where the caller parsed the spec already): what the run used, so a flag
+    that the spec overrides is no difference."""
+    if run_keys is None:
+        try:
+            _, run_keys = split_run_spec(config.get("recipe", ""))
+        except (ValueError, TypeError):
+            return config
+    return {**config, **run_keys}
 
 
-def config_diff(saved: dict, current: dict) -> list[str]:
+def config_diff(saved: dict, current: dict, run_keys: Mapping[str, Any] | None = None
+                ) -> list[str]:
     """Keys (outside ``RESUMABLE_KEYS``) whose values differ, as ``key: saved -> current``;
-    both configs as the run used them (a spec's run-level keys applied)."""
-    saved, current = _effective(saved), _effective(current)
+    both configs as the run used them (a spec's run-level keys applied). ``run_keys``: the
+    run-level keys of ``current``'s spec, parsed already (``RunPlan.run_keys``; None: parse
+    it); a saved spec of the same text takes them too, so a resume parses no spec."""
+    same = run_keys is not None and saved.get("recipe") == current.get("recipe")
+    saved = _effective(saved, run_keys if same else None)
+    current = _effective(current, run_keys)
     keys = sorted((set(saved) | set(current)) - RESUMABLE_KEYS)
     # a key absent from an older checkpoint's config had its default value then
     default = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
@@ -393,12 +400,14 @@ def history_from_metrics(path: Path) -> dict[str, list]:
 
 
 def restore_newest(ckpt: Checkpointer, target: Any, cfg_dict: dict, overrides: list[str],
-                   data_sha: str, out: Path, model_sha: str | None = None
+                   data_sha: str, out: Path, model_sha: str | None = None,
+                   run_keys: Mapping[str, Any] | None = None
                    ) -> tuple[Any, dict, list[CheckpointDamaged]]:
     """Restores the newest checkpoint that restores completely (metadata, arrays, checksum)
     after checking that its config and data fingerprint match ``cfg_dict`` and ``data_sha``
     and its model-code fingerprint ``model_sha`` (``--model``/``--rules`` files; None: not
-    checked) the run's (keys in ``overrides`` may differ, ``"model"`` the code); damaged
+    checked) the run's (keys in ``overrides`` may differ, ``"model"`` the code; ``run_keys``:
+    ``config_diff``'s, the run-level keys of ``cfg_dict``'s spec); damaged
     newer checkpoints are moved to ``OUT/checkpoints.damaged/`` and reported. Returns
     ``(state, meta, damaged)``.
 
@@ -411,7 +420,8 @@ def restore_newest(ckpt: Checkpointer, target: Any, cfg_dict: dict, overrides: l
         # with a recorded fingerprint the corpus is checked by content: its path may change
         free = [*overrides, *(["data"] if meta.get("data_sha256") else [])]
         free += ["tokenizer"] if "data" in free else []  # the fingerprint covers it
-        diff = config_diff({**meta["config"], **{k: cfg_dict[k] for k in free}}, cfg_dict)
+        diff = config_diff({**meta["config"], **{k: cfg_dict[k] for k in free}}, cfg_dict,
+                           run_keys)
         if diff:
             raise ValueError("refusing to resume with a changed config; differing keys: "
                              + "; ".join(diff) + f" (only {list(OVERRIDABLE_KEYS)} can change, "
@@ -509,10 +519,12 @@ class RunCheckpoints:
                   "written (pip install orbax-checkpoint)", file=sys.stderr)
 
     def resume(self, state: Any, cfg_dict: dict, overrides: list[str], data_sha: str,
-               check: Callable[[dict], None], model_sha: str | None = None) -> Resumed:
+               check: Callable[[dict], None], model_sha: str | None = None,
+               run_keys: Mapping[str, Any] | None = None) -> Resumed:
         """Restores the newest good checkpoint into the layout of ``state`` (several
         processes: process 0 restores host arrays and broadcasts them); ``check(meta)`` runs
-        on process 0 after the restore (its errors stop every process).
+        on process 0 after the restore (its errors stop every process); ``run_keys``: the
+        run-level keys of ``cfg_dict``'s spec, parsed already (``restore_newest``).
 
         Raises:
           ValueError: see ``restore_newest``; no orbax-checkpoint.
@@ -527,7 +539,7 @@ class RunCheckpoints:
                                  "orbax-checkpoint)")
             restored, meta, found["damaged"] = restore_newest(
                 self.ckpt, host_target if multi else state, cfg_dict, overrides, data_sha,
-                self.out, model_sha)
+                self.out, model_sha, run_keys)
             saved_cfg = meta["config"]
             overridden = {k: [saved_cfg.get(k), cfg_dict[k]] for k in overrides
                           if saved_cfg.get(k) != cfg_dict[k]}

@@ -153,7 +153,7 @@ def _plan(sub: TrainConfig) -> tuple[str, TrainConfig, dict | None]:
     found = run_contents(out)
     recorded = _recorded_config(out)
     if recorded is not None:
-        diff = config_diff(recorded, dataclasses.asdict(sub))
+        diff = config_diff(recorded, dataclasses.asdict(sub), parsed_spec(sub, sub.recipe).extra)
         if diff:
             raise RunExists(refusal(out, found) + "; its config differs from this sweep's: "
                             + "; ".join(diff))

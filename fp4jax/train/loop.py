@@ -579,7 +579,8 @@ def train(cfg: TrainConfig, dataset: ByteDataset | None = None) -> dict:
     damaged: list = []
     if cfg.resume:
         resumed = ckpts.resume(state, cfg_dict, overrides, data_sha,
-                               lambda meta: switch.restore(meta, rm.bf16), model_sha)
+                               lambda meta: switch.restore(meta, rm.bf16), model_sha,
+                               plan.run_keys)
         state, start = resumed.state, resumed.step
         overridden, damaged = resumed.overridden, resumed.damaged
         if main:

@@ -150,3 +150,31 @@ def test_token_row_check_reads_a_foreign_models_recipes_not_their_specs(counts, 
     with pytest.raises(ValueError, match=r"64 token rows a device; recipe 'q2'"):
         loop.check_token_rows(cfg, rm, mesh)
     assert _parses(counts) == 0 and counts["split_spec"] == 0, counts
+
+
+def test_resume_config_check_parses_no_spec(counts):
+    """A resume's config check (``checkpoint.config_diff``) takes the run-level keys the run
+    parsed (``RunPlan.run_keys``): a saved spec of the same text is not parsed again, and a
+    run-level key is still applied to both sides (a flag the spec overrides is no
+    difference); a saved spec of another text is parsed (it is new text)."""
+    import dataclasses
+
+    from fp4jax.train import TrainConfig
+    from fp4jax.train.checkpoint import config_diff
+    from fp4jax.train.plan import plan_run
+
+    spec = "nvfp4(sr=False, last_bf16=0)"
+    plan = plan_run(TrainConfig(preset="micro", recipe=spec))
+    n0 = _parses(counts)
+    cur = dataclasses.asdict(plan.config)
+    saved = {**cur, "last_bf16": 3}  # the flag differs; the spec sets last_bf16=0 for both
+    assert config_diff(saved, cur, plan.run_keys) == []
+    assert _parses(counts) == n0, counts
+    assert config_diff({**cur, "lr": 1.0}, cur, plan.run_keys) == [
+        f"lr: 1.0 -> {cur['lr']!r}"]
+    assert _parses(counts) == n0, counts
+    other = config_diff({**cur, "recipe": "nvfp4(sr=False, last_bf16=2)"}, cur,
+                        plan.run_keys)
+    assert _parses(counts) == n0 + 1, counts
+    assert other == ["last_bf16: 2 -> 0", f"recipe: 'nvfp4(sr=False, last_bf16=2)' -> {spec!r}"]
+    assert config_diff(saved, cur) == []  # without the keys: parsed, the same answer
