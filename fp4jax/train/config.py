@@ -5,6 +5,10 @@ precision policy and precision switch (``make_policy``, ``last_bf16_blocks``,
 ``switched_recipe``), and its learning-rate schedule and optimizer (``make_schedule``,
 ``make_optimizer``), and the checks of a config's values (``validate_config``, run by
 ``TrainConfig`` itself: a bad value raises ``ConfigError``, a ``ValueError`` naming the field).
+The fields stay flat (the CLI's flags, the records); ``TrainConfig`` gives them as frozen
+groups that check their own values (``cfg.arch``, ``dataset``, ``optim``, ``precision``,
+``rundir``, ``research``, ``parallel``: ``fp4jax.train.groups``), and ``validate_config``
+adds the rules that span groups.
 A config parses each of its recipe specs once, when it validates itself (``run_spec``, through
 ``fp4jax.recipes.parse_run_spec``), and keeps them (``parsed_spec``); the configs derived from
 it (``replace``, ``derive``, ``with_recipe``) inherit them, so nothing below the config parses
@@ -18,46 +22,49 @@ import dataclasses
 import functools
 import inspect
 import math
-import numbers
-import os
 from collections.abc import Mapping
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import optax
 
 import fp4jax.recipes
-from fp4jax.models.llama import ATTENTION, SCAN_REMAT, LlamaConfig, get_preset
+from fp4jax.models.llama import LlamaConfig
 from fp4jax.nn.policy import PrecisionPolicy
 from fp4jax.recipes import GemmSpec, Recipe, RunSpec
-from fp4jax.train.tokens import MAX_VOCAB, parse_tokenizer_spec
+from fp4jax.train.groups import (
+    INT32_MAX,
+    MAX_BATCH_IDS,
+    MAX_SEED,
+    OVERRIDABLE_KEYS,
+    SCHEDULES,
+    SWITCH_MODES,
+    ArchConfig,
+    ConfigError,
+    DataConfig,
+    OptimConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    ResearchConfig,
+    RunDirConfig,
+    check_int,
+    is_int,
+    is_real,
+    override_keys,
+)
 
-SWITCH_MODES = ("fwd", "bwd", "both")
-SCHEDULES = ("wsd", "cosine")
+__all__ = ["AUTO", "INT32_MAX", "MAX_BATCH_IDS", "MAX_SEED", "OVERRIDABLE_KEYS",
+           "RESUMABLE_KEYS", "SCHEDULES", "SWITCH_MODES", "ConfigError", "TrainConfig",
+           "compare_names", "derive", "last_bf16_blocks", "make_optimizer", "make_policy",
+           "make_schedule", "model_config", "override_keys", "parsed_spec", "run_recipe",
+           "run_spec", "split_run_spec", "split_specs", "switched_recipe", "validate_config",
+           "with_recipe"]
+
 # Config keys that may change between a run and its resumption.
 RESUMABLE_KEYS = frozenset(
     {"out", "resume", "stop_at", "progress", "cache_dir", "checkpoint_every", "log_every",
      "devices", "fsdp", "compare", "resume_override", "overwrite", "keep_checkpoints",
      "stats_every", "scan_remat", "attention", "fp4_param_gather"}
 )
-# Config keys that ``--resume-override`` may change (they leave the state's structure alone);
-# ``data`` lets the corpus (its path and its content, see ``ByteDataset.fingerprint``) change.
-OVERRIDABLE_KEYS = ("lr", "min_lr_ratio", "clip_norm", "weight_decay", "beta1", "beta2", "data",
-                    "model")
-
-
-class ConfigError(ValueError):
-    """A config value that makes no sense: ``field`` names the ``TrainConfig`` field (the CLI
-    flag is ``flag``), ``reason`` says why."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        self.field, self.reason = field, reason
-        super().__init__(f"TrainConfig.{field} ({self.flag}): {reason}")
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.field.replace("_", "-")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +147,42 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         validate_config(self)
+
+    # The groups of the fields (``fp4jax.train.groups``), each checking its own values.
+    @property
+    def arch(self) -> ArchConfig:
+        """The model: the Llama preset and overrides (``arch.llama``) or a ``--model``."""
+        return ArchConfig.of(self)
+
+    @property
+    def dataset(self) -> DataConfig:
+        """The corpus, tokenizer and batches."""
+        return DataConfig.of(self)
+
+    @property
+    def optim(self) -> OptimConfig:
+        """The schedule and AdamW (``optim.optimizer(steps)``)."""
+        return OptimConfig.of(self)
+
+    @property
+    def precision(self) -> PrecisionConfig:
+        """The recipe spec, BF16 layers, precision switch and rules file."""
+        return PrecisionConfig.of(self)
+
+    @property
+    def rundir(self) -> RunDirConfig:
+        """The run directory, checkpoints and resume."""
+        return RunDirConfig.of(self)
+
+    @property
+    def research(self) -> ResearchConfig:
+        """Measurements, OsciReset and OutControl."""
+        return ResearchConfig.of(self)
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        """Devices, FSDP and the FP4 weight gather."""
+        return ParallelConfig.of(self)
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with ``changes`` (field names) applied, validated. The recipe specs this
@@ -251,24 +294,24 @@ def _run_value(key: str, text: str) -> Any:
         v = text  # a bare word: switch=fwd
     want = RUN_KEYS[key]
     ok = {
-        "first_bf16": _is_int(v) and v >= 0,
-        "last_bf16": _is_int(v) and v >= -1,
-        "switch_at": v == "auto" or (_is_real(v) and math.isfinite(v) and 0.0 <= v <= 1.0),
+        "first_bf16": is_int(v) and v >= 0,
+        "last_bf16": is_int(v) and v >= -1,
+        "switch_at": v == "auto" or (is_real(v) and math.isfinite(v) and 0.0 <= v <= 1.0),
         "switch": v in SWITCH_MODES,
         "bf16_layers": isinstance(v, str) and bool(v.strip()),
-        "bf16_budget": _is_real(v) and math.isfinite(v) and 0.0 <= v <= 1.0,
-        "grad_noise_every": _is_int(v) and v >= 0,
-        "switch_threshold": _is_real(v) and math.isfinite(v) and v > 0,
-        "switch_window": _is_int(v) and v >= 0,
+        "bf16_budget": is_real(v) and math.isfinite(v) and 0.0 <= v <= 1.0,
+        "grad_noise_every": is_int(v) and v >= 0,
+        "switch_threshold": is_real(v) and math.isfinite(v) and v > 0,
+        "switch_window": is_int(v) and v >= 0,
         "attn_recipe": isinstance(v, str) and _is_attention_recipe(v),
-        "osci_reset": _is_real(v) and math.isfinite(v) and 0.0 <= v <= 1.0,
-        "osci_period": _is_int(v) and v >= 3,
-        "osci_iters": _is_int(v) and v >= 1,
-        "osci_threshold": _is_real(v) and math.isfinite(v) and v > 0,
-        "outcontrol": _is_real(v) and math.isfinite(v) and 0.0 < v < 1.0,
-        "outcontrol_start": _is_int(v) and v >= 0,
-        "outcontrol_iters": _is_int(v) and v >= 1,
-        "outcontrol_multiple": _is_int(v) and v >= 16 and v % 16 == 0,
+        "osci_reset": is_real(v) and math.isfinite(v) and 0.0 <= v <= 1.0,
+        "osci_period": is_int(v) and v >= 3,
+        "osci_iters": is_int(v) and v >= 1,
+        "osci_threshold": is_real(v) and math.isfinite(v) and v > 0,
+        "outcontrol": is_real(v) and math.isfinite(v) and 0.0 < v < 1.0,
+        "outcontrol_start": is_int(v) and v >= 0,
+        "outcontrol_iters": is_int(v) and v >= 1,
+        "outcontrol_multiple": is_int(v) and v >= 16 and v % 16 == 0,
     }[key]
     if not ok:
         raise ValueError(f"{key} is {want}")
@@ -348,237 +391,50 @@ def compare_names(spec: str | None) -> list[str]:
     return split_specs(spec)
 
 
-def override_keys(spec: str | None) -> list[str]:
-    """The keys of a ``--resume-override`` list (comma-separated, blanks dropped)."""
-    return [k.strip() for k in (spec or "").split(",") if k.strip()]
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _is_real(v: Any) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
-
-
-# integer field -> its lowest allowed value
-_INT_MIN: dict[str, int] = {
-    "seq_len": 2, "batch_size": 1, "steps": 1, "warmup_steps": 0, "first_bf16": 0,
-    "last_bf16": -1, "eval_every": 0, "eval_batches": 1, "log_every": 1, "checkpoint_every": 0,
-    "devices": 0, "fsdp": 1, "keep_checkpoints": 1, "stats_every": 0,
-    "switch_window": 0, "grad_noise_every": 0, "bf16_warmup": 1, "osci_period": 3,
-    "osci_iters": 1, "outcontrol_start": 0, "outcontrol_iters": 1, "outcontrol_multiple": 16,
-}
-INT32_MAX = 2**31 - 1
-MAX_SEED = 2**63 - 1  # jax.random.key takes a signed 64-bit seed
-# integer field -> its highest allowed value (the others: INT32_MAX, the step counter's and
-# XLA's int32 range) and why
-_INT_MAX: dict[str, tuple[int, str]] = {
-    "seq_len": (1 << 20, "tokens per sequence"),
-    "batch_size": (1 << 20, "sequences per step"),
-    "n_experts": (1 << 12, "experts per mixture (the largest models use a few hundred)"),
-    "outcontrol_multiple": (1 << 16, "channels"),
-}
-# the largest number of token ids one batch (batch_size x (seq_len + 1)) or the validation
-# batches (x eval_batches, held in host and device memory for the whole run) may hold: 1 GiB
-# of int32 ids, ~8x a batch of 4096 sequences of 8192 tokens
-MAX_BATCH_IDS = 1 << 28
-# real field -> (low, low included?, high or None, high included?); NaN and infinities are
-# always refused
-_REAL_RANGES: dict[str, tuple[float, bool, float | None, bool]] = {
-    "val_fraction": (0.0, False, 1.0, False), "lr": (0.0, True, None, False),
-    "min_lr_ratio": (0.0, True, None, False), "decay_fraction": (0.0, True, 1.0, True),
-    "weight_decay": (0.0, True, None, False), "beta1": (0.0, True, 1.0, False),
-    "beta2": (0.0, True, 1.0, False), "clip_norm": (0.0, False, None, False),
-    "switch_threshold": (0.0, False, None, False), "bf16_budget": (0.0, True, 1.0, True),
-    "osci_threshold": (0.0, False, None, False),
-}
-
-
-def _check_real(field: str, v: Any, lo: float, lo_in: bool, hi: float | None,
-                hi_in: bool) -> None:
-    want = (f"a finite number {'>=' if lo_in else '>'} {lo:g}" if hi is None else
-            f"a number in {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}")
-    if not _is_real(v):
-        raise ConfigError(field, f"must be {want}, got {v!r}")
-    x = float(v)
-    ok = math.isfinite(x) and (x >= lo if lo_in else x > lo)
-    if hi is not None:
-        ok = ok and (x <= hi if hi_in else x < hi)
-    if not ok:
-        raise ConfigError(field, f"must be {want}, got {v!r}")
+LOOP_INTS = ("steps", "eval_every", "eval_batches", "log_every")
+"""The loop's integer fields (the rest of the top level: ``seed``, ``stop_at``, ``progress``,
+``compare``)."""
 
 
 def validate_config(cfg: TrainConfig) -> None:
-    """Checks every value of ``cfg`` that can be checked without devices, data or files.
+    """Checks every value of ``cfg`` that can be checked without devices, data or files: the
+    loop's own fields, each group's (``fp4jax.train.groups``: ``Group.validate``), then the
+    rules that span groups, the recipe specs (parsed once, kept: ``parsed_spec``) and the
+    runs they describe.
 
     Raises:
       ConfigError: the first field whose value makes no sense (a ``ValueError`` that names the
         field and its CLI flag).
     """
-    for field, lo in _INT_MIN.items():  # every size a user types: a range, then the fix
-        v = getattr(cfg, field)
-        hi, what = _INT_MAX.get(field, (INT32_MAX, ""))
-        if not _is_int(v) or v < lo:
-            raise ConfigError(field, f"must be an integer >= {lo}, got {v!r}")
-        if v > hi:
-            raise ConfigError(field, f"must be an integer in {lo}..{hi}"
-                              f"{f' ({what})' if what else ''}, got {v!r}")
-    ids = cfg.batch_size * (cfg.seq_len + 1)
-    if ids > MAX_BATCH_IDS:
-        raise ConfigError("batch_size", f"--batch-size {cfg.batch_size} x (--seq-len "
-                          f"{cfg.seq_len} + 1) = {ids} token ids a batch, more than "
-                          f"{MAX_BATCH_IDS}: lower --batch-size or --seq-len")
+    for field in LOOP_INTS:  # every size a user types: a range, then the fix
+        check_int(field, getattr(cfg, field))
+    if not is_int(cfg.seed) or not 0 <= cfg.seed <= MAX_SEED:
+        raise ConfigError("seed", f"must be an integer in 0..{MAX_SEED} (the batch order's "
+                          f"numpy generator takes no negative seed), got {cfg.seed!r}")
+    if cfg.stop_at is not None and (not is_int(cfg.stop_at)
+                                    or not 0 <= cfg.stop_at <= INT32_MAX):
+        raise ConfigError("stop_at", f"must be an integer in 0..{INT32_MAX} (or None), got "
+                          f"{cfg.stop_at!r}")
+    if not isinstance(cfg.progress, bool):
+        raise ConfigError("progress", f"must be True or False, got {cfg.progress!r}")
+    data = cfg.dataset
+    for group in (data, cfg.optim, cfg.arch, cfg.precision, cfg.rundir, cfg.research,
+                  cfg.parallel):
+        group.validate()
+    ids = data.batch_ids
     if ids * cfg.eval_batches > MAX_BATCH_IDS:
         raise ConfigError("eval_batches", f"--eval-batches {cfg.eval_batches} x {ids} token "
                           f"ids a batch = {ids * cfg.eval_batches} validation ids held in "
                           f"memory, more than {MAX_BATCH_IDS}: lower --eval-batches")
-    for field, bounds in _REAL_RANGES.items():
-        _check_real(field, getattr(cfg, field), *bounds)
-    if not _is_int(cfg.seed) or not 0 <= cfg.seed <= MAX_SEED:
-        raise ConfigError("seed", f"must be an integer in 0..{MAX_SEED} (the batch order's "
-                          f"numpy generator takes no negative seed), got {cfg.seed!r}")
-    if cfg.stop_at is not None and (not _is_int(cfg.stop_at)
-                                    or not 0 <= cfg.stop_at <= INT32_MAX):
-        raise ConfigError("stop_at", f"must be an integer in 0..{INT32_MAX} (or None), got "
-                          f"{cfg.stop_at!r}")
-    if cfg.switch_at is not None and cfg.switch_at != "auto":
-        if isinstance(cfg.switch_at, str):
-            raise ConfigError("switch_at", f"must be a number in [0, 1] or 'auto', got "
-                              f"{cfg.switch_at!r}")
-        _check_real("switch_at", cfg.switch_at, 0.0, True, 1.0, True)
-    for field in ("resume", "progress", "scan_layers", "overwrite", "fp4_param_gather"):
-        if not isinstance(getattr(cfg, field), bool):
-            raise ConfigError(field, f"must be True or False, got {getattr(cfg, field)!r}")
-    if cfg.fp4_param_gather and isinstance(cfg.fsdp, int) and cfg.fsdp < 2:
-        raise ConfigError("fp4_param_gather", f"gathers the weights that --fsdp shards: it "
-                          f"needs --fsdp 2 or more (got --fsdp {cfg.fsdp})")
-    if cfg.osci_reset is not None:
-        _check_real("osci_reset", cfg.osci_reset, 0.0, True, 1.0, True)
-        if cfg.osci_iters > cfg.osci_period - 2:
-            raise ConfigError("osci_iters", f"must be at most --osci-period - 2 = "
-                              f"{cfg.osci_period - 2} (the reset step follows the tracking "
-                              f"steps within a period), got {cfg.osci_iters}")
-        if cfg.model is not None:
-            raise ConfigError("osci_reset", "works with the built-in Llama only (its weights' "
-                              "quantizers are known); drop --osci-reset")
-        if cfg.switch_at is not None:
-            raise ConfigError("osci_reset", "with --switch-at: the forward weights' quantizer "
-                              "changes at the switch, which OsciReset does not follow; drop "
-                              "one")
-    if cfg.outcontrol is None:
-        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-        for field in ("outcontrol_start", "outcontrol_iters", "outcontrol_multiple"):
-            if getattr(cfg, field) != defaults[field]:
-                raise ConfigError(field, f"sets OutControl, which is off: pass --outcontrol "
-                                  f"RATIO too (e.g. 0.1), or drop --{field.replace('_', '-')}")
-    if cfg.outcontrol is not None:
-        _check_real("outcontrol", cfg.outcontrol, 0.0, False, 1.0, False)
-        if cfg.outcontrol_multiple % 16:
-            raise ConfigError("outcontrol_multiple", f"must be a multiple of 16 (the NVFP4 "
-                              f"block), got {cfg.outcontrol_multiple}")
-        split = cfg.outcontrol_start + cfg.outcontrol_iters
-        if split >= cfg.steps:
-            raise ConfigError("outcontrol_start", f"OutControl records steps "
-                              f"{cfg.outcontrol_start}..{split - 1} and splits from step "
-                              f"{split}, which a run of {cfg.steps} steps never reaches: "
-                              "lower --outcontrol-start or --outcontrol-iters")
-        if _is_int(cfg.n_experts) and cfg.n_experts > 0:
-            raise ConfigError("outcontrol", "with --n-experts is not built (the experts' "
-                              "grouped GEMMs are not split); drop one of them")
-        for field, why in (("model", "works with the built-in Llama only"),
-                           ("osci_reset", "with --osci-reset is not built (TetraJet-v2 tracks "
-                            "only the FP4 channels)"),
-                           ("switch_at", "with --switch-at is not built")):
-            if getattr(cfg, field) is not None:
-                raise ConfigError("outcontrol", f"{why}; drop --outcontrol or --"
-                                  f"{field.replace('_', '-')}")
-        if cfg.stats_every or cfg.grad_noise_every or str(cfg.bf16_layers or "").startswith(
-                "auto"):
-            raise ConfigError("outcontrol", "with --stats-every, --grad-noise-every or "
-                              "--bf16-layers auto is not built (their measurements would not "
-                              "see the channel split); drop one of them")
-        if isinstance(cfg.fsdp, int) and cfg.fsdp > 1:
-            raise ConfigError("outcontrol", "with --fsdp is not built (its statistic pass "
-                              "runs on replicated parameters); drop --outcontrol or --fsdp")
+    validate_research(cfg)
     if cfg.fp4_param_gather and cfg.model is not None:
         raise ConfigError("fp4_param_gather", "works with the built-in Llama only: a --model's"
                           " layer may transform its kernel before the product (which the FP4 "
                           "gather must see unchanged); drop --fp4-param-gather")
     try:
-        get_preset(cfg.preset)
-    except ValueError as e:
-        raise ConfigError("preset", str(e)) from None
-    if not isinstance(cfg.recipe, str) or not cfg.recipe.strip():
-        raise ConfigError("recipe", f"must be a recipe name or spec, got {cfg.recipe!r}")
-    try:
         parsed_spec(cfg, cfg.recipe)
     except ValueError as e:
         raise ConfigError("recipe", str(e)) from None
-    if cfg.scan_remat is not None:
-        if cfg.scan_remat not in SCAN_REMAT:
-            raise ConfigError("scan_remat", f"must be one of {list(SCAN_REMAT)} (or None: "
-                              f"'dots' with --scan-layers), got {cfg.scan_remat!r}")
-        if not cfg.scan_layers:
-            raise ConfigError("scan_remat", "applies to scanned blocks: pass --scan-layers "
-                              "too, or leave --scan-remat out")
-    if cfg.attention not in ATTENTION:
-        raise ConfigError("attention", f"must be one of {list(ATTENTION)}, got "
-                          f"{cfg.attention!r}")
-    if cfg.attn_recipe is not None:
-        try:
-            fp4jax.recipes.get_attention(cfg.attn_recipe)
-        except (TypeError, ValueError) as e:
-            raise ConfigError("attn_recipe", str(e)) from None
-    for field, lo in (("n_experts", 0), ("top_k", 1)):
-        v = getattr(cfg, field)
-        hi = _INT_MAX["n_experts"][0]
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ConfigError(field, f"must be an integer >= {lo}, got {v!r}")
-        if v > hi:
-            raise ConfigError(field, f"must be an integer in {lo}..{hi}, got {v!r}")
-    if cfg.n_experts and cfg.top_k > cfg.n_experts:
-        raise ConfigError("top_k", f"must be at most n_experts={cfg.n_experts}, got "
-                          f"{cfg.top_k}")
-    if cfg.n_experts and cfg.ffn == "smooth_swiglu":
-        raise ConfigError("ffn", "smooth_swiglu has no mixture-of-experts form: use swiglu or "
-                          "relu2 with --n-experts")
-    if cfg.ffn is not None and cfg.ffn not in ("relu2", "swiglu", "smooth_swiglu"):
-        raise ConfigError("ffn", f"must be 'relu2', 'swiglu' or 'smooth_swiglu', got "
-                                 f"{cfg.ffn!r}")
-    if cfg.dtype is not None:
-        try:
-            floating = jnp.issubdtype(jnp.dtype(cfg.dtype), jnp.floating)
-        except TypeError:
-            floating = False
-        if not floating:
-            raise ConfigError("dtype", f"must name a floating dtype (bfloat16, float32), "
-                              f"got {cfg.dtype!r}")
-    if cfg.schedule not in SCHEDULES:
-        raise ConfigError("schedule",
-                          f"unknown schedule {cfg.schedule!r}; valid: {list(SCHEDULES)}")
-    if cfg.switch not in SWITCH_MODES:
-        raise ConfigError("switch", f"unknown switch mode {cfg.switch!r}; valid modes: "
-                          f"{list(SWITCH_MODES)}")
-    if not isinstance(cfg.out, str) or not cfg.out.strip():
-        raise ConfigError("out", f"must be a directory path, got {cfg.out!r}")
-    if cfg.tokenizer is not None:
-        if not isinstance(cfg.tokenizer, str):
-            raise ConfigError("tokenizer", f"must be bytes, bpe:N or a tokenizer.json path, "
-                              f"got {cfg.tokenizer!r}")
-        try:
-            parse_tokenizer_spec(cfg.tokenizer)
-        except ValueError as e:
-            raise ConfigError("tokenizer", str(e)) from None
-    if cfg.vocab_size is not None and (not _is_int(cfg.vocab_size)
-                                       or not 2 <= cfg.vocab_size <= MAX_VOCAB):
-        raise ConfigError("vocab_size", f"must be an integer in 2..{MAX_VOCAB} (the model's "
-                          f"embedding and logits are vocabulary x width; or None: the data's "
-                          f"vocabulary), got {cfg.vocab_size!r}")
-    for field in ("data", "cache_dir"):
-        v = getattr(cfg, field)
-        if v is not None and (not isinstance(v, str | os.PathLike) or not str(v).strip()):
-            raise ConfigError(field, f"must be a path (or left out), got {v!r}")
     if cfg.compare is not None:
         try:
             names = compare_names(cfg.compare)
@@ -601,18 +457,57 @@ def validate_config(cfg: TrainConfig) -> None:
         if twice:
             raise ConfigError("compare", f"names {', '.join(twice)} more than once")
     validate_model(cfg)
-    keys = override_keys(cfg.resume_override)
-    bad = [k for k in keys if k not in OVERRIDABLE_KEYS]
-    if bad:
-        raise ConfigError("resume_override", f"{bad} cannot be overridden; valid keys: "
-                          f"{list(OVERRIDABLE_KEYS)}")
-    if keys and not cfg.resume:
-        raise ConfigError("resume_override", "needs --resume (resume=True)")
-    if cfg.resume and cfg.overwrite:
-        raise ConfigError("overwrite", "--overwrite starts afresh and --resume continues: "
-                          "give one of them")
     validate_precision(cfg)
     validate_runs(cfg)
+
+
+def validate_research(cfg: TrainConfig) -> None:
+    """The rules of OsciReset and OutControl against the rest of the run (their own values:
+    ``groups.ResearchConfig.validate``).
+
+    Raises:
+      ConfigError: naming the field, why, and the fix.
+    """
+    osci, oc = cfg.research.osci, cfg.research.outcontrol
+    if osci.on:
+        if cfg.model is not None:
+            raise ConfigError("osci_reset", "works with the built-in Llama only (its weights' "
+                              "quantizers are known); drop --osci-reset")
+        if cfg.switch_at is not None:
+            raise ConfigError("osci_reset", "with --switch-at: the forward weights' quantizer "
+                              "changes at the switch, which OsciReset does not follow; drop "
+                              "one")
+    if not oc.on:
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        for field in ("outcontrol_start", "outcontrol_iters", "outcontrol_multiple"):
+            if getattr(cfg, field) != defaults[field]:
+                raise ConfigError(field, f"sets OutControl, which is off: pass --outcontrol "
+                                  f"RATIO too (e.g. 0.1), or drop --{field.replace('_', '-')}")
+        return
+    split = oc.split_step
+    if split >= cfg.steps:
+        raise ConfigError("outcontrol_start", f"OutControl records steps "
+                          f"{cfg.outcontrol_start}..{split - 1} and splits from step "
+                          f"{split}, which a run of {cfg.steps} steps never reaches: "
+                          "lower --outcontrol-start or --outcontrol-iters")
+    if cfg.n_experts > 0:
+        raise ConfigError("outcontrol", "with --n-experts is not built (the experts' "
+                          "grouped GEMMs are not split); drop one of them")
+    for field, why in (("model", "works with the built-in Llama only"),
+                       ("osci_reset", "with --osci-reset is not built (TetraJet-v2 tracks "
+                        "only the FP4 channels)"),
+                       ("switch_at", "with --switch-at is not built")):
+        if getattr(cfg, field) is not None:
+            raise ConfigError("outcontrol", f"{why}; drop --outcontrol or --"
+                              f"{field.replace('_', '-')}")
+    if cfg.stats_every or cfg.grad_noise_every or str(cfg.bf16_layers or "").startswith(
+            "auto"):
+        raise ConfigError("outcontrol", "with --stats-every, --grad-noise-every or "
+                          "--bf16-layers auto is not built (their measurements would not "
+                          "see the channel split); drop one of them")
+    if cfg.fsdp > 1:
+        raise ConfigError("outcontrol", "with --fsdp is not built (its statistic pass "
+                          "runs on replicated parameters); drop --outcontrol or --fsdp")
 
 
 def validate_runs(cfg: TrainConfig) -> None:
@@ -667,55 +562,30 @@ def validate_run_recipe(cfg: TrainConfig, recipe: Recipe) -> None:
 
 
 # flags of the built-in Llama that a --model run refuses (their non-default values)
-LLAMA_ONLY = ("ffn", "dtype", "scan_layers", "scan_remat", "attn_recipe", "n_experts")
+LLAMA_ONLY = (*ArchConfig.LLAMA_ONLY, "attn_recipe")
 
 
 def validate_model(cfg: TrainConfig) -> None:
-    """The checks of ``model``, ``model_args`` and ``rules`` (``--model MODULE:FACTORY``):
-    their forms (the factory itself is loaded by the run), the Llama-only flags, and the
-    features that do not take a foreign model yet.
+    """The rules of a ``--model MODULE:FACTORY`` against the rest of the run (its own form and
+    the Llama-only model flags: ``groups.ArchConfig.validate``): FP4 attention sets the
+    built-in Llama's attention, and a rules file needs a ``--model``.
 
     Raises:
       ConfigError: naming the field, why, and the fix.
     """
-    import json
-
     if cfg.model is not None:
-        where, colon, name = str(cfg.model).rpartition(":") if isinstance(cfg.model, str) \
-            else ("", "", "")
-        if not colon or not where.strip() or not name.strip():
-            raise ConfigError("model", f"must be MODULE:FACTORY (a dotted module importable "
-                              f"from the current directory, or path/to/file.py), got "
-                              f"{cfg.model!r}")
-        for field in LLAMA_ONLY:
-            if getattr(cfg, field) not in (None, False):
-                raise ConfigError(field, f"sets the built-in Llama; --model {cfg.model} "
-                                  "builds its own model: leave it out (pass the model's "
-                                  "options in --model-args)")
+        if cfg.attn_recipe is not None:
+            raise ConfigError("attn_recipe", f"sets the built-in Llama; --model {cfg.model} "
+                              "builds its own model: leave it out (pass the model's "
+                              "options in --model-args)")
         for spec in [cfg.recipe] + (compare_names(cfg.compare) if cfg.compare else []):
             if "attn_recipe" in parsed_spec(cfg, spec).extra:
                 raise ConfigError("recipe", f"spec {spec!r}: attn_recipe sets the built-in "
                                   f"Llama's attention; --model {cfg.model} builds its own: "
                                   "call fp4jax.attention in its attention instead")
-        if cfg.attention not in ("xla", "auto"):
-            raise ConfigError("attention", f"sets the built-in Llama's attention; --model "
-                              f"{cfg.model} builds its own: leave it out")
-    for field in ("model_args", "rules"):
-        v = getattr(cfg, field)
-        if v is not None and cfg.model is None:
-            raise ConfigError(field, "applies to a model given by --model MODULE:FACTORY "
-                              "(the built-in Llama takes --preset and the recipe flags)")
-    if cfg.model_args is not None:
-        try:
-            ok = isinstance(json.loads(cfg.model_args), dict)
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise ConfigError("model_args", f"must be a JSON object such as "
-                              f"'{{\"d_model\": 64}}', got {cfg.model_args!r}")
-    if cfg.rules is not None and (not isinstance(cfg.rules, str) or not cfg.rules.strip()):
-        raise ConfigError("rules", f"must be a path to a JSON or TOML rules file, got "
-                          f"{cfg.rules!r}")
+    if cfg.rules is not None and cfg.model is None:
+        raise ConfigError("rules", "applies to a model given by --model MODULE:FACTORY "
+                          "(the built-in Llama takes --preset and the recipe flags)")
 
 
 AUTO = "auto"
@@ -836,21 +706,8 @@ def validate_precision(cfg: TrainConfig) -> None:
 
 def model_config(cfg: TrainConfig) -> LlamaConfig:
     """The model config: the preset with ``ffn``/``dtype``/``seq_len`` (and
-    ``n_experts``/``top_k``) overrides applied."""
-    mc = get_preset(cfg.preset)
-    changes: dict[str, Any] = {"max_seq_len": max(mc.max_seq_len, cfg.seq_len)}
-    if cfg.ffn is not None:
-        changes["ffn"] = cfg.ffn
-    if cfg.dtype is not None:
-        changes["dtype"] = cfg.dtype
-    if cfg.scan_layers:
-        changes["scan_layers"] = True
-    if cfg.scan_remat is not None:
-        changes["scan_remat"] = cfg.scan_remat
-    if cfg.n_experts:
-        changes.update(n_experts=cfg.n_experts, top_k=cfg.top_k)
-    changes["attention"] = cfg.attention
-    return mc.replace(**changes)
+    ``n_experts``/``top_k``) overrides applied (``cfg.arch.llama``)."""
+    return cfg.arch.llama(cfg.seq_len)
 
 
 def last_bf16_blocks(cfg: TrainConfig, n_layers: int) -> int:
@@ -887,32 +744,12 @@ def make_policy(cfg: TrainConfig, mc: LlamaConfig, recipe: Recipe) -> PrecisionP
 
 def make_schedule(cfg: TrainConfig) -> optax.Schedule:
     """Warmup-Stable-Decay (linear warmup, constant, linear decay over the last
-    ``decay_fraction`` of the steps to ``min_lr_ratio * lr``) or warmup + cosine."""
-    warm = max(0, min(cfg.warmup_steps, cfg.steps - 1))
-    end = cfg.lr * cfg.min_lr_ratio
-    if cfg.schedule == "cosine":
-        return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warm, cfg.steps, end)
-    if cfg.schedule != "wsd":
-        raise ValueError(f"unknown schedule {cfg.schedule!r}; valid: {list(SCHEDULES)}")
-    decay = max(1, int(round(cfg.decay_fraction * cfg.steps)))
-    stable = max(0, cfg.steps - warm - decay)
-    return optax.join_schedules(
-        [
-            optax.linear_schedule(0.0, cfg.lr, warm),
-            optax.constant_schedule(cfg.lr),
-            optax.linear_schedule(cfg.lr, end, decay),
-        ],
-        [warm, warm + stable],
-    )
+    ``decay_fraction`` of the steps to ``min_lr_ratio * lr``) or warmup + cosine
+    (``cfg.optim.schedule_fn``)."""
+    return cfg.optim.schedule_fn(cfg.steps)
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Gradient clipping then AdamW (decoupled weight decay on matrices only)."""
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.clip_norm),
-        optax.adamw(
-            make_schedule(cfg), b1=cfg.beta1, b2=cfg.beta2, eps=1e-8,
-            weight_decay=cfg.weight_decay, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p),
-        ),
-    )
-
+    """Gradient clipping then AdamW (decoupled weight decay on matrices only):
+    ``cfg.optim.optimizer``."""
+    return cfg.optim.optimizer(cfg.steps)
