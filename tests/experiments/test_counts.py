@@ -1,5 +1,6 @@
-"""``experiments/nvfp4_pass_counts.py`` (issue 56 item 3): its main runs and its counts equal
-hand arithmetic, so the tables in docs/performance.md cannot drift silently."""
+"""``experiments/counts.py`` (issue 56 item 3): both subcommands run (``nvfp4``,
+``mxfp4-fp8``) and the NVFP4 counts equal hand arithmetic, so the tables in
+docs/performance.md cannot drift silently."""
 
 from __future__ import annotations
 
@@ -13,17 +14,16 @@ from tests import ROOT
 
 @pytest.fixture(scope="module")
 def C():
-    spec = importlib.util.spec_from_file_location(
-        "nvfp4_pass_counts", ROOT / "experiments/nvfp4_pass_counts.py")
+    spec = importlib.util.spec_from_file_location("counts", ROOT / "experiments/counts.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["nvfp4_pass_counts"] = mod
+    sys.modules["counts"] = mod
     spec.loader.exec_module(mod)
     yield mod
-    sys.modules.pop("nvfp4_pass_counts", None)
+    sys.modules.pop("counts", None)
 
 
 def test_main_prints_and_predicts(C, capsys):
-    out = C.main()
+    out = C.main(["nvfp4"])
     text = capsys.readouterr().out
     assert "| `small` | floor, glue folded |" in text
     assert set(out) == {"small", "100m"}
@@ -64,3 +64,12 @@ def test_counts_equal_hand_arithmetic(C):
 def test_fp8_wgmma_is_no_faster_than_bf16(C, capsys):
     assert C.fp8_wgmma_cycles() == pytest.approx((128 + 256) * 64 * 1.5 / 128 / 1024)
     assert "3.50x / 2.00x / 1.00x" in capsys.readouterr().out
+
+
+def test_mxfp4_fp8_rows(C, capsys):
+    """``mxfp4-fp8`` prints one markdown row per GEMM set: two 8192^3 rows and two a preset;
+    one 8192^3 GEMM is 1,099.5 GFLOP."""
+    C.main(["mxfp4-fp8"])
+    rows = capsys.readouterr().out.splitlines()
+    assert len(rows) == 8 and all(r.startswith("| ") for r in rows)
+    assert rows[0].startswith("| 8192^3 GEMM | 1,099.5 |")

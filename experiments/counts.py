@@ -1,6 +1,12 @@
-"""The counts of docs/performance.md, "NVFP4 at the emulation floor: bytes per pass" (issue 56
-item 3): the HBM passes an NVFP4 linear layer's forward + backward makes on Hopper with the
-Pallas operand kernels, per tensor, against BF16's GEMM operand traffic, for three designs:
+"""The byte and cycle counts of docs/performance.md, printed as its markdown tables (no
+device needed):
+
+    python3 experiments/counts.py nvfp4        # "NVFP4 at the emulation floor: bytes per pass"
+    python3 experiments/counts.py mxfp4-fp8    # "MXFP4 on FP8 tensor cores: bytes and cycles"
+
+``nvfp4`` (was ``nvfp4_pass_counts.py``; issue 56 item 3): the HBM passes an NVFP4 linear
+layer's forward + backward makes on Hopper with the Pallas operand kernels, per tensor,
+against BF16's GEMM operand traffic, for three designs:
 
 * ``today``: ``pallas_kernels/dot_sm90.py:make_operands`` as it runs the ``nvfp4`` recipe.
   x and dy (bf16, 2 bytes an element): one ``cols_amaxes`` Pallas pass (reads the tensor,
@@ -23,11 +29,19 @@ Pallas operand kernels, per tensor, against BF16's GEMM operand traffic, for thr
 HBM time at 3.35 TB/s (H100 SXM datasheet), GEMM time at ~800 TFLOP/s (practical BF16 on
 this workplace's H100s). Then the step-level prediction for ``small`` and ``100m`` from the
 measured step times and operand-kernel times (docs/performance.md), the operand kernels
-assumed to keep today's achieved bandwidth. Usage: python3 experiments/nvfp4_pass_counts.py
+assumed to keep today's achieved bandwidth.
+
+``mxfp4-fp8`` (was ``mxfp4_fp8_counts.py``): for each GEMM (or set of GEMMs), tensor time at
+H100 SXM's dense BF16 and FP8 peaks (132 SMs x 4,096 / 8,192 FLOP per clock x 1.83 GHz) and
+at ~800 TFLOP/s BF16, promotion time at 3.5 / 2 / 1 lane-instructions per output element and
+32-block (128 per SM per clock), and HBM time at 3.35 TB/s for operands read once and the
+bf16 output written once (BF16: 2 bytes an element; FP8: 1-byte codes + 1-byte scales per
+32; packed: 0.5-byte codes). Prints the markdown rows.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 
 HBM = 3.35e12
@@ -283,7 +297,7 @@ def fp8_wgmma_cycles():
     return dec / ten
 
 
-def main():
+def nvfp4_main():
     rows = [("8192^3 layer", [("w", 8192, 8192, 8192, "x")])]
     for preset, (d, kv, ff, _) in PRESETS.items():
         rows.append((f"`{preset}` block (6 linears)", block_linears(d, kv, ff)))
@@ -292,6 +306,67 @@ def main():
     table_designs(rows)
     fp8_wgmma_cycles()
     return step_prediction()
+
+
+# --- mxfp4-fp8 ---
+
+MX_SM, MX_CLK = 132, 1.83e9
+MX_BF16_PEAK, MX_FP8_PEAK = MX_SM * 4096 * MX_CLK, MX_SM * 8192 * MX_CLK
+MX_LANES = MX_SM * 128 * MX_CLK  # lane-instructions per second
+MX_BF16_PRACTICAL = 798e12  # (the NVFP4 counts use 800e12)
+
+
+def mx_gemm(m, k, n):
+    """(GFLOP-ready flops, bf16 peak s, bf16 practical s, fp8 peak s, {instr: promotion s},
+    hbm s bf16, hbm s fp8 codes, hbm s fp8 packed) for an M x K x N GEMM."""
+    fl = 2 * m * k * n
+    blocks = m * n * (k / 32)
+    prom = {c: blocks * c / MX_LANES for c in (3.5, 2, 1)}
+    by_bf = 2 * (m * k + k * n) + 2 * m * n
+    by_f8 = (m * k + k * n) + (m * k + k * n) / 32 + 2 * m * n
+    by_f8p = (m * k + k * n) / 2 + (m * k + k * n) / 32 + 2 * m * n
+    return (fl, fl / MX_BF16_PEAK, fl / MX_BF16_PRACTICAL, fl / MX_FP8_PEAK, prom, by_bf / HBM,
+            by_f8 / HBM, by_f8p / HBM)
+
+
+def mx_row(name, shapes):
+    tot = [0.0] * 8
+    prom = {3.5: 0.0, 2: 0.0, 1: 0.0}
+    for (m, k, n) in shapes:
+        r = mx_gemm(m, k, n)
+        for i in (0, 1, 2, 3, 5, 6, 7):
+            tot[i] += r[i]
+        for c in prom:
+            prom[c] += r[4][c]
+
+    def us(t):
+        return f"{t * 1e6:,.0f}"
+
+    fl, tb, tbm, t8, _, bb, b8, b8p = tot
+    print(f"| {name} | {fl / 1e9:,.1f} | {us(tb)} / {us(tbm)} | {us(t8)} | "
+          f"{us(prom[3.5])} / {us(prom[2])} / {us(prom[1])} | {us(bb)} | "
+          f"{us(b8)} ({us(b8p)} packed) |")
+
+
+def mxfp4_fp8_main():
+    mx_row("8192^3 GEMM", [(8192, 8192, 8192)])
+    mx_row("8192^3 layer fwd+bwd (3 GEMMs)", [(8192, 8192, 8192)] * 3)
+    for name, d, kv, ff in (("small", 512, 256, 2048), ("100m", 768, 256, 4096),
+                            ("1b", 2048, 1024, 6144)):
+        layers = [(d, d), (d, kv), (d, kv), (d, d), (d, ff), (ff, d)]  # q k v o up down
+        three = []
+        for k, n in layers:
+            three += [(T, k, n), (T, n, k), (k, T, n)]  # fprop, dgrad, wgrad
+        mx_row(f"`{name}` up-proj fprop ({T}x{d}x{ff})", [(T, d, ff)])
+        mx_row(f"`{name}` one block's 6 linears, fwd+bwd", three)
+
+
+def main(argv: list[str] | None = None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("which", choices=("nvfp4", "mxfp4-fp8"),
+                    help="nvfp4: bytes per pass; mxfp4-fp8: bytes and cycles on FP8")
+    args = ap.parse_args(argv)
+    return nvfp4_main() if args.which == "nvfp4" else mxfp4_fp8_main()
 
 
 if __name__ == "__main__":
