@@ -733,6 +733,19 @@ def check_dot(ctx: Ctx) -> None:
         ctx.case("dot", f"fwd+bwd {setting} vs off", run, shape=[m, k, n])
 
 
+@check("mxfp4", "fp4jax.dot, MXFP4 recipe (the MX operand kernels: 1x32 rows, RHT-32 32x1 "
+       "cols), forward + backward: y, loss, dx, dw with the kernels vs FP4JAX_KERNELS=off, bit "
+       "for bit (was experiments/mxfp4_check.py's dot check); the kernel lowering must "
+       "contain kernel calls")
+def check_mxfp4(ctx: Ctx) -> None:
+    setting = "interpret" if ctx.interpret else "on"
+    for i, (m, k, n) in enumerate(DOT_SHAPES[ctx.size]):
+        def run(m=m, k=k, n=n, i=i):
+            return _dot_on_vs_off(ctx, m, k, n, ctx.seed + 700 + i, fp4jax.recipes.mxfp4(),
+                                  ctx.key)
+        ctx.case("mxfp4", f"fwd+bwd {setting} vs off", run, shape=[m, k, n], recipe="mxfp4")
+
+
 @check("dot_recipes", "fp4jax.dot forward + backward for recipes with unquantized GEMMs or "
        "operands the kernels do not implement (the precision switch fwd and bwd, "
        "mxfp8_fwd_nvfp4_bwd, a mixed one; issue 35; the 2026 knobs, issue 37): y, loss, dx, "

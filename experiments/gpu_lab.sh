@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The GPU lab's one entry point for a device call: the checker, the benchmark, the profiler,
-# the tuning sweeps, a training run or the test suite on the GPU, one or several steps in
-# one call, each step's log and JSON under $OUT. Run from the repository root:
+# The GPU lab's one entry point for a device call: the checker, the benchmark, the step
+# profiler, a training run or the test suite on the GPU, one or several steps in one call,
+# each step's log and JSON under $OUT. Run from the repository root:
 #
 #   FP4JAX_COMMIT=<sha> bash experiments/gpu_lab.sh check all + bench dotkern1
-#   bash experiments/gpu_lab.sh check rows cols + tune rows + profile --skip-pieces
+#   bash experiments/gpu_lab.sh check rows cols + profile --preset small --specs bf16 nvfp4
 #
 # Steps are separated by "+"; each is TOOL ARGS... (ARGS go to the tool unchanged):
 #   check    python3 experiments/gpu_check.py     -> gpu_check.json, check.log
 #   bench    python3 experiments/bench_kernels.py -> bench_kernels.json, bench.log
-#   profile  python3 experiments/profile_dot.py   -> profile_dot.json, profile.log
-#   tune     python3 experiments/gpu_tune_quant.py -> gpu_tune_quant.json, tune.log
+#   profile  python3 experiments/profile_step.py  -> profile_step.json, profile.log
+#   (profile_dot.py and gpu_tune_quant.py, the former profile and tune steps: in git at
+#   4cd04a4, `git show 4cd04a4:experiments/profile_dot.py`)
 #   train    python3 -m fp4jax.train (run folder in /tmp; its metrics.jsonl, result.json and
 #            compare.* are copied) -> train.log; the machine has no network: carry .data/
 #            and pass --data .data/<corpus>
@@ -26,7 +27,7 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-TOOLS=" check bench profile tune train pytest "
+TOOLS=" check bench profile train pytest "
 
 usage() {  # the comment block above
   awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2
@@ -68,8 +69,7 @@ run_step() {  # TOOL ARGS...
   case $tool in
     check) cmd=(python3 experiments/gpu_check.py "$@" --out "$dir/gpu_check.json") ;;
     bench) cmd=(python3 experiments/bench_kernels.py "$@" --out "$dir/bench_kernels.json") ;;
-    profile) cmd=(env OUT="$dir" python3 experiments/profile_dot.py "$@") ;;
-    tune) cmd=(env OUT="$dir" python3 experiments/gpu_tune_quant.py "$@") ;;
+    profile) cmd=(python3 experiments/profile_step.py "$@" --out "$dir") ;;
     train) cmd=(python3 -m fp4jax.train "$@" --out "/tmp/gpu_lab_train_$n") ;;
     pytest) cmd=(env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -p no:benchmark "$@") ;;
   esac

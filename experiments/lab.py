@@ -1,5 +1,5 @@
 """Shared helpers of the GPU lab scripts (``gpu_check.py``, ``bench_kernels.py``,
-``profile_dot.py``, ``gpu_tune_quant.py``): the run metadata every result JSON starts with
+``profile_step.py``, ``bench_train.py``, ...): the run metadata every result JSON starts with
 (device, JAX version, git commit, command line), a JSON writer that saves after every row (a
 run stopped at its time limit keeps what it measured), device time by CUPTI (warm-up, then
 the median), fresh inputs with the hard cases (NaN/Inf/-0, a 40-binade range, a tiny

@@ -21,7 +21,7 @@ from fp4jax import train as T
 from fp4jax.models.llama import block_layer_names, get_preset, policy_layer_name
 from fp4jax.nn.policy import PrecisionPolicy
 from fp4jax.train import precision
-from tests import MICRO_SCAN_NVFP4, ROOT
+from tests import MICRO_SCAN_NVFP4
 from tests.checks import run_records
 from tests.textdata import write_text
 
@@ -360,68 +360,3 @@ def _check_bf16_layers_from_a_stats_file(runs, tmp_path):
     assert r["bf16_layers"] == rec["layers"] == a["bf16_layers"]
     assert rec["source"] == str(out_a / "bf16_warmup")
     shutil.rmtree(tmp_path / "p")
-
-
-def test_validation_script_rows_and_report(tmp_path):
-    """``experiments/auto_precision.py``: every row is a valid spec of its setup (the
-    recommended set gets exactly the BF16 layer count of the recipe's last block), and the
-    report's numbers are the mean ± std of the runs' final losses."""
-    import importlib.util
-    import sys
-
-    root = ROOT
-    spec = importlib.util.spec_from_file_location("auto_precision",
-                                                  root / "experiments/auto_precision.py")
-    ap = importlib.util.module_from_spec(spec)
-    sys.modules["auto_precision"] = ap
-    try:
-        spec.loader.exec_module(ap)
-        for setup in (ap.SETUP, ap.DRY):
-            mc = get_preset(setup["preset"])
-            last = T.last_bf16_blocks(T.TrainConfig(), mc.n_layers) * len(mc.linear_layers)
-            rows = ap.rows(setup)
-            assert len({s for _, _, s in rows}) == len(rows) == 6
-            for _, _, s in rows:
-                T.TrainConfig(recipe=s, preset=setup["preset"], steps=setup["steps"],
-                              bf16_warmup=setup["bf16_warmup"])  # raises for a bad row
-                run = T.split_run_spec(s)[1]
-                if "bf16_budget" in run:
-                    n = len(block_layer_names(mc))
-                    assert np.floor(run["bf16_budget"] * n + 1e-9) == last
-        losses = {"nvfp4(last_bf16=0)": [1.30, 1.32], "nvfp4": [1.25, 1.27],
-                  "nvfp4(switch_at=0.8, switch=bwd)": [1.24, 1.26]}
-        for sp, ls in losses.items():
-            for seed, loss in enumerate(ls):
-                d = tmp_path / "quality" / sp.replace("(", "_").replace(")", "_") / f"seed{seed}"
-                d.mkdir(parents=True)
-                (d / "result.json").write_text(json.dumps(
-                    {"spec": sp, "seed": seed, "status": "finished", "final_val_loss": loss,
-                     "device_kind": "test", "bf16_gemm_fraction": 0.25, "bf16_layers": None,
-                     "switch_step": 480 if "switch_at" in sp else None}))
-                (d / "metrics.jsonl").write_text(json.dumps(
-                    {"type": "grad_noise", "step": 0, "ratio": 9.0, "fp4_layers": {"ratio": 5.0},
-                     "layers": {"block_0/q": {"ratio": 4.0}, "lm_head": {"ratio": "inf"}}})
-                    .replace('"inf"', "Infinity") + "\n")
-        off = {"every": 0, "recipe": "nvfp4", "wall_s": 2.0, "calls": 0, "first_call_s": None,
-               "call_s": None, "measure_s": 0.0, "measure_share": 0.0, "overhead_vs_off": 0.0}
-        # two calls' files (one overhead kind each) are read together
-        (tmp_path / "overhead-stats.json").write_text(json.dumps({
-            "setup": {"overhead_steps": 4},
-            "settings": [{**off, "kind": "stats"},
-                         {"kind": "stats", "every": 1, "recipe": "nvfp4", "wall_s": 3.0,
-                          "calls": 4, "first_call_s": 5.0, "call_s": 0.25,
-                          "measure_s": 0.75, "measure_share": 0.375,
-                          "overhead_vs_off": 0.5}]}))
-        (tmp_path / "overhead-grad_noise.json").write_text(json.dumps({
-            "setup": {"overhead_steps": 4}, "settings": [{**off, "kind": "grad_noise"}]}))
-        md = ap.report(tmp_path, ap.SETUP)
-    finally:
-        sys.modules.pop("auto_precision", None)
-    assert "| no BF16 block (all FP4) | `nvfp4(last_bf16=0)` | 2 | 1.3100 ± 0.0141 | +0.00%" in md
-    gap = (1.26 - 1.31) / 1.31 * 100
-    assert f"| 2 | 1.2600 ± 0.0141 | {gap:+.2f}% | yes | 25.0%/25.0% |" in md
-    # the switch row: per seed the switch step and the last ratio (smallest layer's)
-    assert "| 480/480 | 9.00, 5.00, 4.00 / 9.00, 5.00, 4.00 |" in md
-    assert "| stats | 1 | `nvfp4` | 3.00 | 4 | 5.00 | 0.2500 | 37.5% | +50.0% |" in md
-    assert "| grad_noise | off | `nvfp4` | 2.00 |" in md
-    assert "not run" in md and (tmp_path / "report.png").stat().st_size > 1000

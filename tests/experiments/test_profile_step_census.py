@@ -1,17 +1,20 @@
-"""``experiments/glue_census.py`` groups a profiled step's kernels by the op XLA's HLO names
-for them (a fusion ``%x.12``'s kernel is ``x_12``): Pallas kernels, operand glue, XLA
-quantization, Threefry keys, the rest by category; its totals are the input's."""
+"""``experiments/profile_step.py census`` (was ``glue_census.py``) groups a profiled step's
+kernels by the op XLA's HLO names for them (a fusion ``%x.12``'s kernel is ``x_12``): Pallas
+kernels, operand glue, XLA quantization, Threefry keys, the rest by category; its totals are
+the input's."""
 
 from __future__ import annotations
 
 import gzip
 import json
-import sys
 
-from tests import ROOT
+import pytest
 
-sys.path.insert(0, str(ROOT / "experiments"))
-import glue_census  # noqa: E402
+from tests.experiments import experiments_on_path
+
+pytest.importorskip("jax")
+with experiments_on_path():
+    import profile_step as ps
 
 HLO = "\n".join([
     "HloModule jit_step",
@@ -36,11 +39,11 @@ def test_census_groups_kernels_by_their_ops(tmp_path, capsys):
     with gzip.open(tmp_path / "profile_step_nvfp4_hlo.txt.gz", "wt") as f:
         f.write(HLO)
     out = tmp_path / "census.json"
-    assert glue_census.main(["--dir", str(tmp_path), "--json", str(out)]) == 0
+    assert ps.main(["census", "--dir", str(tmp_path), "--json", str(out)]) == 0
     c = json.loads(out.read_text())
     assert c["groups"] == {
-        glue_census.GLUE: {"kernels": 2, "us": 6.5},
-        glue_census.XLA_QUANT: {"kernels": 1, "us": 1.5},
+        ps.GLUE: {"kernels": 2, "us": 6.5},
+        ps.XLA_QUANT: {"kernels": 1, "us": 1.5},
         "elementwise": {"kernels": 1, "us": 4.0},
         "Pallas operand kernels": {"kernels": 1, "us": 20.0},
         "Threefry key derivations": {"kernels": 1, "us": 1.2}}
