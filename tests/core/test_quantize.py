@@ -280,10 +280,13 @@ def test_sr_uniform_lattice_and_sharing():
     is jax.random.bits' uint64 draw (x64) split into (high, low) words."""
     key = jax.random.key(2)
     k1, k2 = (int(v) for v in np.asarray(jax.random.key_data(key)))
+    # jitted, as the quantizers call it (integer draws: the same bits as eager), one
+    # program a shape instead of ~25 eager ops' programs a shape
+    uniform_from_key = jax.jit(numerics.uniform_from_key, static_argnums=1)
     for shape in [(4, 6), (5, 7), (3, 2, 10), (9,), (6, 1)]:
-        u = np.asarray(numerics.uniform_from_key(key, shape))
+        u = np.asarray(uniform_from_key(key, shape))
         np.testing.assert_array_equal(u, ref.ref_sr_uniform(k1, k2, shape))
-    u = np.asarray(numerics.uniform_from_key(key, (64, 64)))
+    u = np.asarray(uniform_from_key(key, (64, 64)))
     b = (u * 256 - 0.5)
     np.testing.assert_array_equal(b, np.round(b))
     assert b.min() >= 0 and b.max() <= 255
@@ -300,10 +303,10 @@ def test_sr_uniform_lattice_and_sharing():
         np.testing.assert_array_equal((b64 & 0xFFFFFFFF).astype(np.uint32), y1)
     # a raw key and the typed key give the same uniforms; rbg keys work too
     raw = jax.random.PRNGKey(2)
-    np.testing.assert_array_equal(np.asarray(numerics.uniform_from_key(raw, (8, 6))),
-                                  np.asarray(numerics.uniform_from_key(
+    np.testing.assert_array_equal(np.asarray(uniform_from_key(raw, (8, 6))),
+                                  np.asarray(uniform_from_key(
                                       jax.random.wrap_key_data(raw), (8, 6))))
-    ur = np.asarray(numerics.uniform_from_key(jax.random.key(2, impl="rbg"), (8, 6)))
+    ur = np.asarray(uniform_from_key(jax.random.key(2, impl="rbg"), (8, 6)))
     assert ur.shape == (8, 6) and np.all((ur > 0) & (ur < 1))
     # about uniform: each byte value ~16 times among 4096
     counts = np.bincount(b.astype(np.int64).ravel(), minlength=256)

@@ -16,14 +16,16 @@ from tests.interpret import needs_interpret
 from tests.kernel_inputs import shard_gemm_operands
 
 
-def _one_and_sharded(mesh, recipe, x, w, g, key, use_context=True):
-    """(y, dx, dw) on one device and with x, dy split over the mesh (dw summed in f32)."""
+def _one_and_sharded(mesh, recipe, x, w, g, key, use_context=True, one_device=True):
+    """(y, dx, dw) on one device and with x, dy split over the mesh (dw summed in f32);
+    ``one_device=False``: the one-device result is not computed (None), for a sharded call
+    that must be refused (its compile would be wasted)."""
 
     def fb(x, w, g):
         y, vjp = jax.vjp(lambda x, w: fp4jax.dot(x, w, recipe=recipe, key=key), x, w)
         return (y, *vjp(g))
 
-    one = jax.jit(fb)(x, w, g)
+    one = jax.jit(fb)(x, w, g) if one_device else None
 
     def local(x, w, g):
         if use_context:
@@ -72,7 +74,7 @@ def test_blocks_and_rht_along_tokens_must_not_straddle_devices(mesh):
     for recipe in (fp4jax.recipes.mxfp4(), rht32):
         x, w, g = shard_gemm_operands(64, 64, 32)  # 16 rows per device
         with pytest.raises(ValueError, match="needs a multiple of 32"):
-            _one_and_sharded(mesh, recipe, x, w, g, jax.random.key(3))
+            _one_and_sharded(mesh, recipe, x, w, g, jax.random.key(3), one_device=False)
         x, w, g = shard_gemm_operands(128, 64, 32)  # 32 rows per device
         one, sharded = _one_and_sharded(mesh, recipe, x, w, g, jax.random.key(3))
         _check(one, sharded, dw_rtol=1e-6)
@@ -90,12 +92,14 @@ def test_without_the_context_shards_quantize_apart(mesh):
 
 def test_row_shard_draw_offset_matches_whole_tensor():
     key = jax.random.key(11)
+    # jitted, as the quantizers call it (integer draws: the same bits as eager), one
+    # program a shape instead of ~20 eager ops' programs a shape and offset
+    uniform = jax.jit(numerics.uniform_from_key, static_argnums=1)
     for shape, n in (((64, 48), 4), ((1, 32, 33), 2), ((16, 2, 7), 8)):
-        whole = np.asarray(numerics.uniform_from_key(key, (n * shape[0], *shape[1:])))
+        whole = np.asarray(uniform(key, (n * shape[0], *shape[1:])))
         rows = int(np.prod(shape[:-1]))
         for i in range(n):
-            part = numerics.uniform_from_key(key, shape,
-                                             numerics.row_shard_draw_offset(shape, i))
+            part = uniform(key, shape, numerics.row_shard_draw_offset(shape, i))
             np.testing.assert_array_equal(
                 np.asarray(part).reshape(rows, -1),
                 whole.reshape(n * rows, -1)[i * rows:(i + 1) * rows])

@@ -155,8 +155,10 @@ def test_train_step_and_eval_step_on_a_tiny_model(monkeypatch):
     mesh = T.make_mesh(1)
     batch = jnp.arange(18, dtype=jnp.int32).reshape(2, 9) % 64
     base = jax.random.key(1)
-    want = steps.loss_fn(model, state["params"], batch, jax.random.fold_in(base, 0),
-                         jax.random.fold_in(base, steps.LAYER_KEY_INDEX))
+    # jitted: one program, not the ~50 eager ops' programs of the un-jitted loss
+    want = jax.jit(lambda p, b, k, lk: steps.loss_fn(model, p, b, k, lk))(
+        state["params"], batch, jax.random.fold_in(base, 0),
+        jax.random.fold_in(base, steps.LAYER_KEY_INDEX))
     seen, loss_fn = [], steps.loss_fn
 
     def spy(*args, **kwargs):
