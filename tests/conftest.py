@@ -129,6 +129,12 @@ SLOW_FILES = frozenset({
 # Tests elsewhere that compile for long (each over ~40 s at -n 0 on the shared 2-core
 # machine, JAX 0.12, 2026-12-07): "file::test" relative to tests/, every parametrization.
 SLOW_TESTS = frozenset({
+    # end-to-end cases whose pieces stay fast (2026-12-07: the fast tier at 318 s on 2 cores)
+    "dot/test_dot.py::test_dot_general_works_as_flax_dot_general",
+    "recipes/test_quartet2.py::test_quartet2_dot_forward_backward",
+    "dot/test_ragged.py::test_ragged_dot_is_per_expert_dot_bit_for_bit[nvfp4-layer-rht]",
+    "core/test_four_over_six.py::test_reference_ftz_is_inert_on_normal_inputs",
+    "dot/test_amax_scope.py::test_local_scope_is_each_shard_alone",
     "nn/test_outcontrol.py::test_llama_layers_carry_the_collections",
     "nn/test_outcontrol.py::test_scanned_blocks_take_each_blocks_own_split",
     "nn/test_model.py::test_scan_layers_is_the_same_function",
