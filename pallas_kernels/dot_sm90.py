@@ -76,17 +76,18 @@ operands on FP8 tensor cores, ``gemm/mxfp4_fp8wgmma_sm90``, the others as ``pall
 ``xla`` (the reference's GEMM: bit-identical to it)."""
 
 
-OPERAND_PASSES = ("fused", "separate")
+OPERAND_PASSES = ("separate", "fused")
 """How the Hopper backend makes an NVFP4 tensor's 1x16 rows operand and its (RHT'd) 16x1
-columns operand (x: fprop + wgrad; dy: dgrad + wgrad): ``fused`` (one read of the tensor,
+columns operand (x: fprop + wgrad; dy: dgrad + wgrad): ``separate`` (one kernel each, the
+default: as fast or faster, docs/performance.md) or ``fused`` (one read of the tensor,
 ``quantize/operand_sm90.fq_rows_cols_scaled``, where ``supported_rows_cols`` takes the
-shape) or ``separate`` (one kernel each). The same bits either way."""
+shape). The same bits either way."""
 
 
 def operand_passes() -> str:
     """``FP4JAX_KERNEL_OPERANDS``: the default of the Hopper backend's operand-pass choice
-    (``OPERAND_PASSES``; unset: ``fused``)."""
-    env = os.environ.get("FP4JAX_KERNEL_OPERANDS", "fused").lower()
+    (``OPERAND_PASSES``; unset: ``separate``)."""
+    env = os.environ.get("FP4JAX_KERNEL_OPERANDS", "separate").lower()
     if env not in OPERAND_PASSES:
         raise ValueError(f"FP4JAX_KERNEL_OPERANDS={env!r}: use one of "
                          f"{', '.join(OPERAND_PASSES)}")
@@ -228,7 +229,7 @@ def operand_kernel(x: jax.Array, *, block_2d: bool, axis: int, stochastic: bool,
 
 def make_operands(x: jax.Array, kinds: list[str], sr_keys: list[Any], signs: list[Any],
                   mode: str, rows: RowShard = WHOLE, fmts: list[Any] | None = None,
-                  fused: bool = True) -> list[tuple[jax.Array, jax.Array]]:
+                  fused: bool = False) -> list[tuple[jax.Array, jax.Array]]:
     """Run the fused operand kernels on one tensor ``x`` (1, R, C) bfloat16 (or float32 when
     every operand is ``"2d"``).
 
@@ -368,7 +369,7 @@ class HopperBackend(Backend):
     mode: str = "on"
     gemm_impl: str = "pallas"
     fp8: frozenset[str] = frozenset()
-    operand_passes: str = "fused"
+    operand_passes: str = "separate"
 
     def operand_reason(self, t, request):
         if request.gemm in self.fp8 and t.shape[0] == 1 and all(

@@ -17,7 +17,8 @@ to ``scaled_data(fp4jax.quantize(...), bfloat16)``:
 * ``fq_2d``: 16x16 tiles (the fprop/dgrad weight);
 * ``fq_rows_cols``: ``fq_rows`` and (RHT'd) ``fq_cols`` of one tensor from one read, the
   same bits (``dot_sm90.make_operands`` makes an NVFP4 x's or dy's rows and columns
-  operands with it unless ``FP4JAX_KERNEL_OPERANDS=separate``).
+  operands with it under ``FP4JAX_KERNEL_OPERANDS=fused``; opt-in: not faster, see
+  docs/performance.md).
 
 MX FP4 (``fmt=fp4jax.MXFP4`` or ``MXFP4_OCP``: blocks of 32, E8M0 scales, no tensor scale):
 ``fq_rows`` with 1x32 blocks and ``fq_cols`` with 32x1 blocks (strips of 32 rows, the RHT of
@@ -1000,7 +1001,8 @@ def fq_rows_cols_scaled(x, sc_rows, sc_cols, kw_rows, kw_cols, *, interpret: boo
     (dgrad rows + wgrad columns) of ``dot_sm90.make_operands`` in one pass instead of two
     (docs/performance.md, "NVFP4 at the emulation floor": 4 S bytes a tensor with
     ``cols_amaxes`` instead of 5.5 S). NVFP4 only (no ``fmt``); x bf16 (R, C), see
-    ``supported_rows_cols``. ``dot_sm90.make_operands`` calls it (``OPERAND_PASSES``).
+    ``supported_rows_cols``. ``dot_sm90.make_operands`` calls it under ``fused``
+    (``OPERAND_PASSES``).
     ``g`` (C % 1024 shapes; default 64 on the GPU, whole rows in interpret mode) column
     blocks a strip and ``steps`` strips a CTA (double-buffered when > 1): tuning only.
 

@@ -1,6 +1,6 @@
 """CPU tests of ``operand_sm90.fq_rows_cols_scaled``, the one-read NVFP4 rows + (RHT'd)
-columns operand kernel (``dot_sm90.make_operands`` calls it unless
-``FP4JAX_KERNEL_OPERANDS=separate``): in Mosaic GPU interpret mode both outputs equal,
+columns operand kernel (``dot_sm90.make_operands`` calls it under
+``FP4JAX_KERNEL_OPERANDS=fused``): in Mosaic GPU interpret mode both outputs equal,
 bit for bit, what the two separate kernels (``fq_rows_scaled``, ``fq_cols_scaled``)
 write for the same scalars and key words, round to nearest and stochastic rounding, at
 the GPU's strip width and at whole rows; ``fp4jax.dot`` makes x's and dy's pairs with it
@@ -180,7 +180,7 @@ def _nvfp4_fwd_bwd(m, c):
 @needs_interpret
 @pytest.mark.parametrize("c", [1024, 256])
 def test_dot_makes_rows_and_cols_in_one_pass(monkeypatch, c):
-    """Wired in: with ``FP4JAX_KERNEL_OPERANDS`` unset (``fused``) the kernel path makes x's
+    """Wired in: with ``FP4JAX_KERNEL_OPERANDS=fused`` the kernel path makes x's
     (fprop rows, wgrad RHT cols) and dy's (dgrad SR rows, wgrad SR cols) operand pairs with
     ``fq_rows_cols_scaled``, one call each, and ``separate`` with none; y, loss, dx, dw equal
     the XLA path's bit for bit either way."""
@@ -210,9 +210,10 @@ def test_operand_passes_setting(monkeypatch):
     from pallas_kernels import dot_sm90
 
     monkeypatch.delenv("FP4JAX_KERNEL_OPERANDS", raising=False)
-    assert dot_sm90.operand_passes() == "fused"
-    monkeypatch.setenv("FP4JAX_KERNEL_OPERANDS", "Separate")
     assert dot_sm90.operand_passes() == "separate"
+    monkeypatch.setenv("FP4JAX_KERNEL_OPERANDS", "Fused")
+    assert dot_sm90.operand_passes() == "fused"
     monkeypatch.setenv("FP4JAX_KERNEL_OPERANDS", "one")
-    with pytest.raises(ValueError, match="FP4JAX_KERNEL_OPERANDS='one': use one of fused"):
+    with pytest.raises(ValueError,
+                       match="FP4JAX_KERNEL_OPERANDS='one': use one of separate, fused"):
         dot_sm90.operand_passes()
