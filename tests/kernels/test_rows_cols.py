@@ -176,9 +176,9 @@ def _nvfp4_fwd_bwd(m, c):
     return [np.asarray(a, np.float32) for a in (y, v, dx, dw)]
 
 
-@pytest.mark.slow  # interpret mode: ~30 s on the 2-core machine
+@pytest.mark.slow  # interpret mode: ~25 s on the 2-core machine
 @needs_interpret
-@pytest.mark.parametrize("c", [1024, 256])
+@pytest.mark.parametrize("c", [256])  # the narrow path; C % 1024 strips: the kernel tests
 def test_dot_makes_rows_and_cols_in_one_pass(monkeypatch, c):
     """Wired in: with ``FP4JAX_KERNEL_OPERANDS=fused`` the kernel path makes x's
     (fprop rows, wgrad RHT cols) and dy's (dgrad SR rows, wgrad SR cols) operand pairs with
