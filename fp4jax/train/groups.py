@@ -188,7 +188,7 @@ class ArchConfig(Group):
         for field, lo in (("n_experts", 0), ("top_k", 1)):
             v = getattr(self, field)
             hi = INT_MAX["n_experts"][0]
-            if not is_int(v) or v < lo:
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:  # a Python int
                 raise ConfigError(field, f"must be an integer >= {lo}, got {v!r}")
             if v > hi:
                 raise ConfigError(field, f"must be an integer in {lo}..{hi}, got {v!r}")
