@@ -566,3 +566,41 @@ def test_reference_gemms_are_dots_forward_and_vjp_bit_for_bit(name):
     rotated = np.asarray(got["wgrad"][1][0], np.float32)[0]  # tokens padded to the RHT
     assert rotated.shape[0] % r.wgrad.hadamard == 0
     assert not np.allclose(rotated[:48], np.asarray(x, np.float32))  # and rotated
+
+
+@pytest.mark.parametrize("dtypes", [(jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32),
+                                    (jnp.bfloat16, jnp.float32)])
+def test_bf16_recipe_is_lax_dot_general_forward_and_backward(dtypes):
+    """A recipe that quantizes nothing runs ``lax.dot_general`` itself (no custom VJP, no
+    float32 output and cast per GEMM): the same jaxpr and bits as ``jnp.dot``'s, forward
+    and gradients, for batched and unbatched dimension numbers."""
+    from fp4jax.quantized_dot import is_plain
+
+    assert is_plain(recipes.bf16()) and not is_plain(recipes.nvfp4())
+    assert not is_plain(recipes.mxfp4())
+    cases = [((24, 64), (64, 16), (((1,), (0,)), ((), ()))),
+             ((3, 5, 32, 7), (3, 32, 9), (((2,), (1,)), ((0,), (0,))))]
+    for ls, rs, dn in cases:
+        lhs, rhs = _randn(*ls).astype(dtypes[0]), _randn(*rs).astype(dtypes[1])
+
+        def ours(a, b, dn=dn):
+            return fp4jax.dot_general(a, b, dn, recipe="bf16")
+
+        def plain(a, b, dn=dn):
+            t = jnp.result_type(a, b)
+            return jax.lax.dot_general(a.astype(t), b.astype(t), dn)
+
+        for f, g in ((ours, plain),
+                     (jax.grad(lambda a, b: ours(a, b).astype(jnp.float32).sum() ** 2, (0, 1)),
+                      jax.grad(lambda a, b: plain(a, b).astype(jnp.float32).sum() ** 2, (0, 1)))):
+            assert str(jax.make_jaxpr(f)(lhs, rhs)) == str(jax.make_jaxpr(g)(lhs, rhs))
+            for u, v in zip(jax.tree.leaves(f(lhs, rhs)), jax.tree.leaves(g(lhs, rhs)),
+                            strict=True):
+                assert u.dtype == v.dtype
+                np.testing.assert_array_equal(np.asarray(u, np.float32),
+                                              np.asarray(v, np.float32))
+    x, w = _randn(8, 64).astype(dtypes[0]), _randn(64, 4).astype(dtypes[1])
+    np.testing.assert_array_equal(np.asarray(fp4jax.dot(x, w, recipe="bf16"), np.float32),
+                                  np.asarray(jnp.dot(x, w), np.float32))
+    y = fp4jax.dot(x, w, recipe="bf16", preferred_element_type=jnp.float32)
+    assert y.dtype == jnp.float32
