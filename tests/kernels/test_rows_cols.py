@@ -24,6 +24,12 @@ from tests.kernel_inputs import mismatches, wild_input  # noqa: E402
 
 IP = InterpretGPUParams() if InterpretGPUParams is not None else None
 SIGNS = jnp.asarray(np.asarray(default_signs(16), np.float32))
+# One shape for the tests of the C % 1024 path (48 rows: the zero 16x1 column block of
+# ``wild_input`` fits; 2048 columns: two GPU strips of 64 column blocks a row): their
+# reference kernels (whole rows) and ``cols_amaxes`` are the same programs, compiled once
+# (the session's compilation cache); in interpret mode the rows are a loop (more rows: no
+# more compile time)
+SHAPE = (48, 2048)
 
 
 def _operands(x, sr_rows, sr_cols, rht, offset=None):
@@ -59,7 +65,7 @@ def _check(x, sr_rows, sr_cols, rht, g=None, offset=None, **kw):
 def test_rows_cols_equal_the_two_kernels(sr):
     """The recipe's x (RtN both) and dy (SR both, two keys), RHT'd columns, wild input
     (zeros, -0, NaN, +-Inf, 1e-30, a row times 1e4, a zero 16x1 column block)."""
-    x = wild_input((48, 1024), 21, zero_column_block=True)
+    x = wild_input(SHAPE, 21, zero_column_block=True)
     got_r, got_c = _check(x, sr, sr, rht=True)
     if sr:  # the draws matter: round-to-nearest differs
         rtn_r, rtn_c = _check(x, False, False, rht=True)
@@ -70,7 +76,7 @@ def test_rows_cols_equal_the_two_kernels(sr):
 @pytest.mark.parametrize("sr_rows,sr_cols,rht", [(True, False, False), (False, True, True),
                                                  (True, True, False)])
 def test_rows_cols_mixed_rounding_and_no_rht(sr_rows, sr_cols, rht):
-    x = wild_input((32, 1024), 22)
+    x = wild_input(SHAPE, 22)
     _check(x, sr_rows, sr_cols, rht)
 
 
@@ -79,7 +85,7 @@ def test_rows_cols_mixed_rounding_and_no_rht(sr_rows, sr_cols, rht):
 def test_rows_cols_gpu_strips_and_offset():
     """The GPU's strips of 64 column blocks (two strips a row, two strips a CTA), a
     row-shard draw offset, large values (a row at 3e38: bf16-finite, E4M3 saturating)."""
-    x = wild_input((32, 2048), 23)
+    x = wild_input(SHAPE, 23)
     x = x.at[9].set(jnp.asarray(3e38, jnp.bfloat16) * jnp.sign(x[9]))
     off = jnp.uint32(12345)
     _check(x, True, True, rht=True, g=64, offset=off)
@@ -91,7 +97,7 @@ def test_rows_cols_gpu_strips_and_offset():
 def test_rows_cols_all_zero_and_constant():
     """An all-zero tensor (amax 0: enc = dec = 1 rules) and a constant one."""
     for v in (0.0, 448.0 * 6):
-        x = jnp.full((16, 1024), v, jnp.bfloat16)
+        x = jnp.full(SHAPE, v, jnp.bfloat16)
         _check(x, True, True, rht=True)
         _check(x, False, False, rht=True)
 
@@ -111,7 +117,7 @@ def test_rows_cols_narrow_widths(c):
 def test_fq_rows_cols_wrapper_equals_fq_rows_and_fq_cols():
     """The convenience wrapper (both amaxes from ``cols_amaxes``, the scalar batch, two
     keys) against ``fq_rows`` and ``fq_cols`` (their own amax passes), scales included."""
-    x = wild_input((16, 1024), 24)
+    x = wild_input(SHAPE, 24)
     kr, kc = jax.random.key(31), jax.random.key(32)
     (gr, dr), (gc, dc) = fq.fq_rows_cols(x, kr, kc, signs=SIGNS, interpret=IP)
     wr, wdr = fq.fq_rows(x, kr, interpret=IP)

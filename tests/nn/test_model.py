@@ -73,30 +73,33 @@ def test_presets_and_errors():
 
 
 def test_scan_layers_is_the_same_function():
-    """``scan_layers`` stacks each run of same-recipe blocks (here blocks 1-3 in NVFP4,
-    blocks 0 and 4 in BF16) under one flax scan; with the unrolled model's weights moved
-    into that layout it computes the same logits, and its NVFP4 forward quantizes the
-    same weights (no stochastic rounding in fprop). ``scan_remat`` changes no bit."""
-    cfg = LlamaConfig(d_model=64, n_layers=5, n_heads=2, n_kv_heads=1, d_ff=128,
+    """``scan_layers`` stacks each run of same-recipe blocks (here blocks 1-2 in NVFP4,
+    blocks 0 and 3 in BF16) under one flax scan; with the scanned model's weights moved
+    into the unrolled model's layout (the same parameter tree as its own init) both compute
+    the same logits, and the NVFP4 forward quantizes the same weights (no stochastic
+    rounding in fprop). ``scan_remat`` changes no bit."""
+    cfg = LlamaConfig(d_model=64, n_layers=4, n_heads=2, n_kv_heads=1, d_ff=128,
                       dtype="float32")
     pol = PrecisionPolicy(fp4jax.recipes.nvfp4(), first_high_precision=1,
                           last_high_precision=1)
     tok = jax.random.randint(jax.random.key(1), (2, 32), 0, 256)
     m0, m1 = quantized_llama(cfg, pol), quantized_llama(cfg.replace(scan_layers=True), pol)
-    # jitted (one program each, the init's unused forward pass pruned): the same values as
-    # eager execution, without dispatching every quantization op one by one
-    p0 = jax.jit(m0.init)(jax.random.key(0), tok)["params"]
+    # jitted (one program, the init's unused forward pass pruned): the same values as eager
+    # execution, without dispatching every quantization op one by one
     p1 = jax.jit(m1.init)(jax.random.key(0), tok)["params"]
-    assert sorted(p1) == ["block_0", "block_4", "blocks_1_3", "embed", "final_norm", "lm_head"]
-    assert p1["blocks_1_3"]["block"]["q"]["kernel"].shape == (3, 64, 64)
+    assert sorted(p1) == ["block_0", "block_3", "blocks_1_2", "embed", "final_norm", "lm_head"]
+    assert p1["blocks_1_2"]["block"]["q"]["kernel"].shape == (2, 64, 64)
     # the scanned blocks get different initial weights (split RNGs)
-    k = p1["blocks_1_3"]["block"]["q"]["kernel"]
+    k = p1["blocks_1_2"]["block"]["q"]["kernel"]
     assert not np.allclose(k[0], k[1])
-    moved = dict(p0)
-    for i in (1, 2, 3):
-        del moved[f"block_{i}"]
-    moved["blocks_1_3"] = {"block": jax.tree.map(lambda *a: jnp.stack(a),
-                                                 *[p0[f"block_{i}"] for i in (1, 2, 3)])}
+    p0 = {n: v for n, v in p1.items() if n != "blocks_1_2"}
+    for i in (1, 2):
+        p0[f"block_{i}"] = jax.tree.map(lambda a, i=i: a[i - 1], p1["blocks_1_2"]["block"])
+    # the unrolled model's own parameters: the same tree, shapes and dtypes (traced only)
+    own = jax.eval_shape(m0.init, jax.random.key(0), tok)["params"]
+    assert jax.tree.structure(own) == jax.tree.structure(p0)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), own) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), p0)
     key = jax.random.key(3)
     want = jax.jit(m0.apply)({"params": p0}, tok, rngs={"fp4": key})
 
@@ -105,7 +108,7 @@ def test_scan_layers_is_the_same_function():
         out, vjp = jax.vjp(lambda p: m1.apply({"params": p}, tok, rngs={"fp4": key}), p)
         return out, vjp(jnp.ones_like(out))[0]
 
-    got, g = logits_and_grad(moved)
+    got, g = logits_and_grad(p1)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     # the scanned blocks recompute what they do not save (scan_remat "dots", the default;
     # "full" is the same remat with another policy): the same logits and gradients, bit for
@@ -113,21 +116,21 @@ def test_scan_layers_is_the_same_function():
     assert m1.cfg.scan_remat == "dots"
     m_none = quantized_llama(cfg.replace(scan_layers=True, scan_remat="none"), pol)
     got_n, g_n = jax.jit(lambda p: (lambda o, f: (o, f(jnp.ones_like(o))[0]))(
-        *jax.vjp(lambda p: m_none.apply({"params": p}, tok, rngs={"fp4": key}), p)))(moved)
+        *jax.vjp(lambda p: m_none.apply({"params": p}, tok, rngs={"fp4": key}), p)))(p1)
     for a, b in zip(jax.tree.leaves((got, g)), jax.tree.leaves((got_n, g_n)), strict=True):
         assert np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
     for remat in ("none", "dots", "full"):  # a remat in the program exactly when asked
         m = quantized_llama(cfg.replace(scan_layers=True, scan_remat=remat), pol)
-        jaxpr = jax.make_jaxpr(partial(m.apply, rngs={"fp4": key}))({"params": moved}, tok)
+        jaxpr = jax.make_jaxpr(partial(m.apply, rngs={"fp4": key}))({"params": p1}, tok)
         assert ("remat" in str(jaxpr)) == (remat != "none"), remat
     with pytest.raises(ValueError, match="scan_remat must be one of"):
         cfg.replace(scan_remat="some")
     # gradients flow into every scanned block, and SR keys differ per scanned block
-    gk = g["blocks_1_3"]["block"]["up"]["kernel"]
-    assert all(float(jnp.abs(gk[i]).sum()) > 0 for i in range(3))
+    gk = g["blocks_1_2"]["block"]["up"]["kernel"]
+    assert all(float(jnp.abs(gk[i]).sum()) > 0 for i in range(2))
     # a policy with every block in one recipe scans all of them (parameter shapes suffice)
     m2 = quantized_llama(cfg.replace(scan_layers=True), PrecisionPolicy(fp4jax.recipes.nvfp4()))
-    assert "blocks_0_4" in jax.eval_shape(m2.init, jax.random.key(0), tok)["params"]
+    assert "blocks_0_3" in jax.eval_shape(m2.init, jax.random.key(0), tok)["params"]
 
 
 def test_attention_implementations_agree():
