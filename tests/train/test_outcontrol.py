@@ -30,7 +30,10 @@ def _layer_inputs(cfg):
     rm = build_models(cfg, *run_recipe(cfg), load_data(cfg))
     model = rm.models[False]
     root = jax.random.key(cfg.seed)
-    params = model.init(jax.random.fold_in(root, 0), jnp.zeros((1, cfg.seq_len), jnp.int32))
+    # jitted, as the harness's init is: one compilation instead of one per eager op and
+    # layer shape
+    params = jax.jit(model.init)(jax.random.fold_in(root, 0),
+                                 jnp.zeros((1, cfg.seq_len), jnp.int32))
     ds = load_data(cfg)
     batch = jnp.asarray(ds.train_batch(0, cfg.batch_size, cfg.seed))
 
@@ -132,7 +135,8 @@ def test_statistic_is_the_whole_batchs_on_four_devices():
     cfg = T.TrainConfig(**{**BASE, "batch_size": 8}, data=None, out="unused")
     ds = load_data(cfg)
     model = build_models(cfg, *run_recipe(cfg), ds).models[False]
-    params = model.init(jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
+    params = jax.jit(model.init)(jax.random.key(0),
+                                 jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
     batch = jnp.asarray(ds.train_batch(0, cfg.batch_size, cfg.seed))
     norms = {}
     for n in (1, 4):
