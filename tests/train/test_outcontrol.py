@@ -30,7 +30,10 @@ def _layer_inputs(cfg):
     rm = build_models(cfg, *run_recipe(cfg), load_data(cfg))
     model = rm.models[False]
     root = jax.random.key(cfg.seed)
-    params = model.init(jax.random.fold_in(root, 0), jnp.zeros((1, cfg.seq_len), jnp.int32))
+    # jitted, as the harness's init is: one compilation instead of one per eager op and
+    # layer shape
+    params = jax.jit(model.init)(jax.random.fold_in(root, 0),
+                                 jnp.zeros((1, cfg.seq_len), jnp.int32))
     ds = load_data(cfg)
     batch = jnp.asarray(ds.train_batch(0, cfg.batch_size, cfg.seed))
 
@@ -99,16 +102,18 @@ def test_resume_inside_the_window_is_exact_and_cli_flags(tmp_path):
     la = [r["loss"] for r in run_records(tmp_path / "a") if r["type"] == "train"]
     oa = [r for r in run_records(tmp_path / "a") if r["type"] == "outcontrol"]
     assert len(la) == 5 and len(oa) == 1 and oa[0]["step"] == 3
-    # stopped inside the window (2), at the split (3) and after it (4), then resumed
-    for stop in (2, 3, 4):
-        b = tmp_path / f"b{stop}"
-        assert T.main([*flags, "--out", str(b), "--stop-at", str(stop)]) == 0
-        assert T.main([*flags, "--out", str(b), "--resume"]) == 0
-        lb = [r["loss"] for r in run_records(b) if r["type"] == "train"]
-        ob = [r for r in run_records(b) if r["type"] == "outcontrol"]
-        assert lb == la and ob == oa, stop
-        assert json.loads((b / "result.json").read_text())["final_val_loss"] == (
-            a["final_val_loss"]), stop
+    # one run stopped inside the window (2), resumed and stopped at the split (3), resumed
+    # and stopped after it (4), then resumed to the end: a resume from each
+    b = tmp_path / "b"
+    assert T.main([*flags, "--out", str(b), "--stop-at", "2"]) == 0
+    for stop in (3, 4):
+        assert T.main([*flags, "--out", str(b), "--resume", "--stop-at", str(stop)]) == 0
+    assert T.main([*flags, "--out", str(b), "--resume"]) == 0
+    lb = [r["loss"] for r in run_records(b) if r["type"] == "train"]
+    ob = [r for r in run_records(b) if r["type"] == "outcontrol"]
+    assert lb == la and ob == oa
+    assert json.loads((b / "result.json").read_text())["final_val_loss"] == (
+        a["final_val_loss"])
     # the split changes the run: the same run without OutControl has the same losses
     # before step 3 (the recording leaves training alone) and others from step 3 on
     keep = [f for i, f in enumerate(flags) if not f.startswith("--outcontrol")
@@ -132,7 +137,8 @@ def test_statistic_is_the_whole_batchs_on_four_devices():
     cfg = T.TrainConfig(**{**BASE, "batch_size": 8}, data=None, out="unused")
     ds = load_data(cfg)
     model = build_models(cfg, *run_recipe(cfg), ds).models[False]
-    params = model.init(jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
+    params = jax.jit(model.init)(jax.random.key(0),
+                                 jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
     batch = jnp.asarray(ds.train_batch(0, cfg.batch_size, cfg.seed))
     norms = {}
     for n in (1, 4):

@@ -104,7 +104,17 @@ def test_scan_layers_trains_and_old_configs_resume(text, tmp_path):
     assert T.config_diff(old, {**cfg, "scan_layers": True}) == ["scan_layers: False -> True"]
 
 
-def test_sharded_four_devices_matches_one(text, tmp_path):
+@pytest.fixture(scope="module")
+def one_device(text, tmp_path_factory):
+    """Steps 0-4 of the shared schedule, NVFP4 on one device: the reference of the
+    4-device data-parallel and FSDP runs below (one run for both: xdist group
+    ``one_device``)."""
+    return T.train(_cfg(text, tmp_path_factory.mktemp("one"), devices=1, stop_at=5,
+                        recipe="nvfp4"))
+
+
+@pytest.mark.xdist_group("one_device")
+def test_sharded_four_devices_matches_one(text, tmp_path, one_device):
     # NVFP4 data-parallel in shard_map (fp4jax.sharding): every quantized operand is the
     # single-device bits, so the first loss differs only by the order of its float32 mean
     # (measured 9e-8 relative; quantizing each shard apart, without data_parallel: 1.6e-4).
@@ -112,7 +122,7 @@ def test_sharded_four_devices_matches_one(text, tmp_path):
     # before the sum and Adam's first steps amplify sign flips of tiny gradients.
     # tests/dot/test_sharding.py checks the GEMMs bit for bit.
     assert len(jax.devices()) >= 4, "tests/conftest.py should force 4 CPU devices"
-    one = T.train(_cfg(text, tmp_path / "one", devices=1, stop_at=5, recipe="nvfp4"))
+    one = one_device
     four = T.train(_cfg(text, tmp_path / "four", devices=4, stop_at=5, recipe="nvfp4"))
     assert four["devices"] == 4
     np.testing.assert_allclose(four["history"]["loss"][0], one["history"]["loss"][0],
@@ -123,17 +133,17 @@ def test_sharded_four_devices_matches_one(text, tmp_path):
         T.train(_cfg(text, tmp_path / "bad", devices=4, batch_size=6))
 
 
-def test_fsdp_shards_the_state_and_resumes_exactly(text, tmp_path):
+@pytest.mark.xdist_group("one_device")
+def test_fsdp_shards_the_state_and_resumes_exactly(text, tmp_path, one_device):
     # 4 devices as data 2 x fsdp 2: parameters and Adam moments stored in halves, gathered
     # for the step; the same NVFP4 operands as one device (first loss to f32 order), and a
     # run stopped and resumed in the same mesh continues bit for bit.
     from fp4jax.train import parallel
 
-    one = T.train(_cfg(text, tmp_path / "one", devices=1, stop_at=4, recipe="nvfp4"))
+    one = one_device["history"]["loss"][:4]
     full = T.train(_cfg(text, tmp_path / "full", devices=4, fsdp=2, stop_at=6))
-    np.testing.assert_allclose(full["history"]["loss"][0], one["history"]["loss"][0],
-                               rtol=1e-6)
-    np.testing.assert_allclose(full["history"]["loss"][:4], one["history"]["loss"], rtol=2e-3)
+    np.testing.assert_allclose(full["history"]["loss"][0], one[0], rtol=1e-6)
+    np.testing.assert_allclose(full["history"]["loss"][:4], one, rtol=2e-3)
     T.train(_cfg(text, tmp_path / "b", devices=4, fsdp=2, stop_at=4, checkpoint_every=2))
     T.train(_cfg(text, tmp_path / "b", devices=4, fsdp=2, stop_at=6, checkpoint_every=2,
                  resume=True))
