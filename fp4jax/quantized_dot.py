@@ -7,9 +7,6 @@ and runs a ``jax.custom_vjp`` whose three GEMMs follow the ``Recipe``:
 * backward: ``dx = Qd(dy) @ Qd(w).T``                        (contract N)
             ``dw = Qw(H x).T @ Qw(H dy)``, H the RHT on M    (contract M)
 
-A recipe that quantizes and rotates nothing (``"bf16"``, ``is_plain``) skips all this:
-the call is ``jax.lax.dot_general`` itself, forward and autodiff backward.
-
 Residuals are quantized wherever the recipe quantizes: the forward pass saves
 the dgrad-ready weight (the fprop one itself when 2D-scaled) and the
 wgrad-ready (Hadamard-rotated, token-blocked) activation, not ``x`` and ``w``.
@@ -56,7 +53,7 @@ from fp4jax.hadamard import resolve_signs
 from fp4jax.recipes import GemmSpec, Recipe, nvfp4
 
 __all__ = ["OPERAND_AXES", "call_key", "dot", "dot_general", "gemm_dtypes", "gemm_inputs",
-           "gemm_rht_signs", "is_plain", "operand_key", "operand_request", "reference_gemms",
+           "gemm_rht_signs", "operand_key", "operand_request", "reference_gemms",
            "reference_operand", "token_row_multiple"]
 
 # fold_in indices of the per-call key: one per quantization point, one per RHT.
@@ -416,8 +413,7 @@ def dot_general(
             )
     if not lc:
         raise ValueError("fp4jax.dot_general needs at least one contracting dimension")
-    if not is_plain(recipe) or key is not None or rht_key is not None:
-        key = call_key(recipe, key, rht_key)  # checked; the plain path draws nothing
+    key = call_key(recipe, key, rht_key)
 
     lfree = [d for d in range(lhs.ndim) if d not in lc + lb]
     rfree = [d for d in range(rhs.ndim) if d not in rc + rb]
@@ -426,15 +422,6 @@ def dot_general(
     rfshape = [rhs.shape[d] for d in rfree]
     B, M = int(np.prod(bshape)), int(np.prod(lfshape))
     K, N = int(np.prod([lhs.shape[d] for d in lc])), int(np.prod(rfshape))
-    if is_plain(recipe):
-        # nothing to quantize or rotate: lax.dot_general itself, forward and backward (the
-        # custom VJP's three einsums would cost a float32 output and its cast per GEMM)
-        select(implementation, DotCall(recipe, B, M, K, N, sharding.xla_partitions()))
-        dtype = jnp.result_type(lhs.dtype, rhs.dtype)
-        return jax.lax.dot_general(
-            lhs.astype(dtype), rhs.astype(dtype), ((lc, rc), (lb, rb)), precision=precision,
-            preferred_element_type=preferred_element_type)
-
     x3 = jnp.transpose(lhs, list(lb) + lfree + list(lc)).reshape(B, M, K)
     w3 = jnp.transpose(rhs, list(rb) + list(rc) + rfree).reshape(B, K, N)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
@@ -444,14 +431,6 @@ def dot_general(
                     _hashable_precision(precision), chain, shard)
     y3 = fn(x3, w3, key)
     return y3.reshape(*bshape, *lfshape, *rfshape)
-
-
-def is_plain(recipe: Recipe) -> bool:
-    """Whether ``recipe`` quantizes no operand and rotates none (``"bf16"``): its three
-    GEMMs are then ``lax.dot_general``'s forward and autodiff backward exactly, and
-    ``dot_general`` runs that (the same jaxpr as ``jax.lax.dot_general`` on the operands
-    promoted to their common dtype, as ``jnp.dot`` does)."""
-    return not recipe.quantized and not any(g.hadamard for g in recipe.gemms.values())
 
 
 def token_row_multiple(recipe: Recipe) -> int:
